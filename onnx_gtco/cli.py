@@ -1,0 +1,151 @@
+"""Command line: optimize | inspect | check | demo. Builds the GtcoConfig; maps GtcoError to one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
+from onnx_gtco.errors import GtcoError
+
+EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+
+
+def _config(args: argparse.Namespace) -> GtcoConfig:
+    return GtcoConfig.from_env(target=args.target, precision=args.precision, seed=getattr(args, "seed", None))
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", choices=sorted(TARGETS), default=None, help="GPU target (default sm_90)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None, help="compute precision of fused groups")
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from onnx_gtco import report
+    from onnx_gtco.pipeline import optimize_file
+
+    result, out, rep = optimize_file(args.model, args.output, args.report, _config(args))
+    print(report.summary(result.report))
+    print(f"wrote      {out}\nreport     {rep}")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from onnx_gtco import report
+    from onnx_gtco.pipeline import optimize
+
+    result = optimize(args.model, _config(args))
+    if args.json:
+        sys.stdout.write(report.to_json(result.report))
+        return EXIT_OK
+    print(report.summary(result.report))
+    print(f"\n{'group':<58} {'family':<12} {'nodes':>5} {'pred us':>9} {'unfused us':>10}")
+    for g in result.report["groups"]:
+        print(f"{g['name'][:58]:<58} {g['family']:<12} {len(g['nodes']):>5} {g['predicted_us']:>9.2f} "
+              f"{g['predicted_unfused_us']:>10.2f}")
+    for r in result.report["rejected"]:
+        print(f"rejected  {r['pattern']:<12} at {r['anchor']}: {r['reason']}")
+    return EXIT_OK
+
+
+def _dims(items: Sequence[str]) -> dict[str, int]:
+    out = {}
+    for it in items:
+        name, _, val = it.partition("=")
+        if not name or not val.isdigit():
+            raise GtcoError(f"--dim expects NAME=INT, got {it!r}")
+        out[name] = int(val)
+    return out
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from onnx_gtco.runtime.check import compare, format_diffs
+
+    diffs = compare(args.original, args.rewritten, args.provider, args.rtol, args.atol, args.samples, args.seed,
+                    _dims(args.dim))
+    print(format_diffs(diffs))
+    bad = [d.name for d in diffs if not d.ok]
+    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within rtol={args.rtol:g} atol={args.atol:g}")
+    return EXIT_MISMATCH if bad else EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import onnx
+
+    from onnx_gtco import models, report
+    from onnx_gtco.ir.export import save_atomic
+    from onnx_gtco.pipeline import optimize_file
+    from onnx_gtco.runtime.check import compare, format_diffs
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / f"{args.model}.onnx"
+    print(f"building   built-in model {args.model} (seeded weights) -> {src}")
+    save_atomic(models.build(args.model, seed=0), src)
+    result, out, rep = optimize_file(src, None, None, _config(args))
+    print(report.summary(result.report))
+    print(f"wrote      {out}\nreport     {rep}\n")
+    diffs = compare(src, out, "cpu", 1e-4, 1e-5, 1, 0)
+    print("check: rewritten vs original on the CPU EP (function fallback, seeded random inputs)")
+    print(format_diffs(diffs))
+    ok = all(d.ok for d in diffs)
+    print("demo " + ("passed" if ok else "FAILED") + f": {len(onnx.load(str(out)).functions)} local functions "
+          "keep the model runnable on any ONNX Runtime without the plugin")
+    return EXIT_OK if ok else EXIT_MISMATCH
+
+
+def parser() -> argparse.ArgumentParser:
+    from onnx_gtco.pipeline import __version__
+
+    ap = argparse.ArgumentParser(prog="onnx-gtco", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--version", action="version", version=f"onnx-gtco {__version__}")
+    ap.add_argument("--debug", action="store_true", help="print tracebacks on errors")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("optimize", help="fuse a model; writes MODEL.gtco.onnx and its report")
+    p.add_argument("model")
+    p.add_argument("-o", "--output", default=None, help="output model (default MODEL.gtco.onnx)")
+    p.add_argument("--report", default=None, help="report path (default OUTPUT.report.json)")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser("inspect", help="print the fusion plan without writing anything")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("check", help="compare a rewritten model with its original on seeded random inputs")
+    p.add_argument("original")
+    p.add_argument("rewritten")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="value of a symbolic dim")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("demo", help="build the built-in ViT-tiny, optimize it, check it, print the report")
+    p.add_argument("--model", default="vit-tiny")
+    p.add_argument("--out", default="gtco-demo", help="folder for the demo's files (default ./gtco-demo)")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except GtcoError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"onnx-gtco: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("onnx-gtco: interrupted", file=sys.stderr)
+        return EXIT_ERROR

@@ -1,0 +1,1 @@
+"""Cost of a group on a target GPU."""

@@ -1,0 +1,135 @@
+"""Analytical cost of one group on a Target: FLOPs at peak, DRAM bytes at bandwidth, plus launch overhead.
+
+    time_us = max(mm_flops / mm_peak + other_flops / cuda_peak,  dram_bytes / bandwidth) + launches * launch_us
+
+mm_flops run on Tensor Cores (fp16/bf16, or TF32 for fp32 compute); everything else on CUDA cores. A fused group
+reads its external inputs and writes its external outputs once; an unfused node does the same on its own. Nodes
+that only compute shapes (small integer tensors), and metadata-only ops (Reshape, Squeeze, ...), cost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from onnx_gtco.config import GtcoConfig, Target
+from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.plan.types import Candidate
+
+# Ops that never launch a kernel in ORT (they alias or reinterpret their input).
+ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Constant", "Shape", "Size"})
+# FLOPs per output element of the cheaper-than-matmul ops; default 1.
+_EW_FLOPS = {"Erf": 8, "Tanh": 6, "Exp": 4, "Sqrt": 4, "Pow": 4, "Div": 2, "Gelu": 12, "Sigmoid": 5, "Log": 4}
+_NORM_FLOPS = {"Softmax": 5, "LayerNormalization": 8}
+SMALL_INT = 64  # integer tensors up to this many elements are shape arithmetic, run on the host
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Work of one group. FLOPs split by unit; bytes of DRAM traffic; number of kernel launches."""
+
+    mm_flops: float = 0.0
+    other_flops: float = 0.0
+    dram_bytes: float = 0.0
+    launches: int = 0
+
+    def time_us(self, hw: Target, precision: str) -> float:
+        mm_peak = hw.tf32_tflops if precision == "fp32" else hw.tc_tflops
+        compute = self.mm_flops / (mm_peak * 1e6) + self.other_flops / (hw.cuda_tflops * 1e6)
+        memory = self.dram_bytes / (hw.dram_gbps * 1e3)
+        return max(compute, memory) + self.launches * hw.launch_us
+
+
+def _numel(view: GraphView, t: str) -> int:
+    ti = view.info(t)
+    n = ti.numel if ti is not None else None
+    return 0 if n is None else n
+
+
+def _static(shape: tuple | None) -> tuple[int, ...] | None:
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(shape)  # type: ignore[arg-type]
+
+
+def node_flops(view: GraphView, n: Node) -> tuple[float, float]:
+    """(matmul-class FLOPs, other FLOPs) of one node; 0 where shapes are unknown."""
+    if n.domain != "":
+        return 0.0, 0.0
+    out = _numel(view, n.outputs[0]) if n.outputs else 0
+    if n.op_type in ("MatMul", "Gemm"):
+        a = _static(view.shape(n.inputs[0]))
+        if a is None or not a:
+            return 0.0, 0.0
+        k = a[0] if (n.op_type == "Gemm" and n.attrs.get("transA", 0)) else a[-1]
+        return 2.0 * out * k, float(out if n.op_type == "Gemm" and len(n.inputs) > 2 else 0)
+    if n.op_type in ("Conv", "ConvTranspose"):
+        w = _static(view.shape(n.inputs[1]))
+        if w is None:
+            return 0.0, 0.0
+        per_out = float(np.prod(w[1:])) if n.op_type == "Conv" else float(w[0] * np.prod(w[2:]))
+        return 2.0 * out * per_out, 0.0
+    if n.op_type == "Attention":
+        q, k = _static(view.shape(n.inputs[0])), _static(view.shape(n.inputs[1]))
+        if q is None or k is None:
+            return 0.0, 0.0
+        return 4.0 * float(np.prod(q)) * k[-2], 5.0 * float(np.prod(q[:-1])) * k[-2]
+    if n.op_type in ALIAS_OPS:
+        return 0.0, 0.0
+    if n.op_type in _NORM_FLOPS:
+        return 0.0, float(_NORM_FLOPS[n.op_type] * out)
+    if n.op_type.startswith("Reduce"):
+        return 0.0, float(_numel(view, n.inputs[0]))
+    return 0.0, float(_EW_FLOPS.get(n.op_type, 1) * out)
+
+
+def _is_host(view: GraphView, n: Node) -> bool:
+    """Shape arithmetic: every output is a small integer tensor (ORT runs these on the CPU)."""
+    if n.op_type in ALIAS_OPS and n.op_type not in ("Shape", "Size"):
+        return False
+    for o in n.outputs:
+        ti = view.info(o)
+        if ti is None or ti.dtype not in (TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL):
+            return False
+        if ti.numel is None or ti.numel > SMALL_INT:
+            return False
+    return True
+
+
+def _bytes(view: GraphView, tensors: tuple[str, ...]) -> float:
+    total = 0.0
+    for t in tensors:
+        ti = view.info(t)
+        if ti is not None and ti.numel is not None:
+            total += ti.numel * ti.itemsize
+    return total
+
+
+def estimate(view: GraphView, cand: Candidate) -> Estimate:
+    """Work of a candidate group (or one unfused node) on any GPU."""
+    nodes = [view.nodes[i] for i in sorted(cand.nodes)]
+    mm = other = 0.0
+    for n in nodes:
+        a, b = node_flops(view, n)
+        mm += a
+        other += b
+    if not cand.fused and (nodes[0].op_type in ALIAS_OPS or _is_host(view, nodes[0])):
+        return Estimate(0.0, 0.0, 0.0, 0)
+    dram = _bytes(view, view.external_inputs(cand.nodes)) + _bytes(view, view.external_outputs(cand.nodes))
+    return Estimate(mm, other, dram, 1)
+
+
+def cost_fn(view: GraphView, config: GtcoConfig):  # noqa: ANN201 - returns Callable[[Candidate], float]
+    """The DP's cost callable: predicted microseconds of a candidate on the configured target."""
+    hw, precision = config.hw, config.precision
+
+    def cost(cand: Candidate) -> float:
+        if cand.fused and len(cand.nodes) > config.max_group_size:
+            return math.inf
+        # unfused nodes keep the model's own precision
+        return estimate(view, cand).time_us(hw, precision if cand.fused else "fp32")
+
+    return cost

@@ -1,0 +1,31 @@
+"""Errors, one class per stage. Messages name the problem and, where there is one, the fix."""
+
+from __future__ import annotations
+
+
+class GtcoError(Exception):
+    """Base of every error onnx-gtco raises on purpose; the CLI prints it as one line and exits 2."""
+
+
+class ModelError(GtcoError):
+    """The input model cannot be read, is not valid ONNX, or uses an opset we cannot handle."""
+
+
+class UnsupportedError(GtcoError):
+    """The model is valid but uses something onnx-gtco does not support."""
+
+
+class PlanError(GtcoError):
+    """Fusion planning failed (no candidate set covers the graph, or the search was too large)."""
+
+
+class RewriteError(GtcoError):
+    """Writing the fused model failed."""
+
+
+class OutputError(GtcoError):
+    """An output path cannot be written."""
+
+
+class CheckError(GtcoError):
+    """Comparing two models could not run (not: the models differ)."""

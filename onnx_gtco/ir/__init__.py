@@ -1,0 +1,1 @@
+"""Graph IR: loading, the read-only planning view, rewriting and export."""

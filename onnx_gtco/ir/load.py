@@ -1,0 +1,112 @@
+"""Read and validate a model: parse, check, convert old opsets, fold constants, infer shapes (symbolic dims kept)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnx.version_converter
+from google.protobuf.message import DecodeError
+
+from onnx_gtco.errors import ModelError, UnsupportedError
+
+MIN_OPSET = 13
+CONVERT_TO_OPSET = 17
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's opset of the default ("" or "ai.onnx") domain."""
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return int(imp.version)
+    raise ModelError("model imports no opset of the default ONNX domain")
+
+
+def read_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelProto:
+    """Parse a path (external data resolved beside it) or take a ModelProto as it is.
+
+    Raises:
+        ModelError: missing, empty, truncated or non-ONNX file; missing external data.
+    """
+    if isinstance(source, onnx.ModelProto):
+        return source
+    path = Path(source)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelError(f"{path}: is a directory, expected an .onnx file")
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path}: file is empty")
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise ModelError(f"{path}: not a valid ONNX protobuf ({type(e).__name__}: {e})") from None
+    if not model.HasField("graph") or (len(model.graph.node) == 0 and len(model.graph.output) == 0):
+        raise ModelError(f"{path}: parses as protobuf but holds no ONNX graph (truncated or not a model?)")
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: external data could not be read: {e}") from None
+    return model
+
+
+def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelProto:
+    """Read, validate and normalise a model for planning.
+
+    Returns a new ModelProto: checked, opset >= 13 (older opsets converted), constants folded, shapes inferred.
+
+    Raises:
+        ModelError: unreadable or invalid model, or an opset we cannot convert.
+    """
+    model = read_model(source)
+    name = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{name}: invalid ONNX model: {first}") from None
+    model = _convert_opset(model, name)
+    model = _fold_constants(model)
+    try:
+        model = onnx.shape_inference.infer_shapes(model, check_type=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ModelError(f"{name}: shape inference failed: {first}") from None
+    return model
+
+
+def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    opset = default_opset(model)
+    newest = onnx.defs.onnx_opset_version()
+    if opset > newest:
+        raise UnsupportedError(f"{name}: opset {opset} is newer than this onnx package supports ({newest})")
+    if opset >= MIN_OPSET:
+        return model
+    try:
+        converted = onnx.version_converter.convert_version(model, CONVERT_TO_OPSET)
+        onnx.checker.check_model(converted)
+    except Exception as e:  # the converter raises bare RuntimeErrors and more
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedError(
+            f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter failed: {first}; "
+            f"re-export the model with opset >= {MIN_OPSET}"
+        ) from None
+    return converted
+
+
+def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Fold constant subgraphs (shape arithmetic of static shapes) with onnx-graphsurgeon, then drop dead nodes."""
+    import onnx_graphsurgeon as gs
+
+    functions = list(model.functions)
+    graph = gs.import_onnx(model)
+    graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
+    folded = gs.export_onnx(graph, do_type_check=False)
+    folded.ir_version = model.ir_version
+    del folded.functions[:]
+    folded.functions.extend(functions)
+    del folded.metadata_props[:]
+    folded.metadata_props.extend(model.metadata_props)
+    folded.producer_name, folded.producer_version = model.producer_name, model.producer_version
+    return folded

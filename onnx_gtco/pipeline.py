@@ -1,0 +1,121 @@
+"""optimize(): load -> label/match -> plan -> rewrite -> validate. The only module that knows the order."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from onnx_gtco import report as report_mod
+from onnx_gtco.config import GtcoConfig
+from onnx_gtco.cost.model import cost_fn
+from onnx_gtco.errors import OutputError
+from onnx_gtco.ir.export import save_atomic, validate, write_text_atomic
+from onnx_gtco.ir.load import load_model
+from onnx_gtco.ir.rewrite import rewrite
+from onnx_gtco.ir.view import GraphView
+from onnx_gtco import patterns as patterns_mod
+from onnx_gtco.plan import candidates as cands_mod
+from onnx_gtco.plan.dp import plan as dp_plan
+from onnx_gtco.plan.types import Candidate, Plan, Reject
+
+__version__ = "0.1.0"
+
+
+@dataclass
+class OptimizeResult:
+    """What optimize() produced.
+
+    Attributes:
+        model: the rewritten model (fused nodes in domain ai.gtco, each with a model-local function).
+        plan: the DP's plan over the loaded model's nodes.
+        report: JSON-ready dict (see report.build_report); deterministic for the same input and config.
+        timings: seconds per stage (kept out of the report so the report stays byte-identical).
+    """
+
+    model: onnx.ModelProto
+    plan: Plan
+    report: dict[str, Any]
+    view: GraphView = field(repr=False)
+    candidates: list[Candidate] = field(repr=False)
+    rejects: list[Reject] = field(repr=False)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def plan_model(
+    model: onnx.ModelProto, config: GtcoConfig
+) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any]:
+    """Match the rules, cost the candidates and run the DP on a loaded model."""
+    view = GraphView(model)
+    candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
+    cost = cost_fn(view, config)
+    plan = dp_plan(view, candidates, cost, config.max_states)
+    return view, candidates, rejects, plan, cost
+
+
+def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig | None = None
+             ) -> OptimizeResult:
+    """Plan and rewrite a model in memory.
+
+    Args:
+        model_or_path: a ModelProto or a path to an .onnx file (external data resolved beside it).
+        config: the run's configuration; defaults to GtcoConfig.from_env().
+
+    Returns:
+        OptimizeResult with the rewritten model and its report.
+
+    Raises:
+        GtcoError: ModelError / UnsupportedError for bad input, PlanError, RewriteError.
+    """
+    config = config or GtcoConfig.from_env()
+    t0 = time.perf_counter()
+    model = load_model(model_or_path)
+    t1 = time.perf_counter()
+    view, candidates, rejects, plan, cost = plan_model(model, config)
+    t2 = time.perf_counter()
+    new_model, names = rewrite(view, plan, config.precision)
+    new_model.metadata_props.extend([
+        onnx.StringStringEntryProto(key="gtco.version", value=__version__),
+        onnx.StringStringEntryProto(key="gtco.target", value=config.target),
+        onnx.StringStringEntryProto(key="gtco.precision", value=config.precision),
+    ])
+    validate(new_model)
+    t3 = time.perf_counter()
+    source = Path(model_or_path).name if not isinstance(model_or_path, onnx.ModelProto) else (
+        model_or_path.graph.name or "model")
+    rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
+                                  source)
+    timings = {"load_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
+    return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings)
+
+
+def default_output(model_path: str | os.PathLike[str]) -> Path:
+    """`model.onnx` -> `model.gtco.onnx` beside it."""
+    p = Path(model_path)
+    stem = p.name[:-5] if p.name.endswith(".onnx") else p.name
+    return p.with_name(stem + ".gtco.onnx")
+
+
+def optimize_file(
+    model_path: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    report_path: str | os.PathLike[str] | None = None,
+    config: GtcoConfig | None = None,
+) -> tuple[OptimizeResult, Path, Path]:
+    """optimize() a file and write the model and its report atomically; nothing is written on error."""
+    out = Path(output) if output else default_output(model_path)
+    rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
+    for p in (out, rep_path):
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir():
+            raise OutputError(f"{p}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise OutputError(f"{p}: directory {parent} is not writable")
+    result = optimize(model_path, config)
+    save_atomic(result.model, out)
+    write_text_atomic(report_mod.to_json(result.report), rep_path)
+    return result, out, rep_path

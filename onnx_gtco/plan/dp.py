@@ -1,0 +1,127 @@
+"""GTCO's dynamic-programming operator fusion (thesis Alg. 1, Eq. 3.1).
+
+    dp[∅] = 0
+    dp[V] = min over endings V' of V:  dp[V − V'] + cost(V')
+
+V is the set of nodes still to schedule (a bitmask over topological ids); an ending V' is a candidate group inside V
+with no edge from V' to V − V', so it can run last. The chosen endings, read back from V = all nodes, are the stages.
+Every ending holds at least one sink of V, so only candidates through a sink are tried. Pure: no graph mutation,
+no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from onnx_gtco.errors import PlanError
+from onnx_gtco.plan.types import Candidate, Plan
+
+
+class Dag(Protocol):
+    """What the DP needs of a graph: successor bitmasks of nodes in topological order."""
+
+    @property
+    def succ_mask(self) -> Sequence[int]: ...
+
+
+def _order(c: Candidate) -> tuple[object, ...]:
+    return (min(c.nodes), -len(c.nodes), tuple(sorted(c.nodes)), c.family, c.pattern)
+
+
+def plan(
+    dag: Dag,
+    candidates: Sequence[Candidate],
+    cost: Callable[[Candidate], float],
+    max_states: int = 2_000_000,
+) -> Plan:
+    """Least-cost cover of all nodes by candidate groups that can run in some order.
+
+    Args:
+        dag: the graph (GraphView or any object with `succ_mask`).
+        candidates: groups that may fuse; a node with no single-node candidate gets an "unfused" one.
+        cost: predicted time of one group, microseconds; math.inf forbids it.
+        max_states: give up past this many memoized states.
+
+    Returns:
+        The Plan: groups in execution order, total predicted cost, number of states explored.
+
+    Raises:
+        PlanError: too many states, or no finite-cost cover exists.
+    """
+    succ = list(dag.succ_mask)
+    n = len(succ)
+    cands = sorted(set(candidates), key=_order)
+    have_single = {next(iter(c.nodes)) for c in cands if len(c.nodes) == 1}
+    cands += [Candidate(frozenset([i]), "unfused", "single") for i in range(n) if i not in have_single]
+    masks: list[int] = []
+    outs: list[int] = []
+    costs: list[float] = []
+    by_node: list[list[int]] = [[] for _ in range(n)]
+    for k, c in enumerate(cands):
+        m = 0
+        for i in c.nodes:
+            if not 0 <= i < n:
+                raise PlanError(f"candidate {c.family}/{c.pattern} names node {i}, graph has {n}")
+            m |= 1 << i
+        o = 0
+        for i in c.nodes:
+            o |= succ[i]
+        masks.append(m)
+        outs.append(o & ~m)
+        costs.append(float(cost(c)))
+        for i in c.nodes:
+            by_node[i].append(k)
+
+    def endings(state: int) -> list[int]:
+        found: dict[int, None] = {}
+        rest = state
+        while rest:
+            low = rest & -rest
+            v = low.bit_length() - 1
+            rest ^= low
+            if succ[v] & state:
+                continue  # not a sink of state
+            for k in by_node[v]:
+                if masks[k] & ~state == 0 and outs[k] & state == 0 and costs[k] < math.inf:
+                    found.setdefault(k, None)
+        return sorted(found)
+
+    best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
+    pending: dict[int, list[int]] = {}
+    stack = [(1 << n) - 1]
+    while stack:
+        state = stack[-1]
+        if state in best:
+            stack.pop()
+            continue
+        trans = pending.get(state)
+        if trans is None:
+            trans = pending[state] = endings(state)
+            todo = [state & ~masks[k] for k in trans if (state & ~masks[k]) not in best]
+            if todo:
+                stack.extend(todo)
+                if len(best) + len(pending) > max_states:
+                    raise PlanError(f"fusion search passed {max_states} states; lower max_group_size or split the model")
+                continue
+        value, choice = math.inf, -1
+        for k in trans:
+            v = best[state & ~masks[k]][0] + costs[k]
+            if v < value:
+                value, choice = v, k
+        best[state] = (value, choice)
+        del pending[state]
+        stack.pop()
+
+    total, _ = best[(1 << n) - 1]
+    if total == math.inf:
+        raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
+    groups: list[Candidate] = []
+    state = (1 << n) - 1
+    while state:
+        _, k = best[state]
+        groups.append(cands[k])
+        state &= ~masks[k]
+    groups.reverse()
+    return Plan(tuple(groups), total, states=len(best))

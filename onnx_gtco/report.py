@@ -1,0 +1,123 @@
+"""The honest record of a run: what was fused, what was rejected and why, predicted cost before and after."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from onnx_gtco.config import GtcoConfig
+from onnx_gtco.cost.model import estimate, node_flops
+from onnx_gtco.ir.labels import Label, label
+from onnx_gtco.ir.view import GraphView
+from onnx_gtco.plan.types import Candidate, Plan, Reject
+
+_RANK = [Label.OPAQUE, Label.ELEMENTWISE, Label.INJECTIVE, Label.REDUCTION, Label.COMPLEX]
+
+
+def group_label(view: GraphView, cand: Candidate) -> str:
+    """The label of a group: its strongest member (complex-out-fusable > reduction > ... ; opaque if alone)."""
+    labels = {label(view.nodes[i].op_type, view.nodes[i].domain) for i in cand.nodes}
+    for lab in reversed(_RANK):
+        if lab in labels and lab is not Label.OPAQUE:
+            return lab.value
+    return Label.OPAQUE.value
+
+
+def _flops(view: GraphView, ids: frozenset[int]) -> float:
+    return sum(sum(node_flops(view, view.nodes[i])) for i in ids)
+
+
+def build_report(
+    view: GraphView,
+    plan: Plan,
+    node_names: list[str],
+    candidates: list[Candidate],
+    rejects: list[Reject],
+    cost: Any,
+    config: GtcoConfig,
+    nodes_after: int,
+    source: str,
+) -> dict[str, Any]:
+    """Report as a JSON-ready dict. Deterministic: no timestamps or timings (the caller adds those apart)."""
+    groups = []
+    for cand, name in zip(plan.fused_groups, node_names, strict=True):
+        unfused = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in cand.nodes)
+        est = estimate(view, cand)
+        groups.append({
+            "name": name,
+            "family": cand.family,
+            "pattern": cand.pattern,
+            "label": group_label(view, cand),
+            "nodes": [view.nodes[i].name for i in sorted(cand.nodes)],
+            "ops": [view.nodes[i].op_type for i in sorted(cand.nodes)],
+            "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in cand.attrs},
+            "flops": _flops(view, cand.nodes),
+            "dram_bytes": est.dram_bytes,
+            "predicted_us": round(cost(cand), 4),
+            "predicted_unfused_us": round(unfused, 4),
+        })
+    chosen = {g.nodes for g in plan.fused_groups}
+    owner = {i: name for g, name in zip(plan.fused_groups, node_names, strict=True) for i in g.nodes}
+    not_chosen = []
+    for c in candidates:
+        if c.nodes in chosen:
+            continue
+        by = sorted({owner.get(i, "unfused") for i in c.nodes})
+        not_chosen.append({
+            "pattern": c.pattern, "family": c.family, "anchor": view.nodes[min(c.nodes)].name,
+            "nodes": len(c.nodes),
+            "reason": "the DP found a cheaper cover: " + ", ".join(by),
+        })
+    total_flops = _flops(view, frozenset(range(len(view))))
+    fused_flops = sum(g["flops"] for g in groups)
+    before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
+    return {
+        "model": source,
+        "target": config.target,
+        "gpu": config.hw.gpu,
+        "precision": config.precision,
+        "nodes_before": len(view),
+        "nodes_after": nodes_after,
+        "groups_fused": len(groups),
+        "flops_total": total_flops,
+        "flops_fused": fused_flops,
+        "fused_flop_share": round(fused_flops / total_flops, 6) if total_flops else 0.0,
+        "predicted_us_before": round(before, 3),
+        "predicted_us_after": round(plan.cost_us, 3),
+        "predicted_speedup": round(before / plan.cost_us, 4) if plan.cost_us else None,
+        "measured_us_before": None,
+        "measured_us_after": None,
+        "dp_states": plan.states,
+        "candidates": len(candidates),
+        "families": _count(g["family"] for g in groups),
+        "groups": groups,
+        "rejected": [{"pattern": r.pattern, "anchor": r.anchor, "reason": r.reason} for r in rejects],
+        "not_chosen": not_chosen,
+    }
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def to_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=1, sort_keys=False) + "\n"
+
+
+def summary(report: dict[str, Any]) -> str:
+    """A short human-readable summary (the CLI prints this)."""
+    fam = ", ".join(f"{k} x{v}" for k, v in report["families"].items()) or "none"
+    lines = [
+        f"model      {report['model']}",
+        f"target     {report['target']} ({report['gpu']}), precision {report['precision']}",
+        f"nodes      {report['nodes_before']} -> {report['nodes_after']}  ({report['groups_fused']} fused groups: {fam})",
+        f"FLOPs      {report['flops_total'] / 1e9:.3f} G total, {100 * report['fused_flop_share']:.1f}% inside fused groups",
+        f"predicted  {report['predicted_us_before']:.1f} us -> {report['predicted_us_after']:.1f} us "
+        f"({report['predicted_speedup']}x, analytical model)",
+        f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
+        "not chosen by the DP",
+    ]
+    return "\n".join(lines)

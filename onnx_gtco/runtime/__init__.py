@@ -1,0 +1,1 @@
+"""Running models: ORT sessions, comparing a rewritten model with its original."""

@@ -1,0 +1,35 @@
+"""Shared fixtures: seeds and small hand-built models."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+
+def mlp_model(rows: int | str = 4, width: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """x -> MatMul+Add -> Relu -> MatMul+Add -> y: the smallest model with two GEMM groups."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), f"w{i}") for i in (0, 1)]
+    inits += [numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), f"b{i}") for i in (0, 1)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["m0"], name="fc0"),
+        helper.make_node("Add", ["m0", "b0"], ["a0"], name="fc0.bias"),
+        helper.make_node("Relu", ["a0"], ["r0"], name="act"),
+        helper.make_node("MatMul", ["r0", "w1"], ["m1"], name="fc1"),
+        helper.make_node("Add", ["m1", "b1"], ["y"], name="fc1.bias"),
+    ]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, width])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.fixture
+def mlp() -> onnx.ModelProto:
+    return mlp_model()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)

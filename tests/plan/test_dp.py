@@ -1,0 +1,183 @@
+"""The DP against brute force on seeded random DAGs, and GTCO's MHA example."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from onnx_gtco.errors import PlanError
+from onnx_gtco.plan.dp import plan
+from onnx_gtco.plan.types import Candidate
+
+
+@dataclass(frozen=True)
+class Dag:
+    succ_mask: tuple[int, ...]
+
+
+def random_dag(rng: np.random.Generator, n: int, p: float) -> tuple[Dag, list[set[int]]]:
+    succ: list[set[int]] = [set() for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            if rng.random() < p:
+                succ[i].add(j)
+    return Dag(tuple(sum(1 << s for s in ss) for ss in succ)), succ
+
+
+def reach(succ: list[set[int]]) -> list[set[int]]:
+    out: list[set[int]] = [set() for _ in succ]
+    for i in range(len(succ) - 1, -1, -1):
+        for s in succ[i]:
+            out[i] |= {s} | out[s]
+    return out
+
+
+def random_candidates(rng: np.random.Generator, succ: list[set[int]], count: int) -> list[Candidate]:
+    """Random connected groups of 2-4 nodes (convex or not: the DP must cope with both)."""
+    n = len(succ)
+    und = [set(succ[i]) | {j for j in range(n) if i in succ[j]} for i in range(n)]
+    out = []
+    for k in range(count):
+        grp = {int(rng.integers(n))}
+        for _ in range(int(rng.integers(1, 4))):
+            frontier = sorted(set().union(*(und[v] for v in grp)) - grp)
+            if not frontier:
+                break
+            grp.add(frontier[int(rng.integers(len(frontier)))])
+        if len(grp) > 1:
+            out.append(Candidate(frozenset(grp), "fam", f"c{k}"))
+    return out
+
+
+def brute_force(n: int, succ: list[set[int]], cands: list[Candidate], cost) -> float:
+    """Every exact cover of the nodes by candidates and singletons whose quotient graph is acyclic."""
+    groups = list({c.nodes: c for c in cands}.values())
+    groups += [Candidate(frozenset([i]), "unfused", "single") for i in range(n)]
+    by_min: dict[int, list[Candidate]] = {}
+    for g in groups:
+        by_min.setdefault(min(g.nodes), []).append(g)
+    best = math.inf
+
+    def acyclic(chosen: list[Candidate]) -> bool:
+        owner = {v: k for k, g in enumerate(chosen) for v in g.nodes}
+        edges = {(owner[u], owner[v]) for u in range(n) for v in succ[u] if owner[u] != owner[v]}
+        indeg = {k: 0 for k in range(len(chosen))}
+        for _, b in edges:
+            indeg[b] += 1
+        ready = [k for k, d in indeg.items() if d == 0]
+        seen = 0
+        while ready:
+            k = ready.pop()
+            seen += 1
+            for a, b in edges:
+                if a == k:
+                    indeg[b] -= 1
+                    if indeg[b] == 0:
+                        ready.append(b)
+        return seen == len(chosen)
+
+    def rec(covered: frozenset[int], chosen: list[Candidate], total: float) -> None:
+        nonlocal best
+        if total >= best:
+            return
+        if len(covered) == n:
+            if acyclic(chosen):
+                best = total
+            return
+        first = min(set(range(n)) - covered)
+        for g in by_min.get(first, []):
+            if not g.nodes & covered:
+                rec(covered | g.nodes, [*chosen, g], total + cost(g))
+
+    # every group containing `first` must have it as its minimum, since smaller nodes are covered already
+    rec(frozenset(), [], 0.0)
+    return best
+
+
+def check_valid(n: int, succ: list[set[int]], groups: tuple[Candidate, ...]) -> None:
+    seen: set[int] = set()
+    for g in groups:
+        assert not g.nodes & seen, "a node is scheduled twice"
+        for v in g.nodes:
+            for u in range(n):
+                if v in succ[u] and u not in g.nodes:
+                    assert u in seen, f"node {v} runs before its producer {u}"
+        seen |= g.nodes
+    assert seen == set(range(n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_equals_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 13))
+    dag, succ = random_dag(rng, n, float(rng.uniform(0.15, 0.5)))
+    cands = random_candidates(rng, succ, int(rng.integers(3, 14)))
+    table = {c.nodes: float(rng.uniform(0.5, 2.0)) * len(c.nodes) for c in cands}
+    single = {i: float(rng.uniform(0.6, 1.6)) for i in range(n)}
+
+    def cost(c: Candidate) -> float:
+        return single[next(iter(c.nodes))] if len(c.nodes) == 1 else table[c.nodes]
+
+    result = plan(dag, cands, cost)
+    check_valid(n, succ, result.groups)
+    assert result.cost_us == pytest.approx(sum(cost(g) for g in result.groups))
+    assert result.cost_us == pytest.approx(brute_force(n, succ, cands, cost))
+
+
+def test_dp_never_uses_an_infinite_group() -> None:
+    dag = Dag((0b10, 0b100, 0))
+    cands = [Candidate(frozenset([0, 1, 2]), "fam", "all")]
+    result = plan(dag, cands, lambda c: math.inf if len(c.nodes) == 3 else 1.0)
+    assert all(len(g.nodes) == 1 for g in result.groups)
+    assert result.cost_us == 3.0
+
+
+def test_dp_rejects_a_cycle_through_the_quotient() -> None:
+    # 0 -> 1 -> 2 and {0, 2} fused would need 1 both before and after the group.
+    dag = Dag((0b10, 0b100, 0))
+    cands = [Candidate(frozenset([0, 2]), "fam", "nonconvex")]
+    result = plan(dag, cands, lambda c: 0.1 if len(c.nodes) == 2 else 1.0)
+    assert result.cost_us == 3.0
+
+
+def test_gtco_mha_core_split() -> None:
+    """Thesis Fig. 3.5: on {QKᵀ, Softmax, PV} the optimum is {QKᵀ + Softmax} then {PV}.
+
+    GTCO's costs: softmax is opaque, so any pair with it is +inf except inside the BMM+softmax sketch;
+    a fused stage costs less than its parts (S never goes to DRAM).
+    """
+    dag = Dag((0b010, 0b100, 0))  # QK -> Softmax -> PV
+    qk, soft, pv = (frozenset([i]) for i in range(3))
+    table = {
+        qk: 31.0, soft: 24.0, pv: 30.0,
+        qk | soft: 36.0,  # GTCO's fused BMM+softmax sketch
+        soft | pv: math.inf,  # softmax is opaque to the second BMM
+        qk | soft | pv: math.inf,  # no cross-block rescaling in GTCO's sketch
+    }
+    cands = [Candidate(k, "fam", "mha") for k in table if len(k) > 1]
+    cands += [Candidate(k, "unfused", "single") for k in table if len(k) == 1]
+    result = plan(dag, cands, lambda c: table[c.nodes])
+    assert [sorted(g.nodes) for g in result.groups] == [[0, 1], [2]]
+    assert result.cost_us == 66.0
+    assert result.states == 4  # the paper's four states: {M1,Soft,M2}, {M1,Soft}, {M1}, {}
+
+
+def test_dp_state_limit_is_a_clear_error() -> None:
+    n = 16  # 16 independent nodes: 2^16 remaining-sets
+    dag = Dag(tuple(0 for _ in range(n)))
+    with pytest.raises(PlanError, match="states"):
+        plan(dag, [], lambda c: 1.0, max_states=100)
+
+
+def test_dp_is_deterministic_under_candidate_order() -> None:
+    rng = np.random.default_rng(7)
+    dag, succ = random_dag(rng, 10, 0.3)
+    cands = random_candidates(rng, succ, 12)
+    cost = lambda c: 1.0 if len(c.nodes) == 1 else 0.9 * len(c.nodes)  # noqa: E731 - many ties on purpose
+    first = plan(dag, cands, cost)
+    for perm in itertools.islice(itertools.permutations(range(len(cands))), 5):
+        assert plan(dag, [cands[i] for i in perm], cost).groups == first.groups
