@@ -46,7 +46,7 @@ def read_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
         raise ModelError(f"{path}: parses as protobuf but holds no ONNX graph (truncated or not a model?)")
     try:
         onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, onnx.checker.ValidationError) as e:
         raise ModelError(f"{path}: external data could not be read: {e}") from None
     return model
 

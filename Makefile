@@ -1,0 +1,32 @@
+# Every target sets up what it needs: a fresh clone runs `make demo` or `make test` directly.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint zoo clean
+
+# The venv is (re)built when missing or when the dependency files change.
+$(STAMP): pyproject.toml requirements-zoo.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]' -r requirements-zoo.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/onnx-gtco demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check onnx_gtco tests tools
+	$(PY) -m pytest -n 2 --dist loadgroup
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check onnx_gtco tests tools
+
+zoo: $(STAMP)
+	$(PY) tools/export_zoo.py
+
+clean:
+	rm -rf $(VENV) gtco-demo .pytest_cache .ruff_cache
