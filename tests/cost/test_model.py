@@ -1,0 +1,87 @@
+"""Invariants of the analytical cost model."""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnx_gtco.config import TARGETS, GtcoConfig
+from onnx_gtco.cost.model import Estimate, cost_fn, estimate, node_flops
+from onnx_gtco.ir.labels import Label, label
+from onnx_gtco.ir.load import load_model
+from onnx_gtco.ir.view import GraphView
+from onnx_gtco.plan.types import Candidate
+
+
+def _single(i: int) -> Candidate:
+    return Candidate(frozenset([i]), "unfused", "single")
+
+
+def test_matmul_flops(mlp: onnx.ModelProto) -> None:
+    view = GraphView(load_model(mlp))
+    assert node_flops(view, view.nodes[0]) == (2.0 * 4 * 8 * 8, 0.0)
+    assert node_flops(view, view.nodes[1]) == (0.0, 32.0)
+
+
+def test_fusing_never_adds_dram_bytes_or_launches(mlp: onnx.ModelProto) -> None:
+    view = GraphView(load_model(mlp))
+    for ids in ([0, 1], [0, 1, 2], [3, 4], [0, 1, 2, 3, 4]):
+        fused = estimate(view, Candidate(frozenset(ids), "gemm", "t"))
+        parts = [estimate(view, _single(i)) for i in ids]
+        assert fused.dram_bytes < sum(p.dram_bytes for p in parts)
+        assert fused.launches == 1 < sum(p.launches for p in parts)
+        assert fused.mm_flops == sum(p.mm_flops for p in parts)
+
+
+def test_tensor_core_peak_depends_on_precision() -> None:
+    hw = TARGETS["sm_90"]
+    heavy = Estimate(mm_flops=1e12, other_flops=0, dram_bytes=1e6, launches=1)
+    t32, t16 = heavy.time_us(hw, "fp32"), heavy.time_us(hw, "fp16")
+    assert t32 == pytest.approx(1e12 / (hw.tf32_tflops * 1e6) + hw.launch_us)
+    assert t16 < t32
+    # elementwise work never gets Tensor Core throughput
+    ew = Estimate(mm_flops=0, other_flops=1e12, dram_bytes=0, launches=0)
+    assert ew.time_us(hw, "fp16") == pytest.approx(1e12 / (hw.cuda_tflops * 1e6))
+
+
+def test_memory_bound_group_is_priced_by_bandwidth() -> None:
+    hw = TARGETS["sm_80"]
+    e = Estimate(mm_flops=0, other_flops=1e3, dram_bytes=2.039e9, launches=1)
+    assert e.time_us(hw, "fp32") == pytest.approx(1000.0 + hw.launch_us)  # 2.039 GB at 2039 GB/s = 1 ms
+
+
+def test_reshape_and_shape_arithmetic_are_free() -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6])  # symbolic: Shape is not folded
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])
+    g = helper.make_graph([
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Reshape", ["x", "t"], ["y"], name="reshape"),
+    ], "g", [x], [y, helper.make_tensor_value_info("s", TensorProto.INT64, [2])],
+        [helper.make_tensor("t", TensorProto.INT64, [2], [3, 4])])
+    view = GraphView(load_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
+    cost = cost_fn(view, GtcoConfig())
+    assert [cost(_single(i)) for i in range(len(view))] == [0.0, 0.0]
+
+
+def test_oversized_group_is_forbidden(mlp: onnx.ModelProto) -> None:
+    view = GraphView(load_model(mlp))
+    cost = cost_fn(view, GtcoConfig(max_group_size=2))
+    assert cost(Candidate(frozenset([0, 1, 2]), "gemm", "t")) == math.inf
+    assert cost(Candidate(frozenset([0, 1]), "gemm", "t")) < math.inf
+
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [("MatMul", Label.COMPLEX), ("Gemm", Label.COMPLEX), ("Add", Label.ELEMENTWISE), ("Erf", Label.ELEMENTWISE),
+     ("Transpose", Label.INJECTIVE), ("Reshape", Label.INJECTIVE), ("ReduceMean", Label.REDUCTION),
+     ("Softmax", Label.OPAQUE), ("NonMaxSuppression", Label.OPAQUE), ("TotallyUnknownOp", Label.OPAQUE)],
+)
+def test_labels(op: str, expected: Label) -> None:
+    assert label(op) is expected
+
+
+def test_custom_domain_ops_are_opaque() -> None:
+    assert label("MatMul", "com.example") is Label.OPAQUE
