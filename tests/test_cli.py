@@ -1,0 +1,134 @@
+"""The command line as a user meets it: outputs, exit codes, one-line errors, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_gtco.cli import main
+
+
+@pytest.fixture
+def model_path(tmp_path: Path, mlp: onnx.ModelProto) -> Path:
+    p = tmp_path / "mlp.onnx"
+    onnx.save(mlp, str(p))
+    return p
+
+
+def test_optimize_writes_model_and_report(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["optimize", str(model_path)]) == 0
+    out = model_path.with_name("mlp.gtco.onnx")
+    rep = model_path.with_name("mlp.gtco.onnx.report.json")
+    assert out.exists() and rep.exists()
+    report = json.loads(rep.read_text())
+    assert report["nodes_before"] == 5 and report["nodes_after"] < 5
+    assert {"groups", "rejected", "fused_flop_share", "predicted_us_before", "predicted_us_after"} <= set(report)
+    assert "wrote" in capsys.readouterr().out
+    assert main(["check", str(model_path), str(out)]) == 0
+
+
+def test_optimize_is_byte_deterministic(model_path: Path, tmp_path: Path) -> None:
+    for k in (1, 2):
+        assert main(["optimize", str(model_path), "-o", str(tmp_path / f"o{k}.onnx")]) == 0
+    assert (tmp_path / "o1.onnx").read_bytes() == (tmp_path / "o2.onnx").read_bytes()
+    r1 = (tmp_path / "o1.onnx.report.json").read_text()
+    assert r1 == (tmp_path / "o2.onnx.report.json").read_text()
+
+
+def test_inspect_writes_nothing(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(os.listdir(model_path.parent))
+    assert main(["inspect", str(model_path)]) == 0
+    assert sorted(os.listdir(model_path.parent)) == before
+    assert "nodes" in capsys.readouterr().out
+    assert main(["inspect", "--json", str(model_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["nodes_before"] == 5
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: d / "absent.onnx", "no such file"),
+        (lambda d: (d / "empty.onnx").write_bytes(b"") and d / "empty.onnx", "empty"),
+        (lambda d: (d / "junk.onnx").write_bytes(b"\xff\x01not onnx at all" * 10) and d / "junk.onnx",
+         "not a valid ONNX|no ONNX graph"),
+    ],
+    ids=["missing", "empty", "junk"],
+)
+def test_bad_input_exit_2_one_line_no_output(tmp_path: Path, capsys: pytest.CaptureFixture[str], setup, message: str
+                                             ) -> None:
+    path = setup(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    assert main(["optimize", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("onnx-gtco: error:")
+    assert __import__("re").search(message, err)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_unwritable_output_dir(model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["optimize", str(model_path), "-o", str(tmp_path / "nope" / "x.onnx")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user that can write to a read-only directory (root)")
+        assert main(["optimize", str(model_path), "-o", str(ro / "x.onnx")]) == 2
+        assert list(ro.iterdir()) == []
+    finally:
+        ro.chmod(0o700)
+
+
+def test_check_detects_a_wrong_model(model_path: Path, tmp_path: Path, mlp: onnx.ModelProto,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bad = onnx.ModelProto()
+    bad.CopyFrom(mlp)
+    w = onnx.numpy_helper.to_array(bad.graph.initializer[0]).copy()
+    w[0, 0] += 0.5
+    bad.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w, bad.graph.initializer[0].name))
+    onnx.save(bad, str(tmp_path / "bad.onnx"))
+    assert main(["check", str(model_path), str(tmp_path / "bad.onnx")]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert main(["check", str(model_path), str(tmp_path / "missing.onnx")]) == 2
+
+
+def test_check_unknown_provider_is_clear(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA EP")
+    assert main(["check", str(model_path), str(model_path), "--provider", "cuda"]) == 2
+    assert "CUDAExecutionProvider is not available" in capsys.readouterr().err
+
+
+def test_console_script_runs(model_path: Path) -> None:
+    exe = Path(sys.executable).with_name("onnx-gtco")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "onnx_gtco"]
+    res = subprocess.run([*cmd, "inspect", str(model_path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    res = subprocess.run([*cmd, "optimize", str(model_path.with_name("none.onnx"))], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+
+
+def test_check_masks_and_ids_are_in_range() -> None:
+    from onnx_gtco.runtime.check import make_inputs
+
+    onnx_helper = onnx.helper
+    table = onnx.numpy_helper.from_array(np.ones((7, 4), np.float32), "emb")
+    g = onnx_helper.make_graph(
+        [onnx_helper.make_node("Gather", ["emb", "ids"], ["e"])], "g",
+        [onnx_helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2, 16]),
+         onnx_helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, [2, 16])],
+        [onnx_helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [2, 16, 4])], [table])
+    feeds = make_inputs(onnx_helper.make_model(g), seed=3)
+    assert feeds["ids"].min() >= 0 and feeds["ids"].max() < 7 and len(np.unique(feeds["ids"])) > 1
+    assert set(np.unique(feeds["attention_mask"])) == {0, 1}

@@ -1,0 +1,43 @@
+"""The README's quick-start commands exist as written and the demo they run works."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from onnx_gtco.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quickstart() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", text, re.S)
+    assert block, "README has no quick-start bash block"
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_quickstart_is_install_demo_test_in_order() -> None:
+    assert quickstart() == ["make install", "make demo", "make test"]
+
+
+def test_makefile_targets_set_up_their_own_venv() -> None:
+    mk = (ROOT / "Makefile").read_text()
+    for target in ("install", "demo", "test"):
+        assert re.search(rf"^{target}: \$\(STAMP\)", mk, re.M), f"make {target} does not depend on the venv"
+    assert "-m venv" in mk
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make install" in ci and re.search(r"^make test$", ci, re.M)
+
+
+def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "demo passed" in out
+    assert (tmp_path / "vit-tiny.gtco.onnx").exists()
+    assert (tmp_path / "vit-tiny.gtco.onnx.report.json").exists()
