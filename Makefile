@@ -20,10 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check onnx_gtco tests tools
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check onnx_gtco tests tools
+	$(VENV)/bin/lint-imports
 
 zoo: $(STAMP)
 	$(PY) tools/export_zoo.py

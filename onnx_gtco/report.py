@@ -113,8 +113,10 @@ def summary(report: dict[str, Any]) -> str:
     lines = [
         f"model      {report['model']}",
         f"target     {report['target']} ({report['gpu']}), precision {report['precision']}",
-        f"nodes      {report['nodes_before']} -> {report['nodes_after']}  ({report['groups_fused']} fused groups: {fam})",
-        f"FLOPs      {report['flops_total'] / 1e9:.3f} G total, {100 * report['fused_flop_share']:.1f}% inside fused groups",
+        f"nodes      {report['nodes_before']} -> {report['nodes_after']}  "
+        f"({report['groups_fused']} fused groups: {fam})",
+        f"FLOPs      {report['flops_total'] / 1e9:.3f} G total, "
+        f"{100 * report['fused_flop_share']:.1f}% inside fused groups",
         f"predicted  {report['predicted_us_before']:.1f} us -> {report['predicted_us_after']:.1f} us "
         f"({report['predicted_speedup']}x, analytical model)",
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "

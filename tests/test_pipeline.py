@@ -20,11 +20,11 @@ BUILTINS = [
 ]
 
 
-def softmax_ids(result) -> set[int]:  # noqa: ANN001
+def softmax_ids(result) -> set[int]:
     return {n.id for n in result.view.nodes if n.op_type == "Softmax"}
 
 
-def assert_fully_fused(result, min_share: float = 0.9) -> None:  # noqa: ANN001
+def assert_fully_fused(result, min_share: float = 0.9) -> None:
     rep = result.report
     in_attention = set()
     for g in result.plan.fused_groups:

@@ -103,7 +103,8 @@ def plan(
             if todo:
                 stack.extend(todo)
                 if len(best) + len(pending) > max_states:
-                    raise PlanError(f"fusion search passed {max_states} states; lower max_group_size or split the model")
+                    raise PlanError(
+                        f"fusion search passed {max_states} states; lower max_group_size or split the model")
                 continue
         value, choice = math.inf, -1
         for k in trans:
