@@ -5,8 +5,9 @@
 
 V is the set of nodes still to schedule (a bitmask over topological ids); an ending V' is a candidate group inside V
 with no edge from V' to V − V', so it can run last. The chosen endings, read back from V = all nodes, are the stages.
-Every ending holds at least one sink of V, so only candidates through a sink are tried. Pure: no graph mutation,
-no I/O, no clock, no randomness.
+Every ending holds at least one sink of V, so only candidates through a sink are tried, and the graph is first cut
+where no candidate spans the topological order (see `segments`). Pure: no graph mutation, no I/O, no clock, no
+randomness.
 """
 
 from __future__ import annotations
@@ -90,39 +91,67 @@ def plan(
 
     best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
     pending: dict[int, list[int]] = {}
-    stack = [(1 << n) - 1]
-    while stack:
-        state = stack[-1]
-        if state in best:
-            stack.pop()
-            continue
-        trans = pending.get(state)
-        if trans is None:
-            trans = pending[state] = endings(state)
-            todo = [state & ~masks[k] for k in trans if (state & ~masks[k]) not in best]
-            if todo:
-                stack.extend(todo)
-                if len(best) + len(pending) > max_states:
-                    raise PlanError(
-                        f"fusion search passed {max_states} states; lower max_group_size or split the model")
-                continue
-        value, choice = math.inf, -1
-        for k in trans:
-            v = best[state & ~masks[k]][0] + costs[k]
-            if v < value:
-                value, choice = v, k
-        best[state] = (value, choice)
-        del pending[state]
-        stack.pop()
 
-    total, _ = best[(1 << n) - 1]
-    if total == math.inf:
-        raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
+    def solve(full: int) -> None:
+        stack = [full]
+        while stack:
+            state = stack[-1]
+            if state in best:
+                stack.pop()
+                continue
+            trans = pending.get(state)
+            if trans is None:
+                trans = pending[state] = endings(state)
+                todo = [state & ~masks[k] for k in trans if (state & ~masks[k]) not in best]
+                if todo:
+                    stack.extend(todo)
+                    if len(best) + len(pending) > max_states:
+                        raise PlanError(
+                            f"fusion search passed {max_states} states; lower max_group_size or split the model")
+                    continue
+            value, choice = math.inf, -1
+            for k in trans:
+                v = best[state & ~masks[k]][0] + costs[k]
+                if v < value:
+                    value, choice = v, k
+            best[state] = (value, choice)
+            del pending[state]
+            stack.pop()
+
     groups: list[Candidate] = []
-    state = (1 << n) - 1
-    while state:
-        _, k = best[state]
-        groups.append(cands[k])
-        state &= ~masks[k]
-    groups.reverse()
+    total = 0.0
+    for lo, hi in segments(n, cands):
+        full = ((1 << hi) - 1) & ~((1 << lo) - 1)
+        solve(full)
+        seg_total, _ = best[full]
+        if seg_total == math.inf:
+            raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
+        total += seg_total
+        seg: list[Candidate] = []
+        state = full
+        while state:
+            _, k = best[state]
+            seg.append(cands[k])
+            state &= ~masks[k]
+        groups.extend(reversed(seg))
     return Plan(tuple(groups), total, states=len(best))
+
+
+def segments(n: int, candidates: Sequence[Candidate]) -> list[tuple[int, int]]:
+    """Split topological positions [0, n) where no candidate spans the cut.
+
+    Edges only go forward in topological order, so the prefix can run before the suffix; with no group across the
+    cut, the best plan is the best plan of each side, one after the other. This keeps the DP's states linear in depth.
+    """
+    reach = list(range(n))  # reach[i]: furthest node a candidate starting at or before i extends to
+    for c in candidates:
+        lo, hi = min(c.nodes), max(c.nodes)
+        reach[lo] = max(reach[lo], hi)
+    out: list[tuple[int, int]] = []
+    start, far = 0, -1
+    for i in range(n):
+        far = max(far, reach[i])
+        if far == i:
+            out.append((start, i + 1))
+            start = i + 1
+    return out

@@ -167,10 +167,18 @@ def test_gtco_mha_core_split() -> None:
 
 
 def test_dp_state_limit_is_a_clear_error() -> None:
-    n = 16  # 16 independent nodes: 2^16 remaining-sets
+    n = 16  # 16 independent nodes under one spanning candidate: 2^16 remaining-sets
     dag = Dag(tuple(0 for _ in range(n)))
     with pytest.raises(PlanError, match="states"):
-        plan(dag, [], lambda c: 1.0, max_states=100)
+        plan(dag, [Candidate(frozenset([0, n - 1]), "fam", "span")], lambda c: 1.0, max_states=100)
+
+
+def test_segments_cut_where_no_candidate_spans() -> None:
+    from onnx_gtco.plan.dp import segments
+
+    cands = [Candidate(frozenset([1, 3]), "f", "a"), Candidate(frozenset([2, 4]), "f", "b"),
+             Candidate(frozenset([6, 7]), "f", "c")]
+    assert segments(9, cands) == [(0, 1), (1, 5), (5, 6), (6, 8), (8, 9)]
 
 
 def test_dp_is_deterministic_under_candidate_order() -> None:
