@@ -10,6 +10,7 @@ from typing import Any
 
 import onnx
 
+from onnx_gtco import patterns as patterns_mod
 from onnx_gtco import report as report_mod
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.cost.model import cost_fn
@@ -18,7 +19,6 @@ from onnx_gtco.ir.export import save_atomic, validate, write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.rewrite import rewrite
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco import patterns as patterns_mod
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
 from onnx_gtco.plan.types import Candidate, Plan, Reject

@@ -122,7 +122,7 @@ def estimate(view: GraphView, cand: Candidate) -> Estimate:
     return Estimate(mm, other, dram, 1)
 
 
-def cost_fn(view: GraphView, config: GtcoConfig):  # noqa: ANN201 - returns Callable[[Candidate], float]
+def cost_fn(view: GraphView, config: GtcoConfig):
     """The DP's cost callable: predicted microseconds of a candidate on the configured target."""
     hw, precision = config.hw, config.precision
 

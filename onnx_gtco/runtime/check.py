@@ -26,7 +26,7 @@ class OutputDiff:
     ok: bool
 
 
-def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str):  # noqa: ANN202
+def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str):
     import onnxruntime as ort
 
     name = PROVIDERS.get(provider)
