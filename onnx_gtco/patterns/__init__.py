@@ -1,0 +1,40 @@
+"""Fusion rules: the registry the planner runs, in order (for identical node sets the first rule wins).
+
+Families a rule proposes, and the attrs each candidate carries (ints where static, else the dim's name):
+
+    attention    heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, batch_dims,
+                 q_layout, k_layout, v_layout, out_layout (ONNX Attention op: also causal)
+    bmm_softmax  as attention, without v_layout / out_layout
+    qkv          m, k, ns, n_out, bias
+    gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set)
+    conv         kernel, stride, pads, dilations, groups, bias, affine, activation, residual, post_activation
+    layernorm    epsilon, axis, hidden, residual, decomposed, affine
+    softmax      axis, rows, cols
+    elementwise  ops
+"""
+
+from __future__ import annotations
+
+from onnx_gtco.patterns.attention import AttentionPattern
+from onnx_gtco.patterns.base import Match, Pattern
+from onnx_gtco.patterns.conv import ConvPattern
+from onnx_gtco.patterns.elementwise import ElementwisePattern
+from onnx_gtco.patterns.gemm import GemmPattern
+from onnx_gtco.patterns.layernorm import LayerNormPattern
+from onnx_gtco.patterns.qkv import QkvPattern
+from onnx_gtco.patterns.softmax import SoftmaxPattern
+
+PATTERNS: tuple[Pattern, ...] = (
+    AttentionPattern(),
+    QkvPattern(),
+    GemmPattern(),
+    ConvPattern(),
+    LayerNormPattern(),
+    SoftmaxPattern(),
+    ElementwisePattern(),
+)
+
+__all__ = [
+    "PATTERNS", "AttentionPattern", "ConvPattern", "ElementwisePattern", "GemmPattern", "LayerNormPattern",
+    "Match", "Pattern", "QkvPattern", "SoftmaxPattern",
+]

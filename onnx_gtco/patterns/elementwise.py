@@ -1,0 +1,126 @@
+"""Chains and trees of elementwise ops (with the metadata-only reshapes between them) run as one kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from onnx import TensorProto
+
+from onnx_gtco.ir.labels import Label, label
+from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.patterns._util import convex
+from onnx_gtco.patterns.base import Match
+from onnx_gtco.plan.types import Reject
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")  # injective and free: may sit inside a chain
+
+
+class ElementwisePattern:
+    """Maximal connected groups of elementwise nodes, split where a group would not be convex, and pairs.
+
+    Formula: ``y = f_n(... f_2(f_1(x_1, ...), ...) ...)``: one read of each input, one write of each output.
+
+        mask -> Unsqueeze -> Cast -> Sub(1, .) -> Mul(., -10000) -> additive mask    (BERT's mask prep)
+        a -> Add(b) -> Div -> Erf -> Add 1 -> Mul -> Mul 0.5                        (a GELU with its bias)
+
+    Reshape/Unsqueeze/Squeeze/Flatten join a group only between or before elementwise nodes (never as its
+    last node). Each producer -> consumer pair of elementwise nodes inside a larger group is proposed too,
+    so the planner can still fuse what is left when a GEMM or LayerNorm takes part of the group.
+    attrs: ops (op types in topological order).
+    """
+
+    name = "elementwise"
+
+    def match(self, view: GraphView) -> Iterator[Match | Reject]:
+        for comp in self._components(view):
+            parts = self._convex_parts(view, comp)
+            if len(parts) > 1:
+                yield Reject(self.name, view.nodes[comp[0]].name, f"{len(comp)} connected elementwise nodes "
+                             f"split into {len(parts)} convex groups: a path leaves them and comes back")
+            for part in parts:
+                part = self._trim(view, part)
+                if len(part) < 2 or not _computes_floats(view, part):
+                    continue
+                yield self._match(view, part)
+                if len(part) == 2:
+                    continue
+                for i in sorted(part):
+                    for j in sorted(view.succs[i] & part):  # j reads i
+                        pair = frozenset([i, j])
+                        if self._ew(view.nodes[i]) and self._ew(view.nodes[j]) and convex(view, pair):
+                            yield self._match(view, pair)
+
+    @staticmethod
+    def _ew(node: Node) -> bool:
+        return label(node.op_type, node.domain) == Label.ELEMENTWISE and node.op_type != "Identity"
+
+    def _member(self, node: Node) -> bool:
+        return self._ew(node) or (node.domain == "" and node.op_type in VIEW_OPS)
+
+    def _components(self, view: GraphView) -> list[list[int]]:
+        parent = {n.id: n.id for n in view.nodes if self._member(n)}
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for j in parent:
+            for i in self._feeds(view, view.nodes[j]):
+                if i in parent:
+                    parent[find(i)] = find(j)
+        comps: dict[int, list[int]] = {}
+        for i in sorted(parent):
+            comps.setdefault(find(i), []).append(i)
+        return [c for c in comps.values() if len(c) >= 2 and any(self._ew(view.nodes[i]) for i in c)]
+
+    def _feeds(self, view: GraphView, node: Node) -> set[int]:
+        """Producers of the tensors `node` computes on (a view op's shape input does not count)."""
+        ins = node.inputs[:1] if node.op_type in VIEW_OPS else node.inputs
+        return {view.producer[t] for t in ins if t in view.producer}
+
+    def _convex_parts(self, view: GraphView, comp: list[int]) -> list[frozenset[int]]:
+        """Grow groups in topological order; a node joins the groups it reads from if they stay convex."""
+        groups: list[set[int]] = []
+        for i in comp:
+            feeds = self._feeds(view, view.nodes[i])
+            near = [g for g in groups if feeds & g]
+            merged = set().union(*near) | {i} if near else {i}
+            if near and convex(view, merged):
+                groups = [g for g in groups if g not in near] + [merged]
+                continue
+            home = next((g for g in near if convex(view, g | {i})), None)
+            if home is not None:
+                home.add(i)
+            else:
+                groups.append({i})
+        return [frozenset(g) for g in groups]
+
+    def _trim(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
+        """Drop view ops that end the group (a group's output is an elementwise result)."""
+        ids = set(part)
+        changed = True
+        while changed:
+            changed = False
+            for i in sorted(ids, reverse=True):
+                if not self._ew(view.nodes[i]) and not (view.succs[i] & ids):
+                    ids.discard(i)
+                    changed = True
+        return frozenset(ids)
+
+    @staticmethod
+    def _match(view: GraphView, ids: frozenset[int]) -> Match:
+        return Match(ids, "elementwise", {"ops": tuple(view.nodes[i].op_type for i in sorted(ids))})
+
+
+
+def _computes_floats(view: GraphView, ids: frozenset[int]) -> bool:
+    """Some node writes a float tensor (integer-only groups are shape arithmetic, left to the host)."""
+    for i in ids:
+        for o in view.nodes[i].outputs:
+            ti = view.info(o)
+            if ti is not None and ti.dtype in FLOAT_TYPES:
+                return True
+    return False

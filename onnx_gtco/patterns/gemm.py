@@ -1,0 +1,90 @@
+"""GEMM with its epilogue: MatMul or Gemm, + bias, + activation, + residual; every prefix is a candidate."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.patterns._act import find_activation
+from onnx_gtco.patterns._epilogue import const_add, residual_add
+from onnx_gtco.patterns._util import dims, prod
+from onnx_gtco.patterns.base import Match, is_op
+from onnx_gtco.plan.types import Reject
+
+
+class GemmPattern:
+    """A matrix product and the elementwise epilogue a GEMM kernel applies before storing.
+
+    Formula: ``y = act(A @ B + bias) + residual`` (bias, act and residual optional), where ``A @ B`` is a
+    MatMul (2-D weight, or batched with any B, including attention's QKᵀ and PV) or a Gemm.
+
+        A    B
+         \\  /
+        MatMul/Gemm -> [Add bias] -> [act: Relu | GELU (erf, tanh) | SiLU | ...] -> [Add residual] -> y
+
+    Each prefix (matmul alone, +bias, +act, +residual) is proposed; the planner keeps the cheapest cover.
+    attrs: m, n, k, batch (batch dims of a batched GEMM, () for a weight GEMM), trans_b, bias, activation,
+    residual.
+    """
+
+    name = "gemm"
+
+    def match(self, view: GraphView) -> Iterator[Match | Reject]:
+        for node in view.nodes:
+            if is_op(node, "MatMul", "Gemm"):
+                yield from self._site(view, node)
+
+    def _site(self, view: GraphView, mm: Node) -> Iterator[Match | Reject]:
+        attrs = self._shape_attrs(view, mm)
+        if isinstance(attrs, str):
+            yield Reject(self.name, mm.name, attrs)
+            return
+        group = {mm.id}
+        out = mm.outputs[0]
+        attrs |= {"bias": len(mm.inputs) > 2 and bool(mm.inputs[2]), "activation": "none", "residual": False}
+        yield Match(frozenset(group), "gemm", dict(attrs))
+        weight = attrs["batch"] == ()  # near misses of a batched GEMM (QKᵀ + mask) are not worth a report
+        add, why = const_add(view, out, -1)
+        if why and weight:
+            yield Reject(self.name, mm.name, why)
+        if add is not None:
+            group.add(add.id)
+            out = add.outputs[0]
+            attrs["bias"] = True
+            yield Match(frozenset(group), "gemm", dict(attrs))
+        act = find_activation(view, out)
+        if act is not None:
+            group |= act[1]
+            out = act[2]
+            attrs["activation"] = act[0]
+            yield Match(frozenset(group), "gemm", dict(attrs))
+        res, why = residual_add(view, out, group)
+        if why and weight:
+            yield Reject(self.name, mm.name, why)
+        if res is not None:
+            group.add(res.id)
+            attrs["residual"] = True
+            yield Match(frozenset(group), "gemm", dict(attrs))
+
+    @staticmethod
+    def _shape_attrs(view: GraphView, mm: Node) -> dict[str, Any] | str:
+        a, b = dims(view, mm.inputs[0]), dims(view, mm.inputs[1])
+        if a is None or b is None:
+            return f"{mm.op_type} {mm.name!r}: operand rank unknown"
+        if len(a) < 2 or len(b) < 2:
+            return f"{mm.op_type} {mm.name!r} has a 1-D operand (a GEMV, not a GEMM)"
+        if mm.op_type == "Gemm":
+            ta, tb = bool(mm.attrs.get("transA", 0)), bool(mm.attrs.get("transB", 0))
+            m, k = (a[1], a[0]) if ta else (a[0], a[1])
+            attrs: dict[str, Any] = {"m": m, "k": k, "n": b[0] if tb else b[1], "trans_b": tb, "batch": ()}
+            if ta:
+                attrs["trans_a"] = True
+            for key in ("alpha", "beta"):
+                if float(mm.attrs.get(key, 1.0)) != 1.0:
+                    attrs[key] = float(mm.attrs[key])
+            return attrs
+        if len(b) == 2:  # weight GEMM: every leading dim of A is a row
+            return {"m": prod(a[:-1]), "k": a[-1], "n": b[-1], "trans_b": False, "batch": ()}
+        out = dims(view, mm.outputs[0]) or ()
+        return {"m": a[-2], "k": a[-1], "n": b[-1], "trans_b": False, "batch": tuple(out[:-2])}

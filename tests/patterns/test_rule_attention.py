@@ -1,0 +1,281 @@
+"""Attention in the forms exporters write: BERT, torch SDPA, timm fused qkv, Swin windows, ONNX Attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+from onnx_gtco.ir.view import GraphView
+from onnx_gtco.patterns._util import const_scalar, static_value
+from onnx_gtco.patterns.attention import AttentionPattern
+
+RULE = AttentionPattern()
+CORE = {"qk", "scale", "mask_add", "softmax"}
+
+
+def bert(kit, *, outputs: tuple[str, ...] = ("out",)):
+    """x[1,8,16] -> q/k/v projections -> 2 heads x 8 -> (QKᵀ / sqrt 8 + mask) -> softmax -> PV -> merge."""
+    g = kit.graph()
+    g.input("x", [1, 8, 16])
+    g.input("mask", [1, 1, 1, 8])
+    heads = g.const("heads", np.array([1, 8, 2, 8], dtype=np.int64))
+    merged = g.const("merged", np.array([1, 8, 16], dtype=np.int64))
+    for n in "qkv":
+        g.op("MatMul", ["x", g.weight(f"w{n}", 16, 16)], f"{n}_proj")
+        g.op("Reshape", [f"{n}_proj", heads], f"{n}_split")
+    g.op("Transpose", ["q_split"], "q_t", perm=[0, 2, 1, 3])
+    g.op("Transpose", ["k_split"], "k_t", perm=[0, 2, 3, 1])
+    g.op("Transpose", ["v_split"], "v_t", perm=[0, 2, 1, 3])
+    g.op("MatMul", ["q_t", "k_t"], "qk")
+    g.op("Div", ["qk", g.const("sqrt_d", np.float32(math.sqrt(8)))], "scale")
+    g.op("Add", ["scale", "mask"], "mask_add")
+    g.op("Softmax", ["mask_add"], "softmax", axis=-1)
+    g.op("MatMul", ["softmax", "v_t"], "pv")
+    g.op("Transpose", ["pv"], "merge_t", perm=[0, 2, 1, 3])
+    g.op("Reshape", ["merge_t", merged], "merge")
+    g.op("MatMul", ["merge", g.weight("wo", 16, 16)], "out")
+    g.output(*outputs)
+    return g
+
+
+def test_bert_form_gives_bmm_softmax_attention_and_the_extended_variant(kit) -> None:
+    view = bert(kit).view()
+    matches, rejects = kit.run(RULE, view)
+    assert rejects == []
+    assert kit.groups(view, matches) == [
+        CORE,
+        CORE | {"pv"},
+        CORE | {"pv", "q_split", "q_t", "k_split", "k_t", "v_split", "v_t", "merge_t", "merge"},
+    ]
+    assert [m.family for m in matches] == ["bmm_softmax", "attention", "attention"]
+    base, ext = matches[1].attrs, matches[2].attrs
+    assert base == {
+        "heads": 2, "head_dim": 8, "seq_q": 8, "seq_k": 8, "scale": pytest.approx(1 / math.sqrt(8)),
+        "mask": True, "bias": False, "nan_guard": False, "batch_dims": (1,),
+        "q_layout": "bhsd", "k_layout": "bhds", "v_layout": "bhsd", "out_layout": "bhsd",
+    }
+    assert {k: ext[k] for k in ("q_layout", "k_layout", "v_layout", "out_layout")} == dict.fromkeys(
+        ("q_layout", "k_layout", "v_layout", "out_layout"), "bshd_merged")
+
+
+def sdpa(kit, *, guard: bool = True, cast: bool = False):
+    """torch SDPA: Mul(q, sqrt s), Transpose(k) -> Mul(kᵀ, sqrt s), MatMul, Softmax, NaN guard, MatMul."""
+    g = kit.graph()
+    for n in "qkv":
+        g.input(n, [1, 2, 8, 4])
+    root = g.const("root_scale", np.float32(math.sqrt(0.5)))
+    g.op("Mul", ["q", root], "q_scaled")
+    g.op("Transpose", ["k"], "k_t", perm=[0, 1, 3, 2])
+    g.op("Mul", ["k_t", root], "k_scaled")
+    g.op("MatMul", ["q_scaled", "k_scaled"], "qk")
+    g.op("Softmax", ["qk"], "softmax", axis=-1)
+    probs = "softmax"
+    if cast:
+        probs = g.op("Cast", ["softmax"], "cast", to=TensorProto.FLOAT)
+    if guard:
+        g.op("IsNaN", [probs], "isnan")
+        probs = g.op("Where", ["isnan", g.const("zero", np.float32(0)), probs], "guard")
+    g.op("MatMul", [probs, "v"], "pv")
+    g.output("pv")
+    return g
+
+
+def test_sdpa_form_scales_on_both_sides_and_the_nan_guard(kit) -> None:
+    view = sdpa(kit).view()
+    matches, _ = kit.run(RULE, view)
+    core = {"q_scaled", "k_scaled", "qk", "softmax", "isnan", "guard"}
+    assert kit.groups(view, matches) == [core, core | {"pv"}, core | {"pv", "k_t"}]
+    assert matches[0].attrs["scale"] == pytest.approx(0.5)
+    assert matches[0].attrs["nan_guard"] is True and matches[0].attrs["mask"] is False
+    assert matches[2].attrs["k_layout"] == "bhsd"  # the explicit kᵀ is inside: the kernel reads k as it is
+
+
+def test_a_cast_of_the_probabilities_is_part_of_the_chain(kit) -> None:
+    view = sdpa(kit, guard=False, cast=True).view()
+    matches, _ = kit.run(RULE, view)
+    assert kit.groups(view, matches)[1] == {"q_scaled", "k_scaled", "qk", "softmax", "cast", "pv"}
+
+
+def test_scale_computed_from_a_runtime_shape_is_evaluated_statically(kit) -> None:
+    """torch's opset-14 SDPA: scale = sqrt(1 / sqrt(float(q.shape[-1]))) when the loader left it unfolded."""
+    g = kit.graph()
+    g.input("q", [1, 2, 8, 4])
+    g.op("Shape", ["q"], "shape")
+    g.op("Slice", ["shape", g.const("m1", np.array([-1])), g.const("big", np.array([2**62]))], "last")
+    g.op("Cast", ["last"], "as_float", to=TensorProto.FLOAT)
+    g.op("Sqrt", ["as_float"], "root_d")
+    g.op("Div", [g.const("one", np.float32(1)), "root_d"], "inv")
+    g.op("Sqrt", ["inv"], "root_scale")
+    g.output("root_scale")
+    model = onnx.shape_inference.infer_shapes(g.model())
+    view = GraphView(model)
+    assert view.const_value("root_scale") is None
+    assert const_scalar(view, "root_scale") == pytest.approx(0.5 ** 0.5)
+    assert static_value(view, "last").tolist() == [4]
+
+
+def fused_qkv(kit, unbind: str = "Gather"):
+    """timm: qkv Linear -> Reshape[B,N,3,H,D] -> Transpose[2,0,3,1,4] -> unbind -> q*s @ kᵀ -> softmax @ v."""
+    g = kit.graph()
+    g.input("x", [1, 8, 16])
+    g.op("MatMul", ["x", g.weight("w", 16, 48)], "qkv")
+    g.op("Add", ["qkv", g.weight("b", 48)], "qkv_bias")
+    g.op("Reshape", ["qkv_bias", g.const("s5", np.array([1, 8, 3, 2, 8]))], "qkv_split")
+    g.op("Transpose", ["qkv_split"], "qkv_t", perm=[2, 0, 3, 1, 4])
+    if unbind == "Gather":
+        for i, n in enumerate("qkv"):
+            g.op("Gather", ["qkv_t", g.const(f"i{i}", np.array(i))], n, axis=0)
+    else:
+        g.op("Split", ["qkv_t", g.const("ones", np.array([1, 1, 1]))], "split", outputs=3, axis=0)
+        for i, n in enumerate("qkv"):
+            g.op("Squeeze", ["split" if i == 0 else f"split:{i}", g.const(f"ax{i}", np.array([0]))], n)
+    g.op("Mul", ["q", g.const("s", np.float32(8 ** -0.5))], "q_scaled")
+    g.op("Transpose", ["k"], "k_t", perm=[0, 1, 3, 2])
+    g.op("MatMul", ["q_scaled", "k_t"], "qk")
+    g.op("Softmax", ["qk"], "softmax", axis=-1)
+    g.op("MatMul", ["softmax", "v"], "pv")
+    g.op("Transpose", ["pv"], "merge_t", perm=[0, 2, 1, 3])
+    g.op("Reshape", ["merge_t", g.const("s3", np.array([1, 8, 16]))], "merge")
+    g.output("merge")
+    return g
+
+
+@pytest.mark.parametrize("unbind", ["Gather", "Split"])
+def test_timm_fused_qkv_is_absorbed_up_to_the_packed_projection_output(kit, unbind: str) -> None:
+    view = fused_qkv(kit, unbind).view()
+    matches, _ = kit.run(RULE, view)
+    ext = matches[-1]
+    unbound = {"q", "k", "v"} | ({"split"} if unbind == "Split" else set())
+    assert kit.names(view, ext.nodes) == {"qkv_split", "qkv_t", "q_scaled", "k_t", "qk", "softmax", "pv",
+                                          "merge_t", "merge"} | unbound
+    assert view.external_inputs(ext.nodes)[0] == "qkv_bias"
+    assert (ext.attrs["q_layout"], ext.attrs["k_layout"], ext.attrs["v_layout"], ext.attrs["out_layout"]) == (
+        "qkv_packed", "qkv_packed", "qkv_packed", "bshd_merged")
+    assert ext.attrs["scale"] == pytest.approx(8 ** -0.5) and ext.attrs["heads"] == 2
+
+
+def swin(kit):
+    """Window attention: q*s @ kᵀ + rel-pos bias -> Reshape[B,nW,H,N,N] + shift mask -> Reshape -> softmax."""
+    g = kit.graph(seed=3)
+    for n in "qkv":
+        g.input(n, [4, 2, 8, 4])
+    g.op("Mul", ["q", g.const("s", np.float32(0.5))], "q_scaled")
+    g.op("Transpose", ["k"], "k_t", perm=[0, 1, 3, 2])
+    g.op("MatMul", ["q_scaled", "k_t"], "qk")
+    g.op("Add", ["qk", g.weight("rel_pos", 1, 2, 8, 8)], "bias_add")
+    g.op("Reshape", ["bias_add", g.const("win", np.array([1, 4, 2, 8, 8]))], "to_windows")
+    mask = np.where(np.random.default_rng(0).random((1, 4, 1, 8, 8)) > 0.5, -100.0, 0.0).astype(np.float32)
+    g.op("Add", [g.const("shift_mask", mask), "to_windows"], "mask_add")
+    g.op("Reshape", ["mask_add", g.const("back", np.array([4, 2, 8, 8]))], "from_windows")
+    g.op("Softmax", ["from_windows"], "softmax", axis=-1)
+    g.op("MatMul", ["softmax", "v"], "pv")
+    g.output("pv")
+    return g
+
+
+def test_swin_walks_through_reshape_add_reshape_and_tells_mask_from_bias(kit) -> None:
+    view = swin(kit).view()
+    matches, _ = kit.run(RULE, view)
+    core = {"q_scaled", "qk", "bias_add", "to_windows", "mask_add", "from_windows", "softmax"}
+    assert kit.groups(view, matches)[:2] == [core, core | {"pv"}]
+    attrs = matches[1].attrs
+    assert (attrs["mask"], attrs["bias"], attrs["heads"], attrs["seq_q"]) == (True, True, 2, 8)
+    assert attrs["batch_dims"] == (4,)
+    assert attrs["scale"] == pytest.approx(0.5)
+
+
+def test_onnx_attention_op_is_a_single_node_candidate(kit) -> None:
+    g = kit.graph()
+    for n in "qkv":
+        g.input(n, [1, 2, 8, 4])
+    g.op("Attention", ["q", "k", "v"], "attn")
+    g.output("attn")
+    view = g.view(opset=23)
+    matches, _ = kit.run(RULE, view)
+    assert kit.groups(view, matches) == [{"attn"}]
+    assert matches[0].family == "attention"
+    assert matches[0].attrs["scale"] == pytest.approx(0.5) and matches[0].attrs["heads"] == 2
+
+
+def test_near_misses_say_why(kit) -> None:
+    g = kit.graph()
+    for n in "qkv":
+        g.input(n, [1, 2, 8, 8])
+    g.input("s", [1])
+    g.op("MatMul", ["q", "k"], "qk")
+    g.op("Softmax", ["qk"], "sm_axis1", axis=1)
+    g.op("Mul", ["qk", "s"], "runtime_scale")  # qk is read twice: the Softmax chain below also fails for it
+    g.op("MatMul", ["q", "v"], "qk2")
+    g.op("Mul", ["qk2", "s"], "scale2")
+    g.op("Softmax", ["scale2"], "sm_scale", axis=-1)
+    g.op("MatMul", ["q", "k"], "qk3")
+    g.op("Softmax", ["qk3"], "sm_b", axis=-1)
+    g.op("MatMul", ["v", "sm_b"], "pv_swapped")
+    g.op("MatMul", ["q", g.weight("w", 8, 8)], "proj")
+    g.op("Softmax", ["proj"], "sm_proj", axis=-1)
+    g.output("sm_axis1", "runtime_scale", "sm_scale", "pv_swapped", "sm_proj")
+    view = g.view()
+    matches, rejects = kit.run(RULE, view)
+    assert {r.anchor: r.reason for r in rejects} == {
+        "sm_axis1": "Softmax axis 1 is not the last axis",
+        "sm_scale": "scale of Mul 'scale2' on the scores is not a scalar constant",
+        "sm_b": "second MatMul 'pv_swapped' reads the scores as its B operand",
+        "sm_proj": "MatMul 'proj' before the Softmax has a constant 2-D B: a projection, not QKᵀ",
+    }
+    assert kit.groups(view, matches) == [{"qk3", "sm_b"}]  # the BMM+softmax half still fuses
+    assert matches[0].family == "bmm_softmax"
+
+
+def test_scale_after_the_mask_is_not_a_scale_of_qk(kit) -> None:
+    g = kit.graph()
+    for n in ("q", "k", "mask"):
+        g.input(n, [1, 2, 8, 8])
+    g.op("MatMul", ["q", "k"], "qk")
+    g.op("Add", ["qk", "mask"], "masked")
+    g.op("Mul", ["masked", g.const("s", np.float32(0.125))], "scaled")
+    g.op("Softmax", ["scaled"], "softmax", axis=-1)
+    g.output("softmax")
+    _, rejects = kit.run(RULE, g.view())
+    assert rejects[0].reason == "the scale is applied after Add 'masked' (mask/bias), not to QKᵀ"
+
+
+def test_graph_outputs_inside_the_chain_leave_only_legal_candidates(kit) -> None:
+    view = bert(kit, outputs=("out", "scale", "q_t")).view()
+    matches, rejects = kit.run(RULE, view)
+    assert matches == [] and rejects[0].reason == "scores 'scale' are also read outside the attention chain"
+    view = bert(kit, outputs=("out", "softmax", "q_t")).view()
+    matches, rejects = kit.run(RULE, view)
+    assert kit.groups(view, matches) == [CORE]
+    assert "also read outside" in rejects[0].reason
+    view = bert(kit, outputs=("out", "q_t")).view()  # q's transpose is an output: the extension stops there
+    cands, _ = kit.collect(view)
+    ext = max((c for c in cands if c.family == "attention"), key=lambda c: len(c.nodes))
+    assert kit.names(view, ext.nodes) == CORE | {"pv", "k_split", "k_t", "v_split", "v_t", "merge_t", "merge"}
+    assert ext.attr("q_layout") == "bhsd" and ext.attr("k_layout") == "bshd_merged"
+    for c in cands:
+        assert view.external_outputs(c.nodes)
+
+
+def test_collect_keeps_every_attention_candidate(kit) -> None:
+    view = bert(kit).view()
+    cands, _ = kit.collect(view)
+    fams = sorted(c.family for c in cands if c.pattern == "attention")
+    assert fams == ["attention", "attention", "bmm_softmax"]
+
+
+def test_scale_from_the_static_last_dim_of_a_dynamic_shape(kit) -> None:
+    g = kit.graph()
+    g.input("q", ["batch", 2, "seq", 4])
+    g.op("Shape", ["q"], "shape")
+    g.op("Slice", ["shape", g.const("m1", np.array([-1])), g.const("big", np.array([2**62]))], "last")
+    g.op("Gather", ["shape", g.const("i3", np.array(3))], "d")
+    g.op("Gather", ["shape", g.const("i0", np.array(0))], "b")
+    g.op("Cast", ["last"], "as_float", to=TensorProto.FLOAT)
+    g.output("as_float", "d", "b")
+    view = GraphView(onnx.shape_inference.infer_shapes(g.model()))
+    assert const_scalar(view, "as_float") == 4.0 and const_scalar(view, "d") == 4.0
+    assert static_value(view, "b") is None

@@ -1,0 +1,65 @@
+"""Elementwise chains: maximal convex groups, the reshapes between them, BERT's mask prep, pairs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from onnx_gtco.ir.view import GraphView
+from onnx_gtco.patterns.elementwise import ElementwisePattern
+
+RULE = ElementwisePattern()
+
+
+def test_bert_mask_prep_is_one_chain(kit) -> None:
+    g = kit.graph()
+    g.input("mask", [1, 8], TensorProto.INT64)
+    g.input("scores", [1, 2, 8, 8])
+    g.op("Unsqueeze", ["mask", g.const("axes", np.array([1, 2]))], "unsqueeze")
+    g.op("Cast", ["unsqueeze"], "cast", to=TensorProto.FLOAT)
+    g.op("Sub", [g.const("one", np.float32(1)), "cast"], "sub")
+    g.op("Mul", ["sub", g.const("big", np.float32(-10000))], "mul")
+    g.op("Softmax", ["scores"], "sm", axis=-1)  # keeps the chain's reader outside the elementwise group
+    g.op("Add", ["sm", "mul"], "add")
+    g.output("add")
+    view = g.view()
+    matches, _ = kit.run(RULE, view)
+    assert kit.groups(view, matches)[0] == {"unsqueeze", "cast", "sub", "mul", "add"}
+    assert matches[0].attrs == {"ops": ("Unsqueeze", "Cast", "Sub", "Mul", "Add")}
+    assert {"sub", "mul"} in kit.groups(view, matches)  # pairs inside the larger group
+
+
+def test_non_convex_component_is_split_and_trailing_reshape_dropped(kit) -> None:
+    """r1 -> s1 -> MatMul -> a(s1, mm) -> t: a path leaves {r1, s1, a, t} and re-enters it."""
+    g = kit.graph()
+    g.input("x", [4, 8])
+    g.op("Relu", ["x"], "r1")
+    g.op("Sigmoid", ["r1"], "s1")
+    g.op("MatMul", ["s1", g.weight("w", 8, 8)], "mm")
+    g.op("Add", ["s1", "mm"], "a")
+    g.op("Tanh", ["a"], "t")
+    g.op("Reshape", ["t", g.const("shape", np.array([32]))], "flat")
+    g.output("flat")
+    view = g.view()
+    matches, rejects = kit.run(RULE, view)
+    assert kit.groups(view, matches) == [{"r1", "s1"}, {"a", "t"}]
+    assert [(r.anchor, r.reason) for r in rejects] == [
+        ("r1", "5 connected elementwise nodes split into 2 convex groups: a path leaves them and comes back")]
+    _, rejects = kit.collect(view)
+    assert [r.pattern for r in rejects] == ["elementwise"]  # only its own: every group it proposes is legal
+
+
+def test_integer_shape_arithmetic_is_not_proposed(kit) -> None:
+    g = kit.graph()
+    g.input("x", [4, 8])
+    g.op("Shape", ["x"], "shape")
+    g.op("Mul", ["shape", g.const("unit", np.array(1))], "twice")
+    g.op("Add", ["twice", g.const("zero", np.array(0))], "plus")
+    g.op("Relu", ["x"], "r")
+    g.op("Neg", ["r"], "n")
+    g.op("Reshape", ["n", "plus"], "y")
+    g.output("y")
+    view = GraphView(onnx.shape_inference.infer_shapes(g.model()))  # unfolded, as exporters may leave it
+    matches, _ = kit.run(RULE, view)
+    assert kit.groups(view, matches) == [{"r", "n"}]
