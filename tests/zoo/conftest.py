@@ -1,0 +1,125 @@
+"""Zoo fixtures: export real architectures once per session and parametrize tests over (model, exporter)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "export_zoo.py"
+TORCH_REASON = "zoo tests need torch, timm, transformers and onnxscript: pip install -r requirements-zoo.txt"
+
+_ERRORS = pytest.StashKey[dict[tuple[str, str], str]]()
+
+
+def load_tool() -> ModuleType:
+    """Imports ``tools/export_zoo.py`` (it needs no torch to import) as module ``export_zoo``.
+
+    Test modules then ``import export_zoo`` (found in ``sys.modules``).
+    """
+    if "export_zoo" in sys.modules:
+        return sys.modules["export_zoo"]
+    spec = importlib.util.spec_from_file_location("export_zoo", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["export_zoo"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+zoo = load_tool()
+
+
+def _selected(env: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return allowed
+    chosen = tuple(v.strip() for v in raw.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in allowed]
+    if unknown:
+        raise pytest.UsageError(f"{env}: unknown {unknown}; choose from {','.join(allowed)}")
+    return chosen
+
+
+def zoo_cases() -> list[Any]:
+    """Returns one ``pytest.param((model, exporter), id="model-exporter")`` per zoo export.
+
+    ``GTCO_ZOO_MODELS`` and ``GTCO_ZOO_EXPORTERS`` (comma-separated) narrow the set.
+    """
+    models = _selected("GTCO_ZOO_MODELS", zoo.MODELS)
+    exporters = _selected("GTCO_ZOO_EXPORTERS", zoo.EXPORTERS)
+    return [pytest.param((m, e), id=f"{m}-{e}") for m in models for e in exporters]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist registers this marker itself; registering it here keeps --strict-markers happy without it.
+    config.addinivalue_line("markers", "xdist_group(name): run these tests in one pytest-xdist worker")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrizes every test that takes ``zoo_case`` over ``zoo_cases()``."""
+    if "zoo_case" in metafunc.fixturenames:
+        metafunc.parametrize("zoo_case", zoo_cases())
+
+
+def _requested(session: pytest.Session) -> list[tuple[str, str]]:
+    cases = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "zoo_case" in callspec.params:
+            cases.add(tuple(callspec.params["zoo_case"]))
+    order = {(m, e): i for i, (m, e) in enumerate((m, e) for m in zoo.MODELS for e in zoo.EXPORTERS)}
+    return sorted(cases, key=order.__getitem__)
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(request: pytest.FixtureRequest) -> pathlib.Path:
+    """Exports every (model, exporter) the session's tests ask for, once, into the zoo cache directory.
+
+    The directory is ``$GTCO_ZOO_DIR`` or ``~/.cache/onnx-gtco/zoo``; valid earlier exports are reused.
+    A failed export is remembered and fails only the tests of that case (see ``zoo_onnx``).
+    """
+    for module in zoo.ZOO_DEPS:
+        pytest.importorskip(module, reason=TORCH_REASON)
+    out = zoo.default_out_dir()
+    errors: dict[tuple[str, str], str] = {}
+    for name, exporter in _requested(request.session):
+        try:
+            zoo.export(name, exporter, out)
+        except Exception as exc:  # reported per test
+            errors[(name, exporter)] = f"{type(exc).__name__}: {exc}"
+    request.config.stash[_ERRORS] = errors
+    return out
+
+
+@pytest.fixture
+def zoo_onnx(
+    zoo_dir: pathlib.Path, zoo_case: tuple[str, str], request: pytest.FixtureRequest
+) -> pathlib.Path:
+    """Path of the exported ONNX file of ``zoo_case``; fails the test if that export failed."""
+    error = request.config.stash[_ERRORS].get(tuple(zoo_case))
+    if error is not None:
+        pytest.fail(f"export of {zoo_case[0]} with {zoo_case[1]} failed: {error}", pytrace=False)
+    return zoo.onnx_path(zoo_dir, *zoo_case)
+
+
+@pytest.fixture(scope="session")
+def torch_outputs() -> Callable[[str, int], dict[str, Any]]:
+    """Returns ``get(name, seed)``: the torch outputs on ``make_inputs(name, seed)``, computed once each."""
+    for module in zoo.ZOO_DEPS:
+        pytest.importorskip(module, reason=TORCH_REASON)
+    cache: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def get(name: str, seed: int) -> dict[str, Any]:
+        if (name, seed) not in cache:
+            cache[(name, seed)] = zoo.run_torch(name, seed=seed)
+        return cache[(name, seed)]
+
+    return get
