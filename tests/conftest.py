@@ -31,5 +31,11 @@ def mlp() -> onnx.ModelProto:
 
 
 @pytest.fixture
+def make_mlp():
+    """The mlp builder itself, for tests that need other shapes (e.g. a symbolic batch)."""
+    return mlp_model
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

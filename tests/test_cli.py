@@ -51,13 +51,17 @@ def test_inspect_writes_nothing(model_path: Path, capsys: pytest.CaptureFixture[
     assert json.loads(capsys.readouterr().out)["nodes_before"] == 5
 
 
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
         (lambda d: d / "absent.onnx", "no such file"),
-        (lambda d: (d / "empty.onnx").write_bytes(b"") and d / "empty.onnx", "empty"),
-        (lambda d: (d / "junk.onnx").write_bytes(b"\xff\x01not onnx at all" * 10) and d / "junk.onnx",
-         "not a valid ONNX|no ONNX graph"),
+        (lambda d: _write(d / "empty.onnx", b""), "empty"),
+        (lambda d: _write(d / "junk.onnx", b"\xff\x01not onnx at all" * 10), "not a valid ONNX|no ONNX graph"),
     ],
     ids=["missing", "empty", "junk"],
 )

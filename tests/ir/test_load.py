@@ -22,10 +22,8 @@ def test_load_path_and_proto_agree(tmp_path: Path, mlp: onnx.ModelProto) -> None
     assert {"m0", "a0", "r0", "m1"} <= shapes  # shape inference ran
 
 
-def test_symbolic_dims_are_kept() -> None:
-    from conftest import mlp_model
-
-    m = load_model(mlp_model(rows="batch"))
+def test_symbolic_dims_are_kept(make_mlp) -> None:
+    m = load_model(make_mlp(rows="batch"))
     dims = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in m.graph.value_info}
     assert dims["r0"] == ["batch", 8]
 
