@@ -43,20 +43,26 @@ class Estimate:
         return max(compute, memory) + self.launches * hw.launch_us
 
 
-def _numel(view: GraphView, t: str) -> int:
-    ti = view.info(t)
-    n = ti.numel if ti is not None else None
-    return 0 if n is None else n
+# A symbolic or unknown dim (a dynamic batch, say) counts as SYMBOLIC_DIM when costing: the plan is then the plan
+# for the smallest instance, and FLOP shares stay meaningful instead of dropping to zero.
+SYMBOLIC_DIM = 1
 
 
 def _static(shape: tuple | None) -> tuple[int, ...] | None:
-    if shape is None or not all(isinstance(d, int) for d in shape):
+    """The shape with symbolic dims bound to SYMBOLIC_DIM; None when the rank is unknown."""
+    if shape is None:
         return None
-    return tuple(shape)  # type: ignore[arg-type]
+    return tuple(d if isinstance(d, int) else SYMBOLIC_DIM for d in shape)
+
+
+def _numel(view: GraphView, t: str) -> int:
+    ti = view.info(t)
+    shape = _static(ti.shape) if ti is not None else None
+    return 0 if shape is None else int(np.prod(shape, dtype=np.int64))
 
 
 def node_flops(view: GraphView, n: Node) -> tuple[float, float]:
-    """(matmul-class FLOPs, other FLOPs) of one node; 0 where shapes are unknown."""
+    """(matmul-class FLOPs, other FLOPs) of one node; 0 where the rank is unknown (symbolic dims count as 1)."""
     if n.domain != "":
         return 0.0, 0.0
     out = _numel(view, n.outputs[0]) if n.outputs else 0
@@ -103,8 +109,8 @@ def _bytes(view: GraphView, tensors: tuple[str, ...]) -> float:
     total = 0.0
     for t in tensors:
         ti = view.info(t)
-        if ti is not None and ti.numel is not None:
-            total += ti.numel * ti.itemsize
+        if ti is not None:
+            total += _numel(view, t) * ti.itemsize
     return total
 
 

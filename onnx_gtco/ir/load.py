@@ -67,13 +67,59 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
     model = _convert_opset(model, name)
-    model = _fold_constants(model)
+    # Shapes first, so folding sees static extents (TorchScript exports compute reshape targets from Shape nodes);
+    # fold, infer again (folding reveals more), fold what that exposes, and infer the final graph.
+    for _ in range(2):
+        model = _infer_shapes(model, name)
+        model = _fold_constants(model)
+    model = _infer_shapes(model, name)
+    _order_depth_first(model)
+    return model
+
+
+def _infer_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     try:
-        model = onnx.shape_inference.infer_shapes(model, check_type=True, data_prop=True)
+        return onnx.shape_inference.infer_shapes(model, check_type=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]
         raise ModelError(f"{name}: shape inference failed: {first}") from None
-    return model
+
+
+def _order_depth_first(model: onnx.ModelProto) -> None:
+    """Re-sort nodes in place: a depth-first post-order from the graph outputs.
+
+    Every node then comes right after the producers it needs and before anything unrelated, so a layer's nodes are
+    contiguous (MatMul next to its bias Add, the attention chain unbroken). The fusion DP's states are the frontiers
+    of this order, so a local order keeps them few; exporters' orders (dynamo's especially) interleave layers.
+    """
+    nodes = list(model.graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    done = [False] * len(nodes)
+    order: list[int] = []
+
+    def visit(root: int) -> None:
+        stack = [(root, 0)]
+        while stack:
+            i, k = stack.pop()
+            if done[i]:
+                continue
+            inputs = nodes[i].input
+            while k < len(inputs) and (inputs[k] not in producer or done[producer[inputs[k]]]):
+                k += 1
+            if k == len(inputs):
+                done[i] = True
+                order.append(i)
+            else:
+                stack.append((i, k + 1))
+                stack.append((producer[inputs[k]], 0))
+
+    for out in model.graph.output:
+        if out.name in producer:
+            visit(producer[out.name])
+    for i in range(len(nodes)):  # nodes no output needs (kept by the caller's choice) keep their place after
+        visit(i)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[i] for i in order)
 
 
 def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:

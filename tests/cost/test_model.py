@@ -26,6 +26,13 @@ def test_matmul_flops(mlp: onnx.ModelProto) -> None:
     assert node_flops(view, view.nodes[1]) == (0.0, 32.0)
 
 
+def test_symbolic_dims_count_as_one(make_mlp) -> None:
+    """A dynamic batch must not zero the FLOPs (the report's fused share would read 0%)."""
+    view = GraphView(load_model(make_mlp(rows="batch")))
+    assert node_flops(view, view.nodes[0]) == (2.0 * 1 * 8 * 8, 0.0)
+    assert estimate(view, _single(0)).dram_bytes == 4 * (8 + 64 + 8)
+
+
 def test_fusing_never_adds_dram_bytes_or_launches(mlp: onnx.ModelProto) -> None:
     view = GraphView(load_model(mlp))
     for ids in ([0, 1], [0, 1, 2], [3, 4], [0, 1, 2, 3, 4]):

@@ -97,3 +97,48 @@ def test_too_new_opset_is_refused() -> None:
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", onnx.defs.onnx_opset_version() + 1)])
     with pytest.raises((UnsupportedError, ModelError)):
         load_model(m)
+
+
+def _interleaved_branches(width: int = 4) -> onnx.ModelProto:
+    """Two independent MatMul+Add+Relu branches, listed the way dynamo lists them: stage by stage, not branch by branch."""
+    rng = np.random.default_rng(7)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in [("wa", (width, width)), ("wb", (width, width)), ("ba", (width,)), ("bb", (width,))]]
+    nodes = [
+        helper.make_node("MatMul", ["x", "wa"], ["ma"], name="a.mm"),
+        helper.make_node("MatMul", ["x", "wb"], ["mb"], name="b.mm"),
+        helper.make_node("Add", ["ma", "ba"], ["aa"], name="a.add"),
+        helper.make_node("Add", ["mb", "bb"], ["ab"], name="b.add"),
+        helper.make_node("Relu", ["aa"], ["ya"], name="a.relu"),
+        helper.make_node("Relu", ["ab"], ["yb"], name="b.relu"),
+    ]
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, width]) for n in ("x", "ya", "yb")]
+    graph = helper.make_graph(nodes, "branches", [vi[0]], vi[1:], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_nodes_are_reordered_depth_first_from_the_outputs() -> None:
+    m = load_model(_interleaved_branches())
+    assert [n.name for n in m.graph.node] == ["a.mm", "a.add", "a.relu", "b.mm", "b.add", "b.relu"]
+    onnx.checker.check_model(m)  # still a topological order
+
+
+def test_shape_arithmetic_folds_to_constants() -> None:
+    """TorchScript computes reshape targets from Shape nodes; with static shapes they must fold away."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),  # the shape of r is known only after inference
+        helper.make_node("Shape", ["r"], ["s"], name="shape"),
+        helper.make_node("Gather", ["s", "zero"], ["b"], name="batch", axis=0),
+        helper.make_node("Unsqueeze", ["b", "axes"], ["b1"], name="unsq"),
+        helper.make_node("Concat", ["b1", "minus1"], ["target"], name="concat", axis=0),
+        helper.make_node("Reshape", ["r", "target"], ["y"], name="reshape"),
+    ]
+    inits = [onnx.numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             onnx.numpy_helper.from_array(np.array([0], np.int64), "axes"),
+             onnx.numpy_helper.from_array(np.array([-1], np.int64), "minus1")]
+    graph = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["r", "c"])], inits)
+    m = load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    assert [n.op_type for n in m.graph.node] == ["Relu", "Reshape"]
+    y = next(v for v in m.graph.output if v.name == "y")
+    assert [d.dim_value for d in y.type.tensor_type.shape.dim] == [3, 20]
