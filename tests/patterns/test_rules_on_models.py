@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import pytest
 
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 
-ZOO = pathlib.Path(os.environ.get("GTCO_ZOO_DIR", "~/.cache/onnx-gtco/zoo")).expanduser()
-EXPORTS = sorted(ZOO.glob("*.onnx")) if ZOO.is_dir() else []
 NONE = {"attention": [], "bmm_softmax": [], "matmul": []}
 
 
@@ -41,13 +36,3 @@ def test_built_in_model_forms(kit, name: str, forms: dict, act: str, q_layout: s
     assert sum(c.attr("activation") == act for c in cands if c.family == "gemm") == 2
     assert sum(c.attr("q_layout") == q_layout for c in cands if c.family == "attention") == 2
     assert sum(c.family == "layernorm" and not c.attr("residual") for c in cands) == 5
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", EXPORTS or [pytest.param(None, marks=pytest.mark.skip(
-    reason=f"no exports in {ZOO}: run tools/export_zoo.py"))], ids=lambda p: p.name if p else "none")
-def test_zoo_exports(kit, path: pathlib.Path) -> None:
-    """What exporters really write (tools/export_zoo.py: timm, transformers; TorchScript and dynamo)."""
-    view = GraphView(load_model(path))
-    cands, _ = kit.collect(view)
-    assert kit.uncovered(view, cands) == NONE
