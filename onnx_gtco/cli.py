@@ -137,8 +137,18 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _quiet_onnxruntime() -> None:
+    """ORT's graph optimizer warns about every node it cannot simplify while graph-surgeon folds constants with it;
+    the command prints what matters itself. --debug keeps ORT's warnings."""
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if not args.debug:
+        _quiet_onnxruntime()
     try:
         return int(args.func(args))
     except GtcoError as e:

@@ -100,7 +100,7 @@ def test_too_new_opset_is_refused() -> None:
 
 
 def _interleaved_branches(width: int = 4) -> onnx.ModelProto:
-    """Two independent MatMul+Add+Relu branches, listed the way dynamo lists them: stage by stage, not branch by branch."""
+    """Two independent MatMul+Add+Relu branches, listed stage by stage (as dynamo does), not branch by branch."""
     rng = np.random.default_rng(7)
     inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
              for n, s in [("wa", (width, width)), ("wb", (width, width)), ("ba", (width,)), ("bb", (width,))]]
