@@ -68,6 +68,8 @@ def build_report(
             "nodes": len(c.nodes),
             "reason": "the DP found a cheaper cover: " + ", ".join(by),
         })
+    fused_ids = set().union(*(g.nodes for g in plan.fused_groups)) if plan.fused_groups else set()
+    unfused_ops = _count(n.op_type for n in view.nodes if n.id not in fused_ids)
     total_flops = _flops(view, frozenset(range(len(view))))
     fused_flops = sum(g["flops"] for g in groups)
     before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
@@ -90,6 +92,7 @@ def build_report(
         "dp_states": plan.states,
         "candidates": len(candidates),
         "families": _count(g["family"] for g in groups),
+        "unfused_ops": unfused_ops,
         "groups": groups,
         "rejected": [{"pattern": r.pattern, "anchor": r.anchor, "reason": r.reason} for r in rejects],
         "not_chosen": not_chosen,
@@ -107,6 +110,15 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=1, sort_keys=False) + "\n"
 
 
+def _top(counts: dict[str, int], k: int = 6) -> str:
+    """`Reshape x40, Transpose x12, ...` of the k most frequent op types; "nothing" when empty."""
+    if not counts:
+        return "nothing"
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    more = f", {len(ranked) - k} more op types" if len(ranked) > k else ""
+    return f"{sum(counts.values())} nodes: " + ", ".join(f"{op} x{n}" for op, n in ranked[:k]) + more
+
+
 def summary(report: dict[str, Any]) -> str:
     """A short human-readable summary (the CLI prints this)."""
     fam = ", ".join(f"{k} x{v}" for k, v in report["families"].items()) or "none"
@@ -119,6 +131,7 @@ def summary(report: dict[str, Any]) -> str:
         f"{100 * report['fused_flop_share']:.1f}% inside fused groups",
         f"predicted  {report['predicted_us_before']:.1f} us -> {report['predicted_us_after']:.1f} us "
         f"({report['predicted_speedup']}x, analytical model)",
+        f"unfused    {_top(report['unfused_ops'])}",
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",
     ]

@@ -32,6 +32,9 @@ def assert_fully_fused(result, min_share: float = 0.9) -> None:
             in_attention |= g.nodes
     missing = softmax_ids(result) - in_attention
     assert not missing, f"softmax nodes left outside attention groups: {missing}"
+    fused = set().union(*(g.nodes for g in result.plan.fused_groups))
+    assert sum(rep["unfused_ops"].values()) == len(result.view) - len(fused)
+    assert "Softmax" not in rep["unfused_ops"] and "MatMul" not in rep["unfused_ops"]
     assert rep["fused_flop_share"] >= min_share, rep["fused_flop_share"]
     assert rep["nodes_after"] < rep["nodes_before"]
     assert rep["predicted_us_after"] < rep["predicted_us_before"]
