@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx.version_converter
 from google.protobuf.message import DecodeError
+from onnx import helper
 
 from onnx_gtco.errors import ModelError, UnsupportedError
 
@@ -77,12 +79,40 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     return model
 
 
+# Initializers with more elements than this are hidden from shape inference: their shapes are all it needs, and
+# serialising the weights of a large model for each inference pass cost more than the rest of loading together.
+_INFER_VALUE_LIMIT = 4096
+
+
 def _infer_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model."""
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import,
+                                      functions=model.functions))
+    graph = skeleton.graph
+    graph.name = model.graph.name
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    graph.value_info.extend(model.graph.value_info)
+    declared = {v.name for v in model.graph.input}
+    for t in model.graph.initializer:
+        if int(np.prod(t.dims, dtype=np.int64)) <= _INFER_VALUE_LIMIT:
+            graph.initializer.append(t)
+        elif t.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]
         raise ModelError(f"{name}: shape inference failed: {first}") from None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(inferred.graph.value_info)
+    del out.graph.output[:]
+    out.graph.output.extend(inferred.graph.output)
+    return out
 
 
 def _order_depth_first(model: onnx.ModelProto) -> None:
