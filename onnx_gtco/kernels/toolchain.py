@@ -1,0 +1,118 @@
+"""Find the compilers (nvcc for devices, g++ for the CPU emulation) and run one compile with a clear failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from onnx_gtco.errors import GtcoError
+
+DEFAULT_TIMEOUT_S = 120.0
+_ERROR_LINES = 6
+
+
+class BuildError(GtcoError):
+    """A compiler is missing, failed, or timed out."""
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """A compile that succeeded: the command line, what it printed and how long it took."""
+
+    command: tuple[str, ...]
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _find(env: str, default: str, hint: str) -> str:
+    override = os.environ.get(env)
+    if override:
+        found = shutil.which(override)
+        if found is None:
+            raise BuildError(f"{default} not found ({hint}): {env}={override!r} is not an executable")
+        return found
+    found = shutil.which(default)
+    if found is None:
+        raise BuildError(f"{default} not found ({hint})")
+    return found
+
+
+def find_nvcc() -> str:
+    """Path of nvcc: $NVCC if set, else nvcc on PATH.
+
+    Raises:
+        BuildError: "nvcc not found (set NVCC or install the CUDA toolkit)".
+    """
+    return _find("NVCC", "nvcc", "set NVCC or install the CUDA toolkit")
+
+
+def find_cxx() -> str:
+    """Path of the host C++ compiler: $CXX if set, else g++ on PATH.
+
+    Raises:
+        BuildError: "g++ not found (set CXX or install g++)".
+    """
+    return _find("CXX", "g++", "set CXX or install g++")
+
+
+def _first_errors(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return "\n".join((errors or lines[-_ERROR_LINES:])[:_ERROR_LINES])
+
+
+def run_compile(command: Sequence[str], source: str | os.PathLike[str],
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> CompileResult:
+    """Run one compiler command line.
+
+    Args:
+        command: the full command, compiler first.
+        source: the file being compiled, named in errors.
+        timeout_s: wall-clock limit.
+
+    Raises:
+        BuildError: naming the source and the compiler's first error lines when it exits non-zero, or saying it
+            timed out.
+    """
+    cmd = tuple(str(c) for c in command)
+    tool = Path(cmd[0]).name
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"{tool} timed out after {timeout_s:g} s compiling {source}") from None
+    except OSError as e:
+        raise BuildError(f"{tool} could not run on {source}: {e.strerror or e}") from None
+    if proc.returncode != 0:
+        raise BuildError(f"{tool} failed on {source} (exit {proc.returncode}):\n"
+                         f"{_first_errors(proc.stderr + proc.stdout)}")
+    return CompileResult(cmd, proc.stdout, proc.stderr, time.monotonic() - start)
+
+
+def _flags(include_dirs: Sequence[str | os.PathLike[str]], defines: Sequence[str]) -> list[str]:
+    return [f"-I{d}" for d in include_dirs] + [f"-D{d}" for d in defines]
+
+
+def nvcc_compile(source: str | os.PathLike[str], output: str | os.PathLike[str], arch: str = "sm_80", *,
+                 include_dirs: Sequence[str | os.PathLike[str]] = (), defines: Sequence[str] = (),
+                 extra: Sequence[str] = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> CompileResult:
+    """Compile a .cu to an object file for one architecture with the ptxas report on (parse its stderr with
+    onnx_gtco.kernels.ptxas.parse_ptxas)."""
+    cmd = [find_nvcc(), f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", *_flags(include_dirs, defines), *extra,
+           "-c", str(source), "-o", str(output)]
+    return run_compile(cmd, source, timeout_s)
+
+
+def cxx_build(source: str | os.PathLike[str], output: str | os.PathLike[str], *,
+              include_dirs: Sequence[str | os.PathLike[str]] = (), defines: Sequence[str] = (),
+              extra: Sequence[str] = ("-O1",), timeout_s: float = DEFAULT_TIMEOUT_S) -> CompileResult:
+    """Build an executable from one C++ (or .cu written for the emulation) source with the host compiler."""
+    cmd = [find_cxx(), "-std=c++17", "-pthread", *_flags(include_dirs, defines), *extra,
+           "-x", "c++", str(source), "-o", str(output)]
+    return run_compile(cmd, source, timeout_s)

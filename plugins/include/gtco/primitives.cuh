@@ -1,0 +1,155 @@
+// Device building blocks of gtco's Tensor Core kernels: mma.m16n8k16, ldmatrix, cp.async and warp reductions.
+//
+// Built by nvcc, these are inline PTX (sm_80 and later). With GTCO_EMULATE defined (a g++ build), the same
+// names come from plugins/emu/gtco_emu.h, which runs them on the CPU. Fragment layouts are those of the PTX ISA,
+// section "Matrix Fragments for mma.m16n8k16 with floating point type":
+//   groupID = lane >> 2, threadID_in_group (tig) = lane % 4; element i sits in register i / 2, low 16 bits first.
+//   A (16x16, row): a0,a1 row g cols 2*tig+{0,1};  a2,a3 row g+8;  a4..a7 as a0..a3 with cols + 8.
+//   B (16x8, col):  b0,b1 rows (k) 2*tig+{0,1}, col (n) g;  b2,b3 rows + 8.
+//   C/D (16x8 f32): c0,c1 row g cols 2*tig+{0,1};  c2,c3 row g+8.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(GTCO_EMULATE)
+#include "../../emu/gtco_emu.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define GTCO_DEVICE __device__ __forceinline__
+#define GTCO_SHARED(type, name, count) __shared__ __align__(16) type name[count]
+#define GTCO_UNROLL _Pragma("unroll")
+
+namespace gtco {
+
+GTCO_DEVICE unsigned lane_id() {
+    unsigned lane;
+    asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
+GTCO_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// D = A * B + C; d may alias c.
+GTCO_DEVICE void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                  const float (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+GTCO_DEVICE void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                   const float (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+// ldmatrix (.m8n8, .b16): lanes 8j..8j+7 pass the shared-memory addresses of rows 0..7 of matrix j (16-byte
+// aligned); for .x2 only lanes 0..15 are read, but every lane must pass a valid shared address. Register j of
+// lane l holds row l/4, columns 2*(l%4)+{0,1} of matrix j; .trans gives rows 2*(l%4)+{0,1} of column l/4.
+GTCO_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem_row)));
+}
+
+GTCO_DEVICE void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(smem_row)));
+}
+
+GTCO_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem_row)));
+}
+
+GTCO_DEVICE void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(smem_row)));
+}
+
+// cp.async.cg (L2 only, 16 bytes). With pred false, src-size is 0: nothing is read from gmem_src and the 16
+// destination bytes are zero-filled ("cp.async", PTX ISA). Both addresses must be 16-byte aligned.
+GTCO_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
+}
+
+GTCO_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src, bool pred) {
+    const int src_size = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+                 "r"(src_size)
+                 : "memory");
+}
+
+GTCO_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+GTCO_DEVICE void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+}  // namespace gtco
+#endif  // GTCO_EMULATE
+
+namespace gtco {
+
+// Element type of an mma operand: __half -> .f16, __nv_bfloat16 -> .bf16.
+template <typename T>
+GTCO_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    if constexpr (std::is_same<T, __half>::value) {
+        mma_m16n8k16_f16(d, a, b, c);
+    } else {
+        static_assert(std::is_same<T, __nv_bfloat16>::value, "mma_m16n8k16: T must be __half or __nv_bfloat16");
+        mma_m16n8k16_bf16(d, a, b, c);
+    }
+}
+
+// acc += A * B
+template <typename T>
+GTCO_DEVICE void mma_m16n8k16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    mma_m16n8k16<T>(acc, a, b, acc);
+}
+
+// Reductions over LANES consecutive lanes (4: the quad that shares one mma row; 32: the warp). Every lane of the
+// warp must call them; each group of LANES lanes gets its own result.
+template <int LANES = 32>
+GTCO_DEVICE float warp_max(float v) {
+    static_assert(LANES == 2 || LANES == 4 || LANES == 8 || LANES == 16 || LANES == 32, "LANES: power of 2 <= 32");
+    GTCO_UNROLL
+    for (int m = LANES / 2; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+    return v;
+}
+
+template <int LANES = 32>
+GTCO_DEVICE float warp_sum(float v) {
+    static_assert(LANES == 2 || LANES == 4 || LANES == 8 || LANES == 16 || LANES == 32, "LANES: power of 2 <= 32");
+    GTCO_UNROLL
+    for (int m = LANES / 2; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+// Two 16-bit values in one 32-bit register, lo in the low half (the order of fragment elements).
+GTCO_DEVICE uint32_t pack_b16(__half lo, __half hi) {
+    return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
+}
+GTCO_DEVICE uint32_t pack_b16(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) | (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+
+GTCO_DEVICE float quad_max(float v) { return warp_max<4>(v); }
+GTCO_DEVICE float quad_sum(float v) { return warp_sum<4>(v); }
+
+}  // namespace gtco

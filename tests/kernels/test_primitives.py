@@ -1,0 +1,153 @@
+"""plugins/include/gtco/primitives.cuh: numerics through the CPU emulation, resources through nvcc/ptxas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernel_helpers import INCLUDE, KERNELS, nvcc_missing, run_exe
+
+from onnx_gtco.kernels.ptxas import parse_ptxas
+from onnx_gtco.kernels.toolchain import nvcc_compile
+
+SOURCE = "mma_tile.cu"
+NORM_TOL = 1e-3  # ||D - ref|| / ||ref||, ref in fp64 from the same 16-bit inputs
+ELEM_TOL = 1e-5  # |D - ref| per element, relative to (|A| @ |B|): fp32 accumulation over K <= 64
+DTYPES = ("f16", "bf16")
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> float32 holding the nearest bfloat16 (ties to even), chosen by comparing both neighbours."""
+    x = np.asarray(x, np.float32)
+    bits = x.view(np.uint32) & np.uint32(0xFFFF0000)
+    lo = bits.view(np.float32)  # truncated toward zero
+    hi = (bits + np.uint32(0x10000)).view(np.float32)  # next bf16 away from zero
+    d_lo = np.abs(x.astype(np.float64) - lo)
+    d_hi = np.abs(hi.astype(np.float64) - x)
+    odd = ((bits >> 16) & 1).astype(bool)
+    return np.where((d_hi < d_lo) | ((d_hi == d_lo) & odd), hi, lo)
+
+
+def quantize(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(16-bit patterns for the kernel, their values in fp64)."""
+    if dtype == "f16":
+        h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    b = to_bf16(x)
+    return (b.view(np.uint32) >> 16).astype(np.uint16), b.astype(np.float64)
+
+
+def run_gemm(exe, tmp_path, dtype: str, config: str, m: int, n: int, k: int, seed: int = 0):
+    """Run the emulated gemm_tile on seeded normal inputs; returns (D, fp64 reference, |A| @ |B|)."""
+    rng = np.random.default_rng(seed)
+    a_bits, a = quantize(rng.standard_normal((m, k)).astype(np.float32), dtype)
+    b_bits, b = quantize(rng.standard_normal((k, n)).astype(np.float32), dtype)
+    (tmp_path / "a.bin").write_bytes(a_bits.tobytes())
+    b_layout = b_bits.T if config.endswith("nk") else b_bits  # [N][K] or [K][N]
+    (tmp_path / "b.bin").write_bytes(np.ascontiguousarray(b_layout).tobytes())
+    run_exe(exe, "gemm", dtype, config, m, n, k, tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "d.bin")
+    d = np.fromfile(tmp_path / "d.bin", np.float32).reshape(m, n).astype(np.float64)
+    return d, a @ b, np.abs(a) @ np.abs(b)
+
+
+def assert_matches(d: np.ndarray, ref: np.ndarray, scale: np.ndarray) -> None:
+    assert np.isfinite(d).all(), f"{np.count_nonzero(~np.isfinite(d))} non-finite outputs"
+    rel = np.linalg.norm(d - ref) / np.linalg.norm(ref)
+    worst = np.max(np.abs(d - ref) / scale)
+    assert rel < NORM_TOL and worst < ELEM_TOL, f"norm ratio {rel:.3g}, worst element {worst:.3g} of |A||B|"
+
+
+@pytest.fixture(scope="module")
+def exe(emu_build):
+    return emu_build(SOURCE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("config", "m", "n", "k"), [
+    ("w1", 16, 8, 16),     # one warp, one 16x8x16 mma; B [K][N] through ldmatrix.x2.trans
+    ("w1nk", 16, 8, 16),   # one warp; B [N][K] through ldmatrix.x2
+    ("w4", 32, 16, 16),    # 2x2 warps, one block
+    ("w4nk", 32, 16, 64),  # 2x2 warps, four k-steps through the 2-stage cp.async pipeline
+])
+def test_tile_matches_fp64_reference(exe, tmp_path, dtype, config, m, n, k):
+    assert_matches(*run_gemm(exe, tmp_path, dtype, config, m, n, k, seed=1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("config", "m", "n", "k"), [
+    ("w1", 40, 24, 48),    # 3x3 blocks, rows 40..47 zero-filled
+    ("w4", 40, 24, 48),    # 2x2 blocks, rows 40..63 and cols 24..31 zero-filled
+    ("w4nk", 40, 24, 48),
+    ("w4", 40, 24, 40),    # K % 16 != 0: the last k-step's upper half is zero-filled in A and B
+    ("w1nk", 40, 24, 40),
+])
+def test_ragged_grid_is_masked(exe, tmp_path, dtype, config, m, n, k):
+    """Edge tiles rely on cp.async zero-fill: a missing predicate would read poison (NaN) from shared memory."""
+    assert_matches(*run_gemm(exe, tmp_path, dtype, config, m, n, k, seed=2))
+
+
+@pytest.mark.parametrize(("permute", "config"), [(1, "w4"), (2, "w4"), (2, "w4nk"), (3, "w4nk")])
+def test_wrong_fragment_mapping_is_caught(emu_build, tmp_path, permute, config):
+    """Swapping two A registers, two B registers, or the row/column roles of C makes the result wrong."""
+    exe = emu_build(SOURCE, f"GTCO_TEST_PERMUTE={permute}")
+    d, ref, _ = run_gemm(exe, tmp_path, "f16", config, 40, 24, 48, seed=3)
+    assert np.linalg.norm(d - ref) / np.linalg.norm(ref) > 0.1
+
+
+def test_missing_cp_async_wait_is_caught(emu_build, tmp_path):
+    """cp.async completes only at the wait that covers it, so reading the tile before waiting reads the poison."""
+    exe = emu_build(SOURCE, "GTCO_TEST_NO_WAIT")
+    d, _, _ = run_gemm(exe, tmp_path, "f16", "w4", 40, 24, 48, seed=4)
+    assert np.isnan(d).any()
+
+
+def test_warp_and_quad_reductions(exe, tmp_path):
+    x = np.random.default_rng(5).standard_normal(64).astype(np.float32)
+    (tmp_path / "x.bin").write_bytes(x.tobytes())
+    run_exe(exe, "reduce", tmp_path / "x.bin", tmp_path / "out.bin")
+    out = np.fromfile(tmp_path / "out.bin", np.float32).reshape(64, 4)
+    warps, quads = x.reshape(2, 32).astype(np.float64), x.reshape(16, 4).astype(np.float64)
+    np.testing.assert_array_equal(out[:, 0], np.repeat(warps.max(1), 32))
+    np.testing.assert_allclose(out[:, 1], np.repeat(warps.sum(1), 32), rtol=0, atol=1e-5 * np.abs(x).sum())
+    np.testing.assert_array_equal(out[:, 2], np.repeat(quads.max(1), 4))
+    np.testing.assert_allclose(out[:, 3], np.repeat(quads.sum(1), 4), rtol=0, atol=1e-6 * np.abs(x).sum())
+
+
+def test_conversions_round_to_nearest_even(exe, tmp_path):
+    rng = np.random.default_rng(6)
+    values = [rng.standard_normal(4000) * np.exp2(rng.integers(-30, 17, 4000)),  # fp16 normal and subnormal range
+              rng.standard_normal(1000) * np.exp2(rng.integers(-140, 120, 1000)),  # all of bf16's range
+              np.float32([0.0, -0.0, 65504, 65519.996, 65520, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26])]
+    x = np.concatenate(values).astype(np.float32)
+    bits = x.view(np.uint32)
+    ties = ((bits & ~np.uint32(0x1FFF)) | np.uint32(0x1000)).view(np.float32)  # fp16 halfway cases
+    bf_ties = ((bits & ~np.uint32(0xFFFF)) | np.uint32(0x8000)).view(np.float32)  # bf16 halfway cases
+    x = np.concatenate([x, ties[:500], bf_ties[4000:4500], np.float32([np.inf, -np.inf, np.nan])])
+    x = x[np.isfinite(x) | ~np.isfinite(x)]
+    (tmp_path / "x.bin").write_bytes(x.tobytes())
+    run_exe(exe, "convert", tmp_path / "x.bin", tmp_path / "out.bin")
+    out = np.fromfile(tmp_path / "out.bin", np.uint16).reshape(2, -1)
+    with np.errstate(over="ignore"):
+        f16 = x.astype(np.float16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out[0][~nan], f16.view(np.uint16)[~nan])
+    assert np.isnan(out[0][nan].view(np.float16)).all()
+    in_range = ~nan & (np.abs(x) < 3.3e38)
+    expect_bf16 = (to_bf16(x[in_range]).view(np.uint32) >> 16).astype(np.uint16)
+    np.testing.assert_array_equal(out[1][in_range], expect_bf16)
+    assert np.isnan((out[1][nan].astype(np.uint32) << 16).view(np.float32)).all()
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_ptxas_reports_no_spills(tmp_path, arch):
+    result = nvcc_compile(KERNELS / SOURCE, tmp_path / f"mma_tile_{arch}.o", arch, include_dirs=[INCLUDE],
+                          timeout_s=60)
+    kernels = parse_ptxas(result.stderr)
+    gemms = [k for k in kernels if "gemm_tile" in k.name]
+    assert len(gemms) == 8 and sum("reduce_test" in k.name for k in kernels) == 1
+    for k in kernels:
+        assert k.arch == arch
+        assert k.registers > 0, k
+        assert not k.spills and k.stack_frame_bytes == 0, k
+    assert all(k.smem_bytes > 0 for k in gemms)
