@@ -36,6 +36,8 @@
 #define GTCO_DEVICE inline
 #define GTCO_UNROLL
 #define GTCO_SHARED(type, name, count) type* const name = ::gtco::emu::shared_alloc<type>(count)
+// Dynamic shared memory: `count` elements the launch provides (GTCO_LAUNCH_SMEM); carved from the same arena here.
+#define GTCO_DYNAMIC_SHARED(type, name, count) type* const name = ::gtco::emu::shared_alloc<type>(count)
 
 struct uint3 {
     unsigned x, y, z;

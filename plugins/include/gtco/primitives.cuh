@@ -20,6 +20,11 @@
 
 #define GTCO_DEVICE __device__ __forceinline__
 #define GTCO_SHARED(type, name, count) __shared__ __align__(16) type name[count]
+// Dynamic shared memory of `count` elements (the launch passes the bytes: GTCO_LAUNCH_SMEM in gtco/launch.cuh).
+// At most one per kernel, declared after every GTCO_SHARED.
+#define GTCO_DYNAMIC_SHARED(type, name, count)                                  \
+    extern __shared__ __align__(16) unsigned char gtco_dynamic_smem_[];         \
+    type* const name = reinterpret_cast<type*>(gtco_dynamic_smem_)
 #define GTCO_UNROLL _Pragma("unroll")
 
 namespace gtco {

@@ -1,0 +1,172 @@
+"""What every kernel family provides: its tunable space, a validity check with a reason, one instantiation's
+source, and an fp64 numpy reference of what the instance computes.
+
+A family's device code is a thick header, `plugins/include/gtco/<family>.cuh`, holding the kernel templates, the
+C argument struct and a host launcher template. `instantiate` writes the thin part: one `.cu` text that includes
+that header and exports one C entry point (`gtco/launch.cuh`):
+
+    extern "C" int <symbol>(const <Args>* args, void* stream);
+
+The same text builds with nvcc (sm_80 / sm_90) and with g++ -DGTCO_EMULATE for the CPU emulation
+(`onnx_gtco.kernels.emulate`). `args_fields` mirrors the C struct field for field, so Python can fill it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+DTYPES = ("f16", "bf16", "f32")
+ARCHS = ("sm_80", "sm_90")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One kernel to build: the family, the I/O dtype, static sizes and the fixed semantics of the fused group.
+
+    Attributes:
+        family: family name, e.g. "gemm".
+        dtype: element type of the kernel's inputs and outputs: "f16", "bf16" or "f32".
+        sizes: named static extents, e.g. (("M", 197), ("N", 768), ("K", 768)).
+        flags: named fixed choices, e.g. (("activation", "gelu_erf"), ("bias", True)).
+    """
+
+    family: str
+    dtype: str
+    sizes: tuple[tuple[str, int], ...] = ()
+    flags: tuple[tuple[str, Any], ...] = ()
+
+    def size(self, key: str) -> int:
+        for k, v in self.sizes:
+            if k == key:
+                return int(v)
+        raise KeyError(f"{self.family} problem has no size {key!r}")
+
+    def flag(self, key: str, default: Any = None) -> Any:
+        for k, v in self.flags:
+            if k == key:
+                return v
+        return default
+
+    @classmethod
+    def make(cls, family: str, dtype: str, sizes: Mapping[str, int], flags: Mapping[str, Any] | None = None
+             ) -> Problem:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: choose one of {DTYPES}")
+        return cls(family, dtype, tuple(sorted((k, int(v)) for k, v in sizes.items())),
+                   tuple(sorted((flags or {}).items())))
+
+
+Config = Mapping[str, int]
+"""One point of a family's tunable space, e.g. {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3}."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the C argument struct, in declaration order.
+
+    kind: "ptr" (value names an array of `run`'s inputs/outputs), "i32", "i64" or "f32" (value is the number).
+    """
+
+    name: str
+    kind: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One generated instantiation.
+
+    Attributes:
+        name: procedural and readable: family, arch, dtype, tile, stages, e.g.
+            "gemm_sm80_f16_128x128x32_w2x2_s3_bias_gelu_erf".
+        symbol: the exported C entry point (usually `gtco_` + name).
+        source: the whole .cu text.
+        problem, config, arch: what it was built for.
+        smem_bytes: shared memory per block the config needs (static + dynamic).
+    """
+
+    name: str
+    symbol: str
+    source: str
+    problem: Problem
+    config: Mapping[str, int] = field(default_factory=dict)
+    arch: str = "sm_80"
+    smem_bytes: int = 0
+
+
+class KernelFamily(ABC):
+    """A parameterised CUDA kernel template and what Python needs to know of it."""
+
+    name: str
+    space: Mapping[str, tuple[int, ...]]
+    """Tunable parameter -> allowed values (the tuner's search space)."""
+
+    @abstractmethod
+    def check(self, problem: Problem, config: Config, arch: str) -> str | None:
+        """None when the config can run the problem on `arch`, else the reason it cannot (shared memory over the
+        arch's limit, a tile that does not divide, a warp layout that does not cover the tile, ...)."""
+
+    @abstractmethod
+    def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
+        """A few valid configs, best first by the family's own rule of thumb (the tuner starts from these)."""
+
+    @abstractmethod
+    def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
+        """The instance's source. Raises ValueError with check()'s reason for an invalid config."""
+
+    @abstractmethod
+    def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
+        """The C argument struct's fields for a run on `arrays` (inputs and preallocated outputs by name)."""
+
+    @abstractmethod
+    def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What the instance computes, in float64 numpy on the (already rounded) inputs."""
+
+    @abstractmethod
+    def outputs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Output array name -> (shape, dtype) to preallocate for a run."""
+
+    def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
+        """Seeded inputs for tests (never zeros). Families override where inputs have structure (masks)."""
+        raise NotImplementedError
+
+
+def np_dtype(dtype: str) -> Any:
+    """numpy storage dtype of a kernel dtype (bf16 is stored as uint16 bits)."""
+    return {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}[dtype]
+
+
+def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float array -> the kernel's storage (bf16 rounded to nearest even, kept as uint16 bits)."""
+    if dtype == "f16":
+        return np.ascontiguousarray(x, dtype=np.float16)
+    if dtype == "f32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    nan = np.isnan(x)
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def from_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The kernel's storage -> float64 values."""
+    if dtype == "bf16":
+        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def rel_error(got: np.ndarray, want: np.ndarray) -> float:
+    """‖got − want‖ / ‖want‖ in float64 (inf when got has a NaN that want does not)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if np.isnan(got).any() and not np.isnan(want).any():
+        return float("inf")
+    denom = float(np.linalg.norm(want))
+    return float(np.linalg.norm(got - want) / (denom if denom else 1.0))
+

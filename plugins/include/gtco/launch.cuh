@@ -1,0 +1,36 @@
+// How a generated instantiation launches its kernel, so one source serves nvcc (the real launch on the caller's
+// stream) and the CPU emulation (g++ -DGTCO_EMULATE: gtco::emu::launch runs the grid on host threads).
+//
+// Every instantiation exports one C entry point:
+//     extern "C" int <symbol>(const <Args>* args, void* stream);
+// returning 0 on success, or a GTCO_E* code when the arguments do not fit what the instance was built for (the
+// caller turns it into an error naming the op and the shapes). <Args> is a plain C struct of pointers and
+// integer/float scalars declared in gtco/<family>.cuh, mirrored field for field by the family's Python side.
+#pragma once
+
+#include "gtco/primitives.cuh"
+
+#define GTCO_OK 0
+#define GTCO_EBADSHAPE 1    // a size differs from the one the instance was built for, or breaks its divisibility
+#define GTCO_ELAUNCH 2      // the launch itself failed (cudaGetLastError after the launch)
+
+#if defined(GTCO_EMULATE)
+#define GTCO_EXPORT extern "C" __attribute__((visibility("default")))
+#define GTCO_LAUNCH(kernel, grid, block, stream, ...) (gtco::emu::launch((kernel), (grid), (block), __VA_ARGS__), 0)
+#define GTCO_LAUNCH_SMEM(kernel, grid, block, smem_bytes, stream, ...)                                    \
+    ((smem_bytes) > GTCO_EMU_SMEM_BYTES ? GTCO_ELAUNCH                                                    \
+                                        : (gtco::emu::launch((kernel), (grid), (block), __VA_ARGS__), 0))
+#else
+#include <cuda_runtime.h>
+#define GTCO_EXPORT extern "C" __attribute__((visibility("default")))
+#define GTCO_LAUNCH(kernel, grid, block, stream, ...)                                                     \
+    ((kernel)<<<(grid), (block), 0, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__),                    \
+     cudaGetLastError() == cudaSuccess ? 0 : GTCO_ELAUNCH)
+// With dynamic shared memory; above 48 KiB the kernel must first opt in (cudaFuncSetAttribute).
+#define GTCO_LAUNCH_SMEM(kernel, grid, block, smem_bytes, stream, ...)                                    \
+    (((smem_bytes) > 48 * 1024 &&                                                                         \
+      cudaFuncSetAttribute((kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, (smem_bytes)) != cudaSuccess) \
+         ? GTCO_ELAUNCH                                                                                   \
+         : ((kernel)<<<(grid), (block), (smem_bytes), static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__),    \
+            cudaGetLastError() == cudaSuccess ? 0 : GTCO_ELAUNCH))
+#endif
