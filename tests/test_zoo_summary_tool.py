@@ -1,0 +1,33 @@
+"""tools/zoo_summary.py prints one honest line per model and fails on a bad one."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import onnx
+import pytest
+
+from onnx_gtco.models import build
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "zoo_summary.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("zoo_summary", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_summary_line_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "vit.onnx"
+    onnx.save(build("vit-tiny", depth=3, seed=0), str(good))
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00not a model")
+    tool = _tool()
+    assert tool.main([str(good)]) == 0
+    line = capsys.readouterr().out
+    assert "softmax in attention 3/3" in line and "95 ->    28" in line
+    assert tool.main([str(good), str(bad)]) == 1
+    assert "bad.onnx" in capsys.readouterr().out
