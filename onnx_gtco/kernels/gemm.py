@@ -1,0 +1,293 @@
+"""The GEMM / batched-GEMM family: ``y = act(A @ B + bias) + residual`` on Tensor Cores (plugins/include/gtco/gemm.cuh).
+
+Problem sizes: "batch", "M", "N", "K", "b_batched" (1: one B per batch entry, 0: one B shared by the batch, a
+weight GEMM). Flags: "trans_b" (B is [N, K]), "bias" (bias [N]), "activation" (a name of
+onnx_gtco.patterns._act.REFERENCE, or "none"), "residual" (residual like y).
+
+Arrays of a run: "a" [batch, M, K]; "b" [batch, K, N] / [K, N] (or [.., N, K] with trans_b); "bias" [N];
+"residual" and "y" [batch, M, N]. The kernel is generic in the sizes (they are runtime arguments checked by the
+launcher), so one built instance serves every shape with the same flags.
+
+Config "VEC" (optional, default 1) picks the global->shared copy: 1 is the cp.async pipeline with 16-byte chunks,
+which needs K % 8 == 0 and N % 8 == 0 (`check` rejects other shapes with that reason); 0 is the slower fallback
+with element-wise predicated loads for any K and N (attention's QKᵀ and PV with 197 tokens). `configs` offers
+VEC = 1 where it applies and VEC = 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from onnx_gtco.config import TARGETS
+from onnx_gtco.kernels.family import (
+    ARCHS,
+    Config,
+    Field,
+    Instance,
+    KernelFamily,
+    Problem,
+    from_storage,
+    np_dtype,
+    to_storage,
+)
+from onnx_gtco.patterns._act import REFERENCE
+
+# Activation name -> gtco::Act enumerator in gemm.cuh.
+ACTIVATIONS: dict[str, str] = {
+    "none": "kNone", "relu": "kRelu", "gelu_erf": "kGeluErf", "gelu_tanh": "kGeluTanh", "silu": "kSilu",
+    "quick_gelu": "kQuickGelu", "sigmoid": "kSigmoid", "tanh": "kTanh", "relu6": "kRelu6",
+}
+_CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
+_PAD = 8                  # elements of padding per shared-memory row (GemmTile::kPad)
+_STATIC_SMEM_MAX = 48 * 1024
+MAX_ACC_PER_THREAD = 128  # fp32 accumulators per thread: a 64x64 warp tile; larger ones cannot stay in registers
+MAX_THREADS = 1024
+
+
+def smem_bytes(config: Config, trans_b: bool) -> int:
+    """Shared memory of one block: STAGES ring slots of the A tile and the B tile, rows padded by 8 elements."""
+    bm, bn, bk, stages = config["BM"], config["BN"], config["BK"], config["STAGES"]
+    a_stage = bm * (bk + _PAD)
+    b_stage = bn * (bk + _PAD) if trans_b else bk * (bn + _PAD)
+    return stages * (a_stage + b_stage) * 2
+
+
+def _flags(problem: Problem) -> tuple[bool, bool, str, bool]:
+    return (bool(problem.flag("trans_b", False)), bool(problem.flag("bias", False)),
+            str(problem.flag("activation", "none") or "none"), bool(problem.flag("residual", False)))
+
+
+def _sizes(problem: Problem) -> tuple[int, int, int, int, bool]:
+    def get(key: str, default: int | None = None) -> int:
+        try:
+            return problem.size(key)
+        except KeyError:
+            if default is None:
+                raise
+            return default
+    return get("batch", 1), get("M"), get("N"), get("K"), bool(get("b_batched", 0))
+
+
+class GemmFamily(KernelFamily):
+    """Tiled Tensor Core GEMM with a STAGES-deep cp.async pipeline and a fused bias/activation/residual epilogue."""
+
+    name = "gemm"
+    space: Mapping[str, tuple[int, ...]] = {
+        "BM": (64, 128, 256),
+        "BN": (64, 128, 256),
+        "BK": (32, 64),
+        "WM": (1, 2, 4, 8),
+        "WN": (1, 2, 4, 8),
+        "STAGES": (2, 3, 4),
+        "VEC": (1, 0),
+    }
+    optional: Mapping[str, int] = {"VEC": 1}
+    """Parameters a config may leave out, with their defaults."""
+
+    # ---------------------------------------------------------------------------------------------------------
+    def check(self, problem: Problem, config: Config, arch: str) -> str | None:
+        if problem.family != self.name:
+            return f"problem is for family {problem.family!r}, not {self.name!r}"
+        if arch not in ARCHS:
+            return f"arch {arch!r}: choose one of {ARCHS}"
+        if problem.dtype not in _CTYPE:
+            return f"dtype {problem.dtype}: the GEMM kernels take f16 or bf16 (Tensor Core mma.m16n8k16)"
+        missing = [k for k in self.space if k not in config and k not in self.optional]
+        if missing:
+            return f"config lacks {', '.join(missing)}"
+        config = {**self.optional, **config}
+        for key, allowed in self.space.items():
+            if config[key] not in allowed:
+                return f"{key}={config[key]} is outside the space {allowed}"
+        try:
+            batch, m, n, k, _ = _sizes(problem)
+        except KeyError as e:
+            return f"problem lacks size {e.args[0]}"
+        trans_b, _, act, _ = _flags(problem)
+        if act not in ACTIVATIONS:
+            return f"activation {act!r} is not fused by the GEMM epilogue (have: {', '.join(ACTIVATIONS)})"
+        if min(batch, m, n, k) < 1:
+            return f"sizes must be positive (batch={batch}, M={m}, N={n}, K={k})"
+        if config["VEC"] and (k % 8 or n % 8):
+            return (f"K={k}, N={n}: VEC=1 (cp.async with 16-byte chunks of 8 elements) needs K % 8 == 0 and "
+                    f"N % 8 == 0; use VEC=0 (element-wise loads)")
+        if batch > 65535:
+            return f"batch={batch} exceeds the grid's z limit 65535"
+        bm, bn, bk, wm, wn = config["BM"], config["BN"], config["BK"], config["WM"], config["WN"]
+        if bm % (16 * wm) or bn % (8 * wn):
+            return (f"warp layout {wm}x{wn} does not divide the {bm}x{bn} tile into warp tiles that are multiples "
+                    f"of 16x8 (warp tile {bm / wm:g}x{bn / wn:g})")
+        if bk % 16:
+            return f"BK={bk} is not a multiple of the mma k (16)"
+        threads = wm * wn * 32
+        if threads > MAX_THREADS:
+            return f"{threads} threads per block (WM*WN*32) exceed {MAX_THREADS}"
+        acc = (bm // wm) * (bn // wn) // 32
+        if acc > MAX_ACC_PER_THREAD:
+            return (f"warp tile {bm // wm}x{bn // wn} needs {acc} fp32 accumulators per thread "
+                    f"(> {MAX_ACC_PER_THREAD}: would spill registers)")
+        smem = smem_bytes(config, trans_b)
+        limit = TARGETS[arch].smem_kib * 1024
+        if smem > limit:
+            return f"shared memory {smem} B ({smem / 1024:g} KiB) exceeds the {arch} limit of {limit // 1024} KiB"
+        return None
+
+    # ---------------------------------------------------------------------------------------------------------
+    def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
+        """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU."""
+        big = [
+            {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 4},
+            {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3},
+            {"BM": 128, "BN": 256, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3},
+            {"BM": 128, "BN": 128, "BK": 64, "WM": 2, "WN": 4, "STAGES": 3},
+        ]
+        small = [
+            {"BM": 128, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4},
+            {"BM": 64, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4},
+            {"BM": 64, "BN": 64, "BK": 64, "WM": 2, "WN": 2, "STAGES": 3},
+            {"BM": 64, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 2},
+        ]
+        try:
+            batch, m, n, _, _ = _sizes(problem)
+            tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
+        except KeyError:
+            tiles = 0
+        sms = 132 if arch == "sm_90" else 108
+        order = big + small if tiles >= sms else small + big
+        try:
+            vec = int(problem.size("K") % 8 == 0 and problem.size("N") % 8 == 0)
+        except KeyError:
+            vec = 1
+        order = [{**c, "VEC": vec} for c in order]
+        return [c for c in order if self.check(problem, c, arch) is None]
+
+    # ---------------------------------------------------------------------------------------------------------
+    def instance_name(self, problem: Problem, config: Config, arch: str) -> str:
+        trans_b, bias, act, res = _flags(problem)
+        parts = [self.name, arch.replace("_", ""), problem.dtype,
+                 f"{config['BM']}x{config['BN']}x{config['BK']}", f"w{config['WM']}x{config['WN']}",
+                 f"s{config['STAGES']}"]
+        if not config.get("VEC", 1):
+            parts.append("sc")
+        if trans_b:
+            parts.append("tb")
+        if bias:
+            parts.append("bias")
+        if act != "none":
+            parts.append(act)
+        if res:
+            parts.append("res")
+        return "_".join(parts)
+
+    def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
+        why = self.check(problem, config, arch)
+        if why is not None:
+            raise ValueError(why)
+        trans_b, bias, act, res = _flags(problem)
+        name = self.instance_name(problem, config, arch)
+        symbol = f"gtco_{name}"
+        c = config
+        b = "true" if trans_b else "false"
+        targs = (f"{_CTYPE[problem.dtype]}, {c['BM']}, {c['BN']}, {c['BK']}, {c['WM']}, {c['WN']}, {c['STAGES']}, "
+                 f"/*TRANS_B=*/{b}, /*HAS_BIAS=*/{str(bias).lower()}, gtco::Act::{ACTIVATIONS[act]}, "
+                 f"/*HAS_RES=*/{str(res).lower()}, /*VEC=*/{'true' if c.get('VEC', 1) else 'false'}")
+        source = (
+            f"// Generated by onnx_gtco.kernels.gemm: {name}\n"
+            f"// y = {act}(A @ B{'^T' if trans_b else ''}{' + bias' if bias else ''}){' + residual' if res else ''}"
+            f"; tile {c['BM']}x{c['BN']}x{c['BK']}, warps {c['WM']}x{c['WN']}, {c['STAGES']} stages, {arch}\n"
+            f"#include \"gtco/gemm.cuh\"\n"
+            f"\n"
+            f"GTCO_EXPORT int {symbol}(const GemmArgs* args, void* stream) {{\n"
+            f"    return gtco::launch_gemm<{targs}>(args, stream);\n"
+            f"}}\n")
+        return Instance(name=name, symbol=symbol, source=source, problem=problem,
+                        config={**self.optional, **config}, arch=arch,
+                        smem_bytes=smem_bytes(config, trans_b))
+
+    # ---------------------------------------------------------------------------------------------------------
+    def input_shapes(self, problem: Problem) -> dict[str, tuple[int, ...]]:
+        batch, m, n, k, b_batched = _sizes(problem)
+        trans_b, bias, _, res = _flags(problem)
+        b_shape = (n, k) if trans_b else (k, n)
+        shapes: dict[str, tuple[int, ...]] = {"a": (batch, m, k), "b": ((batch, *b_shape) if b_batched else b_shape)}
+        if bias:
+            shapes["bias"] = (n,)
+        if res:
+            shapes["residual"] = (batch, m, n)
+        return shapes
+
+    def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
+        batch, m, n, k, b_batched = _sizes(problem)
+        _, bias, _, res = _flags(problem)
+        return [
+            Field("a", "ptr", "a"),
+            Field("b", "ptr", "b"),
+            Field("bias", "ptr", "bias" if bias else ""),
+            Field("residual", "ptr", "residual" if res else ""),
+            Field("y", "ptr", "y"),
+            Field("batch", "i64", batch),
+            Field("m", "i64", m),
+            Field("n", "i64", n),
+            Field("k", "i64", k),
+            Field("stride_a", "i64", m * k),
+            Field("stride_b", "i64", k * n if b_batched else 0),
+            Field("stride_y", "i64", m * n),
+        ]
+
+    def outputs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        batch, m, n, _, _ = _sizes(problem)
+        return {"y": ((batch, m, n), problem.dtype)}
+
+    def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        _, _, _, _, b_batched = _sizes(problem)
+        trans_b, bias, act, res = _flags(problem)
+        dt = problem.dtype
+        a = from_storage(np.asarray(inputs["a"]), dt)
+        b = from_storage(np.asarray(inputs["b"]), dt)
+        if trans_b:
+            b = np.swapaxes(b, -1, -2)
+        y = np.matmul(a, b)  # [batch, M, K] @ [K, N] or [batch, K, N]
+        if bias:
+            y = y + from_storage(np.asarray(inputs["bias"]), dt)
+        if act != "none":
+            y = REFERENCE[act](y)
+        if res:
+            y = y + from_storage(np.asarray(inputs["residual"]), dt)
+        del b_batched
+        return {"y": y}
+
+    def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
+        """Standard normal A, B scaled by 1/sqrt(K) (so A @ B is O(1)), bias and residual at 0.5 scale."""
+        rng = np.random.default_rng(seed)
+        _, _, _, k, _ = _sizes(problem)
+        out: dict[str, np.ndarray] = {}
+        for key, shape in self.input_shapes(problem).items():
+            x = rng.standard_normal(shape)
+            if key == "b":
+                x = x / math.sqrt(k)
+            elif key in ("bias", "residual"):
+                x = 0.5 * x
+            out[key] = to_storage(x.astype(np.float32), problem.dtype)
+        return out
+
+    def allocate_outputs(self, problem: Problem) -> dict[str, np.ndarray]:
+        """Preallocated outputs, filled with a NaN pattern so that an element the kernel never writes shows."""
+        out = {}
+        for key, (shape, dt) in self.outputs(problem).items():
+            out[key] = np.full(shape, 0xFFFF, np.uint16).view(np_dtype(dt)) if dt != "f32" else np.full(
+                shape, np.nan, np.float32)
+        return out
+
+
+def gemm_problem(dtype: str, batch: int, m: int, n: int, k: int, *, b_batched: bool = False, trans_b: bool = False,
+                 bias: bool = False, activation: str = "none", residual: bool = False) -> Problem:
+    """A GEMM Problem from keyword arguments."""
+    flags: dict[str, Any] = {"trans_b": trans_b, "bias": bias, "activation": activation, "residual": residual}
+    return Problem.make("gemm", dtype, {"batch": batch, "M": m, "N": n, "K": k, "b_batched": int(b_batched)}, flags)
+
+
+FAMILY = GemmFamily()

@@ -1,0 +1,379 @@
+// GEMM / batched GEMM on Tensor Cores with a fused epilogue:
+//
+//     y[b] = act(A[b] @ B[b] + bias) + residual[b]          (bias, act and residual optional)
+//
+// A [batch, M, K] row-major; B [K, N] row-major (TRANS_B = false) or [N, K] (TRANS_B = true: ONNX Gemm transB,
+// nn.Linear weights), per batch or shared by the whole batch (stride_b = 0, a weight GEMM); bias [N]; residual and
+// y [batch, M, N] row-major. Inputs and output are T (__half or __nv_bfloat16); products accumulate in fp32, the
+// epilogue runs in fp32 and rounds once to T.
+//
+// Schedule (one block per BM x BN tile of one batch entry; WM x WN warps, each a (BM/WM) x (BN/WN) warp tile of
+// m16n8k16 mma):
+//   - global -> shared: cp.async.cg 16-byte chunks in a STAGES-deep ring (prologue of STAGES-1 k-tiles, one new
+//     k-tile issued per iteration, ALCOP's multi-stage pipeline). Chunks outside M, N or K are zero-filled
+//     (src-size 0), so ragged edges need no other masking in the main loop. This needs K % 8 == 0 and
+//     N % 8 == 0 (a chunk is 8 elements and never straddles an edge) and 16-byte aligned A and B.
+//     VEC = false is the slower fallback for any K and N (attention's 197-long rows): each thread reads its
+//     chunk element by element with plain predicated loads and stores it to the same ring slot; the ring,
+//     barriers and fragments are unchanged, only the copy is synchronous (no overlap of load and mma).
+//   - shared rows are padded by 8 elements (16 bytes): rows stay 16-byte aligned for ldmatrix/cp.async and the
+//     8 row addresses of one ldmatrix matrix hit distinct bank groups.
+//   - shared -> registers: ldmatrix.x4 for A; ldmatrix.x4 (TRANS_B) or ldmatrix.x4.trans ([K, N] B) for two
+//     n8 tiles of B at once (.x2 for an odd last one).
+//   - epilogue straight from the accumulator fragments: each lane owns pairs of adjacent columns, so bias,
+//     residual and y move as 32-bit pairs (element by element with VEC = false).
+// Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
+//
+// Test hook: GTCO_GEMM_TEST_FAULT=1 adds the bias twice, =2 waits for one cp.async group too few (reads a stage
+// before its copy landed). Both exist only so that tests can show they catch such bugs.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "gtco/launch.cuh"
+
+#ifndef GTCO_GEMM_TEST_FAULT
+#define GTCO_GEMM_TEST_FAULT 0
+#endif
+
+// The C argument struct of every GEMM instance (mirrored by onnx_gtco/kernels/gemm.py GemmFamily.args_fields).
+// Sizes and strides count elements. Batch strides: A[b] = a + b * stride_a, B[b] = b + b * stride_b (0: one B
+// shared by the batch), y[b] and residual[b] = ... + b * stride_y. Leading dimensions are dense: K for A, N (or K
+// when transposed) for B, N for y and residual.
+struct GemmArgs {
+    const void* a;
+    const void* b;
+    const void* bias;      // [N], null when the instance has no bias
+    const void* residual;  // like y, null when the instance has no residual
+    void* y;
+    int64_t batch, m, n, k;
+    int64_t stride_a, stride_b, stride_y;
+};
+
+namespace gtco {
+
+// Epilogue activations, named as in onnx_gtco/patterns/_act.py.
+enum class Act : int { kNone = 0, kRelu, kGeluErf, kGeluTanh, kSilu, kQuickGelu, kSigmoid, kTanh, kRelu6 };
+
+namespace gemm_detail {
+
+template <class T>
+GTCO_DEVICE float to_f32(T x) {
+    if constexpr (std::is_same<T, __half>::value) {
+        return __half2float(x);
+    } else {
+        return __bfloat162float(x);
+    }
+}
+
+template <class T>
+GTCO_DEVICE T from_f32(float x) {
+    if constexpr (std::is_same<T, __half>::value) {
+        return __float2half_rn(x);
+    } else {
+        return __float2bfloat16_rn(x);
+    }
+}
+
+// The two T of a 32-bit word (low half first) as floats.
+template <class T>
+GTCO_DEVICE void unpack_f32(uint32_t w, float& lo, float& hi) {
+    const auto l = static_cast<unsigned short>(w & 0xffffu), h = static_cast<unsigned short>(w >> 16);
+    if constexpr (std::is_same<T, __half>::value) {
+        lo = __half2float(__ushort_as_half(l));
+        hi = __half2float(__ushort_as_half(h));
+    } else {
+        lo = __bfloat162float(__ushort_as_bfloat16(l));
+        hi = __bfloat162float(__ushort_as_bfloat16(h));
+    }
+}
+
+GTCO_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+template <Act ACT>
+GTCO_DEVICE float activate(float x) {
+    if constexpr (ACT == Act::kNone) {
+        return x;
+    } else if constexpr (ACT == Act::kRelu) {
+        return fmaxf(x, 0.0f);
+    } else if constexpr (ACT == Act::kGeluErf) {
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    } else if constexpr (ACT == Act::kGeluTanh) {
+        return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+    } else if constexpr (ACT == Act::kSilu) {
+        return x * sigmoid(x);
+    } else if constexpr (ACT == Act::kQuickGelu) {
+        return x * sigmoid(1.702f * x);
+    } else if constexpr (ACT == Act::kSigmoid) {
+        return sigmoid(x);
+    } else if constexpr (ACT == Act::kTanh) {
+        return tanhf(x);
+    } else {
+        static_assert(ACT == Act::kRelu6, "unknown activation");
+        return fminf(fmaxf(x, 0.0f), 6.0f);
+    }
+}
+
+}  // namespace gemm_detail
+
+// Compile-time geometry of one tile configuration (shared by the kernel, the launcher and, as numbers, Python).
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B>
+struct GemmTile {
+    static constexpr int kThreads = WM * WN * 32;
+    static constexpr int kPad = 8;                            // elements (16 bytes) of padding per shared row
+    static constexpr int kAStride = BK + kPad;                // A stage: BM rows of BK
+    static constexpr int kBRows = TRANS_B ? BN : BK;          // B stage: BN rows of BK, or BK rows of BN
+    static constexpr int kBStride = (TRANS_B ? BK : BN) + kPad;
+    static constexpr int kAStage = BM * kAStride, kBStage = kBRows * kBStride;
+    static constexpr int kSmemElems = STAGES * (kAStage + kBStage);
+    static constexpr int kSmemBytes = kSmemElems * 2;         // T is 16-bit in both builds
+    static constexpr bool kDynamic = kSmemBytes > 48 * 1024;
+    static constexpr int TM = BM / WM, TN = BN / WN;          // warp tile
+    static constexpr int MI = TM / 16, NI = TN / 8;           // mma tiles per warp tile
+
+    static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, "T: __half or bf16");
+    static_assert(STAGES >= 2 && STAGES <= 4, "STAGES: 2..4");
+    static_assert(BK % 16 == 0, "BK: a multiple of the mma k (16)");
+    static_assert(BM % (16 * WM) == 0 && BN % (8 * WN) == 0, "warp tile: a multiple of 16 x 8");
+    static_assert(kThreads <= 1024, "at most 1024 threads per block");
+};
+
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
+          bool HAS_RES, bool VEC = true>
+__global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
+    using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
+    constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
+    constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride;
+
+    T* smem;
+    if constexpr (Tile::kDynamic) {
+        GTCO_DYNAMIC_SHARED(T, dyn, Tile::kSmemElems);
+        smem = dyn;
+    } else {
+        GTCO_SHARED(T, stat, Tile::kSmemElems);
+        smem = stat;
+    }
+    T* const a_smem = smem;
+    T* const b_smem = smem + STAGES * Tile::kAStage;
+
+    const int M = static_cast<int>(p.m), N = static_cast<int>(p.n), K = static_cast<int>(p.k);
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = static_cast<int>(lane_id());
+    const int wm = warp % WM, wn = warp / WM;
+    const int m0 = static_cast<int>(blockIdx.y) * BM, n0 = static_cast<int>(blockIdx.x) * BN;
+    const int64_t bz = blockIdx.z;
+    const T* const A = static_cast<const T*>(p.a) + bz * p.stride_a;
+    const T* const B = static_cast<const T*>(p.b) + bz * p.stride_b;
+    const int ktiles = (K + BK - 1) / BK;
+
+    // Issue the cp.async copies of k-tile kt into ring slot `stage` (no commit).
+    auto load_tile = [&](int stage, int kt) {
+        const int k0 = kt * BK;
+        T* const as = a_smem + stage * Tile::kAStage;
+        T* const bs = b_smem + stage * Tile::kBStage;
+        constexpr int kAChunks = BM * BK / 8, kACols = BK / 8;
+        GTCO_UNROLL
+        for (int i = 0; i < (kAChunks + kThreads - 1) / kThreads; ++i) {
+            const int c = tid + i * kThreads;
+            if (kAChunks % kThreads == 0 || c < kAChunks) {
+                const int r = c / kACols, kc = (c % kACols) * 8;
+                const bool ok = m0 + r < M && k0 + kc < K;
+                if constexpr (VEC) {
+                    const T* src = ok ? A + static_cast<int64_t>(m0 + r) * K + (k0 + kc) : A;
+                    cp_async_16(as + r * kAStride + kc, src, ok);
+                } else {
+                    const T* src = A + static_cast<int64_t>(m0 + r) * K + (k0 + kc);
+                    GTCO_UNROLL
+                    for (int e = 0; e < 8; ++e)
+                        as[r * kAStride + kc + e] = m0 + r < M && k0 + kc + e < K ? src[e] : T(0.0f);
+                }
+            }
+        }
+        constexpr int kBChunks = BN * BK / 8, kBCols = (TRANS_B ? BK : BN) / 8;
+        GTCO_UNROLL
+        for (int i = 0; i < (kBChunks + kThreads - 1) / kThreads; ++i) {
+            const int c = tid + i * kThreads;
+            if (kBChunks % kThreads == 0 || c < kBChunks) {
+                const int r = c / kBCols, cc = (c % kBCols) * 8;
+                // TRANS_B: row r is n0 + r, column cc is k0 + cc; else row r is k0 + r, column cc is n0 + cc.
+                const int rows_left = TRANS_B ? N - n0 - r : K - k0 - r;
+                const int cols_left = TRANS_B ? K - k0 - cc : N - n0 - cc;
+                const T* src = TRANS_B ? B + static_cast<int64_t>(n0 + r) * K + (k0 + cc)
+                                       : B + static_cast<int64_t>(k0 + r) * N + (n0 + cc);
+                if constexpr (VEC) {
+                    const bool ok = rows_left > 0 && cols_left > 0;
+                    cp_async_16(bs + r * kBStride + cc, ok ? src : B, ok);
+                } else {
+                    GTCO_UNROLL
+                    for (int e = 0; e < 8; ++e)
+                        bs[r * kBStride + cc + e] = rows_left > 0 && e < cols_left ? src[e] : T(0.0f);
+                }
+            }
+        }
+    };
+
+    float acc[MI][NI][4];
+    GTCO_UNROLL
+    for (int mi = 0; mi < MI; ++mi)
+        GTCO_UNROLL
+        for (int ni = 0; ni < NI; ++ni)
+            GTCO_UNROLL
+            for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+
+    // Prologue: k-tiles 0 .. STAGES-2 in flight, one commit group each (empty past the end, so that the group
+    // count stays uniform and cp_async_wait<STAGES-2> always means "k-tile kt has landed").
+    GTCO_UNROLL
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ktiles) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    const int a_row = wm * TM + (lane % 16), a_col = (lane / 16) * 8;
+    for (int kt = 0; kt < ktiles; ++kt) {
+#if GTCO_GEMM_TEST_FAULT == 2
+        cp_async_wait<STAGES - 1>();
+#else
+        cp_async_wait<STAGES - 2>();
+#endif
+        // k-tile kt is visible to the whole block, and every warp is done with the slot of k-tile kt-1, which
+        // the next load overwrites.
+        __syncthreads();
+        {
+            const int next = kt + STAGES - 1;
+            if (next < ktiles) load_tile(next % STAGES, next);
+            cp_async_commit();
+        }
+        const int stage = kt % STAGES;
+        const T* const as = a_smem + stage * Tile::kAStage;
+        const T* const bs = b_smem + stage * Tile::kBStage;
+        GTCO_UNROLL
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            uint32_t af[MI][4], bf[NI][2];
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                ldmatrix_x4(af[mi], as + (a_row + mi * 16) * kAStride + kk * 16 + a_col);
+            GTCO_UNROLL
+            for (int ni = 0; ni + 1 < NI; ni += 2) {
+                uint32_t r[4];
+                if constexpr (TRANS_B) {  // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+                    ldmatrix_x4(r, bs + (wn * TN + ni * 8 + (lane / 16) * 8 + lane % 8) * kBStride + kk * 16 +
+                                       ((lane / 8) % 2) * 8);
+                } else {  // rows are k: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
+                    ldmatrix_x4_trans(r, bs + (kk * 16 + lane % 16) * kBStride + wn * TN + ni * 8 + (lane / 16) * 8);
+                }
+                bf[ni][0] = r[0];
+                bf[ni][1] = r[1];
+                bf[ni + 1][0] = r[2];
+                bf[ni + 1][1] = r[3];
+            }
+            if constexpr (NI % 2 == 1) {
+                constexpr int ni = NI - 1;
+                if constexpr (TRANS_B) {
+                    ldmatrix_x2(bf[ni], bs + (wn * TN + ni * 8 + lane % 8) * kBStride + kk * 16 + ((lane / 8) % 2) * 8);
+                } else {
+                    ldmatrix_x2_trans(bf[ni], bs + (kk * 16 + lane % 16) * kBStride + wn * TN + ni * 8);
+                }
+            }
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                GTCO_UNROLL
+                for (int ni = 0; ni < NI; ++ni) mma_m16n8k16<T>(acc[mi][ni], af[mi], bf[ni]);
+        }
+    }
+    cp_async_wait<0>();  // only empty groups remain; leaves no copy outstanding at exit
+
+    // Epilogue: lane (g, tig) of mma tile (mi, ni) holds rows g and g+8, columns 2*tig and 2*tig+1.
+    const T* const bias = static_cast<const T*>(p.bias);
+    T* const Y = static_cast<T*>(p.y) + bz * p.stride_y;
+    const T* const R = HAS_RES ? static_cast<const T*>(p.residual) + bz * p.stride_y : nullptr;
+    const int g = lane / 4, tig = lane % 4;
+    GTCO_UNROLL
+    for (int ni = 0; ni < NI; ++ni) {
+        const int col = n0 + wn * TN + ni * 8 + 2 * tig;
+        if (col >= N) continue;  // VEC (N % 8 == 0): col < N implies col + 1 < N
+        const bool pair = VEC || col + 1 < N;
+        float b0 = 0.0f, b1 = 0.0f;
+        if constexpr (HAS_BIAS) {
+            b0 = gemm_detail::to_f32(bias[col]);
+            b1 = pair ? gemm_detail::to_f32(bias[col + 1]) : 0.0f;
+#if GTCO_GEMM_TEST_FAULT == 1
+            b0 *= 2.0f;
+            b1 *= 2.0f;
+#endif
+        }
+        GTCO_UNROLL
+        for (int mi = 0; mi < MI; ++mi) {
+            GTCO_UNROLL
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm * TM + mi * 16 + g + 8 * h;
+                if (row >= M) continue;
+                float v0 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h] + b0);
+                float v1 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h + 1] + b1);
+                const int64_t off = static_cast<int64_t>(row) * N + col;
+                if constexpr (VEC) {
+                    if constexpr (HAS_RES) {
+                        float r0, r1;
+                        gemm_detail::unpack_f32<T>(*reinterpret_cast<const uint32_t*>(R + off), r0, r1);
+                        v0 += r0;
+                        v1 += r1;
+                    }
+                    *reinterpret_cast<uint32_t*>(Y + off) =
+                        pack_b16(gemm_detail::from_f32<T>(v0), gemm_detail::from_f32<T>(v1));
+                } else {
+                    if constexpr (HAS_RES) v0 += gemm_detail::to_f32(R[off]);
+                    Y[off] = gemm_detail::from_f32<T>(v0);
+                    if (pair) {
+                        if constexpr (HAS_RES) v1 += gemm_detail::to_f32(R[off + 1]);
+                        Y[off + 1] = gemm_detail::from_f32<T>(v1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+namespace gemm_detail {
+inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+}  // namespace gemm_detail
+
+// Check *args against what the instance was built for, then launch on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE
+// (sizes out of range, K or N not a multiple of 8 for a VEC instance, a bias/residual pointer present or absent
+// against the instance, misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
+          bool HAS_RES, bool VEC = true>
+int launch_gemm(const GemmArgs* args, void* stream) {
+    using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
+    if (args == nullptr) return GTCO_EBADSHAPE;
+    const GemmArgs& p = *args;
+    if (p.batch < 1 || p.m < 1 || p.n < 1 || p.k < 1) return GTCO_EBADSHAPE;
+    if (p.m > INT_MAX - BM || p.n > INT_MAX - BN || p.k > INT_MAX - BK) return GTCO_EBADSHAPE;
+    if (p.batch > 65535 || (p.m + BM - 1) / BM > 65535) return GTCO_EBADSHAPE;  // grid z and y limits
+    if (p.a == nullptr || p.b == nullptr || p.y == nullptr) return GTCO_EBADSHAPE;
+    if ((p.bias != nullptr) != HAS_BIAS || (p.residual != nullptr) != HAS_RES) return GTCO_EBADSHAPE;
+    if (p.stride_a < 0 || p.stride_b < 0 || p.stride_y < 0) return GTCO_EBADSHAPE;
+    if (!gemm_detail::aligned(p.a, 2) || !gemm_detail::aligned(p.b, 2) || !gemm_detail::aligned(p.y, 2) ||
+        !gemm_detail::aligned(p.residual, 2) || !gemm_detail::aligned(p.bias, 2))
+        return GTCO_EBADSHAPE;
+    if (VEC) {  // 16-byte cp.async chunks from A and B, 32-bit pairs of y and residual
+        if (p.k % 8 != 0 || p.n % 8 != 0) return GTCO_EBADSHAPE;
+        if (!gemm_detail::aligned(p.a, 16) || !gemm_detail::aligned(p.b, 16) || !gemm_detail::aligned(p.y, 4) ||
+            !gemm_detail::aligned(p.residual, 4))
+            return GTCO_EBADSHAPE;
+        if (p.stride_a % 8 != 0 || p.stride_b % 8 != 0 || p.stride_y % 2 != 0) return GTCO_EBADSHAPE;
+    }
+    if (p.batch > 1 && (p.stride_a < p.m * p.k || p.stride_y < p.m * p.n ||
+                        (p.stride_b != 0 && p.stride_b < p.k * p.n)))
+        return GTCO_EBADSHAPE;  // batch entries of A, y (and a per-batch B) must not overlap
+    const dim3 grid(static_cast<unsigned>((p.n + BN - 1) / BN), static_cast<unsigned>((p.m + BM - 1) / BM),
+                    static_cast<unsigned>(p.batch));
+    const dim3 block(Tile::kThreads);
+    auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC>;
+    (void)stream;
+    if constexpr (Tile::kDynamic) {
+        return GTCO_LAUNCH_SMEM(kernel, grid, block, Tile::kSmemBytes, stream, p);
+    } else {
+        return GTCO_LAUNCH(kernel, grid, block, stream, p);
+    }
+}
+
+}  // namespace gtco

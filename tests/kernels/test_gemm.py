@@ -1,0 +1,350 @@
+"""The GEMM family (plugins/include/gtco/gemm.cuh, onnx_gtco/kernels/gemm.py): numerics through the CPU emulation
+against an fp64 reference, `check`'s reasons, the launcher's argument checks, and nvcc/ptxas resources."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kernel_helpers import nvcc_missing
+
+from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
+from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
+from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes
+from onnx_gtco.kernels.ptxas import parse_ptxas
+from onnx_gtco.kernels.toolchain import nvcc_compile
+
+TOL = 2e-3           # ||y - ref|| / ||ref||, ref in fp64 from the same rounded inputs, rounded to the output dtype
+RAW_TOL = {"f16": 2e-3, "bf16": 4e-3}  # against the unrounded fp64 reference (bf16 output rounding is ~1.5e-3)
+JOBS = 2             # parallel builds (the CI machine has 2 cores)
+EMU_FLAGS = ("-O1",)  # compiles faster than -O2; the emulation's time goes to thread synchronisation anyway
+
+# Emulated configurations: small blocks (64..256 threads), every STAGES, both BK, warp tiles 32x32 .. 64x64.
+E1 = {"BM": 64, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 2}   # 4 warps, warp tile 32x32
+E2 = {"BM": 128, "BN": 64, "BK": 64, "WM": 2, "WN": 2, "STAGES": 3}  # 4 warps, warp tile 64x32, BK 64
+E3 = {"BM": 64, "BN": 128, "BK": 32, "WM": 1, "WN": 2, "STAGES": 4}  # 2 warps, warp tile 64x64 (128 acc/thread)
+E4 = {"BM": 64, "BN": 64, "BK": 32, "WM": 1, "WN": 8, "STAGES": 3}   # 8 warps, warp tile 64x8: odd NI, .x2 B loads
+
+# (batch, M, N, K, b_batched): ragged M (197, 40, 72), N and K not multiples of the tile, B shared by the batch
+# or per batch entry. Each grid entry runs one of the two sets; every config and dtype meets M = 197.
+SHAPES_A = [(1, 197, 96, 64, False), (3, 40, 24, 48, True)]
+SHAPES_B = [(3, 40, 24, 48, False), (2, 72, 40, 56, True)]
+
+# (id, config, dtype, flags): each dtype sees both B layouts and every config; epilogues vary.
+GRID = [
+    ("e1-f16", E1, "f16", {"trans_b": False, "bias": True, "activation": "gelu_erf", "residual": True}, SHAPES_A),
+    ("e1-bf16", E1, "bf16", {"trans_b": True, "bias": True, "activation": "gelu_tanh", "residual": False}, SHAPES_B),
+    ("e2-f16", E2, "f16", {"trans_b": True, "bias": True, "activation": "relu", "residual": True}, SHAPES_B),
+    ("e2-bf16", E2, "bf16", {"trans_b": False, "bias": False, "activation": "none", "residual": True}, SHAPES_A),
+    ("e3-f16", E3, "f16", {"trans_b": False, "bias": True, "activation": "silu", "residual": False}, SHAPES_A),
+    ("e3-bf16", E3, "bf16", {"trans_b": True, "bias": True, "activation": "gelu_erf", "residual": True}, SHAPES_B),
+]
+ODD_NI = [
+    ("e4-f16", E4, "f16", {"trans_b": True, "bias": True, "activation": "none", "residual": True}),
+    ("e4-bf16", E4, "bf16", {"trans_b": False, "bias": False, "activation": "relu", "residual": False}),
+]
+OTHER_ACTS = ["quick_gelu", "sigmoid", "tanh", "relu6"]
+# VEC=0 (element-wise loads): K and N that are not multiples of 8, as in attention's QKᵀ / PV with 197 tokens.
+SCALAR = [
+    ("sc-f16", {**E1, "STAGES": 3, "VEC": 0}, "f16", {"trans_b": True, "bias": False, "activation": "none",
+                                                      "residual": False}, (2, 45, 37, 29, True)),
+    ("sc-bf16", {**E1, "VEC": 0}, "bf16", {"trans_b": False, "bias": True, "activation": "relu",
+                                           "residual": True}, (2, 45, 29, 37, True)),
+]
+FULL = {"trans_b": False, "bias": True, "activation": "gelu_erf", "residual": True}
+FAULTS = {"bias_twice": "GTCO_GEMM_TEST_FAULT=1", "wait_too_few": "GTCO_GEMM_TEST_FAULT=2"}
+
+
+def problem(dtype: str, shape: tuple[int, int, int, int, bool], flags: dict) -> Problem:
+    batch, m, n, k, b_batched = shape
+    return gemm_problem(dtype, batch, m, n, k, b_batched=b_batched, **flags)
+
+
+def instance(config: dict, dtype: str, flags: dict) -> Instance:
+    """The sm_80 instance; its source depends on the config, dtype and flags, not on the sizes."""
+    return FAMILY.instantiate(problem(dtype, (1, 64, 64, 64, False), flags), config, "sm_80")
+
+
+def _all_builds() -> dict[tuple, tuple[Instance, tuple[str, ...]]]:
+    builds: dict[tuple, tuple[Instance, tuple[str, ...]]] = {}
+    for _, config, dtype, flags, *_ in GRID + ODD_NI:
+        builds[("grid", dtype, tuple(config.items()), tuple(flags.items()))] = (instance(config, dtype, flags), ())
+    for act in OTHER_ACTS:
+        flags = {**FULL, "activation": act, "residual": False}
+        builds[("act", act)] = (instance(E1, "f16", flags), ())
+    for key, config, dtype, flags, _ in SCALAR:
+        builds[("scalar", key)] = (instance(config, dtype, flags), ())
+    for fault, define in FAULTS.items():
+        builds[("fault", fault)] = (instance(E1, "f16", FULL), (*EMU_FLAGS, f"-D{define}"))
+    return builds
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    """Every emulated instance of this file, built once, two at a time: key -> (instance, library path)."""
+    out = tmp_path_factory.mktemp("gemm_emu")
+    builds = _all_builds()
+
+    def build(item):
+        key, (inst, extra) = item
+        return key, inst, build_emulated(inst, out / "_".join(map(str, key[:2])), extra or EMU_FLAGS)
+
+    with ThreadPoolExecutor(JOBS) as pool:
+        return {key: (inst, lib) for key, inst, lib in pool.map(build, builds.items())}
+
+
+def run(inst: Instance, lib: Path, prob: Problem, seed: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Run an emulated instance on seeded inputs of `prob`: (y as float64, the inputs)."""
+    inputs = FAMILY.random_inputs(prob, seed)
+    arrays = {**inputs, **FAMILY.allocate_outputs(prob)}
+    out = run_emulated(lib, inst.symbol, FAMILY.args_fields(prob, arrays), arrays, ["y"])
+    return from_storage(out["y"], prob.dtype), inputs
+
+
+def assert_close(got: np.ndarray, prob: Problem, inputs: dict[str, np.ndarray]) -> None:
+    ref = FAMILY.reference(prob, inputs)["y"]
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), f"{np.count_nonzero(np.isnan(got))} NaN outputs (unwritten or poison read)"
+    rounded = from_storage(to_storage(ref, prob.dtype), prob.dtype)
+    err, raw = rel_error(got, rounded), rel_error(got, ref)
+    assert err < TOL and raw < RAW_TOL[prob.dtype], f"{prob}: rel err {err:.3g} (rounded ref), {raw:.3g} (fp64)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numerics in the emulation
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("config", "dtype", "flags", "shapes"), [g[1:] for g in GRID], ids=[g[0] for g in GRID])
+def test_grid_matches_fp64_reference(libs, config, dtype, flags, shapes):
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    for i, shape in enumerate(shapes):
+        prob = problem(dtype, shape, flags)
+        got, inputs = run(inst, lib, prob, seed=i)
+        assert_close(got, prob, inputs)
+
+
+@pytest.mark.parametrize(("config", "dtype", "flags"), [g[1:] for g in ODD_NI], ids=[g[0] for g in ODD_NI])
+def test_narrow_warp_tile(libs, config, dtype, flags):
+    """A 64x8 warp tile loads its single B fragment with ldmatrix.x2 (.trans for [K, N] B)."""
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    prob = problem(dtype, (2, 40, 24, 48, True), flags)
+    got, inputs = run(inst, lib, prob, seed=7)
+    assert_close(got, prob, inputs)
+
+
+@pytest.mark.parametrize("act", OTHER_ACTS)
+def test_other_activations(libs, act):
+    inst, lib = libs[("act", act)]
+    prob = problem("f16", (1, 40, 24, 48, False), {**FULL, "activation": act, "residual": False})
+    got, inputs = run(inst, lib, prob, seed=8)
+    assert_close(got, prob, inputs)
+
+
+@pytest.mark.parametrize(("key", "config", "dtype", "flags", "shape"), SCALAR, ids=[s[0] for s in SCALAR])
+def test_scalar_fallback_any_k_n(libs, key, config, dtype, flags, shape):
+    inst, lib = libs[("scalar", key)]
+    assert inst.name.endswith(("_sc_tb", "_sc_bias_relu_res"))
+    prob = problem(dtype, shape, flags)
+    got, inputs = run(inst, lib, prob, seed=9)
+    assert_close(got, prob, inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tests can fail
+# ---------------------------------------------------------------------------------------------------------------
+def test_bias_added_twice_is_caught(libs):
+    inst, lib = libs[("fault", "bias_twice")]
+    prob = problem("f16", (1, 40, 24, 48, False), FULL)
+    got, inputs = run(inst, lib, prob, seed=10)
+    ref = FAMILY.reference(prob, inputs)["y"]
+    assert rel_error(got, ref) > 0.05
+    with pytest.raises(AssertionError, match="rel err"):
+        assert_close(got, prob, inputs)
+
+
+def test_reading_a_stage_before_its_wait_is_caught(libs):
+    """One cp.async group too few in the wait: the stage is read before its copy lands, i.e. poison (NaN)."""
+    inst, lib = libs[("fault", "wait_too_few")]
+    prob = problem("f16", (1, 40, 24, 48, False), FULL)
+    got, _ = run(inst, lib, prob, seed=11)
+    assert np.isnan(got).any()
+
+
+def test_wrong_activation_in_reference_is_caught(libs):
+    config, dtype, flags, _ = GRID[0][1:]
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    prob = problem(dtype, (1, 40, 24, 48, False), flags)
+    got, inputs = run(inst, lib, prob, seed=12)
+    assert_close(got, prob, inputs)
+    wrong = dataclasses.replace(prob, flags=tuple((k, "relu" if k == "activation" else v) for k, v in prob.flags))
+    with pytest.raises(AssertionError, match="rel err"):
+        assert_close(got, wrong, inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The launcher's argument checks (GTCO_EBADSHAPE = 1)
+# ---------------------------------------------------------------------------------------------------------------
+def _fields_with(prob: Problem, arrays, **changes) -> list[Field]:
+    return [dataclasses.replace(f, value=changes.get(f.name, f.value)) for f in FAMILY.args_fields(prob, arrays)]
+
+
+@pytest.mark.parametrize(("what", "changes"), [
+    ("K not a multiple of 8", {"k": 44}),
+    ("N not a multiple of 8", {"n": 20}),
+    ("bias missing for a bias instance", {"bias": ""}),
+    ("residual given to an instance without one", {}),
+    ("overlapping batch entries of A", {"stride_a": 8}),
+])
+def test_launcher_rejects_bad_arguments(libs, what, changes):
+    config, dtype, flags, _ = GRID[2][1:]  # E2 f16: bias, relu, residual
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    prob = problem(dtype, (2, 40, 24, 48, False), flags)
+    arrays = {**FAMILY.random_inputs(prob, 0), **FAMILY.allocate_outputs(prob)}
+    if what.startswith("residual"):
+        config, dtype, flags, _ = GRID[1][1:]  # E1 bf16: no residual
+        inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+        prob = problem(dtype, (2, 40, 24, 48, False), flags)
+        arrays = {**FAMILY.random_inputs(prob, 0), **FAMILY.allocate_outputs(prob)}
+        arrays["residual"] = arrays["y"].copy()
+        changes = {"residual": "residual"}
+    with pytest.raises(EmulationError, match="returned error code 1"):
+        run_emulated(lib, inst.symbol, _fields_with(prob, arrays, **changes), arrays, ["y"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# check, configs, instantiate
+# ---------------------------------------------------------------------------------------------------------------
+VIT = gemm_problem("f16", 1, 197 * 8, 3072, 768, bias=True, activation="gelu_erf")
+
+
+def test_check_shared_memory_depends_on_arch():
+    big = {"BM": 256, "BN": 256, "BK": 64, "WM": 4, "WN": 4, "STAGES": 3}
+    assert smem_bytes(big, False) > 163 * 1024
+    why = FAMILY.check(VIT, big, "sm_80")
+    assert why is not None and "shared memory" in why and "sm_80" in why and "163 KiB" in why
+    assert FAMILY.check(VIT, big, "sm_90") is None
+
+
+def test_check_rejects_warp_layout_that_does_not_divide_the_tile():
+    why = FAMILY.check(VIT, {"BM": 64, "BN": 128, "BK": 32, "WM": 8, "WN": 1, "STAGES": 3}, "sm_80")
+    assert why is not None and "warp layout 8x1" in why and "16x8" in why
+
+
+def test_check_rejects_misaligned_k_for_cp_async_and_accepts_the_fallback():
+    prob = gemm_problem("f16", 1, 197, 768, 100)
+    why = FAMILY.check(prob, E1, "sm_80")
+    assert why is not None and "K % 8" in why and "K=100" in why
+    assert FAMILY.check(prob, {**E1, "VEC": 0}, "sm_80") is None
+    with pytest.raises(ValueError, match="K % 8"):
+        FAMILY.instantiate(prob, E1, "sm_80")
+
+
+@pytest.mark.parametrize(("config", "dtype", "words"), [
+    ({"BM": 128, "BN": 128, "BK": 32, "WM": 1, "WN": 2, "STAGES": 3}, "f16", "256 fp32 accumulators"),
+    ({"BM": 256, "BN": 256, "BK": 32, "WM": 8, "WN": 8, "STAGES": 2}, "f16", "2048 threads"),
+    ({"BM": 128, "BN": 128, "BK": 48, "WM": 2, "WN": 2, "STAGES": 3}, "f16", "outside the space"),
+    (E1, "f32", "f16 or bf16"),
+])
+def test_check_other_reasons(config, dtype, words):
+    prob = dataclasses.replace(VIT, dtype=dtype)
+    why = FAMILY.check(prob, config, "sm_80")
+    assert why is not None and words in why
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_configs_are_valid_and_varied(arch):
+    configs = FAMILY.configs(VIT, arch)
+    assert len(configs) >= 6
+    assert all(FAMILY.check(VIT, c, arch) is None for c in configs)
+    assert {c["STAGES"] for c in configs} == {2, 3, 4}
+    assert configs[0]["BM"] * configs[0]["BN"] == 128 * 128  # 13 x 24 tiles of 128x128 fill the GPU
+    small = gemm_problem("f16", 1, 197, 768, 768)
+    assert FAMILY.configs(small, arch)[0]["BM"] * FAMILY.configs(small, arch)[0]["BN"] < 128 * 128
+    attn = gemm_problem("f16", 96, 197, 197, 64, b_batched=True, trans_b=True)
+    assert all(c["VEC"] == 0 for c in FAMILY.configs(attn, arch)) and FAMILY.configs(attn, arch)
+
+
+def test_instance_name_and_source():
+    prob = gemm_problem("f16", 1, 197, 768, 768, trans_b=False, bias=True, activation="gelu_erf", residual=True)
+    inst = FAMILY.instantiate(prob, {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3}, "sm_80")
+    assert inst.name == "gemm_sm80_f16_128x128x32_w2x2_s3_bias_gelu_erf_res"
+    assert inst.symbol == "gtco_" + inst.name
+    assert '#include "gtco/gemm.cuh"' in inst.source and f"int {inst.symbol}(const GemmArgs* args" in inst.source
+    assert inst.smem_bytes == 3 * (128 * 40 + 32 * 136) * 2
+    assert set(ACTIVATIONS) == {"none", *__import__("onnx_gtco.patterns._act", fromlist=["REFERENCE"]).REFERENCE}
+
+
+def test_random_inputs_are_seeded_and_nonzero():
+    prob = gemm_problem("bf16", 2, 40, 24, 48, b_batched=True, trans_b=True, bias=True, residual=True)
+    x, y = FAMILY.random_inputs(prob, 3), FAMILY.random_inputs(prob, 3)
+    assert x.keys() == {"a", "b", "bias", "residual"}
+    assert x["b"].shape == (2, 24, 48)
+    for key in x:
+        np.testing.assert_array_equal(x[key], y[key])
+        assert np.count_nonzero(x[key]) == x[key].size
+    ref = FAMILY.reference(prob, x)["y"]
+    assert 0.3 < float(np.std(ref)) < 3.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvcc / ptxas: no spills, no stack, for the default configs and ViT-B shapes
+# ---------------------------------------------------------------------------------------------------------------
+NVCC_PROBLEMS = {
+    # ViT-B MLP fc1 (batch 8): [1576, 768] @ [768, 3072] + bias, GELU
+    "vit_fc1": gemm_problem("f16", 1, 197 * 8, 3072, 768, bias=True, activation="gelu_erf"),
+    # ViT-B qkv as nn.Linear ([N, K] weight), bf16
+    "vit_qkv": gemm_problem("bf16", 1, 197 * 8, 2304, 768, trans_b=True, bias=True),
+    # ViT-B attention proj / fc2 with the residual add
+    "vit_proj": gemm_problem("f16", 1, 197 * 8, 768, 768, bias=True, residual=True),
+    # attention QKᵀ (12 heads x batch 8, 197 tokens): the VEC=0 fallback
+    "attn_qk": gemm_problem("f16", 96, 197, 197, 64, b_batched=True, trans_b=True),
+}
+
+
+def _nvcc_cases() -> list[tuple[str, str, dict]]:
+    cases = [("vit_fc1", arch, c)
+             for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS["vit_fc1"], arch)]
+    for key in ("vit_qkv", "vit_proj", "attn_qk"):
+        cases += [(key, arch, c) for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS[key], arch)[:1]]
+    return cases
+
+
+NVCC_CASES = _nvcc_cases()
+
+
+@pytest.fixture(scope="module")
+def ptxas_reports(tmp_path_factory):
+    """Compile every case (two nvcc at a time): case index -> (instance, ptxas records)."""
+    out = tmp_path_factory.mktemp("gemm_nvcc")
+
+    def compile_one(i):
+        key, arch, config = NVCC_CASES[i]
+        inst = FAMILY.instantiate(NVCC_PROBLEMS[key], config, arch)
+        src = out / f"{inst.name}.cu"
+        src.write_text(inst.source)
+        result = nvcc_compile(src, out / f"{inst.name}.o", arch, include_dirs=[INCLUDE_DIR], timeout_s=300)
+        return inst, parse_ptxas(result.stderr)
+
+    with ThreadPoolExecutor(JOBS) as pool:
+        return dict(enumerate(pool.map(compile_one, range(len(NVCC_CASES)))))
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("case", range(len(NVCC_CASES)),
+                         ids=[f"{k}-{a}-{c['BM']}x{c['BN']}x{c['BK']}w{c['WM']}x{c['WN']}s{c['STAGES']}v{c['VEC']}"
+                              for k, a, c in NVCC_CASES])
+def test_ptxas_no_spills(ptxas_reports, case):
+    inst, kernels = ptxas_reports[case]
+    gemms = [k for k in kernels if "gemm_kernel" in k.name]
+    assert len(gemms) == 1, kernels
+    k = gemms[0]
+    assert k.arch == inst.arch
+    assert 0 < k.registers <= 255, k
+    assert not k.spills and k.stack_frame_bytes == 0, k
+    if inst.smem_bytes <= 48 * 1024:  # static shared memory; above 48 KiB it is dynamic and ptxas does not count it
+        assert k.smem_bytes == inst.smem_bytes, (k, inst.smem_bytes)
+    else:
+        assert k.smem_bytes == 0, k
