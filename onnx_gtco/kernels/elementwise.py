@@ -1,0 +1,825 @@
+"""Elementwise kernel family (plugins/include/gtco/elementwise.cuh): a chain or tree of elementwise ONNX ops,
+generated as one fp32 expression per element, with numpy broadcasting of the inputs over a flattened index.
+
+A program (`Program`, hashable) is what the group computes:
+
+* inputs: (tensor name, shape, kind) per kernel input; kind "float" (the kernel dtype), "bool" (uint8), "i32" or
+  "i64". Shapes broadcast numpy-style to the iteration shape (rank <= 6). A tensor may appear twice under two
+  shapes when a view op (Unsqueeze, Reshape, ...) reinterprets it inside the group.
+* instrs: (op, refs, attr) in topological order. A ref is ("x", i) (input i), ("c", value) (a scalar constant)
+  or ("t", j) (the result of instruction j). attr: LeakyRelu / Elu alpha, HardSigmoid (alpha, beta), Gelu
+  "none" / "tanh", Cast target "f16" / "bf16" / "f32" / "f64" / "bool", else None. The ops are ARITY's keys;
+  program_from_onnx also lowers Sum, Mean, Max, Min of any arity and Clip to them. Every value is fp32 in the
+  kernel; booleans (bool inputs, comparisons, Not / And / Or / Xor, Cast to bool) are 1.0 / 0.0, and Where takes
+  any nonzero condition as true.
+* outputs: (tensor name, ref); every output has the iteration shape and the kernel dtype.
+
+Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flags program (instrs), inputs
+((shape, kind) per input), outputs (refs). Arrays are named x0, x1, ... and y0, y1, ...
+
+`program_from_onnx(nodes, inputs, outputs)` builds the Program of an elementwise group of onnx NodeProto.
+
+Config: THREADS per block (64..512), VEC consecutive elements per thread (one load / store of at most 16 bytes of
+the outputs, of the inputs that have the full shape and of inputs contiguous along an innermost dim that is a
+multiple of VEC (a bias [N]); one load per VEC elements of inputs broadcast along that dim (a per-row scale, a
+scalar); other broadcast inputs are gathered per element; a ragged tail runs scalar). Vector-loaded inputs and the
+outputs must be aligned to VEC elements for the vector path; when one is not, the entry point launches the
+kernel with every element on the scalar path (correct, slower).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from onnx_gtco.kernels.family import (
+    ARCHS,
+    DTYPES,
+    Config,
+    Field,
+    Instance,
+    KernelFamily,
+    Problem,
+    from_storage,
+    to_storage,
+)
+from onnx_gtco.kernels.layernorm import C_TYPES, ITEM_BYTES, arch_tag
+
+MAX_IN, MAX_OUT, MAX_RANK = 8, 4, 6
+KINDS = {"float": None, "bool": "uint8_t", "i32": "int32_t", "i64": "int64_t"}
+KIND_NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64}
+# op -> number of operands (None: two or more)
+ARITY = {"Add": 2, "Sub": 2, "Mul": 2, "Div": 2, "Pow": 2, "Sqrt": 1, "Reciprocal": 1, "Neg": 1, "Abs": 1,
+         "Exp": 1, "Log": 1, "Tanh": 1, "Erf": 1, "Sigmoid": 1, "Relu": 1, "LeakyRelu": 1, "Gelu": 1, "Max": 2,
+         "Min": 2, "Where": 3, "Cast": 1, "Identity": 1, "PRelu": 2, "Elu": 1, "Softplus": 1, "Softsign": 1,
+         "HardSigmoid": 1, "HardSwish": 1, "Floor": 1, "Ceil": 1, "Round": 1, "Sign": 1, "Sin": 1, "Cos": 1,
+         "Equal": 2, "Less": 2, "LessOrEqual": 2, "Greater": 2, "GreaterOrEqual": 2, "Not": 1, "And": 2, "Or": 2,
+         "Xor": 2}
+# boolean values (comparisons, Not/And/Or/Xor, Cast to bool, bool inputs) are 1.0f / 0.0f in the fp32 program
+CAST_TARGETS = ("f16", "bf16", "f32", "f64", "bool")
+_COMPARE = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
+
+Ref = tuple[str, Any]
+Instr = tuple[str, tuple[Ref, ...], Any]
+
+
+@dataclass(frozen=True)
+class Program:
+    inputs: tuple[tuple[str, tuple[int, ...], str], ...]
+    instrs: tuple[Instr, ...]
+    outputs: tuple[tuple[str, Ref], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.broadcast_shapes(*(s for _, s, _ in self.inputs))) if self.inputs else ()
+
+    def problem(self, dtype: str) -> Problem:
+        return elementwise_problem(dtype, self.shape, self.instrs, tuple(
+            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs))
+
+
+def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr],
+                        inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref]) -> Problem:
+    """The Problem of a program over the iteration `shape` (see the module doc for the encoding)."""
+    return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, {
+        "program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
+        "inputs": tuple((tuple(int(d) for d in s), k) for s, k in inputs),
+        "outputs": tuple(tuple(r) for r in outputs)})
+
+
+def iteration_shape(problem: Problem) -> tuple[int, ...]:
+    dims = sorted((int(k[1:]), v) for k, v in problem.sizes if k.startswith("d") and k[1:].isdigit())
+    return tuple(v for _, v in dims)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation and broadcasting
+# ---------------------------------------------------------------------------------------------------------------
+
+def _validate(problem: Problem) -> str | None:
+    instrs = problem.flag("program")
+    inputs = problem.flag("inputs")
+    outputs = problem.flag("outputs")
+    if instrs is None or inputs is None or outputs is None:
+        return "problem flags need program, inputs and outputs"
+    shape = iteration_shape(problem)
+    if len(shape) > MAX_RANK:
+        return f"iteration rank {len(shape)} is over {MAX_RANK}"
+    if any(d <= 0 for d in shape):
+        return f"iteration shape {shape} has an empty or negative dim"
+    if not 1 <= len(inputs) <= MAX_IN:
+        return f"{len(inputs)} inputs: 1 to {MAX_IN} supported"
+    if not 1 <= len(outputs) <= MAX_OUT:
+        return f"{len(outputs)} outputs: 1 to {MAX_OUT} supported"
+    for i, (s, kind) in enumerate(inputs):
+        if kind not in KINDS:
+            return f"input {i} kind {kind!r} is not one of {tuple(KINDS)}"
+        if len(s) > len(shape):
+            return f"input {i} shape {s} has a higher rank than the iteration shape {shape}"
+        if any(d not in (1, D) for d, D in zip(s[::-1], shape[::-1], strict=False)):
+            return f"input {i} shape {s} does not broadcast to {shape}"
+    if tuple(np.broadcast_shapes(*(s for s, _ in inputs))) != shape:
+        return f"the inputs broadcast to {np.broadcast_shapes(*(s for s, _ in inputs))}, not {shape}"
+
+    def bad_ref(r: Ref, j: int) -> str | None:
+        if (r[0] == "x" and 0 <= r[1] < len(inputs)) or (r[0] == "t" and 0 <= r[1] < j) or r[0] == "c":
+            return None
+        return f"ref {r} of instruction {j} names no earlier value"
+
+    for j, (op, refs, attr) in enumerate(instrs):
+        if op not in ARITY:
+            return f"op {op!r} is not supported (supported: {', '.join(ARITY)})"
+        if len(refs) != ARITY[op]:
+            return f"{op} takes {ARITY[op]} operands, instruction {j} has {len(refs)}"
+        if op == "Cast" and attr not in CAST_TARGETS:
+            return f"Cast to {attr!r}: only targets {CAST_TARGETS}"
+        if op == "Gelu" and attr not in ("none", "tanh"):
+            return f"Gelu approximate={attr!r}: 'none' or 'tanh'"
+        if op == "HardSigmoid" and not (attr is None or (isinstance(attr, tuple) and len(attr) == 2)):
+            return f"HardSigmoid attr {attr!r}: None or (alpha, beta)"
+        for r in refs:
+            if why := bad_ref(r, j):
+                return why
+    for r in outputs:
+        if why := bad_ref(r, len(instrs)):
+            return why
+        if r[0] == "c":
+            return "an output is a constant"
+    return None
+
+
+def collapse(shape: Sequence[int], in_shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+    """Collapsed iteration dims and each input's element strides over them (0 = broadcast), merging neighbours
+    every input walks contiguously (or broadcasts over together) and dropping dims of 1."""
+    r = len(shape)
+    strides = []
+    for s in in_shapes:
+        s = (1,) * (r - len(s)) + tuple(s)
+        st, acc = [], 1
+        for d in reversed(range(r)):
+            st.append(acc if s[d] == shape[d] and shape[d] != 1 else 0)
+            acc *= s[d]
+        strides.append(st[::-1])
+    dims = [d for d in range(r) if shape[d] != 1]
+    D = [int(shape[d]) for d in dims]
+    S = [[st[d] for d in dims] for st in strides]
+    j = 0
+    while j + 1 < len(D):
+        if all(st[j] == st[j + 1] * D[j + 1] for st in S):
+            D[j:j + 2] = [D[j] * D[j + 1]]
+            for st in S:
+                st[j:j + 2] = [st[j + 1]]
+        else:
+            j += 1
+    return D, S
+
+
+def _index_expr(D: Sequence[int], st: Sequence[int], e: str) -> str:
+    """The C expression of an input's element offset at flat output index `e`."""
+    if all(s == 0 for s in st):
+        return "0"
+    terms = []
+    pos = [int(np.prod(D[j + 1:], dtype=np.int64)) for j in range(len(D))]
+    if list(st) == pos:
+        return e
+    for j, s in enumerate(st):
+        if s == 0:
+            continue
+        t = e if pos[j] == 1 else f"({e} / {pos[j]}u)"
+        if j > 0:
+            t = f"({t} % {D[j]}u)"
+        terms.append(t if s == 1 else f"{t} * {s}u")
+    return " + ".join(terms)
+
+
+def _lit(v: float) -> str:
+    v = float(np.float32(v))
+    if math.isnan(v):
+        return "NAN"
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    text = f"{abs(v)!r}f" if "e" in repr(v) or "." in repr(v) else f"{abs(v)!r}.0f"
+    # parenthesised when negative, so that an operator before it never forms "--" or "- -"
+    return f"(-{text})" if math.copysign(1.0, v) < 0 else text
+
+
+def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any) -> str:
+    if op in ("Add", "Sub", "Mul", "Div"):
+        return f"{a[0]} {dict(Add='+', Sub='-', Mul='*', Div='/')[op]} {a[1]}"
+    if op == "Pow":
+        if refs[1][0] == "c":
+            p = float(refs[1][1])
+            special = {1.0: a[0], 2.0: f"{a[0]} * {a[0]}", 3.0: f"{a[0]} * {a[0]} * {a[0]}", 0.5: f"sqrtf({a[0]})",
+                       -1.0: f"1.0f / {a[0]}", 0.0: "1.0f"}
+            if p in special:
+                return special[p]
+        return f"powf({a[0]}, {a[1]})"
+    unary = {"Sqrt": "sqrtf({})", "Reciprocal": "1.0f / {}", "Neg": "-{}", "Abs": "fabsf({})", "Exp": "expf({})",
+             "Log": "logf({})", "Tanh": "tanhf({})", "Erf": "erff({})", "Sigmoid": "gtco::ew::sigmoid({})",
+             "Relu": "gtco::ew::relu({})", "Identity": "{}"}
+    if op in unary:
+        return unary[op].format(a[0])
+    if op == "LeakyRelu":
+        return f"gtco::ew::leaky_relu({a[0]}, {_lit(0.01 if attr is None else attr)})"
+    if op == "Gelu":
+        return f"gtco::ew::gelu_{'tanh' if attr == 'tanh' else 'erf'}({a[0]})"
+    if op in ("Max", "Min"):
+        return f"{'fmaxf' if op == 'Max' else 'fminf'}({a[0]}, {a[1]})"
+    if op == "Where":
+        return f"gtco::ew::where({a[0]}, {a[1]}, {a[2]})"
+    if op == "Cast":
+        return {"f16": "gtco::ew::round_f16({})", "bf16": "gtco::ew::round_bf16({})",
+                "bool": "gtco::ew::truth({})"}.get(attr, "{}").format(a[0])
+    more = {"Softplus": "gtco::ew::softplus({})", "Softsign": "gtco::ew::softsign({})",
+            "HardSwish": "gtco::ew::hard_swish({})", "Floor": "floorf({})", "Ceil": "ceilf({})",
+            "Round": "rintf({})", "Sign": "gtco::ew::sign({})", "Sin": "gtco::ew::sin({})", "Cos": "gtco::ew::cos({})",
+            "Not": "gtco::ew::lnot({})"}
+    if op in more:
+        return more[op].format(a[0])
+    if op == "PRelu":
+        return f"gtco::ew::leaky_relu({a[0]}, {a[1]})"
+    if op == "Elu":
+        return f"gtco::ew::elu({a[0]}, {_lit(1.0 if attr is None else attr)})"
+    if op == "HardSigmoid":
+        alpha, beta = (0.2, 0.5) if attr is None else attr
+        return f"gtco::ew::hard_sigmoid({a[0]}, {_lit(alpha)}, {_lit(beta)})"
+    if op in _COMPARE:
+        return f"({a[0]} {_COMPARE[op]} {a[1]} ? 1.0f : 0.0f)"
+    if op in ("And", "Or", "Xor"):
+        return f"gtco::ew::l{op.lower()}({a[0]}, {a[1]})"
+    raise ValueError(f"elementwise: unsupported op {op!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the family
+# ---------------------------------------------------------------------------------------------------------------
+
+class ElementwiseFamily(KernelFamily):
+    name = "elementwise"
+    space: ClassVar[Mapping[str, tuple[int, ...]]] = {"THREADS": (64, 128, 256, 512), "VEC": (1, 2, 4, 8)}
+
+    def check(self, problem: Problem, config: Config, arch: str) -> str | None:
+        if problem.family != self.name:
+            return f"problem is for family {problem.family!r}, not {self.name!r}"
+        if problem.dtype not in DTYPES:
+            return f"dtype {problem.dtype!r} is not one of {DTYPES}"
+        if arch not in ARCHS:
+            return f"arch {arch!r} is not one of {ARCHS}"
+        if why := _validate(problem):
+            return why
+        try:
+            threads, vec = int(config["THREADS"]), int(config["VEC"])
+        except KeyError as e:
+            return f"config lacks {e.args[0]}"
+        if threads not in self.space["THREADS"]:
+            return f"THREADS={threads} is not one of {self.space['THREADS']}"
+        if vec not in self.space["VEC"]:
+            return f"VEC={vec} is not one of {self.space['VEC']}"
+        if vec * ITEM_BYTES[problem.dtype] > 16:
+            return f"VEC={vec} {problem.dtype} elements are {vec * ITEM_BYTES[problem.dtype]} bytes, over 16"
+        n = int(np.prod(iteration_shape(problem), dtype=np.int64))
+        if -(-n // (threads * vec)) > 2**31 - 1:
+            return f"{n} elements need more than 2^31 - 1 blocks"
+        return None
+
+    def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
+        n = int(np.prod(iteration_shape(problem), dtype=np.int64))
+        out = [{"THREADS": t, "VEC": v} for v in (8, 4, 2, 1) for t in (256, 128, 512, 64)
+               if self.check(problem, {"THREADS": t, "VEC": v}, arch) is None]
+        # widest vector first, then the block size that still gives a few waves of blocks
+        return sorted(out, key=lambda c: (-c["VEC"], n < 64 * c["THREADS"] * c["VEC"] and c["THREADS"] > 128))
+
+    def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
+        why = self.check(problem, config, arch)
+        if why is not None:
+            raise ValueError(f"elementwise: {why}")
+        threads, vec = int(config["THREADS"]), int(config["VEC"])
+        instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
+        shape = iteration_shape(problem)
+        n = int(np.prod(shape, dtype=np.int64))
+        digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()[:8]
+        ops = [op.lower() for op, _, _ in instrs if op != "Identity"]
+        tag = "_".join(ops[:6]) + (f"_{len(ops) - 6}more" if len(ops) > 6 else "") or "copy"
+        name = f"elementwise_{arch_tag(arch)}_{problem.dtype}_{tag}_n{n}_t{threads}_v{vec}_{digest}"
+        symbol = f"gtco_{name}"
+        T = C_TYPES[problem.dtype]
+        idx_t = "uint32_t" if n < 2**31 else "uint64_t"
+        D, S = collapse(shape, [s for s, _ in inputs])
+        nin, nout = len(inputs), len(outputs)
+        pos = [int(np.prod(D[j + 1:], dtype=np.int64)) for j in range(len(D))]
+        full = [k == "float" and list(st) == pos for (_, k), st in zip(inputs, S, strict=True)]
+        # how the vector path reads each input for its VEC consecutive elements (base is a multiple of VEC):
+        #   "vec": one 16-byte-at-most load at the element offset of base: inputs with the full shape, and inputs
+        #          walking the innermost dim contiguously (a bias [N]) when that dim is a multiple of VEC;
+        #   "one": one load: inputs broadcast over the innermost dim (a per-row scale, a scalar) when the VEC
+        #          elements lie in one innermost row (or the input is broadcast everywhere);
+        #   "gather": one load per element.
+        inner_ok = bool(D) and D[-1] % vec == 0
+        access = []
+        for i, ((_, k), st) in enumerate(zip(inputs, S, strict=True)):
+            if full[i] or (inner_ok and k == "float" and st[-1] == 1):
+                access.append("vec")
+            elif all(v == 0 for v in st) or (inner_ok and st[-1] == 0):
+                access.append("one")
+            else:
+                access.append("gather")
+        # only the vector path needs aligned pointers (it never runs when N < VEC)
+        vector_path = vec > 1 and n >= vec
+        aligned = [vector_path and a == "vec" for a in access]
+
+        def ctype(i: int) -> str:
+            return KINDS[inputs[i][1]] or "T"
+
+        # the program, once, as a device function on registers
+        body = []
+        for j, (op, refs, attr) in enumerate(instrs):
+            args = [f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1]) for r in refs]
+            body.append(f"    const float t{j} = {_expr(op, args, refs, attr)};")
+        for k, r in enumerate(outputs):
+            body.append(f"    y[{k}] = {f'x[{r[1]}]' if r[0] == 'x' else f't{r[1]}'};")
+
+        def loads(e: str, indent: str) -> list[str]:
+            return [f"{indent}x[{i}] = gtco::to_f32(in{i}[{_index_expr(D, S[i], e)}]);" for i in range(nin)]
+
+        vec_loads = []
+        for i in range(nin):
+            if access[i] == "vec":
+                vec_loads.append(f"        gtco::load_vec_at<T, VEC>(xv[{i}], in{i} + {_index_expr(D, S[i], 'base')});")
+            elif access[i] == "one":
+                vec_loads.append(f"        const float x{i}_all = gtco::to_f32(in{i}[{_index_expr(D, S[i], 'base')}]);")
+        lines = [
+            f"// {name}: generated by onnx_gtco.kernels.elementwise",
+            f"// iteration shape {tuple(shape)} collapsed to {tuple(D)}; input strides {[tuple(s) for s in S]}",
+            "// program: " + "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
+                                       for j, (op, refs, a) in enumerate(instrs)),
+            '#include "gtco/elementwise.cuh"',
+            "",
+            f"namespace {name}_impl {{  // named, so instances can share one translation unit",
+            f"using T = {T};",
+            f"using idx_t = {idx_t};",
+            f"constexpr int THREADS = {threads};",
+            f"constexpr int VEC = {vec};",
+            f"constexpr idx_t N = {n}u;",
+            "",
+            f"GTCO_DEVICE void body(const float (&x)[{nin}], float (&y)[{nout}]) {{",
+            *body,
+            "}",
+            "",
+            f"__global__ void __launch_bounds__(THREADS) {name}_kernel(GtcoElementwiseArgs a, bool vec_ok) {{",
+            *[f"    const {ctype(i)}* __restrict__ in{i} = static_cast<const {ctype(i)}*>(a.in[{i}]);"
+              for i in range(nin)],
+            *[f"    T* __restrict__ out{k} = static_cast<T*>(a.out[{k}]);" for k in range(nout)],
+            "    const idx_t base = (static_cast<idx_t>(blockIdx.x) * THREADS + threadIdx.x) * VEC;",
+            "    if (base >= N) return;",
+            f"    float x[{nin}], y[{nout}];",
+        ]
+        if vec > 1:
+            lines += [
+                "    if (vec_ok && base + VEC <= N) {",
+                f"        float yv[{nout}][VEC];",
+            ]
+            if "vec" in access:
+                lines.append(f"        float xv[{nin}][VEC];")
+            lines += vec_loads
+            lines += [
+                "        GTCO_UNROLL",
+                "        for (int k = 0; k < VEC; ++k) {",
+            ]
+            if "gather" in access:
+                lines.append("            const idx_t e = base + k;")
+            for i in range(nin):
+                if access[i] == "vec":
+                    lines.append(f"            x[{i}] = xv[{i}][k];")
+                elif access[i] == "one":
+                    lines.append(f"            x[{i}] = x{i}_all;")
+                else:
+                    lines.append(f"            x[{i}] = gtco::to_f32(in{i}[{_index_expr(D, S[i], 'e')}]);")
+            lines += [
+                "            body(x, y);",
+                *[f"            yv[{k}][k] = y[{k}];" for k in range(nout)],
+                "        }",
+                *[f"        gtco::store_vec_at<T, VEC>(out{k} + base, yv[{k}]);" for k in range(nout)],
+                "        return;",
+                "    }",
+            ]
+        lines += [
+            "    for (idx_t e = base; e < N && e < base + VEC; ++e) {",
+            *loads("e", "        "),
+            "        body(x, y);",
+            *[f"        out{k}[e] = gtco::from_f32<T>(y[{k}]);" for k in range(nout)],
+            "    }",
+            "}",
+            f"}}  // namespace {name}_impl",
+            "",
+            f"GTCO_EXPORT int {symbol}(const GtcoElementwiseArgs* args, void* stream) {{",
+            f"    using namespace {name}_impl;",
+            "    if (args == nullptr || args->n != static_cast<int64_t>(N)) return GTCO_EBADSHAPE;",
+            *[f"    if (args->in[{i}] == nullptr) return GTCO_EBADSHAPE;" for i in range(nin)],
+            *[f"    if (args->out[{k}] == nullptr) return GTCO_EBADSHAPE;" for k in range(nout)],
+            "    // the vector path needs its pointers aligned to VEC elements; else every element runs scalar",
+            "    const bool vec_ok = " + " && ".join(
+                ["true"] + [f"gtco::aligned_to(args->in[{i}], sizeof(T) * VEC)" for i in range(nin) if aligned[i]]
+                + ([f"gtco::aligned_to(args->out[{k}], sizeof(T) * VEC)" for k in range(nout)] if vector_path
+                   else [])) + ";",
+            "    const unsigned blocks = static_cast<unsigned>((static_cast<uint64_t>(N) + THREADS * VEC - 1) / "
+            "(THREADS * VEC));",
+            f"    auto kernel = &{name}_kernel;",
+            "    return GTCO_LAUNCH(kernel, dim3(blocks), dim3(THREADS), stream, *args, vec_ok);",
+            "}",
+            "",
+        ]
+        return Instance(name, symbol, "\n".join(lines), problem, dict(config), arch, 0)
+
+    def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
+        nin, nout = len(problem.flag("inputs")), len(problem.flag("outputs"))
+        n = int(np.prod(iteration_shape(problem), dtype=np.int64))
+        return ([Field(f"in{i}", "ptr", f"x{i}" if i < nin else "") for i in range(MAX_IN)]
+                + [Field(f"out{k}", "ptr", f"y{k}" if k < nout else "") for k in range(MAX_OUT)]
+                + [Field("n", "i64", n)])
+
+    def outputs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        shape = iteration_shape(problem)
+        return {f"y{k}": (shape, problem.dtype) for k in range(len(problem.flag("outputs")))}
+
+    def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        shape = iteration_shape(problem)
+        xs = []
+        for i, (s, kind) in enumerate(problem.flag("inputs")):
+            a = inputs[f"x{i}"]
+            xs.append(from_storage(a, problem.dtype).reshape(s) if kind == "float"
+                      else np.asarray(a).astype(np.float64).reshape(s))
+        ts: list[np.ndarray] = []
+
+        def val(r: Ref) -> Any:
+            return xs[r[1]] if r[0] == "x" else ts[r[1]] if r[0] == "t" else float(np.float32(r[1]))
+
+        with np.errstate(all="ignore"):
+            for op, refs, attr in problem.flag("program"):
+                ts.append(np.asarray(_np_op(op, [val(r) for r in refs], attr), np.float64))
+        return {f"y{k}": np.broadcast_to(val(r), shape).astype(np.float64)
+                for k, r in enumerate(problem.flag("outputs"))}
+
+    def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
+        """Normal values (|x| >= 0.05, never zero), positive in [0.5, 2) for inputs read by Sqrt, Log, Pow, or as a
+        divisor / Reciprocal operand; bools alternate at random, integers in [0, 3)."""
+        rng = np.random.default_rng(seed)
+        positive = set()
+        for op, refs, _ in problem.flag("program"):
+            operands = refs[1:] if op == "Div" else refs[:1] if op == "Pow" else refs
+            if op in ("Sqrt", "Log", "Pow", "Div", "Reciprocal"):
+                positive |= {r[1] for r in operands if r[0] == "x"}
+        out = {}
+        for i, (s, kind) in enumerate(problem.flag("inputs")):
+            if kind == "bool":
+                out[f"x{i}"] = rng.random(s) < 0.5
+            elif kind in ("i32", "i64"):
+                out[f"x{i}"] = rng.integers(0, 3, s).astype(KIND_NP[kind])
+            elif i in positive:
+                out[f"x{i}"] = to_storage(rng.uniform(0.5, 2.0, s), problem.dtype)
+            else:
+                v = rng.standard_normal(s)
+                v = np.where(np.abs(v) < 0.05, np.copysign(0.05, v), v)
+                out[f"x{i}"] = to_storage(v, problem.dtype)
+        return out
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _hs(attr: Any) -> tuple[float, float]:
+    alpha, beta = (0.2, 0.5) if attr is None else attr
+    return float(np.float32(alpha)), float(np.float32(beta))
+
+
+def _round(x: Any, to: str) -> Any:
+    if to == "bool":
+        return (np.asarray(x) != 0).astype(np.float64)
+    if to == "f16":
+        return np.asarray(x, np.float16).astype(np.float64)
+    if to == "bf16":
+        return from_storage(to_storage(np.asarray(x, np.float64), "bf16"), "bf16")
+    if to == "f32":
+        return np.asarray(x, np.float32).astype(np.float64)
+    return np.asarray(x, np.float64)
+
+
+def _np_op(op: str, a: list[Any], attr: Any) -> Any:
+    x = a[0]
+    table = {
+        "Add": lambda: a[0] + a[1], "Sub": lambda: a[0] - a[1], "Mul": lambda: a[0] * a[1],
+        "Div": lambda: a[0] / a[1], "Pow": lambda: np.power(a[0], a[1]), "Sqrt": lambda: np.sqrt(x),
+        "Reciprocal": lambda: 1.0 / np.asarray(x), "Neg": lambda: -np.asarray(x), "Abs": lambda: np.abs(x),
+        "Exp": lambda: np.exp(x), "Log": lambda: np.log(x), "Tanh": lambda: np.tanh(x), "Erf": lambda: _erf(x),
+        "Sigmoid": lambda: 1.0 / (1.0 + np.exp(-np.asarray(x))), "Relu": lambda: np.where(x > 0, x, 0.0),
+        "LeakyRelu": lambda: np.where(x >= 0, x, (0.01 if attr is None else float(np.float32(attr))) * x),
+        "Gelu": lambda: (0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))) if attr == "tanh"
+        else 0.5 * x * (1 + _erf(x / np.sqrt(2.0))),
+        "Max": lambda: np.maximum(a[0], a[1]), "Min": lambda: np.minimum(a[0], a[1]),
+        "Where": lambda: np.where(np.asarray(a[0]) != 0, a[1], a[2]), "Cast": lambda: _round(x, attr),
+        "Identity": lambda: x,
+        "PRelu": lambda: np.where(a[0] >= 0, a[0], a[1] * a[0]),
+        "Elu": lambda: np.where(x >= 0, x, float(np.float32(1.0 if attr is None else attr)) * np.expm1(x)),
+        "Softplus": lambda: np.logaddexp(0.0, x), "Softsign": lambda: x / (1.0 + np.abs(x)),
+        "HardSigmoid": lambda: np.clip(_hs(attr)[0] * x + _hs(attr)[1], 0.0, 1.0),
+        "HardSwish": lambda: x * np.clip(x / 6.0 + 0.5, 0.0, 1.0), "Floor": lambda: np.floor(x),
+        "Ceil": lambda: np.ceil(x), "Round": lambda: np.round(x), "Sign": lambda: np.sign(x),
+        "Sin": lambda: np.sin(x), "Cos": lambda: np.cos(x),
+        "Equal": lambda: a[0] == a[1], "Less": lambda: a[0] < a[1], "LessOrEqual": lambda: a[0] <= a[1],
+        "Greater": lambda: a[0] > a[1], "GreaterOrEqual": lambda: a[0] >= a[1],
+        "Not": lambda: np.asarray(x) == 0, "And": lambda: (np.asarray(a[0]) != 0) & (np.asarray(a[1]) != 0),
+        "Or": lambda: (np.asarray(a[0]) != 0) | (np.asarray(a[1]) != 0),
+        "Xor": lambda: (np.asarray(a[0]) != 0) ^ (np.asarray(a[1]) != 0),
+    }
+    return table[op]()
+
+
+FAMILY = ElementwiseFamily()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ONNX -> Program
+# ---------------------------------------------------------------------------------------------------------------
+
+_VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
+
+
+def _onnx_cast_target(to: int) -> str:
+    from onnx import TensorProto
+
+    names = {TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16",
+             TensorProto.DOUBLE: "f64", TensorProto.BOOL: "bool"}
+    if to not in names:
+        raise ValueError(f"elementwise: Cast to {TensorProto.DataType.Name(to)} is not supported (float and bool "
+                         "targets only)")
+    return names[to]
+
+
+def _kind_of_elem_type(t: int) -> str:
+    from onnx import TensorProto
+
+    if t == TensorProto.BOOL:
+        return "bool"
+    if t == TensorProto.INT32:
+        return "i32"
+    if t == TensorProto.INT64:
+        return "i64"
+    if t in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE, 0):
+        return "float"
+    raise ValueError(f"elementwise: input element type {TensorProto.DataType.Name(t)} is not supported")
+
+
+def _as_input(item: Any) -> tuple[str, tuple[int, ...], str]:
+    from onnx import ValueInfoProto
+
+    if isinstance(item, ValueInfoProto):
+        tt = item.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        if any(d is None for d in dims):
+            raise ValueError(f"elementwise: input {item.name!r} has a symbolic shape {dims}: static shapes only")
+        return item.name, tuple(int(d) for d in dims), _kind_of_elem_type(tt.elem_type)
+    if isinstance(item, str):
+        raise ValueError(f"elementwise: input {item!r} needs a shape: pass (name, shape) or a ValueInfoProto")
+    name, shape, *kind = item
+    return str(name), tuple(int(d) for d in shape), (kind[0] if kind else "float")
+
+
+def _const_array(value: Any) -> np.ndarray:
+    from onnx import TensorProto, numpy_helper
+
+    if isinstance(value, TensorProto):
+        return numpy_helper.to_array(value)
+    return np.asarray(value)
+
+
+def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str, Sequence[int]],
+                      outputs: Sequence[str], constants: Mapping[str, Any] | None = None) -> Program:
+    """The Program of an elementwise group.
+
+    Args:
+        nodes: the group's onnx NodeProto, in any order. Constant nodes among them give scalar constants.
+        inputs: the group's tensor inputs: ValueInfoProto, (name, shape) or (name, shape, kind) with kind
+            "float" / "bool" / "i32" / "i64", or a mapping name -> shape (float inputs).
+        outputs: names of the tensors the kernel writes (each of the group's iteration shape).
+        constants: initializers the group reads, name -> array or TensorProto; scalars (one element) are folded
+            into the program; larger constants must be passed as inputs instead.
+
+    Raises:
+        ValueError: an op that is not supported (named), a non-scalar constant, a value of unknown shape, a view
+            op on a computed value, or an output that does not have the iteration shape.
+    """
+    if isinstance(inputs, Mapping):
+        items = [(k, tuple(v), "float") for k, v in inputs.items()]
+    else:
+        items = [_as_input(i) for i in inputs]
+    consts: dict[str, float] = {}
+    for k, v in (constants or {}).items():
+        arr = _const_array(v)
+        if arr.size == 1:
+            consts[k] = float(arr.reshape(()))
+    prog_inputs: list[tuple[str, tuple[int, ...], str]] = []
+    env: dict[str, tuple[Ref, tuple[int, ...]]] = {}  # tensor -> (ref, shape)
+    for name, shape, kind in items:
+        env[name] = (("x", len(prog_inputs)), shape)
+        prog_inputs.append((name, shape, kind))
+    # every constant array by name (initializers and the group's Constant nodes): view ops read their shape or
+    # axes from here; a non-scalar one read by a computing op must be passed as an input instead
+    arrays = {k: _const_array(v) for k, v in (constants or {}).items()}
+    big_consts = {k for k, v in arrays.items() if v.size != 1}
+
+    # topological order over the group's own edges
+    pending = list(nodes)
+    produced = {o for n in pending for o in n.output}
+    ordered = []
+    while pending:
+        ready = [n for n in pending if all(i not in produced or any(i in m.output for m in ordered)
+                                           for i in n.input if i)]
+        if not ready:
+            raise ValueError("elementwise: the nodes form a cycle")
+        ordered += ready
+        pending = [n for n in pending if n not in ready]
+
+    instrs: list[Instr] = []
+
+    def get(tensor: str, node: Any) -> tuple[Ref, tuple[int, ...]]:
+        if tensor in env:
+            return env[tensor]
+        if tensor in consts:
+            return ("c", consts[tensor]), ()
+        if tensor in big_consts:
+            raise ValueError(f"elementwise: constant {tensor!r} read by {node.op_type} {node.name!r} is not a "
+                             "scalar: pass it as an input")
+        raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads {tensor!r}, which is neither an input, "
+                         "a constant nor computed in the group")
+
+    def attr(node: Any, key: str, default: Any = None) -> Any:
+        from onnx import helper
+
+        for a in node.attribute:
+            if a.name == key:
+                return helper.get_attribute_value(a)
+        return default
+
+    def emit(op: str, refs: list[Ref], a: Any = None) -> Ref:
+        instrs.append((op, tuple(refs), a))
+        return ("t", len(instrs) - 1)
+
+    for node in ordered:
+        op = node.op_type
+        where = f"{op} {node.name!r}"
+        if node.domain not in ("", "ai.onnx") and not (node.domain == "com.microsoft" and op == "Gelu"):
+            raise ValueError(f"elementwise: unsupported op {node.domain}.{op} (node {node.name!r})")
+        if op == "Constant":
+            values = [attr(node, k) for k in ("value", "value_float", "value_floats", "value_int", "value_ints")]
+            if all(v is None for v in values):
+                raise ValueError(f"elementwise: Constant {node.name!r} has no numeric value attribute")
+            arr = _const_array(next(v for v in values if v is not None))
+            arrays[node.output[0]] = arr
+            if arr.size != 1:
+                big_consts.add(node.output[0])  # a shape or axes operand, unless a computing op reads it
+            else:
+                consts[node.output[0]] = float(arr.reshape(()))
+            continue
+        if op in _VIEW_OPS:
+            ref, shape = get(node.input[0], node)
+            new = _view_shape(node, shape, consts, attr, arrays)
+            if ref[0] == "c":
+                env[node.output[0]] = (ref, ())
+            elif ref[0] == "x":
+                name, _, kind = prog_inputs[ref[1]]
+                env[node.output[0]] = (("x", len(prog_inputs)), new)
+                prog_inputs.append((name, new, kind))
+            elif _strip_leading_ones(new) == _strip_leading_ones(shape):
+                env[node.output[0]] = (ref, new)  # only adds or drops leading 1s: the broadcast is unchanged
+            else:
+                raise ValueError(f"elementwise: {where} reshapes a computed value {shape} -> {new}, which moves "
+                                 "its broadcast axes: a computed value may only gain or lose leading 1s (reshape "
+                                 "the group's inputs instead)")
+            continue
+        if op not in ARITY and op not in ("Sum", "Mean", "Clip"):
+            raise ValueError(f"elementwise: unsupported op {op!r} (node {node.name!r}); supported: "
+                             f"{', '.join(sorted([*ARITY, 'Sum', 'Mean', 'Clip', *_VIEW_OPS]))}")
+        args = [get(t, node) for t in node.input if t]
+        refs = [r for r, _ in args]
+        shape = tuple(np.broadcast_shapes(*(s for _, s in args))) if args else ()
+        if not refs:
+            raise ValueError(f"elementwise: {where} has no operand")
+        if op in ("Max", "Min", "Sum", "Mean"):
+            out = refs[0]
+            for r in refs[1:]:
+                out = emit(op if op in ("Max", "Min") else "Add", [out, r])
+            if op == "Mean" and len(refs) > 1:
+                out = emit("Div", [out, ("c", float(len(refs)))])
+            elif len(refs) == 1:
+                out = emit("Identity", [out])
+        elif op == "Clip":
+            # opset 11+: optional min / max inputs (an empty name skips one); before: min / max attributes
+            out = get(node.input[0], node)[0]
+            bounds = []
+            for pos, key, default in ((1, "min", None), (2, "max", None)):
+                if len(node.input) > pos and node.input[pos]:
+                    bounds.append((key, get(node.input[pos], node)[0]))
+                elif attr(node, key, default) is not None:
+                    bounds.append((key, ("c", float(attr(node, key)))))
+            for key, r in bounds:
+                out = emit("Max" if key == "min" else "Min", [out, r])
+            if not bounds:
+                out = emit("Identity", [out])
+        elif op == "Elu":
+            out = emit(op, refs, float(attr(node, "alpha", 1.0)))
+        elif op == "HardSigmoid":
+            out = emit(op, refs, (float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))))
+        elif op == "Pow":
+            out = emit("Pow", refs)
+        elif op == "LeakyRelu":
+            out = emit(op, refs, float(attr(node, "alpha", 0.01)))
+        elif op == "Gelu":
+            approx = attr(node, "approximate", b"none")
+            approx = approx.decode() if isinstance(approx, bytes) else str(approx)
+            out = emit(op, refs, approx)
+        elif op == "Cast":
+            out = emit(op, refs, _onnx_cast_target(int(attr(node, "to"))))
+        else:
+            if len(refs) != ARITY[op]:
+                raise ValueError(f"elementwise: {where} has {len(refs)} operands, {ARITY[op]} supported")
+            out = emit(op, refs)
+        env[node.output[0]] = (out, shape)
+
+    for name in outputs:
+        if name not in env:
+            raise ValueError(f"elementwise: output {name!r} is not computed by the group")
+    # drop inputs only a view op read (their reshaped alias is what the program uses); the iteration shape is
+    # the broadcast of the inputs the program reads
+    used = {r[1] for _, refs, _ in instrs for r in refs if r[0] == "x"} | {
+        env[name][0][1] for name in outputs if env[name][0][0] == "x"}
+    keep = sorted(used)
+    if not keep:
+        raise ValueError("elementwise: the group reads no tensor input (only constants)")
+    shape = tuple(np.broadcast_shapes(*(prog_inputs[i][1] for i in keep)))
+    outs = []
+    for name in outputs:
+        ref, s = env[name]
+        if ref[0] == "c":
+            raise ValueError(f"elementwise: output {name!r} is a constant")
+        if tuple(np.broadcast_shapes(s, shape)) != shape or int(np.prod(s)) != int(np.prod(shape)):
+            raise ValueError(f"elementwise: output {name!r} has shape {s}, not the iteration shape {shape}")
+        outs.append((name, ref))
+    remap = {old: new for new, old in enumerate(keep)}
+
+    def fix(r: Ref) -> Ref:
+        return ("x", remap[r[1]]) if r[0] == "x" else r
+
+    return Program(tuple(prog_inputs[i] for i in keep),
+                   tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in instrs),
+                   tuple((n, fix(r)) for n, r in outs))
+
+
+def _strip_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _view_shape(node: Any, shape: tuple[int, ...], consts: Mapping[str, float], attr: Any,
+                constants: Mapping[str, Any] | None) -> tuple[int, ...]:
+    """Output shape of a Reshape / Unsqueeze / Squeeze / Flatten of a value of `shape`."""
+    def const_ints(i: int) -> list[int] | None:
+        if len(node.input) <= i or not node.input[i]:
+            return None
+        t = node.input[i]
+        if constants and t in constants:
+            return [int(v) for v in _const_array(constants[t]).reshape(-1)]
+        if t in consts:
+            return [int(consts[t])]
+        what = "axes" if node.op_type != "Reshape" else "shape"
+        raise ValueError(f"elementwise: {node.op_type} {node.name!r}: its {what} input {t!r} is not a constant")
+
+    r = len(shape)
+    if node.op_type == "Unsqueeze":
+        axes = attr(node, "axes") or const_ints(1) or []
+        out_r = r + len(axes)
+        axes = sorted(a % out_r for a in axes)
+        out, it = [], iter(shape)
+        for d in range(out_r):
+            out.append(1 if d in axes else next(it))
+        return tuple(out)
+    if node.op_type == "Squeeze":
+        axes = attr(node, "axes") or const_ints(1)
+        axes = {a % r for a in axes} if axes else {d for d in range(r) if shape[d] == 1}
+        return tuple(d for i, d in enumerate(shape) if i not in axes)
+    if node.op_type == "Flatten":
+        ax = int(attr(node, "axis", 1)) % (r + 1) if r else 0
+        return (int(np.prod(shape[:ax])), int(np.prod(shape[ax:])))
+    target = const_ints(1) or []
+    out = [shape[i] if d == 0 and not attr(node, "allowzero", 0) else d for i, d in enumerate(target)]
+    if -1 in out:
+        known = int(np.prod([d for d in out if d != -1]))
+        out[out.index(-1)] = int(np.prod(shape)) // max(known, 1)
+    if int(np.prod(out)) != int(np.prod(shape)):
+        raise ValueError(f"elementwise: Reshape {node.name!r} of {shape} to {target} changes the element count")
+    return tuple(out)
