@@ -41,7 +41,7 @@ REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "relu6": lambda a: np.clip(a, 0.0, 6.0),
 }
 _FLOAT_TYPES = (1, 10, 11, 16)  # float, float16, double, bfloat16
-_SAMPLES = np.linspace(-6.0, 6.0, 49)
+_SAMPLES = np.linspace(-12.0, 12.0, 97)  # past 6, so Clip(0, 6) is not taken for Relu
 MAX_NODES = 10
 
 _OPS: dict[str, Callable[..., np.ndarray]] = {

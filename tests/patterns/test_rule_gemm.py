@@ -20,10 +20,11 @@ def linear(kit, act: str, *, residual: bool = True, outputs: tuple[str, ...] = (
     x = g.op("Add", [g.weight("b", 16), "mm"], "bias")
     c = {k: g.const(k, np.float32(v)) for k, v in
          (("half", 0.5), ("one", 1.0), ("sqrt2", 1.4142135), ("inv_sqrt2", 0.70710677), ("three", 3.0),
-          ("k0", 0.044715), ("k1", 0.7978846), ("qg", 1.702))}
+          ("k0", 0.044715), ("k1", 0.7978846), ("qg", 1.702), ("zero", 0.0), ("six", 6.0))}
     forms = {
         "none": [],
         "relu": [("Relu", [x])],
+        "relu6": [("Clip", [x, c["zero"], c["six"]])],
         "gelu_div": [("Div", [x, c["sqrt2"]]), ("Erf", ["a0"]), ("Add", ["a1", c["one"]]), ("Mul", [x, "a2"]),
                      ("Mul", ["a3", c["half"]])],
         "gelu_mul": [("Mul", [x, c["half"]]), ("Mul", [c["inv_sqrt2"], x]), ("Erf", ["a1"]),
@@ -49,7 +50,7 @@ def linear(kit, act: str, *, residual: bool = True, outputs: tuple[str, ...] = (
 
 
 @pytest.mark.parametrize(("form", "name"), [
-    ("relu", "relu"), ("gelu_div", "gelu_erf"), ("gelu_mul", "gelu_erf"), ("gelu_tanh_pow", "gelu_tanh"),
+    ("relu", "relu"), ("relu6", "relu6"), ("gelu_div", "gelu_erf"), ("gelu_mul", "gelu_erf"), ("gelu_tanh_pow", "gelu_tanh"),
     ("gelu_tanh_cube", "gelu_tanh"), ("silu", "silu"), ("quick_gelu", "quick_gelu"),
 ])
 def test_prefix_variants_with_each_activation_form(kit, form: str, name: str) -> None:
