@@ -50,8 +50,8 @@ def linear(kit, act: str, *, residual: bool = True, outputs: tuple[str, ...] = (
 
 
 @pytest.mark.parametrize(("form", "name"), [
-    ("relu", "relu"), ("relu6", "relu6"), ("gelu_div", "gelu_erf"), ("gelu_mul", "gelu_erf"), ("gelu_tanh_pow", "gelu_tanh"),
-    ("gelu_tanh_cube", "gelu_tanh"), ("silu", "silu"), ("quick_gelu", "quick_gelu"),
+    ("relu", "relu"), ("relu6", "relu6"), ("gelu_div", "gelu_erf"), ("gelu_mul", "gelu_erf"),
+    ("gelu_tanh_pow", "gelu_tanh"), ("gelu_tanh_cube", "gelu_tanh"), ("silu", "silu"), ("quick_gelu", "quick_gelu"),
 ])
 def test_prefix_variants_with_each_activation_form(kit, form: str, name: str) -> None:
     view, act = linear(kit, form)
