@@ -1,0 +1,129 @@
+"""Compile generated instances with nvcc for their architecture, read ptxas's resource report, and cache the objects.
+
+Every instance is compiled with `-Xptxas -v`; a kernel that spills registers or needs a stack frame is a
+BuildError naming the instance and its configuration (a spill costs more than any tile choice gains). Objects are
+cached by a hash of the instance source, the architecture, the nvcc flags and every header under plugins/include,
+so the same kernel is compiled once per machine whatever model asks for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from onnx_gtco.kernels.emulate import INCLUDE_DIR
+from onnx_gtco.kernels.family import Instance
+from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
+from onnx_gtco.kernels.toolchain import BuildError, nvcc_compile
+
+NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
+
+
+@dataclass(frozen=True)
+class CompiledInstance:
+    """An instance's device object and what ptxas said about each of its kernels."""
+
+    instance: Instance
+    object_path: Path
+    kernels: tuple[KernelResources, ...]
+    seconds: float
+    cached: bool
+
+    def summary(self) -> dict[str, object]:
+        """Registers, shared memory and spills per kernel, for the optimize report."""
+        return {
+            "instance": self.instance.name, "arch": self.instance.arch, "config": dict(self.instance.config),
+            "dynamic_smem_bytes": self.instance.smem_bytes, "compile_s": round(self.seconds, 2),
+            "cached": self.cached,
+            "kernels": [{"registers": k.registers, "static_smem_bytes": k.smem_bytes,
+                         "stack_frame_bytes": k.stack_frame_bytes, "spill_store_bytes": k.spill_store_bytes,
+                         "spill_load_bytes": k.spill_load_bytes} for k in self.kernels],
+        }
+
+
+def cache_root() -> Path:
+    """`$GTCO_CACHE_DIR`, else `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`."""
+    if os.environ.get("GTCO_CACHE_DIR"):
+        return Path(os.environ["GTCO_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "onnx-gtco"
+
+
+@lru_cache(maxsize=1)
+def headers_digest() -> str:
+    """Hash of every file under plugins/include and plugins/emu (a header change rebuilds every kernel)."""
+    h = hashlib.sha256()
+    for root in (INCLUDE_DIR, INCLUDE_DIR.parent / "emu"):
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def describe(instance: Instance) -> str:
+    """`gemm_sm80_f16_... (BM=128, BN=64, ...)`: the instance and its parameters, for error messages."""
+    params = ", ".join(f"{k}={v}" for k, v in instance.config.items())
+    return f"{instance.name} ({params})"
+
+
+def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> None:
+    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance`."""
+    if not kernels:
+        raise BuildError(f"{describe(instance)} for {instance.arch}: ptxas reported no kernel")
+    for k in kernels:
+        if k.spills or k.stack_frame_bytes:
+            raise BuildError(
+                f"{describe(instance)} for {instance.arch}: ptxas reports {k.registers} registers, "
+                f"{k.stack_frame_bytes} B stack frame, {k.spill_store_bytes} B spill stores, "
+                f"{k.spill_load_bytes} B spill loads; this configuration must not be used")
+
+
+def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | None = None,
+                     flags: Sequence[str] = NVCC_FLAGS) -> CompiledInstance:
+    """nvcc -Xptxas -v one instance into a cached object; BuildError on a compile error, spill or stack frame."""
+    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, headers_digest()]).encode())
+    out = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
+    entry = out / f"{instance.name}.{key.hexdigest()[:16]}"
+    obj, report = entry.with_suffix(".o"), entry.with_suffix(".ptxas.json")
+    if obj.exists() and report.exists():
+        data = json.loads(report.read_text())
+        kernels = tuple(KernelResources(**k) for k in data["kernels"])
+        check_resources(instance, kernels)
+        return CompiledInstance(instance, obj, kernels, float(data["seconds"]), cached=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gtco-nvcc-", dir=out) as tmp:
+        src = Path(tmp) / f"{instance.name}.cu"
+        src.write_text(instance.source)
+        tmp_obj = Path(tmp) / "kernel.o"
+        try:
+            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=[INCLUDE_DIR], extra=flags)
+        except BuildError as e:
+            raise BuildError(f"{describe(instance)} for {instance.arch}: {e}") from None
+        kernels = tuple(parse_ptxas(result.stderr))
+        check_resources(instance, kernels)
+        tmp_report = Path(tmp) / "ptxas.json"
+        tmp_report.write_text(json.dumps({"seconds": result.seconds,
+                                          "kernels": [asdict(k) for k in kernels]}))
+        tmp_obj.replace(obj)
+        tmp_report.replace(report)
+    return CompiledInstance(instance, obj, kernels, result.seconds, cached=False)
+
+
+def compile_instances(instances: Iterable[Instance], cache_dir: str | os.PathLike[str] | None = None,
+                      jobs: int | None = None) -> list[CompiledInstance]:
+    """compile_instance over distinct instances (by name and arch), `jobs` nvcc processes at a time."""
+    unique: dict[tuple[str, str], Instance] = {}
+    for inst in instances:
+        prev = unique.setdefault((inst.name, inst.arch), inst)
+        if prev.source != inst.source:
+            raise BuildError(f"two different sources are named {inst.name} for {inst.arch}")
+    workers = jobs or max(1, min(len(unique), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda i: compile_instance(i, cache_dir), unique.values()))

@@ -1,0 +1,289 @@
+"""plugins/include/gtco/attention.cuh through onnx_gtco/kernels/attention.py: numerics in the CPU emulation against
+the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 128, with and without mask / bias), a
+deliberately broken online softmax that the comparison must catch in both families, check()'s rejections, and
+ptxas resources (no spills, no stack): every config configs() proposes for the zoo's attention shapes, and the
+configs check() accepts closest to its register budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from kernel_helpers import INCLUDE, nvcc_missing
+
+from onnx_gtco.kernels.attention import (
+    ACC_REG_BUDGET,
+    FAMILIES,
+    AttentionFamily,
+    BmmSoftmaxFamily,
+    make_problem,
+    output_dtype_array,
+)
+from onnx_gtco.kernels.emulate import build_emulated, run_emulated
+from onnx_gtco.kernels.family import Instance, Problem, from_storage, rel_error, to_storage
+from onnx_gtco.kernels.ptxas import parse_ptxas
+from onnx_gtco.kernels.toolchain import nvcc_compile
+
+ATTN, BMM = AttentionFamily(), BmmSoftmaxFamily()
+# ‖err‖/‖ref‖. fp16: P and O are rounded to 11-bit significands, ~3e-4 each. bf16 has an 8-bit significand: rounding
+# the output alone gives ‖err‖/‖ref‖ ≈ 2^-8/√3 ≈ 2.3e-3 against an fp64 reference, with P's rounding about the same
+# again, so 2e-3 is out of reach for any bf16 kernel; 8e-3 still fails a missing rescale or a swapped fragment.
+TOL = {"f16": 2e-3, "bf16": 8e-3}
+
+
+def cfg(bq: int, bkv: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BQ": bq, "BKV": bkv, "WARPS": warps, "STAGES": stages}
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    """run(family, problem, config, inputs=None, prefix="") -> (outputs, reference, inputs) via the emulation."""
+    out_dir = tmp_path_factory.mktemp("attn_emu")
+
+    def run(family, problem: Problem, config, inputs=None, prefix: str = ""):
+        inst = family.instantiate(problem, config, "sm_90")
+        if prefix:
+            inst = dataclasses.replace(inst, source=prefix + inst.source)
+        lib = build_emulated(inst, out_dir, extra=("-O1",))
+        inputs = family.random_inputs(problem, seed=7) if inputs is None else inputs
+        arrays = dict(inputs)
+        for name, (shape, dtype) in family.outputs(problem).items():
+            arrays[name] = output_dtype_array(shape, dtype)  # NaN: an element the kernel never writes shows
+        out = run_emulated(lib, inst.symbol, family.args_fields(problem, arrays), arrays, list(family.outputs(problem)))
+        got = {k: from_storage(v, problem.dtype) for k, v in out.items()}
+        return got, family.reference(problem, inputs), inputs
+
+    return run
+
+
+def assert_close(got: dict, ref: dict, dtype: str) -> None:
+    for name, want in ref.items():
+        assert got[name].shape == want.shape
+        assert not np.isnan(got[name]).any(), f"{name}: {np.count_nonzero(np.isnan(got[name]))} NaN outputs"
+        err = rel_error(got[name], want)
+        assert err < TOL[dtype], f"{name}: ‖err‖/‖ref‖ = {err:.3g} (tolerance {TOL[dtype]:g})"
+
+
+SWIN = {"mask_shape": (2, 1, 49, 49)}  # [nW, 1, N, N] window mask over batch = B_ x nW
+ATTENTION_CASES = [
+    # dtype, config, problem
+    ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=77, head_dim=64, mask=True)),
+    ("bf16", cfg(64, 64, 4, 3), dict(batch=1, heads=2, seq_q=197, head_dim=32, bias=True, q_layout="bshd_merged",
+                                     k_layout="bshd_merged", v_layout="bshd_merged", out_layout="bshd_merged")),
+    ("f16", cfg(128, 32, 8, 2), dict(batch=2, heads=1, seq_q=49, head_dim=80, mask=True, bias=True, **SWIN,
+                                     q_layout="qkv_packed", k_layout="qkv_packed", v_layout="qkv_packed",
+                                     out_layout="bshd_merged")),
+    ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=2, seq_q=77, head_dim=128, mask=True, k_layout="bhds")),
+    ("f16", cfg(128, 64, 4, 2), dict(batch=1, heads=3, seq_q=49, seq_k=197, head_dim=32, q_layout="bshd",
+                                     k_layout="bshd", v_layout="bshd", out_layout="bshd")),
+    ("bf16", cfg(64, 128, 4, 2), dict(batch=3, heads=1, seq_q=77, head_dim=64, mask=True, bias=True,
+                                      k_layout="bhds", out_layout="bshd")),
+    # long key rows, not multiples of the key tile (few queries keep the emulation quick)
+    ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=1, seq_q=64, seq_k=197, head_dim=128)),
+    ("f16", cfg(64, 64, 4, 2), dict(batch=1, heads=1, seq_q=40, seq_k=257, head_dim=80, mask=True)),
+    ("f16", cfg(64, 128, 4, 3), dict(batch=1, heads=1, seq_q=33, seq_k=577, head_dim=64)),
+    ("f16", cfg(128, 64, 8, 2), dict(batch=1, heads=1, seq_q=70, seq_k=1050, head_dim=32, mask=True)),
+    ("bf16", cfg(64, 64, 4, 3), dict(batch=1, heads=1, seq_q=20, seq_k=1050, head_dim=128, mask=True, bias=True,
+                                     k_layout="bhds")),
+]
+
+BMM_CASES = [
+    ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=77, head_dim=64, mask=True, k_layout="bhds")),
+    ("bf16", cfg(128, 64, 8, 3), dict(batch=1, heads=2, seq_q=197, head_dim=32, bias=True)),
+    ("f16", cfg(64, 64, 4, 2), dict(batch=2, heads=1, seq_q=49, head_dim=80, mask=True, bias=True, **SWIN,
+                                    q_layout="qkv_packed", k_layout="qkv_packed")),
+    ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=2, seq_q=128, head_dim=128, mask=True,
+                                     q_layout="bshd_merged", k_layout="bshd_merged")),
+    # long key rows (SETR 577, DETR 1050), not multiples of the key tile
+    ("f16", cfg(64, 128, 4, 3), dict(batch=1, heads=1, seq_q=64, seq_k=197, head_dim=128, bias=True)),
+    ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=1, seq_q=20, seq_k=257, head_dim=80)),
+    ("f16", cfg(64, 64, 4, 2), dict(batch=1, heads=1, seq_q=40, seq_k=577, head_dim=64, mask=True, k_layout="bhds")),
+    ("f16", cfg(128, 128, 8, 2), dict(batch=1, heads=1, seq_q=30, seq_k=1050, head_dim=32, mask=True)),
+]
+
+
+def _id(case) -> str:
+    dtype, c, p = case
+    lay = p.get("q_layout", "bhsd") + ("-kT" if p.get("k_layout") == "bhds" else "")
+    extra = "".join(f"-{f}" for f in ("mask", "bias") if p.get(f))
+    keys = f"x{p['seq_k']}" if "seq_k" in p else ""
+    tile = f"q{c['BQ']}kv{c['BKV']}w{c['WARPS']}s{c['STAGES']}"
+    return f"{dtype}-s{p['seq_q']}{keys}-d{p['head_dim']}-{tile}-{lay}{extra}"
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=_id)
+def test_attention_matches_fp64_reference(emu, case):
+    dtype, config, kw = case
+    problem = make_problem("attention", dtype, **kw)
+    assert_close(*emu(ATTN, problem, config)[:2], dtype)
+
+
+@pytest.mark.parametrize("case", BMM_CASES, ids=_id)
+def test_bmm_softmax_matches_fp64_reference(emu, case):
+    dtype, config, kw = case
+    problem = make_problem("bmm_softmax", dtype, **kw)
+    got, ref, _ = emu(BMM, problem, config)
+    assert_close(got, ref, dtype)
+    np.testing.assert_allclose(got["probs"].sum(-1), 1.0, atol=0.02)  # rows are distributions
+
+
+def test_missing_rescale_is_caught(emu):
+    """Without O, l *= exp(m_old - m_new) the later key tiles are weighted wrongly: 7 tiles of 32 keys of 197."""
+    problem = make_problem("attention", "f16", batch=1, heads=1, seq_q=64, seq_k=197, head_dim=64)
+    inputs = ATTN.random_inputs(problem, seed=3)
+    got, ref, _ = emu(ATTN, problem, cfg(64, 32, 4, 2), inputs=inputs)
+    assert rel_error(got["out"], ref["out"]) < TOL["f16"]
+    bad, _, _ = emu(ATTN, problem, cfg(64, 32, 4, 2), inputs=inputs, prefix="#define GTCO_ATTN_TEST_NO_RESCALE 1\n")
+    assert rel_error(bad["out"], ref["out"]) > 0.05
+
+
+def test_bmm_softmax_missing_rescale_is_caught(emu):
+    """Pass 1 of bmm_softmax sums the row online: without l *= exp(m_old - m_new) the row sums of 577 keys (19
+    tiles of 32) are wrong and so is every P."""
+    problem = make_problem("bmm_softmax", "f16", batch=1, heads=1, seq_q=32, seq_k=577, head_dim=64)
+    inputs = BMM.random_inputs(problem, seed=5)
+    got, ref, _ = emu(BMM, problem, cfg(64, 32, 4, 2), inputs=inputs)
+    assert rel_error(got["probs"], ref["probs"]) < TOL["f16"]
+    bad, _, _ = emu(BMM, problem, cfg(64, 32, 4, 2), inputs=inputs, prefix="#define GTCO_ATTN_TEST_NO_RESCALE 1\n")
+    assert rel_error(bad["probs"], ref["probs"]) > 0.05
+
+
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_fully_masked_rows_are_zero_not_nan(emu, family):
+    """A -inf mask over every key of batch 0 gives l = 0: those rows are zeros (the exporters' IsNaN guard);
+    batch 1, masked only on its tail, is unaffected. Finite -10000 masks are covered by the reference tests."""
+    problem = make_problem(family.name, "f16", batch=2, heads=1, seq_q=40, seq_k=70, head_dim=32, mask=True)
+    inputs = family.random_inputs(problem, seed=4)
+    mask = np.zeros((2, 1, 1, 70))
+    mask[0] = -np.inf
+    mask[1, ..., 60:] = -np.inf
+    inputs["mask"] = to_storage(mask, "f16")
+    got, ref, _ = emu(family, problem, cfg(64, 32, 4, 2), inputs=inputs)
+    (name, out), = got.items()
+    assert not np.isnan(out).any()
+    assert np.all(out[0] == 0.0)
+    assert np.all(ref[name][0] == 0.0)
+    assert rel_error(out[1], ref[name][1]) < TOL["f16"]
+
+
+# ---- check() -------------------------------------------------------------------------------------------------------
+VIT = dict(batch=1, heads=12, seq_q=197, head_dim=64, mask=False)
+
+
+@pytest.mark.parametrize(("family", "dtype", "config", "kw", "arch", "reason"), [
+    (ATTN, "f32", cfg(64, 32, 4, 2), VIT, "sm_90", "takes f16 or bf16"),
+    (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "head_dim": 96}, "sm_90", "head_dim 96 not supported"),
+    (ATTN, "f16", cfg(64, 32, 8, 2), VIT, "sm_90", "whole 16-row m-tiles"),
+    (ATTN, "f16", cfg(64, 48, 4, 2), VIT, "sm_90", "BKV=48 not in the space"),
+    # 2 * (128 x 136 + 3 * 2 * 128 x 136) B is over sm_80's 166912 B too, but the register budget says so first:
+    # every config under the budget fits shared memory on both archs
+    (ATTN, "f16", cfg(128, 128, 8, 3), {**VIT, "head_dim": 128}, "sm_80", "128 fp32 accumulator registers"),
+    (ATTN, "f16", cfg(128, 64, 4, 2), {**VIT, "head_dim": 128}, "sm_90", "accumulator registers"),
+    (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "out_layout": "bhds"}, "sm_90", "out_layout 'bhds' not supported"),
+    (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "q_layout": "qkv_packed"}, "sm_90", "qkv_packed must be used by all"),
+    (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "mask": True, "mask_shape": (1, 1, 5, 197)}, "sm_90",
+     "mask dim 5 neither 1 nor seq_q 197"),
+    (ATTN, "f16", cfg(64, 32, 4, 2), VIT, "sm_75", "arch 'sm_75'"),
+    (ATTN, "f16", cfg(64, 128, 4, 2), {**VIT, "head_dim": 128}, "sm_80", "128 fp32 accumulator registers"),
+    (BMM, "f16", cfg(128, 128, 4, 2), VIT, "sm_90", "accumulator registers"),
+    (BMM, "f16", cfg(128, 64, 4, 2), {**VIT, "head_dim": 128}, "sm_90", "128 fp32 accumulator registers"),
+])
+def test_check_rejects_with_reason(family, dtype, config, kw, arch, reason):
+    problem = make_problem(family.name, dtype, **kw)
+    why = family.check(problem, config, arch)
+    assert why is not None and reason in why, why
+    with pytest.raises(ValueError, match="^" + family.name):
+        family.instantiate(problem, config, arch)
+
+
+def test_configs_are_valid_and_named():
+    problem = make_problem("attention", "f16", **{**VIT, "mask": True})
+    configs = ATTN.configs(problem, "sm_90")
+    assert 3 <= len(configs) <= 6
+    assert all(ATTN.check(problem, c, "sm_90") is None for c in configs)
+    inst = ATTN.instantiate(problem, cfg(128, 64, 8, 2), "sm_90")
+    assert inst.name == "attention_sm90_f16_d64_q128_kv64_w8_s2_mask"
+    assert inst.symbol in inst.source and '#include "gtco/attention.cuh"' in inst.source
+    assert inst.smem_bytes == 2 * (128 * 72 + 2 * 2 * 64 * 72)
+    bmm = make_problem("bmm_softmax", "bf16", **{**VIT, "k_layout": "bhds"})
+    assert BMM.instantiate(bmm, cfg(64, 32, 4, 2), "sm_80").name == "bmm_softmax_sm80_bf16_d64_q64_kv32_w4_s2_kt"
+    for shape in ZOO.values():  # the two-pass kernel takes any key length: no "seq_k too long" any more
+        long = make_problem("bmm_softmax", "f16", **shape, mask=True)
+        assert len(BMM.configs(long, "sm_80")) >= 3 and len(BMM.configs(long, "sm_90")) >= 3
+    assert {f.name for f in FAMILIES} == {"attention", "bmm_softmax"}
+
+
+# ---- nvcc / ptxas ----------------------------------------------------------------------------------------------------
+ZOO = {  # the attention shapes of the zoo (GTCO's models)
+    "vit_b": dict(batch=1, heads=12, seq_q=197, head_dim=64),  # ViT-B/16, 224 px
+    "setr": dict(batch=1, heads=16, seq_q=577, head_dim=64),   # ViT-L/16 at 384 px (SETR's backbone)
+    "detr": dict(batch=1, heads=8, seq_q=1050, head_dim=32),   # DETR-R50 encoder, d_model 256
+}
+
+
+def _compile_all(tmp_path, family, shape: str, arch: str, **flags):
+    problem = make_problem(family.name, "f16", **ZOO[shape], **flags)
+    configs = family.configs(problem, arch)
+    insts: list[Instance] = [family.instantiate(problem, c, arch) for c in configs]
+    if not insts:
+        return problem, configs, []
+    src = tmp_path / f"{family.name}_{shape}_{arch}.cu"
+    src.write_text("\n".join(i.source for i in insts))
+    result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600)
+    return problem, configs, parse_ptxas(result.stderr)
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("shape", list(ZOO))
+def test_attention_configs_do_not_spill(tmp_path, shape, arch):
+    _, configs, kernels = _compile_all(tmp_path, ATTN, shape, arch, mask=True)
+    assert len(configs) >= 3 and len(kernels) == len(configs)
+    for k in kernels:
+        assert k.arch == arch and "attention_kernel" in k.name
+        assert not k.spills and k.stack_frame_bytes == 0, k
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("shape", list(ZOO))
+def test_bmm_softmax_configs_do_not_spill(tmp_path, shape, arch):
+    """The two-pass kernel keeps one S tile in registers whatever seq_k is: ViT-B's 197, SETR's 577 and DETR's 1050
+    keys all get configs, and none spills."""
+    _, configs, kernels = _compile_all(tmp_path, BMM, shape, arch, mask=True, k_layout="bhds")
+    assert len(configs) >= 3 and len(kernels) == len(configs)
+    for k in kernels:
+        assert k.arch == arch and "bmm_softmax_kernel" in k.name
+        assert not k.spills and k.stack_frame_bytes == 0, k
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_check_budget_is_honest_at_its_edge(tmp_path, family, arch):
+    """Every config check() accepts within 16 registers of ACC_REG_BUDGET, for every head dim, with the heaviest
+    flags (mask + bias, gathered Kᵀ), compiles without spills or a stack frame: the budget is not optimistic."""
+    keys = list(family.space)
+    insts: list[Instance] = []
+    for d in (32, 64, 80, 128):
+        problem = make_problem(family.name, "f16", batch=1, heads=4, seq_q=197, head_dim=d, mask=True, bias=True,
+                               k_layout="bhds")
+        for vals in itertools.product(*family.space.values()):
+            c = dict(zip(keys, vals, strict=True))
+            if family.check(problem, c, arch) is None and family._acc_regs(problem, c) >= ACC_REG_BUDGET - 16:
+                insts.append(family.instantiate(problem, c, arch))
+    assert len(insts) >= 4
+    src = tmp_path / f"{family.name}_edge_{arch}.cu"
+    src.write_text("\n".join(i.source for i in insts))
+    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600).stderr)
+    assert len(kernels) == len(insts)
+    for k in kernels:
+        assert not k.spills and k.stack_frame_bytes == 0, k

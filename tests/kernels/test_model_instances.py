@@ -1,0 +1,113 @@
+"""The kernels a rewritten model selects (kernels.select) compile for sm_80 and sm_90 without spills
+(kernels.compile), and a spilling or stack-using kernel is an error naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from kernel_helpers import nvcc_missing
+
+from onnx_gtco.config import GtcoConfig
+from onnx_gtco.kernels.compile import compile_instance, compile_instances
+from onnx_gtco.kernels.family import Instance, Problem
+from onnx_gtco.kernels.select import model_instances, node_problem, problem_for, split_op_type
+from onnx_gtco.kernels.toolchain import BuildError
+from onnx_gtco.models import build
+from onnx_gtco.pipeline import optimize
+
+ARCHS = ("sm_80", "sm_90")
+NEEDS_NVCC = pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+
+_REWRITTEN: dict[tuple[str, str], onnx.ModelProto] = {}
+
+
+def rewritten(name: str, precision: str) -> onnx.ModelProto:
+    if (name, precision) not in _REWRITTEN:
+        _REWRITTEN[(name, precision)] = optimize(build(name), GtcoConfig(precision=precision)).model
+    return _REWRITTEN[(name, precision)]
+
+
+@pytest.mark.parametrize(("op_type", "want"), [
+    ("Gemm_f16", ("gemm", "f16")), ("BmmSoftmax_bf16", ("bmm_softmax", "bf16")),
+    ("Layernorm_f32", ("layernorm", "f32")), ("Qkv_f32", ("qkv", "f32")),
+])
+def test_split_op_type(op_type, want):
+    assert split_op_type(op_type) == want
+
+
+@pytest.mark.parametrize(("name", "families"), [
+    ("vit-b16", {"gemm", "attention", "layernorm"}),
+    ("bert-base", {"gemm", "attention", "layernorm"}),
+])
+def test_fp16_models_select_a_kernel_for_every_tensor_core_group(name, families):
+    model = rewritten(name, "fp16")
+    instances, skipped = model_instances(model, ARCHS)
+    assert {i.problem.family for i in instances} >= families
+    assert {i.arch for i in instances} == set(ARCHS)
+    # only groups with no kernel family stay on their function: the patch-embedding conv, elementwise chains
+    assert all(r.startswith(("no conv", "no elementwise")) for r in skipped.values()), skipped
+    fused = [n for n in model.graph.node if n.domain == "ai.gtco"]
+    assert len(skipped) < len(fused)
+    names = [(i.name, i.arch) for i in instances]
+    assert len(names) == len(set(names))
+    assert all(i.name.startswith(f"{i.problem.family}_{i.arch.replace('_', '')}_f16") for i in instances)
+
+
+def test_fp32_precision_keeps_tensor_core_groups_on_their_functions():
+    model = rewritten("vit-tiny", "fp32")
+    gemm = next(n for n in model.graph.node if n.op_type == "Gemm_f32")
+    why = node_problem(gemm)
+    assert isinstance(why, str) and "--precision fp16" in why
+    ln = next(n for n in model.graph.node if n.op_type == "Layernorm_f32")
+    problem = node_problem(ln)
+    assert isinstance(problem, Problem) and problem.dtype == "f32" and problem.size("hidden") == 192
+
+
+def test_problem_for_reasons_name_the_obstacle():
+    assert "symbolic hidden" in problem_for("layernorm", "f16", {"hidden": "?", "precision": "fp16"})
+    assert "transposed A" in problem_for("gemm", "f16", {"m": 4, "n": 8, "k": 8, "trans_a": 1})
+    assert "no conv kernel" in problem_for("conv", "f16", {})
+    ok = problem_for("gemm", "f32", {"m": 197, "n": 3072, "k": 768, "bias": 1, "activation": b"gelu_erf",
+                                     "precision": b"bf16"})
+    assert isinstance(ok, Problem) and ok.dtype == "bf16" and ok.flag("activation") == "gelu_erf"
+
+
+@NEEDS_NVCC
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "precision"), [("vit-b16", "fp16"), ("bert-base", "bf16"), ("deit-s", "fp16")])
+def test_builtin_model_kernels_compile_without_spills(tmp_path, name, precision):
+    instances, _ = model_instances(rewritten(name, precision), ARCHS)
+    compiled = compile_instances(instances, tmp_path)  # raises on a compile error, a spill or a stack frame
+    assert len(compiled) == len(instances)
+    for c in compiled:
+        assert c.object_path.stat().st_size > 0 and c.kernels and not c.cached
+        for k in c.kernels:
+            assert k.arch == c.instance.arch
+            assert 0 < k.registers <= 255 and not k.spills and k.stack_frame_bytes == 0
+        assert c.summary()["instance"] == c.instance.name
+    again = compile_instances(instances[:1], tmp_path)
+    assert again[0].cached and again[0].kernels == compiled[0].kernels
+
+
+SPILLER = r"""
+#include "gtco/launch.cuh"
+__global__ void gtco_test_spiller(const float* x, float* y, int n) {
+    float local[512];  // indexed at run time: lives on the stack
+    for (int i = 0; i < 512; ++i) local[i] = x[(i * 7 + threadIdx.x) % n];
+    y[threadIdx.x] = local[(threadIdx.x * 13) % n % 512];
+}
+"""
+
+
+@NEEDS_NVCC
+@pytest.mark.nvcc
+def test_stack_frame_is_an_error_naming_the_instance(tmp_path):
+    problem = Problem.make("softmax", "f16", {"rows": 1, "cols": 1})
+    inst = Instance(name="softmax_sm80_f16_test_spiller", symbol="gtco_test_spiller", source=SPILLER,
+                    problem=problem, config={"THREADS": 32}, arch="sm_80", smem_bytes=0)
+    with pytest.raises(BuildError, match=r"softmax_sm80_f16_test_spiller \(THREADS=32\) for sm_80: .*stack frame"):
+        compile_instance(inst, tmp_path)
+    assert not list(Path(tmp_path).glob("*.o")), "a rejected kernel must not be cached"
