@@ -25,11 +25,21 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from onnx_gtco import report
+    from onnx_gtco.kernels.toolchain import BuildError
     from onnx_gtco.pipeline import optimize_file
 
-    result, out, rep = optimize_file(args.model, args.output, args.report, _config(args))
+    try:
+        result, out, rep = optimize_file(args.model, args.output, args.report, _config(args), build=args.build)
+    except BuildError as e:
+        raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
+                        "its library; it then runs its model-local functions)") from None
+    for w in result.warnings:
+        print(f"onnx-gtco: warning: {w}", file=sys.stderr)
     print(report.summary(result.report))
     print(f"wrote      {out}\nreport     {rep}")
+    if result.library is not None:
+        print(f"built      {result.library.path} ({'from the cache' if result.library.cached else 'compiled'} in "
+              f"{result.library.seconds:.1f} s)")
     return EXIT_OK
 
 
@@ -65,7 +75,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from onnx_gtco.runtime.check import compare, format_diffs
 
     diffs = compare(args.original, args.rewritten, args.provider, args.rtol, args.atol, args.samples, args.seed,
-                    _dims(args.dim))
+                    _dims(args.dim), library=args.library)
+    if args.library:
+        print("rewritten model run with its custom-op library registered (the plugin's kernels)")
     print(format_diffs(diffs))
     bad = [d.name for d in diffs if not d.ok]
     print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within rtol={args.rtol:g} atol={args.atol:g}")
@@ -85,13 +97,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     src = out_dir / f"{args.model}.onnx"
     print(f"building   built-in model {args.model} (seeded weights) -> {src}")
     save_atomic(models.build(args.model, seed=0), src)
-    result, out, rep = optimize_file(src, None, None, _config(args))
+    result, out, rep = optimize_file(src, None, None, _config(args), build="auto")
+    for w in result.warnings:
+        print(f"onnx-gtco: warning: {w}", file=sys.stderr)
     print(report.summary(result.report))
     print(f"wrote      {out}\nreport     {rep}\n")
-    diffs = compare(src, out, "cpu", 1e-4, 1e-5, 1, 0)
-    print("check: rewritten vs original on the CPU EP (function fallback, seeded random inputs)")
-    print(format_diffs(diffs))
-    ok = all(d.ok for d in diffs)
+    ok = True
+    for library, what in ((False, "function fallback: no library"), (True, "the custom-op library's CPU kernels")):
+        diffs = compare(src, out, "cpu", 1e-4, 1e-5, 1, 0, library=library)
+        print(f"check: rewritten vs original on the CPU EP ({what}, seeded random inputs)")
+        print(format_diffs(diffs) + "\n")
+        ok = ok and all(d.ok for d in diffs)
     print("demo " + ("passed" if ok else "FAILED") + f": {len(onnx.load(str(out)).functions)} local functions "
           "keep the model runnable on any ONNX Runtime without the plugin")
     return EXIT_OK if ok else EXIT_MISMATCH
@@ -109,6 +125,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("-o", "--output", default=None, help="output model (default MODEL.gtco.onnx)")
     p.add_argument("--report", default=None, help="report path (default OUTPUT.report.json)")
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--no-build", dest="build", action="store_const", const=None, default="auto",
+                   help="do not build the custom-op library (the model then runs its model-local functions)")
+    b.add_argument("--cuda", dest="build", action="store_const", const="cuda",
+                   help="require the CUDA objects in the library (error when nvcc is missing); by default they "
+                   "are built when nvcc is found, with a warning otherwise")
+    b.add_argument("--cpu", dest="build", action="store_const", const="cpu",
+                   help="build the library with the CPU kernels only, even when nvcc is found")
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
 
@@ -127,6 +151,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="value of a symbolic dim")
+    p.add_argument("--library", action="store_true",
+                   help="register the rewritten model's custom-op library (metadata gtco.library), so its kernels "
+                   "run instead of the model-local functions; default: the functions run")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("demo", help="build the built-in ViT-tiny, optimize it, check it, print the report")

@@ -44,6 +44,9 @@ class OptimizeResult:
     candidates: list[Candidate] = field(repr=False)
     rejects: list[Reject] = field(repr=False)
     timings: dict[str, float] = field(default_factory=dict)
+    library: Any = None
+    """The plugin.library.LibraryResult when optimize_file built the custom-op library, else None."""
+    warnings: list[str] = field(default_factory=list)
 
 
 def plan_model(
@@ -100,15 +103,33 @@ def default_output(model_path: str | os.PathLike[str]) -> Path:
     return p.with_name(stem + ".gtco.onnx")
 
 
+BUILD_MODES = ("auto", "cpu", "cuda")
+
+
 def optimize_file(
     model_path: str | os.PathLike[str],
     output: str | os.PathLike[str] | None = None,
     report_path: str | os.PathLike[str] | None = None,
     config: GtcoConfig | None = None,
+    build: str | None = None,
 ) -> tuple[OptimizeResult, Path, Path]:
-    """optimize() a file and write the model and its report atomically; nothing is written on error."""
+    """optimize() a file and write the model and its report atomically; nothing is written on error.
+
+    `build` also builds the custom-op library beside the output (onnx_gtco.plugin.library, cached by content hash)
+    and records its file name in the model's `gtco.library` metadata and the report's "library" entry:
+
+    - None (the Python default): no library;
+    - "cpu": the CPU kernels only (needs g++ and the ORT headers);
+    - "cuda": also the nvcc device objects; a missing nvcc is an error;
+    - "auto" (the CLI default): "cuda" when nvcc is found, else "cpu" with a warning in result.warnings.
+
+    A missing g++, the ORT headers not obtainable or a compiler error is a BuildError in every mode (the CLI says
+    to pass --no-build); a library this call created is removed again when writing the model fails.
+    """
     out = Path(output) if output else default_output(model_path)
     rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
+    if build is not None and build not in BUILD_MODES:
+        raise OutputError(f"build={build!r}: choose one of {', '.join(BUILD_MODES)} or None")
     for p in (out, rep_path):
         parent = p.parent if str(p.parent) else Path(".")
         if not parent.is_dir():
@@ -116,6 +137,31 @@ def optimize_file(
         if not os.access(parent, os.W_OK):
             raise OutputError(f"{p}: directory {parent} is not writable")
     result = optimize(model_path, config)
-    save_atomic(result.model, out)
-    write_text_atomic(report_mod.to_json(result.report), rep_path)
+    created: Path | None = None
+    if build is not None:
+        from onnx_gtco.kernels.toolchain import BuildError, find_nvcc
+        from onnx_gtco.plugin.library import build_library
+        from onnx_gtco.plugin.session import METADATA_KEY
+
+        cuda = build == "cuda"
+        if build == "auto":
+            try:
+                find_nvcc()
+                cuda = True
+            except BuildError as e:
+                result.warnings.append(f"{e}: the library has the CPU kernels only")
+        out_dir = out.parent if str(out.parent) else Path(".")
+        lib = build_library(result.model, out_dir, cuda=cuda)
+        created = lib.path if lib.created else None
+        result.library = lib
+        result.timings["build_s"] = lib.seconds
+        result.report["library"] = lib.to_json()
+        result.model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
+    try:
+        save_atomic(result.model, out)
+        write_text_atomic(report_mod.to_json(result.report), rep_path)
+    except BaseException:
+        if created is not None:
+            created.unlink(missing_ok=True)
+        raise
     return result, out, rep_path

@@ -135,4 +135,14 @@ def summary(report: dict[str, Any]) -> str:
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",
     ]
+    lib = report.get("library")
+    if lib:
+        kinds = "CPU + CUDA objects" if lib["cuda"] else "CPU kernels only"
+        lines.append(f"library    {lib['file']} ({kinds}): registers {', '.join(lib['op_types']) or 'no op type'}; "
+                     f"{len(lib['skipped'])} fused nodes keep their functions (reasons in the report)")
+        if lib.get("kernels"):
+            regs = max(k["registers"] for c in lib["kernels"] for k in c["kernels"])
+            archs = ", ".join(sorted({c["arch"] for c in lib["kernels"]}))
+            lines.append(f"kernels    {len(lib['kernels'])} instances for {archs}, 0 spills, at most {regs} registers "
+                         "(ptxas report: library.kernels)")
     return "\n".join(lines)

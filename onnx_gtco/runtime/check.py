@@ -26,7 +26,7 @@ class OutputDiff:
     ok: bool
 
 
-def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str):
+def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, library: bool = False):
     import onnxruntime as ort
 
     name = PROVIDERS.get(provider)
@@ -37,6 +37,19 @@ def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str):
                          "install onnxruntime-gpu for --provider cuda")
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if library:
+        from onnx_gtco.plugin.session import LibraryError, make_session
+
+        if isinstance(model, onnx.ModelProto):
+            raise CheckError("checking with the library needs the rewritten model as a file (the library is "
+                             "found beside it)")
+        try:
+            return make_session(model, [name], library=True, sess_options=so)
+        except LibraryError as e:
+            raise CheckError(str(e)) from None
+        except Exception as e:  # ORT raises its own exception types per failure
+            raise CheckError(f"onnxruntime cannot load the model with its library: {str(e).splitlines()[0]}"
+                             ) from None
     src = str(model) if not isinstance(model, onnx.ModelProto) else model.SerializeToString()
     try:
         return ort.InferenceSession(src, so, providers=[name])
@@ -87,9 +100,12 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0, dims: dict[str, int] | No
 
 def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.ModelProto | str | os.PathLike[str],
             provider: str = "cpu", rtol: float = 1e-4, atol: float = 1e-5, samples: int = 1, seed: int = 0,
-            dims: dict[str, int] | None = None) -> list[OutputDiff]:
+            dims: dict[str, int] | None = None, library: bool = False) -> list[OutputDiff]:
     """Per-output worst difference over `samples` seeded input sets. An output is ok when every element obeys
     |new - ref| <= atol + rtol * |ref| (numpy.allclose) and no NaN appears where the original has none.
+
+    library=True runs the rewritten model (a file) with its custom-op library registered (plugin.session), so the
+    plugin's kernels are what is compared; the default runs its model-local functions.
 
     Raises:
         CheckError: a model cannot be read or run, or the two models' outputs differ in names.
@@ -103,7 +119,7 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
         raise CheckError("the two models have different outputs: "
                          f"{[o.name for o in orig_model.graph.output]} vs {[o.name for o in new_model.graph.output]}")
     s_orig = _session(original if not isinstance(original, onnx.ModelProto) else orig_model, provider)
-    s_new = _session(rewritten if not isinstance(rewritten, onnx.ModelProto) else new_model, provider)
+    s_new = _session(rewritten if not isinstance(rewritten, onnx.ModelProto) else new_model, provider, library)
     names = [o.name for o in orig_model.graph.output]
     worst = {n: [0.0, 0.0, 1.0, True] for n in names}
     for k in range(samples):

@@ -1,0 +1,73 @@
+"""How a fused `ai.gtco` node meets its kernel: the roles of its inputs and outputs, and its CUDA instances.
+
+A family's glue in C++ (plugins/ort/<family>_op.h) reads its inputs by *role* (x, residual, gamma, ...). Which node
+input plays which role is decided here, at build time, from the node's model-local function, and written into the
+generated node table (gtco::NodeSpec). A binder that cannot bind a node says why (a string); the node then keeps
+running its function, and the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import onnx
+
+from onnx_gtco.kernels.family import Instance
+from onnx_gtco.kernels.select import split_op_type
+
+MAX_ROLES = 8  # gtco::kMaxRoles in plugins/ort/gtco_ort.h
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One input or output of a fused node as the optimizer knows it after shape inference."""
+
+    name: str
+    dtype: str                            # "f32", "f16", "bf16", "i64", ... ("" when unknown)
+    shape: tuple[int | str, ...] | None   # ints, symbols (str) for dynamic dims; None when unknown
+    value: np.ndarray | None = None       # the initializer's value, when the input is a constant
+
+
+@dataclass(frozen=True)
+class FusedNode:
+    """A fused node of the rewritten model, with its function body and what shape inference said."""
+
+    node: onnx.NodeProto
+    function: onnx.FunctionProto
+    attrs: dict[str, Any]                 # onnx.helper.get_attribute_value of each attribute
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+
+    @property
+    def family(self) -> str:
+        """`Layernorm_f32` -> `layernorm`, `BmmSoftmax_f16` -> `bmm_softmax` (inverse of ir.rewrite.op_type)."""
+        return split_op_type(self.node.op_type)[0]
+
+    @property
+    def dtype(self) -> str:
+        return split_op_type(self.node.op_type)[1]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Role -> node input/output index (-1: the node has no such operand), and the CUDA instances it launches."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    instances: tuple[Instance, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if len(self.inputs) > MAX_ROLES or len(self.outputs) > MAX_ROLES:
+            raise ValueError(f"at most {MAX_ROLES} roles per side, got {len(self.inputs)} / {len(self.outputs)}")
+
+
+class Binder(Protocol):
+    """A family's build-time half: which C++ op struct serves it, and how a node's operands map onto roles."""
+
+    family: str         # the pattern family, e.g. "layernorm"
+    header: str         # its glue header under plugins/ort/, e.g. "layernorm_op.h"
+    cpp_struct: str     # the family struct in that header, e.g. "gtco::LayerNorm"
+
+    def bind(self, node: FusedNode) -> Binding | str: ...

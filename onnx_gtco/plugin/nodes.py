@@ -1,0 +1,84 @@
+"""The fused `ai.gtco` nodes of a rewritten model, with their functions and what shape inference says of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_gtco.errors import ModelError
+from onnx_gtco.ir.load import _infer_shapes
+from onnx_gtco.ir.rewrite import DOMAIN
+from onnx_gtco.plugin.binding import FusedNode, TensorInfo
+
+DTYPE_NAMES = {
+    TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16", TensorProto.DOUBLE: "f64",
+    TensorProto.INT64: "i64", TensorProto.INT32: "i32", TensorProto.INT8: "i8", TensorProto.UINT8: "u8",
+    TensorProto.BOOL: "bool",
+}
+
+
+def _dtype(elem_type: int) -> str:
+    return DTYPE_NAMES.get(elem_type, "")
+
+
+def _shape(tt: onnx.TypeProto.Tensor) -> tuple[int | str, ...] | None:
+    if not tt.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim)
+
+
+def _attr(a: onnx.AttributeProto) -> Any:
+    v = helper.get_attribute_value(a)
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, list):
+        return [x.decode() if isinstance(x, bytes) else x for x in v]
+    return v
+
+
+def fused_nodes(model: onnx.ModelProto) -> list[FusedNode]:
+    """Every node of domain ai.gtco in graph order, with its model-local function (matched by domain, op type and
+    overload), attributes, and input / output TensorInfo (dtype and shape from shape inference; the value of
+    inputs that are initializers or Constant outputs).
+
+    Raises:
+        ModelError: a fused node has no matching function, or shape inference fails.
+    """
+    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
+    fused = [n for n in model.graph.node if n.domain == DOMAIN]
+    if not fused:
+        return []
+    inferred = _infer_shapes(model, model.graph.name or "model")
+    types: dict[str, onnx.TypeProto.Tensor] = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        if vi.type.HasField("tensor_type"):
+            types[vi.name] = vi.type.tensor_type
+    values: dict[str, np.ndarray] = {}
+    for t in model.graph.initializer:
+        types.setdefault(t.name, onnx.TypeProto.Tensor(elem_type=t.data_type, shape=onnx.TensorShapeProto(
+            dim=[onnx.TensorShapeProto.Dimension(dim_value=d) for d in t.dims])))
+        values[t.name] = numpy_helper.to_array(t)
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    values[n.output[0]] = numpy_helper.to_array(a.t)
+
+    def info(name: str) -> TensorInfo:
+        tt = types.get(name)
+        return TensorInfo(name, _dtype(tt.elem_type) if tt is not None else "",
+                          _shape(tt) if tt is not None else None, values.get(name))
+
+    out = []
+    for n in fused:
+        fn = functions.get((n.domain, n.op_type, n.overload))
+        if fn is None:
+            raise ModelError(f"fused node {n.name!r} ({n.op_type}, overload {n.overload!r}) has no model-local "
+                             "function")
+        out.append(FusedNode(node=n, function=fn, attrs={a.name: _attr(a) for a in n.attribute},
+                             inputs=tuple(info(t) if t else TensorInfo("", "", None) for t in n.input),
+                             outputs=tuple(info(t) for t in n.output)))
+    return out

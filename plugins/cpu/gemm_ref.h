@@ -1,0 +1,238 @@
+// CPU reference of the GEMM and QKV families (op types Gemm_f32 / _f16 / _bf16, Qkv_*): plain C++, no ORT, no CUDA.
+//
+//     Gemm:  y[b] = act(alpha * A[b] @ op(B[b]) + beta * bias) + residual[b]     (bias, act, residual optional)
+//     Qkv:   y_p  = A @ W_p (+ bias_p)          for each projection p (one A, several [K, N_p] weights)
+//
+// Shapes follow ONNX: MatMul's batch broadcasting (A [..., M, K], B [..., K, N], the leading dims broadcast
+// numpy-style; a 2-D B is one weight shared by every row of A, whose leading dims then fold into M) and Gemm's
+// 2-D transA / transB. bias is a broadcast [bm, bn] matrix (bm in {1, M}, bn in {1, N}: a scalar, a row of N
+// values, a column of M, or a full [M, N]); residual has y's shape. plan_gemm / plan_bias check the shapes and
+// say what is wrong (an empty string when nothing is); the glue (plugins/ort/gemm_op.h) and the test harness
+// both use them.
+//
+// Math is fp32 (products accumulate in double, then the epilogue runs in float); inputs and outputs are stored
+// as T and converted through the caller's load/store, and y is rounded to T once, as a fused kernel does (the
+// unfused graph would round after the MatMul, the bias Add and each activation node too). Activations compute
+// what _act.py's REFERENCE says, in the order the ONNX decompositions do (erf GELU divides by sqrt(2)).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace gtco {
+namespace ref {
+
+// Epilogue activations, named as in onnx_gtco/patterns/_act.py; same order as gtco::Act in gtco/gemm.cuh.
+enum class Act : int { kNone = 0, kRelu, kGeluErf, kGeluTanh, kSilu, kQuickGelu, kSigmoid, kTanh, kRelu6 };
+
+inline bool parse_act(const std::string& name, Act& out) {
+    static const struct { const char* name; Act act; } kActs[] = {
+        {"none", Act::kNone},           {"relu", Act::kRelu},       {"gelu_erf", Act::kGeluErf},
+        {"gelu_tanh", Act::kGeluTanh},  {"silu", Act::kSilu},       {"quick_gelu", Act::kQuickGelu},
+        {"sigmoid", Act::kSigmoid},     {"tanh", Act::kTanh},       {"relu6", Act::kRelu6},
+    };
+    for (const auto& a : kActs) {
+        if (name == a.name) {
+            out = a.act;
+            return true;
+        }
+    }
+    return false;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+inline float activate(Act act, float x) {
+    switch (act) {
+        case Act::kNone: return x;
+        case Act::kRelu: return std::max(x, 0.0f);
+        case Act::kGeluErf: return x * (std::erf(x / 1.41421356237309505f) + 1.0f) * 0.5f;
+        case Act::kGeluTanh:
+            return x * (std::tanh((x + 0.044715f * (x * x * x)) * 0.79788456080286536f) + 1.0f) * 0.5f;
+        case Act::kSilu: return x * sigmoid(x);
+        case Act::kQuickGelu: return x * sigmoid(1.702f * x);
+        case Act::kSigmoid: return sigmoid(x);
+        case Act::kTanh: return std::tanh(x);
+        case Act::kRelu6: return std::min(std::max(x, 0.0f), 6.0f);
+    }
+    return x;
+}
+
+inline std::string dims_str(const std::vector<int64_t>& shape) {
+    std::ostringstream s;
+    s << '[';
+    for (size_t i = 0; i < shape.size(); ++i) s << (i ? "," : "") << shape[i];
+    s << ']';
+    return s.str();
+}
+
+// How one (batched) GEMM walks its operands: y is [batch..., m, n] row-major, dense.
+struct GemmPlan {
+    int64_t batch = 1, m = 0, n = 0, k = 0;
+    bool trans_a = false, trans_b = false;
+    std::vector<int64_t> out_shape;   // y's shape
+    std::vector<int64_t> batch_dims;  // y's leading (batch) dims; empty for a 2-D or folded weight GEMM
+    std::vector<int64_t> a_off, b_off;  // per batch entry: element offset of its A and B matrices
+};
+
+// Plans y = A @ op(B). Returns "" or what is wrong with the shapes.
+inline std::string plan_gemm(const std::vector<int64_t>& a, const std::vector<int64_t>& b, bool trans_a,
+                             bool trans_b, GemmPlan& p) {
+    p = GemmPlan{};
+    p.trans_a = trans_a;
+    p.trans_b = trans_b;
+    for (const auto* s : {&a, &b}) {
+        for (int64_t d : *s) {
+            if (d < 0) return "input " + dims_str(*s) + " has a negative dim";
+        }
+    }
+    if (a.size() < 2 || b.size() < 2) {
+        return "A " + dims_str(a) + " and B " + dims_str(b) + ": both must have rank >= 2 (1-D operands are a GEMV)";
+    }
+    if ((trans_a || trans_b) && (a.size() != 2 || b.size() != 2)) {
+        return "A " + dims_str(a) + " and B " + dims_str(b) + ": a transposed operand (Gemm) needs both 2-D";
+    }
+    const size_t ra = a.size(), rb = b.size();
+    const int64_t ka = trans_a ? a[ra - 2] : a[ra - 1];
+    const int64_t kb = trans_b ? b[rb - 1] : b[rb - 2];
+    if (ka != kb) {
+        return "A " + dims_str(a) + (trans_a ? " (transposed)" : "") + " and B " + dims_str(b) +
+               (trans_b ? " (transposed)" : "") + " disagree on K: " + std::to_string(ka) + " vs " +
+               std::to_string(kb);
+    }
+    p.k = ka;
+    p.n = trans_b ? b[rb - 2] : b[rb - 1];
+    if (rb == 2) {  // one weight for every row of A: A's leading dims fold into M
+        p.m = 1;
+        if (trans_a) {
+            p.m = a[1];
+        } else {
+            for (size_t i = 0; i + 1 < ra; ++i) p.m *= a[i];
+        }
+        p.out_shape.assign(a.begin(), a.end() - 1);
+        if (trans_a) p.out_shape = {a[1]};
+        p.out_shape.push_back(p.n);
+        p.a_off = {0};
+        p.b_off = {0};
+        return "";
+    }
+    p.m = a[ra - 2];
+    // numpy broadcasting of the batch dims, right-aligned
+    const size_t ba = ra - 2, bb = rb - 2, nb = std::max(ba, bb);
+    p.batch_dims.assign(nb, 1);
+    for (size_t i = 0; i < nb; ++i) {
+        const int64_t da = i + ba >= nb ? a[i + ba - nb] : 1;
+        const int64_t db = i + bb >= nb ? b[i + bb - nb] : 1;
+        if (da != db && da != 1 && db != 1) {
+            return "A " + dims_str(a) + " and B " + dims_str(b) + ": batch dims do not broadcast";
+        }
+        p.batch_dims[i] = da == 1 ? db : da;
+    }
+    p.batch = 1;
+    for (int64_t d : p.batch_dims) p.batch *= d;
+    p.out_shape = p.batch_dims;
+    p.out_shape.push_back(p.m);
+    p.out_shape.push_back(p.n);
+    // element strides of each batch dim in A and B (0 where broadcast)
+    std::vector<int64_t> sa(nb, 0), sb(nb, 0);
+    int64_t step_a = a[ra - 2] * a[ra - 1], step_b = b[rb - 2] * b[rb - 1];
+    for (size_t i = nb; i-- > 0;) {
+        if (i + ba >= nb) {
+            const int64_t d = a[i + ba - nb];
+            sa[i] = d == 1 ? 0 : step_a;
+            step_a *= d;
+        }
+        if (i + bb >= nb) {
+            const int64_t d = b[i + bb - nb];
+            sb[i] = d == 1 ? 0 : step_b;
+            step_b *= d;
+        }
+    }
+    p.a_off.assign(static_cast<size_t>(p.batch), 0);
+    p.b_off.assign(static_cast<size_t>(p.batch), 0);
+    for (int64_t e = 0; e < p.batch; ++e) {
+        int64_t rest = e, oa = 0, ob = 0;
+        for (size_t i = nb; i-- > 0;) {
+            const int64_t idx = p.batch_dims[i] ? rest % p.batch_dims[i] : 0;
+            rest = p.batch_dims[i] ? rest / p.batch_dims[i] : 0;
+            oa += idx * sa[i];
+            ob += idx * sb[i];
+        }
+        p.a_off[static_cast<size_t>(e)] = oa;
+        p.b_off[static_cast<size_t>(e)] = ob;
+    }
+    return "";
+}
+
+// The bias as a broadcast [bm, bn] matrix over y (see the top). Returns "" or what is wrong.
+inline std::string plan_bias(const std::vector<int64_t>& bias, const GemmPlan& p, int64_t& bm, int64_t& bn) {
+    const std::vector<int64_t>& y = p.out_shape;
+    const std::string why = "bias " + dims_str(bias) + " does not broadcast over the output " + dims_str(y) +
+                            " as one value, a row of N=" + std::to_string(p.n) + ", a column of M=" +
+                            std::to_string(p.m) + " or an [M, N] matrix";
+    if (bias.size() > y.size()) return why;
+    for (size_t i = 0; i + 2 < bias.size(); ++i) {
+        if (bias[i] != 1) return why;
+    }
+    bn = bias.empty() ? 1 : bias.back();
+    bm = bias.size() >= 2 ? bias[bias.size() - 2] : 1;
+    if (bn != 1 && bn != p.n) return why;
+    if (bm != 1) {
+        // a per-row bias needs y's row dim to be M (not folded from several leading dims of A)
+        if (y.size() < 2 || y[y.size() - 2] != p.m || bm != p.m) return why;
+    }
+    return "";
+}
+
+template <class T>
+struct GemmIO {
+    const T* a = nullptr;
+    const T* b = nullptr;
+    const T* bias = nullptr;      // broadcast [bias_m, bias_n] (each 1 or M / N), nullptr: none
+    const T* residual = nullptr;  // y's shape, nullptr: none
+    T* y = nullptr;
+    int64_t bias_m = 1, bias_n = 1;
+    float alpha = 1.0f, beta = 1.0f;
+    Act act = Act::kNone;
+};
+
+template <class T, class Load, class Store>
+void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
+    const int64_t m = p.m, n = p.n, k = p.k;
+    std::vector<double> acc(static_cast<size_t>(n));
+    for (int64_t e = 0; e < p.batch; ++e) {
+        const T* a = io.a + p.a_off[static_cast<size_t>(e)];
+        const T* b = io.b + p.b_off[static_cast<size_t>(e)];
+        T* y = io.y + e * m * n;
+        const T* res = io.residual != nullptr ? io.residual + e * m * n : nullptr;
+        for (int64_t i = 0; i < m; ++i) {
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (int64_t q = 0; q < k; ++q) {
+                const double av = load(p.trans_a ? a[q * m + i] : a[i * k + q]);
+                if (p.trans_b) {
+                    for (int64_t j = 0; j < n; ++j) acc[static_cast<size_t>(j)] += av * load(b[j * k + q]);
+                } else {
+                    const T* brow = b + q * n;
+                    for (int64_t j = 0; j < n; ++j) acc[static_cast<size_t>(j)] += av * load(brow[j]);
+                }
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                float v = io.alpha * static_cast<float>(acc[static_cast<size_t>(j)]);
+                if (io.bias != nullptr) {
+                    const int64_t bi = (io.bias_m == 1 ? 0 : i) * io.bias_n + (io.bias_n == 1 ? 0 : j);
+                    v += io.beta * load(io.bias[bi]);
+                }
+                v = activate(io.act, v);
+                if (res != nullptr) v += load(res[i * n + j]);
+                y[i * n + j] = store(v);
+            }
+        }
+    }
+}
+
+}  // namespace ref
+}  // namespace gtco

@@ -1,0 +1,202 @@
+// The attention families' ORT glue: op types Attention_{f32,f16,bf16} (gtco::Attention) and
+// BmmSoftmax_{f32,f16,bf16} (gtco::BmmSoftmax).
+//
+//     Attention:   out   = softmax(scale * Q Kᵀ [+ mask] [+ bias]) V     in out_layout
+//     BmmSoftmax:  probs = softmax(scale * Q Kᵀ [+ mask] [+ bias])       [B, H, Sq, Sk]
+//
+// Node attributes (onnx_gtco/patterns/attention.py): heads, head_dim (ints; the binder refuses nodes where either
+// is symbolic), seq_q, seq_k (int, or a string when symbolic: then only the inputs' consistency is checked),
+// scale (float; 1/sqrt(head_dim) when absent), mask, bias, nan_guard, causal (ints; causal comes from an ONNX
+// Attention op body: key j > query i masked, upper-left as that op without past_key), batch_dims (ints, or strings
+// when symbolic: then not checked), q_layout, k_layout, v_layout, out_layout (strings: bhsd, bshd, bshd_merged,
+// qkv_packed, bhds (k only); out: bhsd, bshd, bshd_merged), precision (string; the CPU reference computes in fp32
+// whatever it says).
+//
+// Input roles (both families, the same numbering; onnx_gtco/plugin/bind_attention.py IN_ROLES): IN_Q, IN_K, IN_V
+// (absent for BmmSoftmax), IN_MASK, IN_BIAS. With qkv_packed, IN_Q, IN_K and IN_V are the same node input. The
+// node's other inputs (the head split's shape constants, Gather indices, the scale constant) are constants the
+// binder checked at build time; the kernel does not read them. Output role: OUT_Y (out or probs).
+//
+// Shapes: one batch dim (the binder binds [B, H, Sq, Sk] score cores only); mask / bias of rank <= 4, right-aligned
+// against the scores [B, H, Sq, Sk], each dim 1 or full.
+//
+// CPU EP: plugins/cpu/attention_ref.h. CUDA EP: NOT DONE YET (as layernorm_op.h): the attention CUDA families
+// (plugins/include/gtco/attention.cuh, gtco_attention_args) are not wired in; the CUDA kernel validates, allocates
+// its output and returns ORT_NOT_IMPLEMENTED.
+#pragma once
+
+#include "attention_ref.h"
+#include "gtco_ort.h"
+
+#include <cmath>
+
+namespace gtco {
+
+template <bool WithV>
+struct AttentionGlue {
+    enum InRole { IN_Q = 0, IN_K = 1, IN_V = 2, IN_MASK = 3, IN_BIAS = 4 };
+    enum OutRole { OUT_Y = 0 };
+
+    struct Attrs {
+        int64_t heads = -1;      // -1: symbolic or absent
+        int64_t head_dim = -1;
+        int64_t seq_q = -1;
+        int64_t seq_k = -1;
+        float scale = 0.0f;
+        bool has_scale = false;
+        int64_t mask = 0, bias = 0, nan_guard = 0, causal = 0;
+        std::vector<int64_t> batch_dims;  // empty: symbolic or absent
+        std::string q_layout, k_layout, v_layout, out_layout, precision;
+    };
+
+    static const char* family() { return WithV ? "attention" : "bmm_softmax"; }
+
+    static Attrs read_attrs(const OrtKernelInfo* info) {
+        Attrs a;
+        if (!attr_int(info, "heads", a.heads) || a.heads <= 0) a.heads = -1;
+        if (!attr_int(info, "head_dim", a.head_dim) || a.head_dim <= 0) a.head_dim = -1;
+        if (!attr_int(info, "seq_q", a.seq_q) || a.seq_q < 0) a.seq_q = -1;
+        if (!attr_int(info, "seq_k", a.seq_k) || a.seq_k < 0) a.seq_k = -1;
+        a.has_scale = attr_float(info, "scale", a.scale);
+        attr_int(info, "mask", a.mask);
+        attr_int(info, "bias", a.bias);
+        attr_int(info, "nan_guard", a.nan_guard);
+        attr_int(info, "causal", a.causal);
+        size_t n = 0;
+        OrtStatus* st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, "batch_dims", nullptr, &n);
+        if (st == nullptr && n > 0) {
+            a.batch_dims.resize(n);
+            st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, "batch_dims", a.batch_dims.data(), &n);
+            if (st != nullptr) a.batch_dims.clear();
+        }
+        if (st != nullptr) Ort::GetApi().ReleaseStatus(st);
+        a.q_layout = attr_string(info, "q_layout", "bhsd");
+        a.k_layout = attr_string(info, "k_layout", "bhds");
+        a.v_layout = attr_string(info, "v_layout", "bhsd");
+        a.out_layout = attr_string(info, "out_layout", "bhsd");
+        a.precision = attr_string(info, "precision", "fp32");
+        return a;
+    }
+
+    template <DType D, bool Cuda>
+    static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        using S = Storage<D>;
+        using T = typename S::type;
+        using ref::Layout;
+        const Input q = get_input(ctx, spec.in[IN_Q]);
+        const Input k = get_input(ctx, spec.in[IN_K]);
+        const Input v = WithV ? get_input(ctx, spec.in[IN_V]) : Input{};
+        const Input mask = get_input(ctx, spec.in[IN_MASK]);
+        const Input bias = get_input(ctx, spec.in[IN_BIAS]);
+        if (!q.present) return ref.fail("input q is missing");
+        if (!k.present) return ref.fail("input k is missing");
+        if (WithV && !v.present) return ref.fail("input v is missing");
+        if (spec.out[OUT_Y] < 0) return ref.fail("the node table gives no output for the result", ORT_FAIL);
+        const char* names[] = {"q", "k", "v", "mask", "bias"};
+        const Input* ins[] = {&q, &k, &v, &mask, &bias};
+        for (int r = 0; r < 5; ++r) {
+            const Input* t = ins[r];
+            if (t->present && t->type != S::onnx) {
+                return ref.fail(std::string("input ") + names[r] + " is " + type_str(t->type) + " " +
+                                shape_str(t->shape) + "; this kernel takes " + S::name + " only");
+            }
+        }
+        // attributes
+        const int64_t H = at.heads, Dh = at.head_dim;
+        if (H <= 0 || Dh <= 0) {
+            return ref.fail("heads and head_dim must be known positive ints (attributes heads=" + std::to_string(H) +
+                            ", head_dim=" + std::to_string(Dh) + ")");
+        }
+        const Layout lq = ref::parse_layout(at.q_layout), lk = ref::parse_layout(at.k_layout);
+        const Layout lv = WithV ? ref::parse_layout(at.v_layout) : Layout::bhsd;
+        const Layout lo = WithV ? ref::parse_layout(at.out_layout) : Layout::bhsd;
+        if (lq == Layout::invalid || lq == Layout::bhds) return ref.fail("unsupported q_layout '" + at.q_layout + "'");
+        if (lk == Layout::invalid) return ref.fail("unsupported k_layout '" + at.k_layout + "'");
+        if (lv == Layout::invalid || lv == Layout::bhds) return ref.fail("unsupported v_layout '" + at.v_layout + "'");
+        if (lo != Layout::bhsd && lo != Layout::bshd && lo != Layout::bshd_merged)
+            return ref.fail("unsupported out_layout '" + at.out_layout + "'");
+        const bool packed = lq == Layout::qkv_packed;
+        if (packed != (lk == Layout::qkv_packed) || (WithV && packed != (lv == Layout::qkv_packed)))
+            return ref.fail("qkv_packed must be the layout of all of q, k" + std::string(WithV ? ", v" : "") +
+                            " (q_layout=" + at.q_layout + ", k_layout=" + at.k_layout +
+                            (WithV ? ", v_layout=" + at.v_layout : std::string()) + ")");
+        if (packed && (spec.in[IN_K] != spec.in[IN_Q] || (WithV && spec.in[IN_V] != spec.in[IN_Q])))
+            return ref.fail("qkv_packed q, k and v must be one node input; the node table gives different ones",
+                            ORT_FAIL);
+        // operand shapes
+        int64_t bq = 0, sq = 0, bk = 0, sk = 0, bv = 0, sv = 0;
+        auto bad = [&](const char* what, const Input& t, Layout l) {
+            return ref.fail(std::string("input ") + what + " " + shape_str(t.shape) + " does not fit " +
+                            ref::layout_name(l) + " " + ref::layout_pattern(l, H, Dh) + " (heads=" +
+                            std::to_string(H) + ", head_dim=" + std::to_string(Dh) + ")");
+        };
+        if (!ref::layout_dims(lq, q.shape, H, Dh, bq, sq)) return bad("q", q, lq);
+        if (!ref::layout_dims(lk, k.shape, H, Dh, bk, sk)) return bad("k", k, lk);
+        if (WithV && !ref::layout_dims(lv, v.shape, H, Dh, bv, sv)) return bad("v", v, lv);
+        std::string shapes = "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) +
+                             (WithV ? ", v " + shape_str(v.shape) : std::string());
+        if (bk != bq || (WithV && bv != bq)) return ref.fail("batch sizes differ: " + shapes);
+        if (WithV && sv != sk) return ref.fail("k and v have different sequence lengths: " + shapes);
+        if (at.seq_q >= 0 && sq != at.seq_q)
+            return ref.fail(shapes + " give seq_q=" + std::to_string(sq) + "; the node says seq_q=" +
+                            std::to_string(at.seq_q));
+        if (at.seq_k >= 0 && sk != at.seq_k)
+            return ref.fail(shapes + " give seq_k=" + std::to_string(sk) + "; the node says seq_k=" +
+                            std::to_string(at.seq_k));
+        if (!at.batch_dims.empty() && (at.batch_dims.size() != 1 || at.batch_dims[0] != bq))
+            return ref.fail(shapes + " give batch " + std::to_string(bq) + "; the node says batch_dims=" +
+                            shape_str(at.batch_dims));
+        // additive terms
+        if (mask.present && !at.mask) return ref.fail("has a mask input but its attribute mask=0", ORT_FAIL);
+        if (bias.present != (at.bias != 0))
+            return ref.fail(std::string("attribute bias=") + std::to_string(at.bias) + " but the node " +
+                            (bias.present ? "has" : "has no") + " bias input", ORT_FAIL);
+        if (at.mask && !mask.present && !at.causal)
+            return ref.fail("attribute mask=1 but the node has no mask input and is not causal", ORT_FAIL);
+        ref::Addend<T> am, ab;
+        const std::vector<int64_t> scores = {bq, H, sq, sk};
+        for (int r = 0; r < 2; ++r) {
+            const Input& t = r == 0 ? mask : bias;
+            ref::Addend<T>& a = r == 0 ? am : ab;
+            if (!t.present) continue;
+            int64_t st[4];
+            if (!ref::addend_strides(t.shape, bq, H, sq, sk, st)) {
+                return ref.fail(std::string(r == 0 ? "mask " : "bias ") + shape_str(t.shape) +
+                                " does not broadcast to the scores " + shape_str(scores) +
+                                " (rank <= 4, each dim 1 or the scores' size)");
+            }
+            a.data = static_cast<const T*>(t.data);
+            a.sb = st[0], a.sh = st[1], a.sq = st[2], a.sk = st[3];
+        }
+        // output
+        const std::vector<int64_t> out_shape = WithV ? ref::layout_shape(lo, bq, H, sq, Dh) : scores;
+        T* out = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), out_shape).template GetTensorMutableData<T>();
+        if (Cuda) {
+            // NOT DONE: fill gtco_attention_args from these device pointers and strides (ref::layout_strides,
+            // the addend strides) and call spec.cuda_fn on ctx.GetGPUComputeStream().
+            (void)ctx.GetGPUComputeStream();
+            return ref.fail(std::string("no CUDA instance was generated for this node (the CUDA ") + family() +
+                            " family is not wired into the library yet)", ORT_NOT_IMPLEMENTED);
+        }
+        ref::Problem pr;
+        pr.batch = bq, pr.heads = H, pr.seq_q = sq, pr.seq_k = sk, pr.head_dim = Dh;
+        pr.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
+        pr.causal = at.causal != 0;
+        pr.nan_guard = at.nan_guard != 0;
+        ref::Operand<T> oq{static_cast<const T*>(q.data), ref::layout_strides(lq, H, sq, Dh, 0)};
+        ref::Operand<T> ok{static_cast<const T*>(k.data), ref::layout_strides(lk, H, sk, Dh, 1)};
+        if (WithV) {
+            ref::Operand<T> ov{static_cast<const T*>(v.data), ref::layout_strides(lv, H, sk, Dh, 2)};
+            ref::attention<T>(pr, oq, ok, ov, am, ab, out, ref::layout_strides(lo, H, sq, Dh), S::load, S::store);
+        } else {
+            const ref::Strides os{0, H * sq * sk, sq * sk, sk, 1};
+            ref::bmm_softmax<T>(pr, oq, ok, am, ab, out, os, S::load, S::store);
+        }
+        return nullptr;
+    }
+};
+
+using Attention = AttentionGlue<true>;
+using BmmSoftmax = AttentionGlue<false>;
+
+}  // namespace gtco

@@ -1,0 +1,283 @@
+// The GEMM and QKV families' ORT glue: op types Gemm_f32 / Gemm_f16 / Gemm_bf16 and Qkv_f32 / Qkv_f16 / Qkv_bf16.
+//
+// Gemm node attributes (onnx_gtco/patterns/gemm.py): m, n, k (ints, or strings such as "N*197" when the optimizer
+// saw a symbolic size: then any size is accepted), batch (the output's batch dims of a batched GEMM; absent for a
+// weight GEMM), trans_b, trans_a (Gemm's transA, absent when 0), alpha, beta (Gemm's, absent when 1), bias,
+// residual (ints), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string).
+// Qkv node attributes (onnx_gtco/patterns/qkv.py): k, m, n_out (ints or strings), ns (ints: N of each
+// projection, in output order), bias (int), precision.
+// The roles of the node's inputs and outputs come from the generated node table (onnx_gtco/plugin/bind_gemm.py
+// works them out from the node's model-local function). Inputs the group swallowed that are no role (the scalar
+// constants of a decomposed activation, e.g. sqrt(2), 1, 0.5 of erf GELU) are not read: the binder checked, at
+// build time, that the chain computes the named activation.
+//
+// CPU EP: plugins/cpu/gemm_ref.h. CUDA EP: NOT DONE YET. The CUDA kernel would fill GemmArgs
+// (plugins/include/gtco/gemm.cuh) from the device pointers and the plan below and call the node's instance entry
+// point (NodeSpec::cuda_fn) on KernelContext::GetGPUComputeStream(); that generator is not wired in, so the CUDA
+// kernel returns ORT_NOT_IMPLEMENTED, like LayerNorm's.
+#pragma once
+
+#include "gemm_ref.h"
+#include "gtco_ort.h"
+
+namespace gtco {
+
+namespace gemm_glue {
+
+// An int attribute that may be a symbolic size (a string): -1 when not a known positive size.
+inline int64_t size_attr(const OrtKernelInfo* info, const char* name) {
+    int64_t v = -1;
+    if (!attr_int(info, name, v) || v < 0) return -1;
+    return v;
+}
+
+// An ints attribute; false when absent or of another type (e.g. strings for symbolic dims).
+inline bool attr_ints(const OrtKernelInfo* info, const char* name, std::vector<int64_t>& out) {
+    size_t size = 0;
+    OrtStatus* st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+    if (st != nullptr) {
+        Ort::GetApi().ReleaseStatus(st);
+        return false;
+    }
+    out.assign(size, 0);
+    if (size == 0) return true;
+    st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, out.data(), &size);
+    if (st != nullptr) {
+        Ort::GetApi().ReleaseStatus(st);
+        out.clear();
+        return false;
+    }
+    out.resize(size);
+    return true;
+}
+
+template <DType D>
+inline OrtStatus* check_type(const NodeRef& ref, const Input& t, const char* role) {
+    using S = Storage<D>;
+    if (t.present && t.type != S::onnx) {
+        return ref.fail(std::string("input ") + role + " of type " + type_str(t.type) + " " + shape_str(t.shape) +
+                        "; this kernel takes " + S::name + " only");
+    }
+    return nullptr;
+}
+
+// "m=197 (built for 196)" style check of one size attribute; nullptr when it matches or is unknown.
+inline OrtStatus* check_size(const NodeRef& ref, const char* what, int64_t got, int64_t built, const std::string& ctx) {
+    if (built >= 0 && got != built) {
+        return ref.fail(ctx + " give " + what + "=" + std::to_string(got) + "; the kernel was built for " + what +
+                        "=" + std::to_string(built));
+    }
+    return nullptr;
+}
+
+}  // namespace gemm_glue
+
+struct Gemm {
+    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3 };
+    enum OutRole { OUT_Y = 0 };
+
+    struct Attrs {
+        int64_t m = -1, n = -1, k = -1;  // -1: not known when the library was built (symbolic)
+        bool batch_known = false;         // batch holds the output's batch dims (empty: a weight GEMM)
+        std::vector<int64_t> batch;
+        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0;
+        float alpha = 1.0f, beta = 1.0f;
+        std::string activation;
+        bool act_known = false;
+        ref::Act act = ref::Act::kNone;
+        std::string precision;
+    };
+
+    static Attrs read_attrs(const OrtKernelInfo* info) {
+        Attrs a;
+        a.m = gemm_glue::size_attr(info, "m");
+        a.n = gemm_glue::size_attr(info, "n");
+        a.k = gemm_glue::size_attr(info, "k");
+        // absent for a weight GEMM (the rewrite drops empty lists); strings when symbolic: then not checked
+        a.batch_known = gemm_glue::attr_ints(info, "batch", a.batch);
+        attr_int(info, "trans_a", a.trans_a);
+        attr_int(info, "trans_b", a.trans_b);
+        attr_int(info, "bias", a.bias);
+        attr_int(info, "residual", a.residual);
+        attr_float(info, "alpha", a.alpha);
+        attr_float(info, "beta", a.beta);
+        a.activation = attr_string(info, "activation", "none");
+        a.act_known = ref::parse_act(a.activation, a.act);
+        a.precision = attr_string(info, "precision", "fp32");
+        return a;
+    }
+
+    template <DType D, bool Cuda>
+    static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        using S = Storage<D>;
+        using T = typename S::type;
+        if (!at.act_known) {
+            return ref.fail("activation '" + at.activation + "' is not one this library implements",
+                            ORT_NOT_IMPLEMENTED);
+        }
+        const Input a = get_input(ctx, spec.in[IN_A]);
+        const Input b = get_input(ctx, spec.in[IN_B]);
+        const Input bias = get_input(ctx, spec.in[IN_BIAS]);
+        const Input res = get_input(ctx, spec.in[IN_RESIDUAL]);
+        if (!a.present) return ref.fail("input A is missing");
+        if (!b.present) return ref.fail("input B is missing");
+        const char* names[] = {"A", "B", "bias", "residual"};
+        const Input* ins[] = {&a, &b, &bias, &res};
+        for (int i = 0; i < 4; ++i) {
+            if (OrtStatus* st = gemm_glue::check_type<D>(ref, *ins[i], names[i])) return st;
+        }
+        ref::GemmPlan p;
+        std::string why = ref::plan_gemm(a.shape, b.shape, at.trans_a != 0, at.trans_b != 0, p);
+        if (!why.empty()) return ref.fail(why);
+        const std::string operands = "A " + shape_str(a.shape) + " and B " + shape_str(b.shape);
+        if (OrtStatus* st = gemm_glue::check_size(ref, "m", p.m, at.m, operands)) return st;
+        if (OrtStatus* st = gemm_glue::check_size(ref, "n", p.n, at.n, operands)) return st;
+        if (OrtStatus* st = gemm_glue::check_size(ref, "k", p.k, at.k, operands)) return st;
+        if (at.batch_known && !at.batch.empty() && at.batch != p.batch_dims) {
+            return ref.fail(operands + " give batch dims " + shape_str(p.batch_dims) +
+                            "; the kernel was built for " + shape_str(at.batch));
+        }
+        if ((at.bias != 0) != bias.present) {
+            return ref.fail(std::string("the node attribute bias=") + std::to_string(at.bias) + " but the node " +
+                            (bias.present ? "has" : "has no") + " bias input");
+        }
+        if ((at.residual != 0) != res.present) {
+            return ref.fail(std::string("the node attribute residual=") + std::to_string(at.residual) +
+                            " but the node " + (res.present ? "has" : "has no") + " residual input");
+        }
+        ref::GemmIO<T> io;
+        if (bias.present) {
+            why = ref::plan_bias(bias.shape, p, io.bias_m, io.bias_n);
+            if (!why.empty()) return ref.fail(why + " (" + operands + ")");
+        }
+        if (res.present && res.shape != p.out_shape) {
+            return ref.fail("residual " + shape_str(res.shape) + " differs from the output shape " +
+                            shape_str(p.out_shape) + " of " + operands);
+        }
+        if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
+        T* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
+        if (Cuda) {
+            // NOT DONE: fill GemmArgs from these device pointers and p (batch strides, 0 for a shared weight) and
+            // call spec.cuda_fn on ctx.GetGPUComputeStream(), mapping GTCO_EBADSHAPE / GTCO_ELAUNCH to errors.
+            (void)ctx.GetGPUComputeStream();
+            (void)y;
+            return ref.fail("no CUDA instance was generated for this node (the CUDA GEMM family is not wired "
+                            "into the library yet)", ORT_NOT_IMPLEMENTED);
+        }
+        io.a = static_cast<const T*>(a.data);
+        io.b = static_cast<const T*>(b.data);
+        io.bias = static_cast<const T*>(bias.data);
+        io.residual = static_cast<const T*>(res.data);
+        io.y = y;
+        io.alpha = at.alpha;
+        io.beta = at.beta;
+        io.act = at.act;
+        ref::gemm<T>(p, io, S::load, S::store);
+        return nullptr;
+    }
+};
+
+// Q/K/V (or gate/up) projections that share their input, as one op: y_p = A @ W_p (+ bias_p).
+struct Qkv {
+    static constexpr int kMaxProj = 3;
+    enum InRole { IN_A = 0, IN_W0 = 1, IN_W1 = 2, IN_W2 = 3, IN_BIAS0 = 4, IN_BIAS1 = 5, IN_BIAS2 = 6 };
+    enum OutRole { OUT_Y0 = 0, OUT_Y1 = 1, OUT_Y2 = 2 };
+
+    struct Attrs {
+        int64_t m = -1, k = -1, n_out = -1;  // -1: symbolic when the library was built
+        bool ns_known = false;
+        std::vector<int64_t> ns;
+        int64_t bias = 0;
+        std::string precision;
+    };
+
+    static Attrs read_attrs(const OrtKernelInfo* info) {
+        Attrs a;
+        a.m = gemm_glue::size_attr(info, "m");
+        a.k = gemm_glue::size_attr(info, "k");
+        a.n_out = gemm_glue::size_attr(info, "n_out");
+        a.ns_known = gemm_glue::attr_ints(info, "ns", a.ns);
+        attr_int(info, "bias", a.bias);
+        a.precision = attr_string(info, "precision", "fp32");
+        return a;
+    }
+
+    template <DType D, bool Cuda>
+    static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        using S = Storage<D>;
+        using T = typename S::type;
+        const Input a = get_input(ctx, spec.in[IN_A]);
+        if (!a.present) return ref.fail("input A is missing");
+        if (OrtStatus* st = gemm_glue::check_type<D>(ref, a, "A")) return st;
+        int np = 0;
+        while (np < kMaxProj && spec.out[OUT_Y0 + np] >= 0) ++np;
+        if (np == 0) return ref.fail("the node table binds no output");
+        if (at.ns_known && at.ns.size() != static_cast<size_t>(np)) {
+            return ref.fail("the node has " + std::to_string(np) + " projections but its attribute ns " +
+                            shape_str(at.ns) + " lists " + std::to_string(at.ns.size()));
+        }
+        Input w[kMaxProj], bias[kMaxProj];
+        ref::GemmPlan plan[kMaxProj];
+        int64_t bias_n[kMaxProj] = {1, 1, 1}, bias_m[kMaxProj] = {1, 1, 1};
+        int64_t n_sum = 0;
+        for (int i = 0; i < np; ++i) {
+            const std::string wn = "W" + std::to_string(i), bn = "bias" + std::to_string(i);
+            w[i] = get_input(ctx, spec.in[IN_W0 + i]);
+            bias[i] = get_input(ctx, spec.in[IN_BIAS0 + i]);
+            if (!w[i].present) return ref.fail("input " + wn + " is missing");
+            if (OrtStatus* st = gemm_glue::check_type<D>(ref, w[i], wn.c_str())) return st;
+            if (OrtStatus* st = gemm_glue::check_type<D>(ref, bias[i], bn.c_str())) return st;
+            if (w[i].shape.size() != 2) {
+                return ref.fail("weight " + wn + " " + shape_str(w[i].shape) + " is not 2-D [K, N]");
+            }
+            std::string why = ref::plan_gemm(a.shape, w[i].shape, false, false, plan[i]);
+            if (!why.empty()) return ref.fail(why);
+            const std::string operands = "A " + shape_str(a.shape) + " and " + wn + " " + shape_str(w[i].shape);
+            if (OrtStatus* st = gemm_glue::check_size(ref, "m", plan[i].m, at.m, operands)) return st;
+            if (OrtStatus* st = gemm_glue::check_size(ref, "k", plan[i].k, at.k, operands)) return st;
+            if (at.ns_known) {
+                if (OrtStatus* st = gemm_glue::check_size(ref, "n", plan[i].n, at.ns[static_cast<size_t>(i)],
+                                                          operands)) {
+                    return st;
+                }
+            }
+            n_sum += plan[i].n;
+            if ((at.bias != 0) != bias[i].present) {
+                return ref.fail(std::string("the node attribute bias=") + std::to_string(at.bias) + " but " +
+                                "projection " + std::to_string(i) + (bias[i].present ? " has" : " has no") +
+                                " bias input");
+            }
+            if (bias[i].present) {
+                why = ref::plan_bias(bias[i].shape, plan[i], bias_m[i], bias_n[i]);
+                if (!why.empty()) return ref.fail(bn + ": " + why);
+            }
+        }
+        if (at.n_out >= 0 && n_sum != at.n_out) {
+            return ref.fail("the weights give N=" + std::to_string(n_sum) + " in all; the kernel was built for "
+                            "n_out=" + std::to_string(at.n_out));
+        }
+        T* y[kMaxProj] = {nullptr, nullptr, nullptr};
+        for (int i = 0; i < np; ++i) {
+            y[i] = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y0 + i]), plan[i].out_shape)
+                       .template GetTensorMutableData<T>();
+        }
+        if (Cuda) {
+            (void)ctx.GetGPUComputeStream();
+            return ref.fail("no CUDA instance was generated for this node (the CUDA QKV GEMM is not wired into "
+                            "the library yet)", ORT_NOT_IMPLEMENTED);
+        }
+        for (int i = 0; i < np; ++i) {
+            ref::GemmIO<T> io;
+            io.a = static_cast<const T*>(a.data);
+            io.b = static_cast<const T*>(w[i].data);
+            io.bias = static_cast<const T*>(bias[i].data);
+            io.bias_m = bias_m[i];
+            io.bias_n = bias_n[i];
+            io.y = y[i];
+            ref::gemm<T>(plan[i], io, S::load, S::store);
+        }
+        return nullptr;
+    }
+};
+
+}  // namespace gtco

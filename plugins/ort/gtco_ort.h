@@ -1,0 +1,251 @@
+// ORT side of the custom-op library: the op/kernel templates every family's glue shares.
+//
+// Built with g++ only (nvcc cannot compile the ORT C++ headers), C++17, -fvisibility=hidden, ORT_API_MANUAL_INIT:
+// the library never links libonnxruntime; RegisterCustomOps (register.inc) calls Ort::InitApi with the API the
+// loading runtime hands over.
+//
+// One fused op type (e.g. Layernorm_f32) is one FusedOp<Family, dtype, cuda> object per execution provider. Its
+// schema is one variadic input of any type and one variadic output of the op's dtype, because nodes of the same op
+// type can differ in arity (residual or not, affine or not, constants the group swallowed). Which node input plays
+// which role is decided at build time from the node's model-local function and written into the generated node
+// table (NodeSpec); the kernel looks its node up by name once, reads its attributes once (Family::Attrs), and then
+// checks every call's shapes and dtypes, returning an ORT error that names the op, the node and the shapes.
+#pragma once
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#define GTCO_ORT_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace gtco {
+
+enum class DType { f32, f16, bf16 };
+
+template <DType D>
+struct Storage;
+template <>
+struct Storage<DType::f32> {
+    using type = float;
+    static constexpr ONNXTensorElementDataType onnx = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    static constexpr const char* name = "float";
+    static float load(float v) { return v; }
+    static float store(float v) { return v; }
+};
+template <>
+struct Storage<DType::f16> {
+    using type = Ort::Float16_t;
+    static constexpr ONNXTensorElementDataType onnx = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    static constexpr const char* name = "float16";
+    static float load(Ort::Float16_t v) { return v.ToFloat(); }
+    static Ort::Float16_t store(float v) { return Ort::Float16_t(v); }
+};
+template <>
+struct Storage<DType::bf16> {
+    using type = Ort::BFloat16_t;
+    static constexpr ONNXTensorElementDataType onnx = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    static constexpr const char* name = "bfloat16";
+    static float load(Ort::BFloat16_t v) { return v.ToFloat(); }
+    static Ort::BFloat16_t store(float v) { return Ort::BFloat16_t(v); }
+};
+
+constexpr int kMaxRoles = 8;
+
+// One fused node of the model the library was built for (generated table, see library.py).
+struct NodeSpec {
+    const char* op_type;
+    const char* node;           // node name in the model
+    int n_inputs;
+    int n_outputs;
+    int in[kMaxRoles];          // family input role -> node input index, -1 when the node has no such input
+    int out[kMaxRoles];         // family output role -> node output index, -1 when absent
+    const void* cuda_fn;        // the node's instance entry point, `int gtco_<name>(const Args*, void* stream)`;
+                                // nullptr: no CUDA instance generated (the generator does not emit any yet)
+};
+
+extern const NodeSpec kNodes[];
+extern const size_t kNodeCount;
+
+inline const NodeSpec* find_node(const std::string& op_type, const std::string& node) {
+    for (size_t i = 0; i < kNodeCount; ++i)
+        if (op_type == kNodes[i].op_type && node == kNodes[i].node) return &kNodes[i];
+    return nullptr;
+}
+
+inline std::string shape_str(const std::vector<int64_t>& shape) {
+    std::ostringstream s;
+    s << '[';
+    for (size_t i = 0; i < shape.size(); ++i) s << (i ? "," : "") << shape[i];
+    s << ']';
+    return s.str();
+}
+
+inline const char* type_str(ONNXTensorElementDataType t) {
+    switch (t) {
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float";
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "double";
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+        default: return "other";
+    }
+}
+
+inline OrtStatus* make_status(OrtErrorCode code, const std::string& msg) {
+    return Ort::GetApi().CreateStatus(code, msg.c_str());
+}
+
+// What a node's kernel knows about itself, for messages: "Layernorm_f32 node 'gtco/layernorm/ln'".
+struct NodeRef {
+    std::string op_type;
+    std::string node;
+    std::string where() const { return op_type + " node '" + node + "'"; }
+    OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) const {
+        return make_status(code, where() + ": " + msg);
+    }
+};
+
+// A tensor input as the families see it: shape, element type, data (host or device pointer per the EP).
+struct Input {
+    bool present = false;
+    std::vector<int64_t> shape;
+    ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    const void* data = nullptr;
+    int64_t numel() const {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        return n;
+    }
+};
+
+inline Input get_input(Ort::KernelContext& ctx, int index) {
+    Input in;
+    if (index < 0) return in;
+    Ort::ConstValue v = ctx.GetInput(static_cast<size_t>(index));
+    if (v == nullptr) return in;
+    auto info = v.GetTensorTypeAndShapeInfo();
+    in.present = true;
+    in.shape = info.GetShape();
+    in.type = info.GetElementType();
+    in.data = v.GetTensorRawData();
+    return in;
+}
+
+// The kernel of one node: Family::Kernel<D, Cuda> holds the attributes and does the work.
+template <class Family, DType D, bool Cuda>
+struct FusedKernel {
+    NodeRef ref;
+    const NodeSpec* spec;
+    typename Family::Attrs attrs;
+
+    FusedKernel(const OrtKernelInfo* info, const std::string& op_type, const NodeSpec* s)
+        : ref{op_type, Ort::ConstKernelInfo(info).GetNodeName()}, spec(s), attrs(Family::read_attrs(info)) {}
+
+    OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+        try {
+            Ort::KernelContext ctx(context);
+            if (ctx.GetInputCount() != static_cast<size_t>(spec->n_inputs) ||
+                ctx.GetOutputCount() != static_cast<size_t>(spec->n_outputs)) {
+                std::ostringstream m;
+                m << "has " << ctx.GetInputCount() << " inputs and " << ctx.GetOutputCount()
+                  << " outputs; the library was built for " << spec->n_inputs << " and " << spec->n_outputs;
+                return ref.fail(m.str());
+            }
+            return Family::template compute<D, Cuda>(ctx, ref, *spec, attrs);
+        } catch (const Ort::Exception& e) {
+            return ref.fail(e.what(), e.GetOrtErrorCode());
+        } catch (const std::exception& e) {
+            return ref.fail(e.what(), ORT_FAIL);
+        }
+    }
+};
+
+template <class Family, DType D, bool Cuda>
+struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family, D, Cuda>, true> {
+    using Kernel = FusedKernel<Family, D, Cuda>;
+    std::string name;
+
+    explicit FusedOp(std::string op_type) : name(std::move(op_type)) {}
+
+    OrtStatusPtr CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
+        std::string node = "?";
+        try {
+            node = Ort::ConstKernelInfo(info).GetNodeName();
+            const NodeSpec* spec = find_node(name, node);
+            if (spec == nullptr) {
+                return make_status(ORT_INVALID_GRAPH,
+                                   name + " node '" + node + "' is not a node this gtco library was built for "
+                                   "(rebuild it for this model with onnx_gtco.plugin.library.build_library, or set the "
+                                   "session config entry gtco.register=0 to run the model-local functions)");
+            }
+            *kernel = new Kernel(info, name, spec);
+            return nullptr;
+        } catch (const Ort::Exception& e) {
+            return make_status(e.GetOrtErrorCode(), name + " node '" + node + "': " + e.what());
+        } catch (const std::exception& e) {
+            return make_status(ORT_FAIL, name + " node '" + node + "': " + e.what());
+        }
+    }
+
+    const char* GetName() const { return name.c_str(); }
+    const char* GetExecutionProviderType() const {
+        return Cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider";
+    }
+
+    size_t GetInputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+    OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
+        return OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_VARIADIC;
+    }
+    int GetVariadicInputMinArity() const { return 1; }
+    bool GetVariadicInputHomogeneity() const { return false; }
+
+    size_t GetOutputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetOutputType(size_t) const { return Storage<D>::onnx; }
+    OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t) const {
+        return OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_VARIADIC;
+    }
+    int GetVariadicOutputMinArity() const { return 1; }
+    bool GetVariadicOutputHomogeneity() const { return true; }
+};
+
+// Attribute readers that return the default when the node lacks the attribute or has another type.
+inline bool attr_int(const OrtKernelInfo* info, const char* name, int64_t& out) {
+    OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &out);
+    if (st == nullptr) return true;
+    Ort::GetApi().ReleaseStatus(st);
+    return false;
+}
+inline bool attr_float(const OrtKernelInfo* info, const char* name, float& out) {
+    OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &out);
+    if (st == nullptr) return true;
+    Ort::GetApi().ReleaseStatus(st);
+    return false;
+}
+inline std::string attr_string(const OrtKernelInfo* info, const char* name, const std::string& def) {
+    size_t size = 0;
+    OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_string(info, name, nullptr, &size);
+    if (st != nullptr) {
+        Ort::GetApi().ReleaseStatus(st);
+        return def;
+    }
+    std::string out(size, '\0');
+    st = Ort::GetApi().KernelInfoGetAttribute_string(info, name, &out[0], &size);
+    if (st != nullptr) {
+        Ort::GetApi().ReleaseStatus(st);
+        return def;
+    }
+    if (!out.empty() && out.back() == '\0') out.pop_back();
+    return out;
+}
+
+}  // namespace gtco

@@ -1,0 +1,27 @@
+"""Fixtures of the custom-op library tests: the optimized built-in ViT with its library, and a small LN+Softmax model
+(built once per module; the ORT headers and the libraries come from the per-user caches after the first run)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from plugin_helpers import Built, build_model, ln_softmax_model
+
+from onnx_gtco.models import build
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _need_cxx() -> None:
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the custom-op library")
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_model(build("vit-tiny", seed=0), tmp_path_factory.mktemp("vit"))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build_model(ln_softmax_model(), tmp_path_factory.mktemp("small"))

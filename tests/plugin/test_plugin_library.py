@@ -1,0 +1,332 @@
+"""The custom-op library end to end on the CPU EP: bind, generate, build (cached), register, run, compare."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from plugin_helpers import Built, build_model, decomposed_ln_model, ln_softmax_model
+
+from onnx_gtco import optimize
+from onnx_gtco.cli import main
+from onnx_gtco.errors import GtcoError
+from onnx_gtco.kernels.family import Instance, Problem
+from onnx_gtco.kernels.toolchain import BuildError
+from onnx_gtco.plugin import headers
+from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
+from onnx_gtco.plugin.bind_softmax import SoftmaxBinder
+from onnx_gtco.plugin.binding import Binding, FusedNode
+from onnx_gtco.plugin.library import bind_nodes, build_library, library_info
+from onnx_gtco.plugin.nodes import fused_nodes
+from onnx_gtco.plugin.session import LibraryError, make_session
+from onnx_gtco.runtime.check import compare, make_inputs
+
+CPU = ["CPUExecutionProvider"]
+
+
+def ran_ops(path: Path, tmp: Path, feeds: dict[str, np.ndarray], library: bool | str) -> set[str]:
+    """Op types of the kernels ORT ran (its profile), for the model at `path`."""
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp / "profile")
+    s = make_session(path, CPU, library=library, sess_options=so)
+    s.run(None, feeds)
+    events = json.loads(Path(s.end_profiling()).read_text())
+    return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+
+
+# --- the built-in ViT -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vit_with_library_matches_original(vit: Built, seed: int) -> None:
+    feeds = make_inputs(onnx.load(str(vit.original)), seed)
+    ref = ort.InferenceSession(str(vit.original), providers=CPU).run(None, feeds)
+    got = make_session(vit.rewritten, CPU, library=True).run(None, feeds)
+    for r, g in zip(ref, got, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_vit_library_registers_every_bound_family(vit: Built) -> None:
+    nodes = fused_nodes(onnx.load(str(vit.rewritten)))
+    served = [n for n in nodes if n.family in ("layernorm", "gemm", "attention")]
+    assert vit.lib.op_types == ["Attention_f32", "Gemm_f32", "Layernorm_f32"]
+    info = library_info(vit.lib.path)
+    assert info["op_types"] == vit.lib.op_types and info["cuda_op_types"] == []
+    assert set(info["nodes"]) == {n.node.name for n in served}  # type: ignore[arg-type]
+    skipped = vit.lib.skipped()  # the patch-embedding conv has no plugin kernel: it keeps its function
+    assert set(skipped) == {n.node.name for n in nodes if n.family == "conv"}
+    assert all("no plugin kernel for family" in why for why in skipped.values())
+
+
+def test_custom_kernel_runs_only_with_the_library(vit: Built, tmp_path: Path) -> None:
+    feeds = make_inputs(onnx.load(str(vit.original)), 0)
+    assert "Layernorm_f32" in ran_ops(vit.rewritten, tmp_path, feeds, True)
+    without = ran_ops(vit.rewritten, tmp_path, feeds, "auto")  # CPU session: auto does not register it
+    assert "Layernorm_f32" not in without and "LayerNormalization" in without
+
+
+def test_check_cli_with_library(vit: Built, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--library", str(vit.original), str(vit.rewritten)]) == 0
+    assert "custom-op library registered" in capsys.readouterr().out
+    diffs = compare(vit.original, vit.rewritten, library=True, samples=2)
+    assert all(d.ok for d in diffs)
+
+
+# --- a small LayerNorm + Softmax model ----------------------------------------------------------------------------
+
+def test_small_model_softmax_and_layernorm(small: Built, tmp_path: Path) -> None:
+    assert small.lib.op_types == ["Layernorm_f32", "Softmax_f32"] and not small.lib.skipped()
+    rng = np.random.default_rng(3)
+    feeds = {k: rng.standard_normal((5, 16)).astype(np.float32) for k in ("x", "r")}
+    ref = ort.InferenceSession(str(small.original), providers=CPU).run(None, feeds)[0]
+    got = make_session(small.rewritten, CPU, library=True).run(None, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert {"Layernorm_f32", "Softmax_f32"} <= ran_ops(small.rewritten, tmp_path, feeds, True)
+
+
+def test_float16_nodes(tmp_path: Path) -> None:
+    built = build_model(ln_softmax_model(elem=onnx.TensorProto.FLOAT16), tmp_path)
+    assert built.lib.op_types == ["Layernorm_f16", "Softmax_f16"]
+    rng = np.random.default_rng(4)
+    feeds = {k: rng.standard_normal((5, 16)).astype(np.float16) for k in ("x", "r")}
+    ref = ort.InferenceSession(str(built.original), providers=CPU).run(None, feeds)[0]
+    got = make_session(built.rewritten, CPU, library=True).run(None, feeds)[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("reciprocal", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_decomposed_layernorm(reciprocal: bool, affine: bool, tmp_path: Path) -> None:
+    built = build_model(decomposed_ln_model(reciprocal=reciprocal, affine=affine), tmp_path)
+    (res,) = built.lib.nodes
+    assert res.binding is not None and res.binding.inputs[1] == -1  # no residual addend
+    assert (res.binding.inputs[2] >= 0) == affine and (res.binding.inputs[3] >= 0) == affine
+    feeds = {"x": np.random.default_rng(5).standard_normal((3, 4, 16)).astype(np.float32) * 3 + 1}
+    ref = ort.InferenceSession(str(built.original), providers=CPU).run(None, feeds)[0]
+    got = make_session(built.rewritten, CPU, library=True).run(None, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert "Layernorm_f32" in ran_ops(built.rewritten, tmp_path, feeds, True)
+
+
+def test_bert_tiny_decomposed_layernorm_with_library(tmp_path: Path) -> None:
+    from onnx_gtco.models import build
+
+    built = build_model(build("bert-tiny", seed=0), tmp_path)
+    assert built.lib.op_types == ["Attention_f32", "Gemm_f32", "Layernorm_f32", "Qkv_f32"]
+    assert all(d.ok for d in compare(built.original, built.rewritten, library=True, samples=2))
+    feeds = make_inputs(onnx.load(str(built.original)), 0)
+    assert "Layernorm_f32" in ran_ops(built.rewritten, tmp_path, feeds, True)
+
+
+def test_wrong_shape_is_an_ort_error_naming_op_and_shapes(small: Built) -> None:
+    s = make_session(small.rewritten, CPU, library=True)
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(Exception, match=r"Layernorm_f32 node 'gtco/layernorm/res'.*\[16\].*8 normalised.*\[2,8\]"):
+        s.run(None, {"x": x, "r": x})
+    with pytest.raises(Exception, match=r"Layernorm_f32 .*residual addends have shapes \[2,16\] and \[3,16\]"):
+        s.run(None, {"x": np.ones((2, 16), np.float32), "r": np.ones((3, 16), np.float32)})
+    # the session survives the errors
+    out = s.run(None, {"x": np.ones((2, 16), np.float32), "r": np.zeros((2, 16), np.float32)})[0]
+    assert out.shape == (2, 16)
+
+
+def test_one_unbindable_node_keeps_its_whole_op_type_on_functions() -> None:
+    nodes = fused_nodes(optimize(ln_softmax_model()).model)
+    ln = next(n for n in nodes if n.family == "layernorm")
+    fn = onnx.FunctionProto()
+    fn.CopyFrom(ln.function)
+    fn.node.append(onnx.helper.make_node("Relu", [fn.output[0]], ["extra"], name="relu"))
+    broken_node = onnx.NodeProto()
+    broken_node.CopyFrom(ln.node)
+    broken_node.name = "broken"
+    broken = FusedNode(broken_node, fn, ln.attrs, ln.inputs, ln.outputs)
+    assert "Relu 'relu'" in str(LayerNormBinder().bind(broken))
+    results, binders = bind_nodes([ln, broken, *[n for n in nodes if n is not ln]])
+    by = {r.node: r for r in results}
+    assert "Layernorm_f32" not in binders and "Softmax_f32" in binders
+    assert by[ln.node.name].binding is None and "node 'broken' cannot be bound" in str(by[ln.node.name].reason)
+    assert isinstance(by["gtco/softmax/sm"].binding, Binding)
+
+
+# --- build: cache, errors, atomicity ------------------------------------------------------------------------------
+
+def test_rebuild_is_a_cache_hit(small: Built, tmp_path: Path) -> None:
+    model = onnx.load(str(small.rewritten))
+    again = build_library(model, small.lib.path.parent, cuda=False)
+    assert again.path == small.lib.path and again.cached and not again.created
+    elsewhere = build_library(model, tmp_path, cuda=False)  # from the per-user cache: no compiler runs
+    assert elsewhere.cached and elsewhere.created and elsewhere.name == small.lib.name
+    assert elsewhere.path.read_bytes() == small.lib.path.read_bytes()
+
+
+def test_bad_ort_include_dir_is_a_clear_error(small: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(tmp_path))
+    with pytest.raises(GtcoError, match=r"ORT_INCLUDE_DIR=.* has no onnxruntime_cxx_api.h"):
+        headers.ort_include_dir()
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(BuildError, match="ORT_INCLUDE_DIR"):
+        build_library(onnx.load(str(small.rewritten)), out, cuda=False)
+    assert not list(out.iterdir())
+
+
+def test_ort_include_dir_override_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = headers.ort_include_dir()
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(real))
+    assert headers.ort_include_dir() == real
+
+
+def test_header_cache_is_filled_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ORT_INCLUDE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def offline(*_a: object, **_k: object) -> object:
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(headers.urllib.request, "urlopen", offline)
+    with pytest.raises(headers.HeaderError, match=r"deb\.debian\.org"):
+        headers.ort_include_dir()
+    root = tmp_path / "onnx-gtco" / "ort-headers"
+    assert not root.exists() or not any(root.iterdir())
+
+
+def test_failed_build_leaves_nothing(small: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(headers.ort_include_dir()))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", shutil.which("false") or "false")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(BuildError, match="glue of op types Layernorm_f32, Softmax_f32"):
+        build_library(onnx.load(str(small.rewritten)), out, cuda=False)
+    assert not list(out.iterdir())
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_missing_library_file_is_a_clear_error(small: Built, tmp_path: Path) -> None:
+    moved = tmp_path / small.rewritten.name
+    shutil.copy(small.rewritten, moved)  # the library stays behind
+    with pytest.raises(LibraryError, match=r"custom-op library .*libgtco-.*\.so .*does not exist"):
+        make_session(moved, CPU, library=True)
+    make_session(moved, CPU, library="auto")  # CPU: the functions run, the library is not needed
+    make_session(moved, CPU, library=False)
+
+
+# --- CUDA objects (nvcc; no GPU needed to build) --------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc not installed")
+def test_cuda_build_links_cudart_statically(tmp_path: Path) -> None:
+    built = build_model(ln_softmax_model(), tmp_path, cuda=True)
+    assert built.lib.cuda and built.lib.cuda_op_types == []  # no CUDA instance is generated yet
+    dyn = subprocess.run(["readelf", "-d", str(built.lib.path)], capture_output=True, text=True, check=True).stdout
+    assert "libcudart" not in dyn
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(built.lib.path)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "gtco_cuda_device_count" in syms and "RegisterCustomOps" in syms
+    # the CPU kernels still run from the CUDA build
+    feeds = {k: np.ones((2, 16), np.float32) for k in ("x", "r")}
+    make_session(built.rewritten, CPU, library=True).run(None, feeds)
+
+
+def test_cuda_build_without_nvcc_is_an_error(small: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NVCC", str(tmp_path / "no-nvcc"))
+    with pytest.raises(BuildError, match="nvcc not found"):
+        build_library(onnx.load(str(small.rewritten)), tmp_path, cuda=True)
+    assert not list(tmp_path.glob("*.so"))
+
+
+_GOOD_KERNEL = """
+__global__ void gtco_fake_kernel(float* p) { p[threadIdx.x] *= 2.0f; }
+extern "C" __attribute__((visibility("default"))) int gtco_fake_softmax(const void*, void*) { return 0; }
+"""
+_SPILL_KERNEL = """
+__global__ void gtco_fake_stack(float* p, int i) {
+    float a[256];
+    for (int j = 0; j < 256; ++j) a[j] = p[j];
+    p[0] = a[i];
+}
+extern "C" __attribute__((visibility("default"))) int gtco_fake_softmax(const void*, void*) { return 0; }
+"""
+
+
+def _with_instance(source: str, name: str) -> SoftmaxBinder:
+    """The Softmax binder, plus one CUDA instance per node (what the generators will add)."""
+
+    class WithInstance(SoftmaxBinder):
+        def bind(self, node: FusedNode) -> Binding | str:
+            b = super().bind(node)
+            assert isinstance(b, Binding)
+            inst = Instance(name, "gtco_fake_softmax", source, Problem.make("softmax", "f32", {}), arch="sm_80")
+            return replace(b, instances=(inst,))
+
+    return WithInstance()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc not installed")
+def test_cuda_instances_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnx_gtco.plugin import binders
+
+    monkeypatch.setitem(binders.BINDERS, "softmax", _with_instance(_GOOD_KERNEL, "fake_softmax"))
+    built = build_model(ln_softmax_model(), tmp_path / "good", cuda=True)
+    assert built.lib.cuda_op_types == ["Softmax_f32"] and built.lib.op_types == ["Layernorm_f32", "Softmax_f32"]
+    assert library_info(built.lib.path)["cuda_op_types"] == ["Softmax_f32"]
+    feeds = {k: np.ones((2, 16), np.float32) for k in ("x", "r")}
+    make_session(built.rewritten, CPU, library=True).run(None, feeds)  # CPU EP: the CPU kernel of the op type runs
+    monkeypatch.setitem(binders.BINDERS, "softmax", _with_instance(_SPILL_KERNEL, "fake_spill"))
+    out = tmp_path / "spill"
+    out.mkdir()
+    with pytest.raises(BuildError, match=r"CUDA kernel fake_spill \(.*gtco_fake_stack.*sm_80\): \d+ bytes stack"):
+        build_library(optimize(ln_softmax_model()).model, out, cuda=True)
+    assert not list(out.iterdir())
+
+
+def test_unwritable_cache_builds_in_out_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(headers.ort_include_dir()))
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache cannot be created under a file
+    out = tmp_path / "out"
+    out.mkdir()
+    lib = build_library(optimize(ln_softmax_model()).model, out, cuda=False)
+    assert lib.created and not lib.cached and [p.name for p in out.iterdir()] == [lib.name]
+
+
+def test_register_modes(small: Built, tmp_path: Path) -> None:
+    """gtco.register=cuda registers only op types with CUDA kernels (none here): the functions run."""
+    feeds = {k: np.ones((2, 16), np.float32) for k in ("x", "r")}
+    for mode, want in (("1", True), ("cuda", False), ("0", False)):
+        so = ort.SessionOptions()
+        so.add_session_config_entry("gtco.register", mode)
+        so.register_custom_ops_library(str(small.lib.path))
+        so.enable_profiling = True
+        so.profile_file_prefix = str(tmp_path / f"p{mode}")
+        s = ort.InferenceSession(str(small.rewritten), so, providers=CPU)
+        s.run(None, feeds)
+        events = json.loads(Path(s.end_profiling()).read_text())
+        ops = {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
+        assert ("Layernorm_f32" in ops) == want and ("Softmax_f32" in ops) == want, mode
+    so = ort.SessionOptions()
+    so.add_session_config_entry("gtco.register", "yes")
+    with pytest.raises(Exception, match=r"gtco\.register=yes"):
+        so.register_custom_ops_library(str(small.lib.path))
+
+
+def test_auto_registers_only_for_available_cuda() -> None:
+    from onnx_gtco.plugin.session import _wants_library
+
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    assert _wants_library("auto", [cuda, cpu], [cuda, cpu])
+    assert _wants_library("auto", [(cuda, {"device_id": 0})], [cuda, cpu])
+    assert not _wants_library("auto", [cuda, cpu], [cpu])  # requested but not in this onnxruntime
+    assert not _wants_library("auto", [cpu], [cuda, cpu])
+    assert _wants_library(True, [cpu], [cpu]) and not _wants_library(False, [cuda], [cuda])
+    with pytest.raises(ValueError, match="library='yes'"):
+        _wants_library("yes", [cpu], [cpu])
