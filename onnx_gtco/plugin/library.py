@@ -45,7 +45,7 @@ from onnx_gtco.plugin.nodes import fused_nodes
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 CUDA_ARCHS = ("sm_80", "sm_90")
-CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall")
+CXX_FLAGS = ("-std=c++17", "-O3", "-pthread", "-fPIC", "-fvisibility=hidden", "-Wall")
 _DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16"}
 
 
@@ -314,7 +314,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
                 objs += _cuda_objects(tmp, instances, log) + [c.object_path for c in compiled]
                 link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
             else:
-                link = [cxx, "-shared", "-o", str(tmp / name), *map(str, objs)]
+                link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
             res = run_compile(link, tmp / name, timeout_s=600)
             log.append(" ".join(link) + "\n" + res.stderr)
             log_text = "\n".join(log)

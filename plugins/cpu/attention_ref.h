@@ -10,7 +10,7 @@
 // One batch dim: the glue only binds [B, H, Sq, Sk] score cores. mask / bias are additive [B',H',Sq',Sk'] arrays
 // (right-aligned, rank <= 4, each dim 1 = broadcast, or full), given here as element strides (0 = broadcast).
 //
-// Numerics follow the unfused ONNX subgraph: math in fp32 (dot products and the softmax sum accumulate in double);
+// Numerics follow the unfused ONNX subgraph: math in fp32 (the softmax sum accumulates in double);
 // the scores stay fp32 through scale, mask and bias (ORT itself fuses MatMul and scale, and rounding them to a
 // 16-bit T each step was measured further from both fp64 and ORT's own result), while P is rounded to T before
 // P V as the graph stores it, and O is stored as T (both no-ops for float). Softmax subtracts the row max. A row whose scores hold a NaN, or whose max is +inf or -inf
@@ -20,7 +20,9 @@
 // MatMul reduction).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <thread>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -143,20 +145,37 @@ struct Addend {
     int64_t sb = 0, sh = 0, sq = 0, sk = 0;
 };
 
-// One row of P (scores of query i of (b, h)) into p[0..seq_k), rounded to T as the graph stores it.
+// One head's operand [seq][head_dim] as contiguous fp32 (the dot products then run over contiguous memory).
+template <class T, class Load>
+void load_head(const Operand<T>& x, int64_t b, int64_t h, int64_t seq, int64_t dim, std::vector<float>& out,
+               Load load) {
+    out.resize(static_cast<size_t>(seq * dim));
+    for (int64_t s = 0; s < seq; ++s)
+        for (int64_t d = 0; d < dim; ++d) out[static_cast<size_t>(s * dim + d)] = load(*x.at(b, h, s, d));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int u = 0; u < 8; ++u) part[u] += a[i + u] * b[i + u];
+    float sum = 0.0f;
+    for (; i < n; ++i) sum += a[i] * b[i];
+    for (int u = 0; u < 8; ++u) sum += part[u];
+    return sum;
+}
+
+// One row of P (scores of query i of (b, h)) into p[0..seq_k), rounded to T as the graph stores it. qi: the query
+// row, kh: the head's keys [seq_k][head_dim], both fp32.
 template <class T, class Load, class Store>
-void probs_row(const Problem& pr, const Operand<T>& q, const Operand<T>& k, const Addend<T>& mask,
-               const Addend<T>& bias, int64_t b, int64_t h, int64_t i, std::vector<float>& p, Load load,
-               Store store) {
+void probs_row(const Problem& pr, const float* qi, const float* kh, const Addend<T>& mask, const Addend<T>& bias,
+               int64_t b, int64_t h, int64_t i, std::vector<float>& p, Load load, Store store) {
     auto rnd = [&](float x) { return load(store(x)); };
     const float inf = std::numeric_limits<float>::infinity();
     bool bad = false;
     float mx = -inf;
     for (int64_t j = 0; j < pr.seq_k; ++j) {
-        double acc = 0.0;
-        for (int64_t d = 0; d < pr.head_dim; ++d)
-            acc += static_cast<double>(load(*q.at(b, h, i, d))) * static_cast<double>(load(*k.at(b, h, j, d)));
-        float s = static_cast<float>(acc) * pr.scale;
+        float s = dot(qi, kh + j * pr.head_dim, pr.head_dim) * pr.scale;
         for (const Addend<T>* a : {&mask, &bias}) {
             if (a->data != nullptr) s += load(a->data[b * a->sb + h * a->sh + i * a->sq + j * a->sk]);
         }
@@ -184,44 +203,65 @@ void probs_row(const Problem& pr, const Operand<T>& q, const Operand<T>& k, cons
     }
 }
 
+// fn(b, h) for every head, the heads split over the machine's cores (the reference runs inside one ORT kernel).
+template <class Fn>
+void for_each_head(const Problem& pr, Fn fn) {
+    const int64_t heads = pr.batch * pr.heads;
+    const int64_t work = heads * pr.seq_q * pr.seq_k * std::max<int64_t>(pr.head_dim, 1);
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    const int64_t threads = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(hw, heads);
+    auto run = [&](int64_t t) {
+        for (int64_t x = t; x < heads; x += std::max<int64_t>(threads, 1)) fn(x / pr.heads, x % pr.heads);
+    };
+    if (threads <= 1) {
+        run(0);
+        return;
+    }
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
+    run(0);
+    for (auto& th : pool) th.join();
+}
+
 // Attention: out[b,h,i,:] (strides `os`: sb, sh, ss (query), sd) = P V.
 template <class T, class Load, class Store>
 void attention(const Problem& pr, const Operand<T>& q, const Operand<T>& k, const Operand<T>& v,
                const Addend<T>& mask, const Addend<T>& bias, T* out, const Strides& os, Load load, Store store) {
-    std::vector<float> p(static_cast<size_t>(pr.seq_k));
-    std::vector<double> acc(static_cast<size_t>(pr.head_dim));
-    for (int64_t b = 0; b < pr.batch; ++b) {
-        for (int64_t h = 0; h < pr.heads; ++h) {
-            for (int64_t i = 0; i < pr.seq_q; ++i) {
-                probs_row(pr, q, k, mask, bias, b, h, i, p, load, store);
-                for (double& a : acc) a = 0.0;
-                for (int64_t j = 0; j < pr.seq_k; ++j) {
-                    const double pj = p[static_cast<size_t>(j)];
-                    for (int64_t d = 0; d < pr.head_dim; ++d)
-                        acc[static_cast<size_t>(d)] += pj * static_cast<double>(load(*v.at(b, h, j, d)));
-                }
-                T* o = out + os.off + b * os.sb + h * os.sh + i * os.ss;
-                for (int64_t d = 0; d < pr.head_dim; ++d)
-                    o[d * os.sd] = store(static_cast<float>(acc[static_cast<size_t>(d)]));
+    const int64_t dim = pr.head_dim;
+    for_each_head(pr, [&](int64_t b, int64_t h) {
+        std::vector<float> qh, kh, vh, p(static_cast<size_t>(pr.seq_k)), acc(static_cast<size_t>(dim));
+        load_head(q, b, h, pr.seq_q, dim, qh, load);
+        load_head(k, b, h, pr.seq_k, dim, kh, load);
+        load_head(v, b, h, pr.seq_k, dim, vh, load);
+        for (int64_t i = 0; i < pr.seq_q; ++i) {
+            probs_row(pr, qh.data() + i * dim, kh.data(), mask, bias, b, h, i, p, load, store);
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (int64_t j = 0; j < pr.seq_k; ++j) {
+                const float pj = p[static_cast<size_t>(j)];
+                const float* vj = vh.data() + j * dim;
+                for (int64_t d = 0; d < dim; ++d) acc[static_cast<size_t>(d)] += pj * vj[d];
             }
+            T* o = out + os.off + b * os.sb + h * os.sh + i * os.ss;
+            for (int64_t d = 0; d < dim; ++d) o[d * os.sd] = store(acc[static_cast<size_t>(d)]);
         }
-    }
+    });
 }
 
 // BmmSoftmax: probs[b,h,i,j] (strides `os`: sb, sh, ss (query), sd (key)) = P.
 template <class T, class Load, class Store>
 void bmm_softmax(const Problem& pr, const Operand<T>& q, const Operand<T>& k, const Addend<T>& mask,
                  const Addend<T>& bias, T* probs, const Strides& os, Load load, Store store) {
-    std::vector<float> p(static_cast<size_t>(pr.seq_k));
-    for (int64_t b = 0; b < pr.batch; ++b) {
-        for (int64_t h = 0; h < pr.heads; ++h) {
-            for (int64_t i = 0; i < pr.seq_q; ++i) {
-                probs_row(pr, q, k, mask, bias, b, h, i, p, load, store);
-                T* o = probs + os.off + b * os.sb + h * os.sh + i * os.ss;
-                for (int64_t j = 0; j < pr.seq_k; ++j) o[j * os.sd] = store(p[static_cast<size_t>(j)]);
-            }
+    const int64_t dim = pr.head_dim;
+    for_each_head(pr, [&](int64_t b, int64_t h) {
+        std::vector<float> qh, kh, p(static_cast<size_t>(pr.seq_k));
+        load_head(q, b, h, pr.seq_q, dim, qh, load);
+        load_head(k, b, h, pr.seq_k, dim, kh, load);
+        for (int64_t i = 0; i < pr.seq_q; ++i) {
+            probs_row(pr, qh.data() + i * dim, kh.data(), mask, bias, b, h, i, p, load, store);
+            T* o = probs + os.off + b * os.sb + h * os.sh + i * os.ss;
+            for (int64_t j = 0; j < pr.seq_k; ++j) o[j * os.sd] = store(p[static_cast<size_t>(j)]);
         }
-    }
+    });
 }
 
 }  // namespace ref

@@ -10,8 +10,8 @@
 // say what is wrong (an empty string when nothing is); the glue (plugins/ort/gemm_op.h) and the test harness
 // both use them.
 //
-// Math is fp32 (products accumulate in double, then the epilogue runs in float); inputs and outputs are stored
-// as T and converted through the caller's load/store, and y is rounded to T once, as a fused kernel does (the
+// Math is fp32 (products accumulate in float, as ONNX Runtime's CPU GEMM does; the epilogue runs in float);
+// inputs and outputs are stored as T and converted through the caller's load/store, and y is rounded to T once, as a fused kernel does (the
 // unfused graph would round after the MatMul, the bias Add and each activation node too). Activations compute
 // what _act.py's REFERENCE says, in the order the ONNX decompositions do (erf GELU divides by sqrt(2)).
 #pragma once
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace gtco {
@@ -200,38 +201,103 @@ struct GemmIO {
     Act act = Act::kNone;
 };
 
+// Rows [i0, i1) of one batch entry: fp32 accumulation like ONNX Runtime's own CPU GEMM, in loops the compiler
+// vectorizes: four rows of A share each row of B (an axpy per row), or, with B transposed, dot products with eight
+// partial sums.
 template <class T, class Load, class Store>
-void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
+void gemm_rows(const GemmPlan& p, const GemmIO<T>& io, int64_t e, int64_t i0, int64_t i1, Load load, Store store) {
+    constexpr int64_t R = 4;
     const int64_t m = p.m, n = p.n, k = p.k;
-    std::vector<double> acc(static_cast<size_t>(n));
-    for (int64_t e = 0; e < p.batch; ++e) {
-        const T* a = io.a + p.a_off[static_cast<size_t>(e)];
-        const T* b = io.b + p.b_off[static_cast<size_t>(e)];
-        T* y = io.y + e * m * n;
-        const T* res = io.residual != nullptr ? io.residual + e * m * n : nullptr;
-        for (int64_t i = 0; i < m; ++i) {
-            std::fill(acc.begin(), acc.end(), 0.0);
+    const T* a = io.a + p.a_off[static_cast<size_t>(e)];
+    const T* b = io.b + p.b_off[static_cast<size_t>(e)];
+    T* y = io.y + e * m * n;
+    const T* res = io.residual != nullptr ? io.residual + e * m * n : nullptr;
+    std::vector<float> acc(static_cast<size_t>(R * n)), arow(static_cast<size_t>(R * k));
+    for (int64_t i = i0; i < i1; i += R) {
+        const int64_t rows = std::min<int64_t>(R, i1 - i);
+        for (int64_t r = 0; r < rows; ++r) {
             for (int64_t q = 0; q < k; ++q) {
-                const double av = load(p.trans_a ? a[q * m + i] : a[i * k + q]);
-                if (p.trans_b) {
-                    for (int64_t j = 0; j < n; ++j) acc[static_cast<size_t>(j)] += av * load(b[j * k + q]);
-                } else {
-                    const T* brow = b + q * n;
-                    for (int64_t j = 0; j < n; ++j) acc[static_cast<size_t>(j)] += av * load(brow[j]);
+                arow[static_cast<size_t>(r * k + q)] = load(p.trans_a ? a[q * m + i + r] : a[(i + r) * k + q]);
+            }
+        }
+        if (p.trans_b) {
+            for (int64_t r = 0; r < rows; ++r) {
+                const float* ar = arow.data() + r * k;
+                for (int64_t j = 0; j < n; ++j) {
+                    const T* brow = b + j * k;
+                    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    int64_t q = 0;
+                    for (; q + 8 <= k; q += 8) {
+                        for (int u = 0; u < 8; ++u) part[u] += ar[q + u] * load(brow[q + u]);
+                    }
+                    float sum = 0.0f;
+                    for (; q < k; ++q) sum += ar[q] * load(brow[q]);
+                    for (int u = 0; u < 8; ++u) sum += part[u];
+                    acc[static_cast<size_t>(r * n + j)] = sum;
                 }
             }
+        } else {
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            float* c0 = acc.data();
+            float* c1 = c0 + n;
+            float* c2 = c1 + n;
+            float* c3 = c2 + n;
+            for (int64_t q = 0; q < k; ++q) {
+                const T* brow = b + q * n;
+                const float a0 = arow[static_cast<size_t>(q)];
+                const float a1 = rows > 1 ? arow[static_cast<size_t>(k + q)] : 0.0f;
+                const float a2 = rows > 2 ? arow[static_cast<size_t>(2 * k + q)] : 0.0f;
+                const float a3 = rows > 3 ? arow[static_cast<size_t>(3 * k + q)] : 0.0f;
+                for (int64_t j = 0; j < n; ++j) {
+                    const float bv = load(brow[j]);
+                    c0[j] += a0 * bv;
+                    c1[j] += a1 * bv;
+                    c2[j] += a2 * bv;
+                    c3[j] += a3 * bv;
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = i + r;
             for (int64_t j = 0; j < n; ++j) {
-                float v = io.alpha * static_cast<float>(acc[static_cast<size_t>(j)]);
+                float v = io.alpha * acc[static_cast<size_t>(r * n + j)];
                 if (io.bias != nullptr) {
-                    const int64_t bi = (io.bias_m == 1 ? 0 : i) * io.bias_n + (io.bias_n == 1 ? 0 : j);
+                    const int64_t bi = (io.bias_m == 1 ? 0 : row) * io.bias_n + (io.bias_n == 1 ? 0 : j);
                     v += io.beta * load(io.bias[bi]);
                 }
                 v = activate(io.act, v);
-                if (res != nullptr) v += load(res[i * n + j]);
-                y[i * n + j] = store(v);
+                if (res != nullptr) v += load(res[row * n + j]);
+                y[row * n + j] = store(v);
             }
         }
     }
+}
+
+// The whole GEMM, its rows split over the machine's cores (the reference runs inside one ORT kernel call).
+template <class T, class Load, class Store>
+void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
+    const int64_t work = p.batch * p.m;
+    const int64_t flops = work * p.n * p.k;
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    const int64_t threads = flops < (int64_t{1} << 22) ? 1 : std::min<int64_t>(hw, (work + 3) / 4);
+    auto run = [&](int64_t t) {
+        // contiguous chunks of (batch entry, row) in multiples of 4 rows
+        const int64_t per = ((work + threads - 1) / threads + 3) / 4 * 4;
+        for (int64_t w = t * per; w < std::min(work, (t + 1) * per);) {
+            const int64_t e = w / p.m, i = w % p.m;
+            const int64_t i1 = std::min(p.m, i + (std::min(work, (t + 1) * per) - w));
+            gemm_rows(p, io, e, i, i1, load, store);
+            w += i1 - i;
+        }
+    };
+    if (threads <= 1) {
+        run(0);
+        return;
+    }
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
+    run(0);
+    for (auto& th : pool) th.join();
 }
 
 }  // namespace ref
