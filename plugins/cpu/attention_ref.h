@@ -22,11 +22,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <thread>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "parallel.h"
 
 namespace gtco {
 namespace ref {
@@ -207,20 +208,10 @@ void probs_row(const Problem& pr, const float* qi, const float* kh, const Addend
 template <class Fn>
 void for_each_head(const Problem& pr, Fn fn) {
     const int64_t heads = pr.batch * pr.heads;
-    const int64_t work = heads * pr.seq_q * pr.seq_k * std::max<int64_t>(pr.head_dim, 1);
-    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    const int64_t threads = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(hw, heads);
-    auto run = [&](int64_t t) {
-        for (int64_t x = t; x < heads; x += std::max<int64_t>(threads, 1)) fn(x / pr.heads, x % pr.heads);
-    };
-    if (threads <= 1) {
-        run(0);
-        return;
-    }
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
-    run(0);
-    for (auto& th : pool) th.join();
+    const int64_t threads = worth_threads(heads, heads * pr.seq_q * pr.seq_k * std::max<int64_t>(pr.head_dim, 1));
+    parallel_for(threads, [&](int64_t t) {
+        for (int64_t x = t; x < heads; x += threads) fn(x / pr.heads, x % pr.heads);
+    });
 }
 
 // Attention: out[b,h,i,:] (strides `os`: sb, sh, ss (query), sd) = P V.

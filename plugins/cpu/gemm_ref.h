@@ -21,8 +21,9 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include "parallel.h"
 
 namespace gtco {
 namespace ref {
@@ -277,9 +278,7 @@ void gemm_rows(const GemmPlan& p, const GemmIO<T>& io, int64_t e, int64_t i0, in
 template <class T, class Load, class Store>
 void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
     const int64_t work = p.batch * p.m;
-    const int64_t flops = work * p.n * p.k;
-    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    const int64_t threads = flops < (int64_t{1} << 22) ? 1 : std::min<int64_t>(hw, (work + 3) / 4);
+    const int64_t threads = worth_threads((work + 3) / 4, work * p.n * p.k);
     auto run = [&](int64_t t) {
         // contiguous chunks of (batch entry, row) in multiples of 4 rows
         const int64_t per = ((work + threads - 1) / threads + 3) / 4 * 4;
@@ -290,14 +289,7 @@ void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
             w += i1 - i;
         }
     };
-    if (threads <= 1) {
-        run(0);
-        return;
-    }
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
-    run(0);
-    for (auto& th : pool) th.join();
+    parallel_for(threads, run);
 }
 
 }  // namespace ref
