@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from onnx_gtco.kernels.family import Field, Instance
-from onnx_gtco.kernels.toolchain import BuildError, find_cxx, run_compile
+from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, find_cxx, run_compile
 
-INCLUDE_DIR = Path(__file__).resolve().parents[2] / "plugins" / "include"
+INCLUDE_DIR = PLUGINS_DIR / "include"
 RUN_TIMEOUT_S = 300.0
 
 

@@ -13,6 +13,18 @@ from pathlib import Path
 from onnx_gtco.errors import GtcoError
 
 DEFAULT_TIMEOUT_S = 120.0
+
+
+def _plugins_dir() -> Path:
+    """The C++/CUDA sources: `plugins/` of a source checkout, else the copy a wheel ships as onnx_gtco/_plugins."""
+    package = Path(__file__).resolve().parents[1]
+    for cand in (package.parent / "plugins", package / "_plugins"):
+        if (cand / "include" / "gtco").is_dir():
+            return cand
+    return package.parent / "plugins"  # not found: paths under it name what is missing in the compile error
+
+
+PLUGINS_DIR = _plugins_dir()
 _ERROR_LINES = 6
 
 

@@ -37,13 +37,13 @@ import onnx
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.select import model_instances
-from onnx_gtco.kernels.toolchain import BuildError, find_cxx, find_nvcc, run_compile
+from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, find_cxx, find_nvcc, run_compile
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import MAX_ROLES, Binder, Binding, FusedNode
 from onnx_gtco.plugin.headers import HeaderError, cache_root, ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
 
-PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
+PLUGINS = PLUGINS_DIR
 CUDA_ARCHS = ("sm_80", "sm_90")
 CXX_FLAGS = ("-std=c++17", "-O3", "-pthread", "-fPIC", "-fvisibility=hidden", "-Wall")
 _DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16"}
