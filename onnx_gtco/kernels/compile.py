@@ -21,7 +21,7 @@ from pathlib import Path
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
-from onnx_gtco.kernels.toolchain import BuildError, nvcc_compile
+from onnx_gtco.kernels.toolchain import BuildError, cache_root, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 
@@ -46,14 +46,6 @@ class CompiledInstance:
                          "stack_frame_bytes": k.stack_frame_bytes, "spill_store_bytes": k.spill_store_bytes,
                          "spill_load_bytes": k.spill_load_bytes} for k in self.kernels],
         }
-
-
-def cache_root() -> Path:
-    """`$GTCO_CACHE_DIR`, else `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`."""
-    if os.environ.get("GTCO_CACHE_DIR"):
-        return Path(os.environ["GTCO_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "onnx-gtco"
 
 
 @lru_cache(maxsize=1)

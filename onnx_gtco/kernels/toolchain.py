@@ -25,6 +25,15 @@ def _plugins_dir() -> Path:
 
 
 PLUGINS_DIR = _plugins_dir()
+
+
+def cache_root() -> Path:
+    """Where built kernels, libraries and the ORT headers are kept: `$GTCO_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`."""
+    if os.environ.get("GTCO_CACHE_DIR"):
+        return Path(os.environ["GTCO_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "onnx-gtco"
 _ERROR_LINES = 6
 
 

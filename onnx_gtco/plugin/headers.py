@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from onnx_gtco.errors import GtcoError
+from onnx_gtco.kernels.toolchain import cache_root
 
 ENV = "ORT_INCLUDE_DIR"
 HEADER = "onnxruntime_cxx_api.h"
@@ -41,11 +42,6 @@ class HeaderError(GtcoError):
     """The ONNX Runtime headers could not be found or fetched."""
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "onnx-gtco" / "ort-headers"
-
-
 def ort_include_dir() -> Path:
     """A directory with onnxruntime_cxx_api.h (see the module docstring).
 
@@ -60,7 +56,7 @@ def ort_include_dir() -> Path:
             raise HeaderError(f"{ENV}={override!r} has no {HEADER} (point it at the folder holding the ONNX Runtime "
                               "C/C++ API headers, or unset it to download them)")
         return d
-    target = cache_root() / VERSION
+    target = cache_root() / "ort-headers" / VERSION
     if (target / _INNER / HEADER).is_file():
         return target / _INNER
     return _fill(target) / _INNER

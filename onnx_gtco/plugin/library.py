@@ -37,10 +37,10 @@ import onnx
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.select import model_instances
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, find_cxx, find_nvcc, run_compile
+from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, cache_root, find_cxx, find_nvcc, run_compile
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import MAX_ROLES, Binder, Binding, FusedNode
-from onnx_gtco.plugin.headers import HeaderError, cache_root, ort_include_dir
+from onnx_gtco.plugin.headers import HeaderError, ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
 
 PLUGINS = PLUGINS_DIR
@@ -104,7 +104,7 @@ class LibraryResult:
 
 
 def lib_cache_dir() -> Path:
-    return cache_root().parent / "libs"
+    return cache_root() / "libs"
 
 
 def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, Binder]]:
