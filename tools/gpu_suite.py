@@ -31,14 +31,21 @@ sys.path.insert(0, str(ROOT))
 
 from onnx_gtco.kernels.attention import FAMILIES as ATTENTION_FAMILIES  # noqa: E402
 from onnx_gtco.kernels.attention import make_problem  # noqa: E402
-from onnx_gtco.kernels.family import Instance, KernelFamily, Problem, from_storage, rel_error  # noqa: E402
+from onnx_gtco.kernels.family import (  # noqa: E402
+    Instance,
+    KernelFamily,
+    Problem,
+    c_args,
+    entry_point,
+    from_storage,
+    rel_error,
+)
 from onnx_gtco.kernels.gemm import FAMILY as GEMM  # noqa: E402
 from onnx_gtco.kernels.gemm import gemm_problem  # noqa: E402
 from onnx_gtco.kernels.layernorm import FAMILY as LAYERNORM  # noqa: E402
 
 ATTN = {f.name: f for f in ATTENTION_FAMILIES}
 TOL = {"f16": 2e-3, "bf16": 8e-3}
-_CT = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
 def cases(quick: bool) -> list[tuple[str, KernelFamily, Problem]]:
@@ -172,16 +179,12 @@ def run_case(label: str, fam: KernelFamily, p: Problem, arch: str, libs: dict[st
     for cfg in fam.configs(p, arch):
         inst = fam.instantiate(p, cfg, arch)
         fields = fam.args_fields(p, arrays)
-        struct = type("Args", (ctypes.Structure,), {"_fields_": [(f.name, _CT[f.kind]) for f in fields]})
-        args = struct()
-        for f in fields:
-            if f.kind == "ptr":
-                t = outs.get(f.value) if f.value in outs else dev.get(f.value)
-                setattr(args, f.name, t.data_ptr() if (f.value and t is not None) else None)
-            else:
-                setattr(args, f.name, float(f.value) if f.kind == "f32" else int(f.value))
-        fn = getattr(ctypes.CDLL(str(libs[inst.name])), inst.symbol)
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.POINTER(struct), ctypes.c_void_p]
+        def address(name: str) -> int | None:
+            t = outs.get(name) if name in outs else dev.get(name)
+            return t.data_ptr() if t is not None else None
+
+        args = c_args(fields, address)
+        fn = entry_point(str(libs[inst.name]), inst.symbol, args)
         for t in outs.values():
             t.fill_(float("nan"))
         code = fn(ctypes.byref(args), stream)

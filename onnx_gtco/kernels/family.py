@@ -13,8 +13,9 @@ The same text builds with nvcc (sm_80 / sm_90) and with g++ -DGTCO_EMULATE for t
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,30 @@ class KernelFamily(ABC):
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
         """Seeded inputs for tests (never zeros). Families override where inputs have structure (masks)."""
         raise NotImplementedError
+
+
+_C_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+def c_args(fields: Sequence[Field], address: Callable[[str], int | None]) -> ctypes.Structure:
+    """The instance's C argument struct filled from `fields`; `address(name)` is the data address of the array a
+    "ptr" field names (a field naming none is a null pointer)."""
+    struct = type("Args", (ctypes.Structure,), {"_fields_": [(f.name, _C_TYPES[f.kind]) for f in fields]})
+    args = struct()
+    for f in fields:
+        if f.kind == "ptr":
+            setattr(args, f.name, address(f.value) if f.value else None)
+        else:
+            setattr(args, f.name, float(f.value) if f.kind == "f32" else int(f.value))
+    return args
+
+
+def entry_point(lib: str, symbol: str, args: ctypes.Structure) -> Any:
+    """An instance's `int gtco_<name>(const Args*, void* stream)` from a shared library, typed for `args`."""
+    fn = getattr(ctypes.CDLL(lib), symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(type(args)), ctypes.c_void_p]
+    return fn
 
 
 def np_dtype(dtype: str) -> Any:
