@@ -101,8 +101,8 @@ def problem_for(family: str, io_dtype: str, attrs: Mapping[str, Any]) -> Problem
 def _gemm(family: str, dtype: str, attrs: Mapping[str, Any]) -> Problem | str:
     if _int(attrs, "trans_a"):
         return "GEMM with a transposed A (the kernel reads A row-major)"
-    if "alpha" in attrs and float(attrs["alpha"]) != 1.0:
-        return f"GEMM with alpha={float(attrs['alpha']):g} (the epilogue has no scale yet)"
+    if _int(attrs, "bias") and "beta" in attrs and float(attrs["beta"]) != 1.0:
+        return f"GEMM with beta={float(attrs['beta']):g} on its bias (the epilogue has no scale yet)"
     m, n, k = _int(attrs, "m"), _int(attrs, "n_out" if family == "qkv" else "n"), _int(attrs, "k")
     batch_dims = attrs.get("batch", ())
     batch = _batch(batch_dims)
@@ -115,7 +115,8 @@ def _gemm(family: str, dtype: str, attrs: Mapping[str, Any]) -> Problem | str:
     activation = str(_text(attrs.get("activation", "none")) or "none")
     return gemm_problem(dtype, batch, m, n, k, b_batched=batch > 1 or bool(batch_dims),
                         trans_b=bool(_int(attrs, "trans_b")), bias=bool(_int(attrs, "bias")),
-                        activation=activation, residual=bool(_int(attrs, "residual")))
+                        activation=activation, residual=bool(_int(attrs, "residual")),
+                        alpha=float(attrs.get("alpha", 1.0)))
 
 
 def _attention(family: str, dtype: str, attrs: Mapping[str, Any]) -> Problem | str:

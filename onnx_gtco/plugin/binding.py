@@ -1,4 +1,4 @@
-"""How a fused `ai.gtco` node meets its kernel: the roles of its inputs and outputs, and its CUDA instances.
+"""How a fused `ai.gtco` node meets its kernel: the roles of its inputs and outputs.
 
 A family's glue in C++ (plugins/ort/<family>_op.h) reads its inputs by *role* (x, residual, gamma, ...). Which node
 input plays which role is decided here, at build time, from the node's model-local function, and written into the
@@ -8,13 +8,12 @@ running its function, and the report says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import onnx
 
-from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.select import split_op_type
 
 MAX_ROLES = 8  # gtco::kMaxRoles in plugins/ort/gtco_ort.h
@@ -52,11 +51,10 @@ class FusedNode:
 
 @dataclass(frozen=True)
 class Binding:
-    """Role -> node input/output index (-1: the node has no such operand), and the CUDA instances it launches."""
+    """Role -> node input/output index (-1: the node has no such operand)."""
 
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
-    instances: tuple[Instance, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if len(self.inputs) > MAX_ROLES or len(self.outputs) > MAX_ROLES:
@@ -64,7 +62,17 @@ class Binding:
 
 
 class Binder(Protocol):
-    """A family's build-time half: which C++ op struct serves it, and how a node's operands map onto roles."""
+    """A family's build-time half: which C++ op struct serves it, and how a node's operands map onto roles.
+
+    Two optional methods, for families whose kernel is generated per node rather than chosen by attributes
+    (the elementwise family, bind_elementwise.py):
+
+    * `glue(node, binding) -> (blocks, node_data)`: C++ text blocks for the generated glue (namespace scope,
+      deduplicated by text across nodes) and the initializer of the node's `NodeSpec::node_data` (e.g.
+      `&descriptor`); without it node_data is nullptr.
+    * `problem(node) -> Problem | str`: the node's kernel Problem for its device instance (plugin.device), in place
+      of kernels.select.node_problem, which reads the node's attributes only.
+    """
 
     family: str         # the pattern family, e.g. "layernorm"
     header: str         # its glue header under plugins/ort/, e.g. "layernorm_op.h"

@@ -1,21 +1,25 @@
 """Build the custom-op library of a rewritten model: bind its fused nodes, generate the glue, compile, cache.
 
-`build_library(model, out_dir, cuda=...)`:
+`build_library(model, out_dir, cuda=..., emulated=...)`:
 
 1. `fused_nodes(model)`; each node's family binder (binders.py) maps its operands onto the C++ roles or says why it
    cannot. Registration is per op type (a registered op type hides the model-local function of *every* node of
    that name, facts §4/5): an op type is registered only when every one of its nodes binds; otherwise all its
    nodes keep their functions and the report says why.
-2. One generated glue `.cc`: includes plugins/ort/gtco_ort.h and the used families' headers, the NodeSpec table
-   `kNodes`, `add_ops()` registering one CPU-EP op per bound op type (and a CUDA-EP op only when every node of the
-   op type has CUDA instances: today never), `kLibraryInfo` (JSON), then register.inc.
-3. g++ -std=c++17 -O2 -fPIC -fvisibility=hidden against `ort_include_dir()`. With cuda=True, nvcc also builds
-   plugins/cuda/probe.cu and the kernel instance every fused node selects (kernels.select) for sm_80 and sm_90,
-   through kernels.compile (cached objects, the ptxas report checked: a spill or a stack frame is a BuildError
-   naming the kernel and its parameters; registers / shared memory / spills go into the report), and the library
-   links them with the CUDA runtime statically. The C++ CUDA branch of the op structs does not call them yet, so
-   no op type is registered for the CUDA EP (the hook is `Binding.instances`).
-4. The file is `libgtco-<hash12>.so`, the hash covering the generated source, every file under plugins/, the
+2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80 and sm_90 for CUDA, the
+   sm_80 one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one.
+3. One generated glue `.cc`: includes plugins/ort/gtco_ort.h and the used families' headers, the per-node code or
+   data of binders with a `glue` hook (the Elementwise family's host functions and node descriptors), the NodeSpec
+   table `kNodes` (roles, the instances' entry points per arch slot, the hook's `node_data`), `add_ops()` registering
+   one CPU-EP op per bound op type and a CUDA-EP op per op type with device kernels, `kLibraryInfo` (JSON), then
+   register.inc.
+4. g++ -std=c++17 -O3 -fPIC -fvisibility=hidden against `ort_include_dir()`. With cuda=True the instances are
+   compiled by kernels.compile (nvcc, cached objects, the ptxas report checked: a spill or a stack frame is a
+   BuildError naming the kernel and its parameters; registers / shared memory / spills go into the report), and
+   linked with plugins/cuda/probe.cu and the CUDA runtime statically. With emulated=True they are compiled with
+   g++ -DGTCO_EMULATE and their ops registered for the CPU EP instead of the reference ones, so a CPU session runs
+   the whole device path (argument structs, strides, arch dispatch, the instances' checks) on the emulation.
+5. The file is `libgtco-<hash12>.so`, the hash covering the generated source, every file under plugins/, the
    flags and the compilers; it is built once into a per-user cache ($XDG_CACHE_HOME/onnx-gtco/libs) and copied
    atomically into out_dir. Nothing is left behind when a build fails.
 """
@@ -28,23 +32,24 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
-from onnx_gtco.kernels.ptxas import parse_ptxas
-from onnx_gtco.kernels.select import model_instances
+from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, cache_root, find_cxx, find_nvcc, run_compile
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import MAX_ROLES, Binder, Binding, FusedNode
+from onnx_gtco.plugin.device import ARCH_SLOTS, EMULATED_ARCH, device_instances
 from onnx_gtco.plugin.headers import HeaderError, ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
 
 PLUGINS = PLUGINS_DIR
-CUDA_ARCHS = ("sm_80", "sm_90")
+CUDA_ARCHS = ARCH_SLOTS
 CXX_FLAGS = ("-std=c++17", "-O3", "-pthread", "-fPIC", "-fvisibility=hidden", "-Wall")
 _DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16"}
 
@@ -66,15 +71,17 @@ class LibraryResult:
     Attributes:
         path: the library in out_dir.
         op_types: op types the library registers for the CPU EP (sorted).
-        cuda_op_types: op types it also registers for the CUDA EP.
+        cuda_op_types: op types with device kernels (registered for the CUDA EP, or for the CPU EP in an
+            emulated build).
         nodes: every fused node with its binding or the reason it keeps its function.
         cuda: whether nvcc objects (probe + instances) are linked in.
+        emulated: whether the instances are linked in built for the CPU emulation instead.
         cached: the library came from the cache (no compiler ran).
         created: the file was written into out_dir by this call (it was not there already).
         seconds: wall time of build_library.
         log: compiler command lines and their output.
         kernels: the compiled kernel instances (cuda builds): name, arch, config, ptxas registers / smem / spills.
-        kernel_skips: fused node -> why it selects no kernel instance (cuda builds).
+        kernel_skips: bound fused node -> why it has no device kernel (cuda and emulated builds).
     """
 
     path: Path
@@ -88,6 +95,7 @@ class LibraryResult:
     log: str = field(default="", repr=False)
     kernels: list[dict[str, object]] = field(default_factory=list)
     kernel_skips: dict[str, str] = field(default_factory=dict)
+    emulated: bool = False
 
     @property
     def name(self) -> str:
@@ -98,7 +106,7 @@ class LibraryResult:
         return {n.node: n.reason for n in self.nodes if n.reason is not None}
 
     def to_json(self) -> dict[str, object]:
-        return {"file": self.name, "cuda": self.cuda, "op_types": self.op_types,
+        return {"file": self.name, "cuda": self.cuda, "emulated": self.emulated, "op_types": self.op_types,
                 "cuda_op_types": self.cuda_op_types, "skipped": self.skipped(), "kernels": self.kernels,
                 "kernel_skips": self.kernel_skips}
 
@@ -150,62 +158,77 @@ def _roles(idx: tuple[int, ...]) -> str:
 
 
 def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], binders: dict[str, Binder],
-                  cuda: bool) -> tuple[str, list[str], list[str], dict[str, str]]:
-    """The glue source, the op types registered for the CPU EP and for the CUDA EP, and symbol -> instance name
-    of the CUDA instances it references."""
+                  device: Mapping[str, tuple[Instance, ...]], emulated: bool = False
+                  ) -> tuple[str, list[str], list[str]]:
+    """The glue source, the op types it registers, and those among them with device kernels.
+
+    `device` maps a bound node's name to its instance per arch slot (device.ARCH_SLOTS; one, the sm_80 one, in
+    an emulated build). An op type gets a device kernel when every one of its nodes has instances. In an emulated
+    build (`emulated`) the device kernels are registered for the CPU EP in place of the reference ones."""
     by_name = {n.node.name: n for n in nodes}
     bound = [r for r in results if r.binding is not None]
     op_types = sorted(binders)
-    instances: dict[str, str] = {}
-    cuda_types = []
-    for t in op_types:
-        rs = [r for r in bound if r.op_type == t]
-        if cuda and rs and all(r.binding is not None and r.binding.instances for r in rs):
-            cuda_types.append(t)
-    lines = ["// Generated by onnx_gtco.plugin.library: do not edit.", '#include "gtco_ort.h"']
+    device_types = [t for t in op_types if all(r.node in device for r in bound if r.op_type == t)]
+    lines = ["// Generated by onnx_gtco.plugin.library: do not edit."]
+    if emulated:
+        lines.append("#define GTCO_EMULATED_DEVICE 1  // device kernels run the emulated instances on the CPU EP")
+    lines.append('#include "gtco_ort.h"')
     lines += [f'#include "{h}"' for h in sorted({b.header for b in binders.values()})]
-    decls, rows = [], []
+    if emulated:
+        lines.append('extern "C" int gtco_device_cc() { return 80; }  // the emulated device is an sm_80')
+    symbols = sorted({i.symbol for r in bound if r.op_type in device_types for i in device[r.node]})
+    lines += [f'extern "C" int {s}(const void* args, void* stream);' for s in symbols]
+    rows = []
+    blocks: dict[str, None] = {}  # per-node glue of the binders that have a `glue` hook, deduplicated by text
     for r in bound:
         assert r.binding is not None
         n = by_name[r.node]
-        fn = "nullptr"
-        if r.op_type in cuda_types:
-            inst = r.binding.instances[0]
-            instances[inst.symbol] = inst.name
-            decls.append(f'extern "C" int {inst.symbol}(const void* args, void* stream);')
-            fn = f"reinterpret_cast<const void*>(&{inst.symbol})"
+        insts = list(device[r.node]) if r.op_type in device_types else []
+        insts += [None] * (len(ARCH_SLOTS) - len(insts))
+        fns = ", ".join(f"&{i.symbol}" if i else "nullptr" for i in insts)
+        names = ", ".join(_c(i.name) if i else "nullptr" for i in insts)
+        hook = getattr(binders[r.op_type], "glue", None)
+        host = "nullptr"
+        if hook is not None:
+            texts, host = hook(n, r.binding)
+            blocks.update(dict.fromkeys(texts))
         rows.append(f"    {{{_c(r.op_type)}, {_c(r.node)}, {len(n.node.input)}, {len(n.node.output)}, "
-                    f"{_roles(r.binding.inputs)}, {_roles(r.binding.outputs)}, {fn}}},")
-    lines += decls
+                    f"{_roles(r.binding.inputs)}, {_roles(r.binding.outputs)}, {{{fns}}}, {{{names}}}, {host}}},")
+    if blocks:
+        lines += ["", "// per-node glue of the families that carry code or data per node (Binder.glue)", *blocks]
     lines += ["", "namespace gtco {", "", "const NodeSpec kNodes[] = {"]
-    lines += rows or ['    {"", "", 0, 0, {-1}, {-1}, nullptr},  // placeholder: no node is bound']
+    lines += rows or ['    {"", "", 0, 0, {-1}, {-1}, {nullptr}, {nullptr}, nullptr},  // placeholder: none is bound']
     lines += ["};", f"const size_t kNodeCount = {len(rows)};", ""]
-    info = {"op_types": op_types, "cuda_op_types": cuda_types,
-            "nodes": {r.node: r.op_type for r in bound}, "cuda": cuda}
+    info = {"op_types": op_types, "cuda_op_types": device_types,
+            "nodes": {r.node: r.op_type for r in bound}, "cuda": bool(device_types) and not emulated,
+            "emulated": emulated,
+            "instances": {r.node: [i.name for i in device[r.node]] for r in bound if r.op_type in device_types}}
     text = json.dumps(info, sort_keys=True)
     if ")gtco\"" in text:
         raise BuildError("a node name contains the sequence )gtco\" that the generated glue cannot quote")
     lines += [f'const char* const kLibraryInfo = R"gtco({text})gtco";', "",
               "// The op objects, created on first use and never freed (they must outlive every session).",
               "struct GeneratedOps {"]
-    cpu_ops, cuda_ops = [], []
+    all_ops, device_ops = [], []
     for k, t in enumerate(op_types):
         b = binders[t]
         dt = _DTYPES[t.rsplit("_", 1)[1]]
-        lines.append(f"    FusedOp<{b.cpp_struct}, {dt}, false> cpu{k}{{{_c(t)}}};")
-        cpu_ops.append(f"    domain.Add(&o.cpu{k});")
-        if t in cuda_types:
-            lines.append(f"    FusedOp<{b.cpp_struct}, {dt}, true> cuda{k}{{{_c(t)}}};")
-            cpu_ops.append(f"    domain.Add(&o.cuda{k});")
-            cuda_ops += [f"    domain.Add(&o.cpu{k});", f"    domain.Add(&o.cuda{k});"]
+        has_device = t in device_types
+        if not (emulated and has_device):
+            lines.append(f"    FusedOp<{b.cpp_struct}, {dt}, false> cpu{k}{{{_c(t)}}};")
+            all_ops.append(f"    domain.Add(&o.cpu{k});")
+        if has_device:
+            lines.append(f"    FusedOp<{b.cpp_struct}, {dt}, true> dev{k}{{{_c(t)}}};")
+            all_ops.append(f"    domain.Add(&o.dev{k});")
+            device_ops += ([] if emulated else [f"    domain.Add(&o.cpu{k});"]) + [f"    domain.Add(&o.dev{k});"]
     lines += ["};", "static GeneratedOps& generated_ops() {", "    static GeneratedOps* o = new GeneratedOps();",
               "    return *o;", "}", ""]
-    for fn, adds, doc in (("add_ops", cpu_ops, "every op type"),
-                          ("add_cuda_ops", cuda_ops, "gtco.register=cuda: only the op types with CUDA kernels")):
+    for fn, adds, doc in (("add_ops", all_ops, "every op type"),
+                          ("add_cuda_ops", device_ops, "gtco.register=cuda: only the op types with CUDA kernels")):
         lines += [f"// {doc} (register.inc)", f"void {fn}(Ort::CustomOpDomain& domain) {{",
                   "    GeneratedOps& o = generated_ops();", *adds, "    (void)o;", "    (void)domain;", "}", ""]
     lines += ["}  // namespace gtco", "", '#include "register.inc"', ""]
-    return "\n".join(lines), op_types, cuda_types, instances
+    return "\n".join(lines), op_types, device_types
 
 
 def _tree_digest(h: hashlib._Hash, root: Path) -> None:
@@ -214,54 +237,93 @@ def _tree_digest(h: hashlib._Hash, root: Path) -> None:
             h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
 
 
-def _cuda_objects(tmp: Path, instances: Sequence[tuple[str, str, tuple[str, ...]]], log: list[str]) -> list[Path]:
-    """nvcc the probe (for every arch of CUDA_ARCHS) and each instance (name, source, its archs); checks the ptxas
-    report of every kernel."""
-    nvcc = find_nvcc()
-    objs = []
-    sources = [("probe", (PLUGINS / "cuda" / "probe.cu").read_text(), CUDA_ARCHS), *instances]
-    for name, text, archs in sources:
-        gencode = [f for a in archs for f in ("-gencode", f"arch=compute_{a[3:]},code={a}")]
-        src = tmp / f"{name}.cu"
-        src.write_text(text)
-        obj = tmp / f"{name}.o"
-        cmd = [nvcc, *gencode, "-std=c++17", "-O3", "-Xptxas", "-v", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+def _probe_object(tmp: Path, log: list[str]) -> Path:
+    """nvcc plugins/cuda/probe.cu (what the glue asks of the CUDA runtime) for every arch of CUDA_ARCHS."""
+    gencode = [f for a in CUDA_ARCHS for f in ("-gencode", f"arch=compute_{a[3:]},code={a}")]
+    obj = tmp / "probe.o"
+    src = PLUGINS / "cuda" / "probe.cu"
+    cmd = [find_nvcc(), *gencode, "-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-c", str(src),
+           "-o", str(obj)]
+    try:
+        res = run_compile(cmd, src, timeout_s=600)
+    except BuildError as e:
+        raise BuildError(f"CUDA probe: {e}") from None
+    log.append(" ".join(cmd) + "\n" + res.stderr)
+    return obj
+
+
+def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str]) -> list[Path]:
+    """g++ -DGTCO_EMULATE each instance into an object of the library (plugins/emu runs its grid on host threads)."""
+    cxx = find_cxx()
+
+    def one(inst: Instance) -> Path:
+        src, obj = tmp / f"{inst.name}.emu.cc", tmp / f"{inst.name}.emu.o"
+        src.write_text(inst.source)
+        cmd = [cxx, "-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
                f"-I{PLUGINS / 'include'}", "-c", str(src), "-o", str(obj)]
         try:
             res = run_compile(cmd, src, timeout_s=600)
         except BuildError as e:
-            raise BuildError(f"CUDA kernel {name}: {e}") from None
+            raise BuildError(f"emulated kernel {inst.name}: {e}") from None
         log.append(" ".join(cmd) + "\n" + res.stderr)
-        for k in parse_ptxas(res.stderr):
-            if k.spills or k.stack_frame_bytes > 0:
-                raise BuildError(f"CUDA kernel {name} ({k.name}, {k.arch}): {k.stack_frame_bytes} bytes stack frame, "
-                                 f"{k.spill_store_bytes} bytes spill stores: choose another config")
-        objs.append(obj)
-    return objs
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(instances), os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, instances))
 
 
-def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cuda: bool) -> LibraryResult:
+def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str]
+                  ) -> tuple[dict[str, tuple[Instance, ...]], dict[str, str]]:
+    """Each bound node's instances for `archs`, and why the others have none. An op type runs on the device only
+    when all its nodes have instances, so a node whose sibling has none gets that as its reason."""
+    by_name = {n.node.name: n for n in nodes}
+    found: dict[str, tuple[Instance, ...]] = {}
+    why: dict[str, str] = {}
+    for r in results:
+        if r.binding is None:
+            continue
+        got = device_instances(by_name[r.node], r.binding, archs)
+        if isinstance(got, str):
+            why[r.node] = got
+        else:
+            found[r.node] = got
+    for r in results:
+        if r.node in found:
+            lacking = next((o for o in results if o.op_type == r.op_type and o.node in why), None)
+            if lacking is not None:
+                del found[r.node]
+                why[r.node] = f"op type {r.op_type} has no device kernel: node {lacking.node!r} {why[lacking.node]}"
+    return found, why
+
+
+def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cuda: bool,
+                  emulated: bool = False) -> LibraryResult:
     """Build (or take from the cache) the model's custom-op library into out_dir (see the module docstring).
+
+    Args:
+        cuda: link the device kernels built with nvcc for CUDA_ARCHS and register them for the CUDA EP.
+        emulated: instead, link them built for the CPU emulation and register them for the CPU EP (tests of the
+            device path without a GPU; slow, small shapes only). Exclusive with `cuda`.
 
     Raises:
         BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable.
     """
+    if cuda and emulated:
+        raise ValueError("build_library: cuda and emulated exclude each other")
     start = time.monotonic()
     out = Path(out_dir)
     if not out.is_dir():
         raise BuildError(f"library output directory {out} does not exist")
     nodes = fused_nodes(model)
     results, binders = bind_nodes(nodes)
-    source, op_types, cuda_types, _ = generate_glue(nodes, results, binders, cuda)
-    unique = {i.symbol: (i.name, i.source, (i.arch,)) for r in results
-              if r.binding is not None and r.op_type in cuda_types
-              for i in r.binding.instances}  # nodes of the same shape share an instance
+    archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
+    device, kernel_skips = select_device(nodes, results, archs) if archs else ({}, {})
+    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated)
+    unique = {(i.name, i.arch): i for r in results if r.op_type in device_types and r.node in device
+              for i in device[r.node]}  # nodes of the same problem share an instance
     instances = [unique[k] for k in sorted(unique)]
-    compiled: list[CompiledInstance] = []
-    kernel_skips: dict[str, str] = {}
-    if cuda:
-        selected, kernel_skips = model_instances(model, CUDA_ARCHS)
-        compiled = compile_instances(selected)  # cached per instance; BuildError names a failing or spilling one
+    # nvcc per instance, cached across models; BuildError names a failing or spilling one
+    compiled: list[CompiledInstance] = compile_instances(instances) if cuda else []
     try:
         inc = ort_include_dir()
     except HeaderError as e:
@@ -269,8 +331,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     cxx = find_cxx()
     nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
     h = hashlib.sha256()
-    for part in (source, *CXX_FLAGS, cxx, nvcc, *CUDA_ARCHS, *(t for _, t, _ in instances),
-                 *(f"{c.instance.arch}:{c.instance.source}" for c in compiled)):
+    for part in (source, *CXX_FLAGS, cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
+                 *(f"{i.arch}:{i.source}" for i in instances)):
         h.update(part.encode() + b"\0")
     _tree_digest(h, PLUGINS)
     _tree_digest(h, inc)
@@ -278,8 +340,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     dest = out / name
 
     def result(cached: bool, created: bool, log: str) -> LibraryResult:
-        return LibraryResult(dest, op_types, cuda_types, results, cuda, cached, created, time.monotonic() - start,
-                             log, [c.summary() for c in compiled], kernel_skips)
+        return LibraryResult(dest, op_types, device_types, results, cuda, cached, created, time.monotonic() - start,
+                             log, [c.summary() for c in compiled], kernel_skips, emulated)
 
     if dest.is_file():
         return result(True, False, "")
@@ -302,7 +364,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             glue = tmp / "glue.cc"
             glue.write_text(source)
             obj = tmp / "glue.o"
-            inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{inc}"]
+            inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{PLUGINS / 'include'}", f"-I{inc}"]
             cmd = [cxx, *CXX_FLAGS, *inc_flags, "-c", str(glue), "-o", str(obj)]
             try:
                 res = run_compile(cmd, glue, timeout_s=600)
@@ -311,9 +373,10 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             log.append(" ".join(cmd) + "\n" + res.stderr)
             objs = [obj]
             if cuda:
-                objs += _cuda_objects(tmp, instances, log) + [c.object_path for c in compiled]
+                objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
                 link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
             else:
+                objs += _emulated_objects(tmp, instances, log) if emulated else []
                 link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
             res = run_compile(link, tmp / name, timeout_s=600)
             log.append(" ".join(link) + "\n" + res.stderr)
@@ -349,4 +412,4 @@ def library_info(path: str | os.PathLike[str]) -> dict[str, object]:
 
 
 __all__ = ["BuildError", "LibraryResult", "NodeResult", "bind_nodes", "build_library", "generate_glue",
-           "library_info"]
+           "library_info", "select_device"]

@@ -43,6 +43,11 @@ struct uint3 {
     unsigned x, y, z;
 };
 
+struct alignas(8) float2 {  // CUDA's 8-byte vector type (an fp32 pair in one access)
+    float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+
 struct dim3 {
     unsigned x, y, z;
     constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}

@@ -20,9 +20,10 @@
 // Shapes: one batch dim (the binder binds [B, H, Sq, Sk] score cores only); mask / bias of rank <= 4, right-aligned
 // against the scores [B, H, Sq, Sk], each dim 1 or full.
 //
-// CPU EP: plugins/cpu/attention_ref.h. CUDA EP: NOT DONE YET (as layernorm_op.h): the attention CUDA families
-// (plugins/include/gtco/attention.cuh, gtco_attention_args) are not wired in; the CUDA kernel validates, allocates
-// its output and returns ORT_NOT_IMPLEMENTED.
+// CPU EP: plugins/cpu/attention_ref.h. Device: the node's attention / bmm_softmax instance
+// (gtco/attention.cuh), its gtco_attention_args filled with the same layout and addend strides the reference uses.
+// The device kernels have no causal mask (the build gives causal nodes no instance), and a row whose every key is
+// masked with -inf gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
 #pragma once
 
 #include "attention_ref.h"
@@ -172,11 +173,34 @@ struct AttentionGlue {
         const std::vector<int64_t> out_shape = WithV ? ref::layout_shape(lo, bq, H, sq, Dh) : scores;
         T* out = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), out_shape).template GetTensorMutableData<T>();
         if (Cuda) {
-            // NOT DONE: fill gtco_attention_args from these device pointers and strides (ref::layout_strides,
-            // the addend strides) and call spec.cuda_fn on ctx.GetGPUComputeStream().
-            (void)ctx.GetGPUComputeStream();
-            return ref.fail(std::string("no CUDA instance was generated for this node (the CUDA ") + family() +
-                            " family is not wired into the library yet)", ORT_NOT_IMPLEMENTED);
+            if (at.causal) return ref.fail("the device kernel has no causal mask", ORT_NOT_IMPLEMENTED);
+            gtco_attention_args args{};
+            const ref::Strides sq_ = ref::layout_strides(lq, H, sq, Dh, 0);
+            const ref::Strides sk_ = ref::layout_strides(lk, H, sk, Dh, 1);
+            const ref::Strides sv_ = WithV ? ref::layout_strides(lv, H, sk, Dh, 2) : ref::Strides{};
+            const ref::Strides so_ = WithV ? ref::layout_strides(lo, H, sq, Dh)
+                                           : ref::Strides{0, H * sq * sk, sq * sk, sk, 1};
+            args.q = q.data, args.k = k.data, args.v = WithV ? v.data : nullptr, args.out = out;
+            args.mask = mask.data, args.bias = bias.data;
+            args.q_off = sq_.off, args.k_off = sk_.off, args.v_off = sv_.off;
+            args.q_sb = sq_.sb, args.q_sh = sq_.sh, args.q_ss = sq_.ss;
+            args.k_sb = sk_.sb, args.k_sh = sk_.sh, args.k_ss = sk_.ss, args.k_sd = sk_.sd;
+            args.v_sb = sv_.sb, args.v_sh = sv_.sh, args.v_ss = sv_.ss;
+            args.o_sb = so_.sb, args.o_sh = so_.sh, args.o_ss = so_.ss, args.o_sd = so_.sd;
+            const ref::Addend<T>* adds[] = {&am, &ab};
+            int64_t* dst[] = {&args.m_sb, &args.bias_sb};
+            int32_t* bmod[] = {&args.m_bmod, &args.bias_bmod};
+            for (int r = 0; r < 2; ++r) {
+                const ref::Addend<T>& a = *adds[r];
+                dst[r][0] = a.sb, dst[r][1] = a.sh, dst[r][2] = a.sq, dst[r][3] = a.sk;
+                *bmod[r] = a.sb != 0 ? static_cast<int32_t>(bq) : 1;  // per-batch addend: b % B; else b % 1 = 0
+            }
+            if (bq > INT32_MAX || sq > INT32_MAX || sk > INT32_MAX) return ref.fail("sizes too large: " + shapes);
+            args.batch = static_cast<int32_t>(bq), args.heads = static_cast<int32_t>(H);
+            args.seq_q = static_cast<int32_t>(sq), args.seq_k = static_cast<int32_t>(sk);
+            args.head_dim = static_cast<int32_t>(Dh);
+            args.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
+            return run_instance(ctx, ref, args, shapes);
         }
         ref::Problem pr;
         pr.batch = bq, pr.heads = H, pr.seq_q = sq, pr.seq_k = sk, pr.head_dim = Dh;

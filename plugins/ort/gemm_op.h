@@ -11,10 +11,11 @@
 // constants of a decomposed activation, e.g. sqrt(2), 1, 0.5 of erf GELU) are not read: the binder checked, at
 // build time, that the chain computes the named activation.
 //
-// CPU EP: plugins/cpu/gemm_ref.h. CUDA EP: NOT DONE YET. The CUDA kernel would fill GemmArgs
-// (plugins/include/gtco/gemm.cuh) from the device pointers and the plan below and call the node's instance entry
-// point (NodeSpec::cuda_fn) on KernelContext::GetGPUComputeStream(); that generator is not wired in, so the CUDA
-// kernel returns ORT_NOT_IMPLEMENTED, like LayerNorm's.
+// CPU EP: plugins/cpu/gemm_ref.h. Device: the node's GEMM instance (gtco/gemm.cuh) with GemmArgs filled from the
+// plan below. It takes what the reference takes except: a transposed A, a beta other than 1, a bias other
+// than a row of N, and batch dims that do not step A and B by one stride each (a broadcast inner batch dim); those
+// are run-time errors naming the shapes (the build gives such nodes no instance where it can tell). A Qkv node
+// launches the one instance once per projection, with that projection's N.
 #pragma once
 
 #include "gemm_ref.h"
@@ -67,6 +68,40 @@ inline OrtStatus* check_size(const NodeRef& ref, const char* what, int64_t got, 
         return ref.fail(ctx + " give " + what + "=" + std::to_string(got) + "; the kernel was built for " + what +
                         "=" + std::to_string(built));
     }
+    return nullptr;
+}
+
+// GemmArgs sizes and batch strides of a planned GEMM for the device kernel (pointers left to the caller), or the
+// error when the kernel cannot run it (see the top of this file).
+inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool trans_a, float alpha, float beta,
+                              bool has_bias, int64_t bias_m, int64_t bias_n, const std::string& operands,
+                              GemmArgs& args) {
+    if (trans_a) return ref.fail("the device kernel reads A row-major; this node transposes A (" + operands + ")");
+    if (beta != 1.0f) {
+        return ref.fail("the device kernel does not scale the bias (beta=" + std::to_string(beta) + ")");
+    }
+    if (has_bias && (bias_m != 1 || bias_n != p.n)) {
+        return ref.fail("the device kernel adds a bias row of N=" + std::to_string(p.n) + "; this bias is [" +
+                        std::to_string(bias_m) + ", " + std::to_string(bias_n) + "] over " + operands);
+    }
+    // one stride per operand: entry e of A (B) starts at e * stride (B may be shared: stride 0)
+    auto stride = [&](const std::vector<int64_t>& off, int64_t& s) {
+        s = off.size() > 1 ? off[1] - off[0] : 0;
+        for (size_t e = 0; e < off.size(); ++e) {
+            if (off[e] != static_cast<int64_t>(e) * s) return false;
+        }
+        return true;
+    };
+    int64_t sa = 0, sb = 0;
+    if (!stride(p.a_off, sa) || !stride(p.b_off, sb) || (p.batch > 1 && sa == 0)) {
+        return ref.fail(operands + ": the batch dims broadcast in a way the device kernel cannot stride (it "
+                        "steps A per batch entry and B per entry or not at all)");
+    }
+    args.batch = p.batch, args.m = p.m, args.n = p.n, args.k = p.k;
+    args.stride_a = p.batch > 1 ? sa : p.m * p.k;
+    args.stride_b = sb;
+    args.stride_y = p.m * p.n;
+    args.alpha = alpha;
     return nullptr;
 }
 
@@ -157,12 +192,13 @@ struct Gemm {
         if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
         T* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
         if (Cuda) {
-            // NOT DONE: fill GemmArgs from these device pointers and p (batch strides, 0 for a shared weight) and
-            // call spec.cuda_fn on ctx.GetGPUComputeStream(), mapping GTCO_EBADSHAPE / GTCO_ELAUNCH to errors.
-            (void)ctx.GetGPUComputeStream();
-            (void)y;
-            return ref.fail("no CUDA instance was generated for this node (the CUDA GEMM family is not wired "
-                            "into the library yet)", ORT_NOT_IMPLEMENTED);
+            GemmArgs args{};
+            if (OrtStatus* st = gemm_glue::device_args(ref, p, at.trans_a != 0, at.alpha, bias.present ? at.beta : 1.0f,
+                                                       bias.present, io.bias_m, io.bias_n, operands, args)) {
+                return st;
+            }
+            args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data, args.y = y;
+            return run_instance(ctx, ref, args, operands);
         }
         io.a = static_cast<const T*>(a.data);
         io.b = static_cast<const T*>(b.data);
@@ -262,9 +298,18 @@ struct Qkv {
                        .template GetTensorMutableData<T>();
         }
         if (Cuda) {
-            (void)ctx.GetGPUComputeStream();
-            return ref.fail("no CUDA instance was generated for this node (the CUDA QKV GEMM is not wired into "
-                            "the library yet)", ORT_NOT_IMPLEMENTED);
+            for (int i = 0; i < np; ++i) {
+                const std::string operands = "A " + shape_str(a.shape) + " and W" + std::to_string(i) + " " +
+                                             shape_str(w[i].shape);
+                GemmArgs args{};
+                if (OrtStatus* st = gemm_glue::device_args(ref, plan[i], false, 1.0f, 1.0f, bias[i].present,
+                                                           bias_m[i], bias_n[i], operands, args)) {
+                    return st;
+                }
+                args.a = a.data, args.b = w[i].data, args.bias = bias[i].data, args.y = y[i];
+                if (OrtStatus* st = run_instance(ctx, ref, args, operands)) return st;
+            }
+            return nullptr;
         }
         for (int i = 0; i < np; ++i) {
             ref::GemmIO<T> io;

@@ -10,6 +10,14 @@
 // which role is decided at build time from the node's model-local function and written into the generated node
 // table (NodeSpec); the kernel looks its node up by name once, reads its attributes once (Family::Attrs), and then
 // checks every call's shapes and dtypes, returning an ORT error that names the op, the node and the shapes.
+//
+// Two kernels per op type: Cuda = false is the plain C++ reference (plugins/cpu/, registered for the CPU EP);
+// Cuda = true fills the family's C argument struct (gtco/args.h) and calls the node's generated instance
+// (NodeSpec::cuda_fn, the entry point for the GPU's generation, chosen when the kernel is created) on the
+// session's compute stream (KernelContext::GetGPUComputeStream), registered for the CUDA EP. A glue built with
+// GTCO_EMULATED_DEVICE links the same instances compiled for the CPU emulation (g++ -DGTCO_EMULATE) and registers
+// the Cuda = true kernels for the CPU EP: the whole device path (argument structs, strides, dispatch, the
+// instances' own checks) then runs in an ordinary CPU session, which is how CI tests it without a GPU.
 #pragma once
 
 #define ORT_API_MANUAL_INIT
@@ -20,11 +28,24 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "gtco/args.h"
+
 #define GTCO_ORT_EXPORT extern "C" __attribute__((visibility("default")))
+
+#if defined(GTCO_EMULATED_DEVICE)
+#define GTCO_DEVICE_EP "CPUExecutionProvider"
+#else
+#define GTCO_DEVICE_EP "CUDAExecutionProvider"
+#endif
+
+// Compute capability of the current device as major * 10 + minor (86 for sm_86), or -(cudaError_t) when the CUDA
+// runtime cannot tell. Defined by plugins/cuda/probe.cu (CUDA builds) or the generated glue (emulated builds).
+extern "C" int gtco_device_cc();
 
 namespace gtco {
 
@@ -59,16 +80,30 @@ struct Storage<DType::bf16> {
 
 constexpr int kMaxRoles = 8;
 
+// A generated instance's entry point, `int gtco_<name>(const <Family>Args*, void* stream)` (gtco/launch.cuh).
+using InstanceFn = int (*)(const void* args, void* stream);
+
+// Instances per GPU generation: slot 0 is built for sm_80 and runs on every 8.x GPU (A100, A10, L4, L40, ...),
+// slot 1 for sm_90 (H100, H200). Other generations have no instance (-1).
+constexpr int kArchSlots = 2;
+inline int arch_slot(int cc) {
+    if (cc >= 80 && cc < 90) return 0;
+    if (cc >= 90 && cc < 100) return 1;
+    return -1;
+}
+
 // One fused node of the model the library was built for (generated table, see library.py).
 struct NodeSpec {
     const char* op_type;
-    const char* node;           // node name in the model
+    const char* node;                    // node name in the model
     int n_inputs;
     int n_outputs;
-    int in[kMaxRoles];          // family input role -> node input index, -1 when the node has no such input
-    int out[kMaxRoles];         // family output role -> node output index, -1 when absent
-    const void* cuda_fn;        // the node's instance entry point, `int gtco_<name>(const Args*, void* stream)`;
-                                // nullptr: no CUDA instance generated (the generator does not emit any yet)
+    int in[kMaxRoles];                   // family input role -> node input index, -1 when the node has no such input
+    int out[kMaxRoles];                  // family output role -> node output index, -1 when absent
+    InstanceFn cuda_fn[kArchSlots];      // the node's instance per arch slot; nullptr: none (CPU-only op type)
+    const char* cuda_name[kArchSlots];   // their names, for messages
+    const void* node_data;               // family-specific per-node data of the glue (nullptr: none); the
+                                         // Elementwise family's gtco::ElementwiseNode, with its host function
 };
 
 extern const NodeSpec kNodes[];
@@ -104,10 +139,13 @@ inline OrtStatus* make_status(OrtErrorCode code, const std::string& msg) {
     return Ort::GetApi().CreateStatus(code, msg.c_str());
 }
 
-// What a node's kernel knows about itself, for messages: "Layernorm_f32 node 'gtco/layernorm/ln'".
+// What a node's kernel knows about itself: its name for messages ("Layernorm_f32 node 'gtco/layernorm/ln'") and,
+// for a device kernel, the instance it launches.
 struct NodeRef {
     std::string op_type;
     std::string node;
+    InstanceFn fn = nullptr;
+    std::string fn_name;
     std::string where() const { return op_type + " node '" + node + "'"; }
     OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) const {
         return make_status(code, where() + ": " + msg);
@@ -140,6 +178,42 @@ inline Input get_input(Ort::KernelContext& ctx, int index) {
     return in;
 }
 
+// Launch the node's instance on `args` on the session's compute stream (no stream in an emulated build). `what`
+// describes the operands for the message when the instance refuses them (GTCO_EBADSHAPE: a size it was not built
+// for, a misaligned pointer or stride, an operand it expects missing).
+template <class Args>
+OrtStatus* run_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args& args, const std::string& what) {
+#if defined(GTCO_EMULATED_DEVICE)
+    void* stream = nullptr;
+    (void)ctx;
+#else
+    void* stream = ctx.GetGPUComputeStream();
+#endif
+    if (ref.fn == nullptr) return ref.fail("no device instance was chosen for this node", ORT_FAIL);
+    const int rc = ref.fn(&args, stream);
+    if (rc == GTCO_OK) return nullptr;
+    if (rc == GTCO_EBADSHAPE) {
+        return ref.fail("instance " + ref.fn_name + " does not take " + what +
+                        " (a size it was not built for, a misaligned operand or a missing one)");
+    }
+    return ref.fail("instance " + ref.fn_name + " failed to launch (code " + std::to_string(rc) + ")", ORT_FAIL);
+}
+
+// The instance of `spec` for this process's device (the kernel is created on the thread and device of its session).
+inline void choose_instance(const NodeSpec& spec, NodeRef& ref) {
+    const int cc = gtco_device_cc();
+    const int slot = arch_slot(cc);
+    if (cc < 0) {
+        throw std::runtime_error("the CUDA runtime cannot query the device (cudaError " + std::to_string(-cc) + ")");
+    }
+    if (slot < 0 || spec.cuda_fn[slot] == nullptr) {
+        throw std::runtime_error("no instance for this GPU (compute capability " + std::to_string(cc / 10) + "." +
+                                 std::to_string(cc % 10) + "); the library was built for sm_80 (8.x) and sm_90 (9.x)");
+    }
+    ref.fn = spec.cuda_fn[slot];
+    ref.fn_name = spec.cuda_name[slot] ? spec.cuda_name[slot] : "?";
+}
+
 // The kernel of one node: Family::Kernel<D, Cuda> holds the attributes and does the work.
 template <class Family, DType D, bool Cuda>
 struct FusedKernel {
@@ -148,7 +222,11 @@ struct FusedKernel {
     typename Family::Attrs attrs;
 
     FusedKernel(const OrtKernelInfo* info, const std::string& op_type, const NodeSpec* s)
-        : ref{op_type, Ort::ConstKernelInfo(info).GetNodeName()}, spec(s), attrs(Family::read_attrs(info)) {}
+        : spec(s), attrs(Family::read_attrs(info)) {
+        ref.op_type = op_type;
+        ref.node = Ort::ConstKernelInfo(info).GetNodeName();
+        if (Cuda) choose_instance(*spec, ref);
+    }
 
     OrtStatusPtr ComputeV2(OrtKernelContext* context) {
         try {
@@ -198,7 +276,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family,
 
     const char* GetName() const { return name.c_str(); }
     const char* GetExecutionProviderType() const {
-        return Cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider";
+        return Cuda ? GTCO_DEVICE_EP : "CPUExecutionProvider";
     }
 
     size_t GetInputTypeCount() const { return 1; }

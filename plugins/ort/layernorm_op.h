@@ -5,12 +5,9 @@
 // decomposed (ints), precision (string). The roles of the node's inputs and outputs come from the generated node
 // table (library.py works them out from the node's model-local function).
 //
-// CPU EP: plugins/cpu/layernorm_ref.h. CUDA EP: NOT DONE YET. The CUDA kernel would call the node's instance entry
-// point (NodeSpec::cuda_fn) with the stream from KernelContext::GetGPUComputeStream(); the LayerNorm CUDA family
-// (plugins/include/gtco/layernorm.cuh) and the generator that fills cuda_fn and the family's Args struct are not
-// wired in, so the CUDA kernel returns an error, and library.py registers the CUDA variant of an op type only when
-// every node of it has an instance (today: never; onnx_gtco.make_session then registers nothing of this op type for
-// CUDA sessions, gtco.register=cuda, so they run the nodes' functions on the GPU).
+// CPU EP: plugins/cpu/layernorm_ref.h. Device: the node's LayerNorm instance (gtco/layernorm.cuh), built for the
+// node's hidden size with its residual / residual-sum / gamma / beta operands; gamma and beta must have hidden
+// elements (the reference also takes a scalar).
 #pragma once
 
 #include "gtco_ort.h"
@@ -87,11 +84,16 @@ struct LayerNorm {
             sum = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_SUM]), a.shape).template GetTensorMutableData<T>();
         }
         if (Cuda) {
-            // NOT DONE: fill the family's Args from these device pointers and call spec.cuda_fn on
-            // ctx.GetGPUComputeStream(), mapping GTCO_EBADSHAPE / GTCO_ELAUNCH to errors.
-            (void)ctx.GetGPUComputeStream();
-            return ref.fail("no CUDA instance was generated for this node (the CUDA LayerNorm family is not wired "
-                            "into the library yet)", ORT_NOT_IMPLEMENTED);
+            for (const Input* g : {&gamma, &beta}) {
+                if (g->present && g->numel() != hidden) {
+                    return ref.fail(std::string(g == &gamma ? "scale " : "bias ") + shape_str(g->shape) +
+                                    ": the device kernel takes " + std::to_string(hidden) + " elements");
+                }
+            }
+            if (hidden > INT32_MAX) return ref.fail("hidden size " + std::to_string(hidden) + " is too large");
+            GtcoLayerNormArgs args{a.data, b.data, gamma.data, beta.data, y, sum, rows,
+                                   static_cast<int32_t>(hidden), at.epsilon};
+            return run_instance(ctx, ref, args, "x " + shape_str(a.shape));
         }
         ref::layernorm<T>(static_cast<const T*>(a.data), static_cast<const T*>(b.data),
                           static_cast<const T*>(gamma.data), gamma.numel(), static_cast<const T*>(beta.data),

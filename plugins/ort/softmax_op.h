@@ -3,7 +3,8 @@
 // Node attributes (onnx_gtco/patterns/softmax.py): axis (-1), rows, cols (ints, or strings for symbolic sizes),
 // precision. Roles come from the generated node table: input IN_X, output OUT_Y.
 //
-// CPU EP: plugins/cpu/softmax_ref.h. CUDA EP: NOT DONE YET (no instance is generated; see layernorm_op.h).
+// CPU EP: plugins/cpu/softmax_ref.h. Device: the node's Softmax instance (gtco/softmax.cuh), built for its row
+// length, without scale or mask (a fused node's softmax has neither).
 #pragma once
 
 #include "gtco_ort.h"
@@ -44,9 +45,9 @@ struct Softmax {
         const int64_t rows = cols > 0 ? x.numel() / cols : 0;
         T* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), x.shape).template GetTensorMutableData<T>();
         if (Cuda) {
-            (void)ctx.GetGPUComputeStream();
-            return ref.fail("no CUDA instance was generated for this node (the CUDA Softmax family is not wired "
-                            "into the library yet)", ORT_NOT_IMPLEMENTED);
+            if (cols > INT32_MAX) return ref.fail("rows of " + std::to_string(cols) + " elements are too long");
+            GtcoSoftmaxArgs args{x.data, nullptr, y, rows, static_cast<int32_t>(cols), 1.0f, 1, 1, 1};
+            return run_instance(ctx, ref, args, "x " + shape_str(x.shape));
         }
         ref::softmax<T>(static_cast<const T*>(x.data), y, rows, cols, S::load, S::store);
         return nullptr;

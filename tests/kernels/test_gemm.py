@@ -300,13 +300,15 @@ NVCC_PROBLEMS = {
     "vit_proj": gemm_problem("f16", 1, 197 * 8, 768, 768, bias=True, residual=True),
     # attention QKᵀ (12 heads x batch 8, 197 tokens): the VEC=0 fallback
     "attn_qk": gemm_problem("f16", 96, 197, 197, 64, b_batched=True, trans_b=True),
+    # the last projection of an fp16 graph with fp32 outputs: the output cast fused, fp32 residual
+    "proj_of32": gemm_problem("f16", 1, 197 * 8, 768, 768, bias=True, residual=True, out_dtype="f32"),
 }
 
 
 def _nvcc_cases() -> list[tuple[str, str, dict]]:
     cases = [("vit_fc1", arch, c)
              for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS["vit_fc1"], arch)]
-    for key in ("vit_qkv", "vit_proj", "attn_qk"):
+    for key in ("vit_qkv", "vit_proj", "attn_qk", "proj_of32"):
         cases += [(key, arch, c) for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS[key], arch)[:1]]
     return cases
 
@@ -348,3 +350,36 @@ def test_ptxas_no_spills(ptxas_reports, case):
         assert k.smem_bytes == inst.smem_bytes, (k, inst.smem_bytes)
     else:
         assert k.smem_bytes == 0, k
+
+
+def test_alpha_is_a_run_time_argument(libs):
+    """ONNX Gemm's alpha scales A @ B before the bias: the same instance serves any alpha (GemmArgs.alpha)."""
+    _, config, dtype, flags, shapes = GRID[0]
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    shape = shapes[0]
+    plain = problem(dtype, shape, flags)
+    scaled = problem(dtype, shape, {**flags, "alpha": 0.125})
+    assert FAMILY.instantiate(scaled, config, "sm_80").source == inst.source
+    got, inputs = run(inst, lib, scaled, seed=3)
+    assert_close(got, scaled, inputs)
+    unscaled, _ = run(inst, lib, plain, seed=3)
+    assert rel_error(got, unscaled) > 0.1  # the argument really reached the epilogue
+
+
+@pytest.mark.parametrize(("config", "shape"), [({**E1, "STAGES": 3}, (2, 70, 40, 56, True)),
+                                               ({**E1, "VEC": 0}, (1, 45, 37, 29, False))], ids=["vec", "scalar"])
+def test_output_cast_to_f32(tmp_path, config, shape):
+    """out_dtype f32: the epilogue writes fp32 (and reads an fp32 residual), never rounding y to fp16."""
+    flags = {**FULL, "out_dtype": "f32"}
+    prob = problem("f16", shape, flags)
+    inst = FAMILY.instantiate(prob, config, "sm_80")
+    assert inst.name.endswith("_of32") and "/*TOut=*/float" in inst.source
+    lib = build_emulated(inst, tmp_path, EMU_FLAGS)
+    got, inputs = run(inst, lib, prob, seed=5)
+    assert inputs["residual"].dtype == np.float32
+    ref = FAMILY.reference(prob, inputs)["y"]
+    err = rel_error(got, ref)
+    assert not np.isnan(got).any() and err < RAW_TOL["f16"], err
+    # fp32 output keeps what an fp16 y would round away
+    rounded = from_storage(to_storage(ref, "f16"), "f16")
+    assert rel_error(got, ref) < rel_error(rounded, ref)

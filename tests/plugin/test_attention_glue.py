@@ -581,11 +581,13 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
     src.write_text(
         '#include "attention_op.h"\nnamespace gtco {\n'
         'const NodeSpec kNodes[] = {{"Attention_f32", "n", 1, 1, {0, 0, 0, -1, -1, -1, -1, -1}, '
-        '{0, -1, -1, -1, -1, -1, -1, -1}, nullptr}};\nconst size_t kNodeCount = 1;\n' + inst +
+        '{0, -1, -1, -1, -1, -1, -1, -1}, {nullptr, nullptr}, {nullptr, nullptr}, nullptr}};\n'
+        'const size_t kNodeCount = 1;\n' + inst +
         '\nvoid add_ops(Ort::CustomOpDomain& d) { static FusedOp<Attention, DType::f32, false> a("Attention_f32"); '
         'd.Add(&a); }\nconst char* const kLibraryInfo = "{}";\n}  // namespace gtco\n#include "register.inc"\n')
     proc = subprocess.run([cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                           f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}", f"-I{inc}", str(src)],
+                           f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
+                           f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(src)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -616,7 +618,8 @@ def e2e(tmp_path_factory: pytest.TempPathFactory):
         cases[name] = (result.model, fn, binding)
         pad = [*binding.inputs, *[-1] * 8][:8], [*binding.outputs, *[-1] * 8][:8]
         rows.append(f'{{"{fn.node.op_type}", "{fn.node.name}", {len(fn.node.input)}, {len(fn.node.output)}, '
-                    f'{{{", ".join(map(str, pad[0]))}}}, {{{", ".join(map(str, pad[1]))}}}, nullptr}}')
+                    f'{{{", ".join(map(str, pad[0]))}}}, {{{", ".join(map(str, pad[1]))}}}, '
+                    '{nullptr, nullptr}, {nullptr, nullptr}, nullptr}')
     src = tmp_path_factory.mktemp("attn_e2e") / "lib.cc"
     src.write_text(
         '#include "attention_op.h"\nnamespace gtco {\nconst NodeSpec kNodes[] = {\n' + ",\n".join(rows) +
@@ -628,7 +631,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory):
         "    d.Add(&a);\n    d.Add(&b);\n    d.Add(&c);\n}\n"
         'const char* const kLibraryInfo = "{}";\n}  // namespace gtco\n#include "register.inc"\n')
     lib = src.with_name("libgtco_attn_test.so")
-    cxx_build(src, lib, include_dirs=[ROOT / "plugins" / "ort", ROOT / "plugins" / "cpu", inc],
+    cxx_build(src, lib, include_dirs=[ROOT / "plugins" / d for d in ("ort", "cpu", "include")] + [inc],
               extra=("-O1", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror"),
               timeout_s=300)
     return lib, cases

@@ -458,8 +458,10 @@ GLUE_TU = """
 #include "gemm_op.h"
 namespace gtco {
 const NodeSpec kNodes[] = {
-    {"Gemm_f32", "g", 4, 1, {0, 1, 2, 3, -1, -1, -1, -1}, {0, -1, -1, -1, -1, -1, -1, -1}, nullptr},
-    {"Qkv_f32", "q", 7, 3, {0, 1, 3, 5, 2, 4, 6, -1}, {0, 1, 2, -1, -1, -1, -1, -1}, nullptr},
+    {"Gemm_f32", "g", 4, 1, {0, 1, 2, 3, -1, -1, -1, -1}, {0, -1, -1, -1, -1, -1, -1, -1},
+     {nullptr, nullptr}, {nullptr, nullptr}, nullptr},
+    {"Qkv_f32", "q", 7, 3, {0, 1, 3, 5, 2, 4, 6, -1}, {0, 1, 2, -1, -1, -1, -1, -1},
+     {nullptr, nullptr}, {nullptr, nullptr}, nullptr},
 };
 const size_t kNodeCount = 2;
 template struct FusedKernel<Gemm, DType::f32, false>;
@@ -482,7 +484,8 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
     src = tmp_path / "gemm_glue.cc"
     src.write_text(GLUE_TU)
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-           f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}", f"-I{inc}", str(src)]
+           f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
+                           f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -512,7 +515,7 @@ def node_row(node: FusedNode, binding: Binding) -> str:
     def pad(xs: tuple[int, ...]) -> str:
         return "{" + ", ".join(str(x) for x in (*xs, *([-1] * (8 - len(xs))))) + "}"
     return (f'    {{"{node.node.op_type}", "{node.node.name}", {len(node.node.input)}, {len(node.node.output)}, '
-            f"{pad(binding.inputs)}, {pad(binding.outputs)}, nullptr}},")
+            f"{pad(binding.inputs)}, {pad(binding.outputs)}, {{nullptr, nullptr}}, {{nullptr, nullptr}}, nullptr}},")
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +538,8 @@ def glue_models(tmp_path_factory: pytest.TempPathFactory):
     cc.write_text(LIB_TU % {"rows": "\n".join(rows)})
     so = tmp / "libgtco_gemm.so"
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O1", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall",
-           "-Wextra", f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}", f"-I{inc}", str(cc),
+           "-Wextra", f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
+                           f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(cc),
            "-o", str(so)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

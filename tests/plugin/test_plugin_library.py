@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,6 @@ from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.plugin import headers
 from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
-from onnx_gtco.plugin.bind_softmax import SoftmaxBinder
 from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.library import bind_nodes, build_library, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
@@ -121,7 +119,8 @@ def test_bert_tiny_decomposed_layernorm_with_library(tmp_path: Path) -> None:
     from onnx_gtco.models import build
 
     built = build_model(build("bert-tiny", seed=0), tmp_path)
-    assert built.lib.op_types == ["Attention_f32", "Gemm_f32", "Layernorm_f32", "Qkv_f32"]
+    # Elementwise_f32: the attention mask's int64 -> float preparation (static shapes here)
+    assert built.lib.op_types == ["Attention_f32", "Elementwise_f32", "Gemm_f32", "Layernorm_f32", "Qkv_f32"]
     assert all(d.ok for d in compare(built.original, built.rewritten, library=True, samples=2))
     feeds = make_inputs(onnx.load(str(built.original)), 0)
     assert "Layernorm_f32" in ran_ops(built.rewritten, tmp_path, feeds, True)
@@ -225,12 +224,14 @@ def test_missing_library_file_is_a_clear_error(small: Built, tmp_path: Path) -> 
 @pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc not installed")
 def test_cuda_build_links_cudart_statically(tmp_path: Path) -> None:
     built = build_model(ln_softmax_model(), tmp_path, cuda=True)
-    assert built.lib.cuda and built.lib.cuda_op_types == []  # no CUDA instance is generated yet
+    # the hidden size is symbolic: the row-wise kernels are built per size, so no op type has device kernels
+    assert built.lib.cuda and built.lib.cuda_op_types == []
+    assert all("symbolic" in why for why in built.lib.kernel_skips.values()) and built.lib.kernel_skips
     dyn = subprocess.run(["readelf", "-d", str(built.lib.path)], capture_output=True, text=True, check=True).stdout
     assert "libcudart" not in dyn
     syms = subprocess.run(["nm", "-D", "--defined-only", str(built.lib.path)], capture_output=True, text=True,
                           check=True).stdout
-    assert "gtco_cuda_device_count" in syms and "RegisterCustomOps" in syms
+    assert "gtco_cuda_device_count" in syms and "gtco_device_cc" in syms and "RegisterCustomOps" in syms
     # the CPU kernels still run from the CUDA build
     feeds = {k: np.ones((2, 16), np.float32) for k in ("x", "r")}
     make_session(built.rewritten, CPU, library=True).run(None, feeds)
@@ -243,10 +244,6 @@ def test_cuda_build_without_nvcc_is_an_error(small: Built, tmp_path: Path, monke
     assert not list(tmp_path.glob("*.so"))
 
 
-_GOOD_KERNEL = """
-__global__ void gtco_fake_kernel(float* p) { p[threadIdx.x] *= 2.0f; }
-extern "C" __attribute__((visibility("default"))) int gtco_fake_softmax(const void*, void*) { return 0; }
-"""
 _SPILL_KERNEL = """
 __global__ void gtco_fake_stack(float* p, int i) {
     float a[256];
@@ -257,34 +254,27 @@ extern "C" __attribute__((visibility("default"))) int gtco_fake_softmax(const vo
 """
 
 
-def _with_instance(source: str, name: str) -> SoftmaxBinder:
-    """The Softmax binder, plus one CUDA instance per node (what the generators will add)."""
-
-    class WithInstance(SoftmaxBinder):
-        def bind(self, node: FusedNode) -> Binding | str:
-            b = super().bind(node)
-            assert isinstance(b, Binding)
-            inst = Instance(name, "gtco_fake_softmax", source, Problem.make("softmax", "f32", {}), arch="sm_80")
-            return replace(b, instances=(inst,))
-
-    return WithInstance()
-
-
 @pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc not installed")
-def test_cuda_instances_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from onnx_gtco.plugin import binders
-
-    monkeypatch.setitem(binders.BINDERS, "softmax", _with_instance(_GOOD_KERNEL, "fake_softmax"))
-    built = build_model(ln_softmax_model(), tmp_path / "good", cuda=True)
-    assert built.lib.cuda_op_types == ["Softmax_f32"] and built.lib.op_types == ["Layernorm_f32", "Softmax_f32"]
-    assert library_info(built.lib.path)["cuda_op_types"] == ["Softmax_f32"]
+def test_cuda_build_registers_fixed_size_kernels_and_refuses_a_spill(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    built = build_model(ln_softmax_model(hidden=16), tmp_path / "good", cuda=True)
+    assert built.lib.cuda_op_types == ["Layernorm_f32", "Softmax_f32"] == built.lib.op_types
+    assert library_info(built.lib.path)["cuda_op_types"] == ["Layernorm_f32", "Softmax_f32"]
+    assert {(k["instance"].split("_")[0], k["arch"]) for k in built.lib.kernels} == {
+        (f, a) for f in ("layernorm", "softmax") for a in ("sm_80", "sm_90")}
     feeds = {k: np.ones((2, 16), np.float32) for k in ("x", "r")}
     make_session(built.rewritten, CPU, library=True).run(None, feeds)  # CPU EP: the CPU kernel of the op type runs
-    monkeypatch.setitem(binders.BINDERS, "softmax", _with_instance(_SPILL_KERNEL, "fake_spill"))
+
+    from onnx_gtco.plugin import device
+
+    def spilling(problem: Problem, arch: str) -> Instance:
+        return Instance("fake_spill", "gtco_fake_softmax", _SPILL_KERNEL, problem, arch=arch)
+
+    monkeypatch.setattr(device, "select_instance", spilling)
     out = tmp_path / "spill"
     out.mkdir()
-    with pytest.raises(BuildError, match=r"CUDA kernel fake_spill \(.*gtco_fake_stack.*sm_80\): \d+ bytes stack"):
-        build_library(optimize(ln_softmax_model()).model, out, cuda=True)
+    with pytest.raises(BuildError, match=r"fake_spill \(\) for sm_\d0: ptxas reports .* B stack frame"):
+        build_library(optimize(ln_softmax_model(hidden=16)).model, out, cuda=True)
     assert not list(out.iterdir())
 
 

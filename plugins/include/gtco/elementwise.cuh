@@ -14,18 +14,6 @@
 
 #include "gtco/launch.cuh"
 
-#define GTCO_EW_MAX_IN 8
-#define GTCO_EW_MAX_OUT 4
-
-// The argument struct of every elementwise instance. in[i] is the i-th kernel input (T, or uint8 for bool, or
-// int32/int64 for integer inputs, as the instance was built), out[j] the j-th output (T); unused slots are null.
-// n: elements of the iteration (output) shape, checked against the instance's.
-struct GtcoElementwiseArgs {
-    const void* in[GTCO_EW_MAX_IN];
-    void* out[GTCO_EW_MAX_OUT];
-    int64_t n;
-};
-
 namespace gtco {
 
 // ---- conversions: every family does its math in fp32 ---------------------------------------------------------

@@ -1,11 +1,12 @@
 // GEMM / batched GEMM on Tensor Cores with a fused epilogue:
 //
-//     y[b] = act(A[b] @ B[b] + bias) + residual[b]          (bias, act and residual optional)
+//     y[b] = act(alpha * A[b] @ B[b] + bias) + residual[b]  (bias, act and residual optional; alpha at run time)
 //
 // A [batch, M, K] row-major; B [K, N] row-major (TRANS_B = false) or [N, K] (TRANS_B = true: ONNX Gemm transB,
 // nn.Linear weights), per batch or shared by the whole batch (stride_b = 0, a weight GEMM); bias [N]; residual and
-// y [batch, M, N] row-major. Inputs and output are T (__half or __nv_bfloat16); products accumulate in fp32, the
-// epilogue runs in fp32 and rounds once to T.
+// y [batch, M, N] row-major. Inputs are T (__half or __nv_bfloat16); products accumulate in fp32, the epilogue
+// runs in fp32 and rounds once to TOut: T, or float (the output cast fused in: a group that ends in Cast to fp32).
+// The residual has y's type.
 //
 // Schedule (one block per BM x BN tile of one batch entry; WM x WN warps, each a (BM/WM) x (BN/WN) warp tile of
 // m16n8k16 mma):
@@ -37,20 +38,6 @@
 #define GTCO_GEMM_TEST_FAULT 0
 #endif
 
-// The C argument struct of every GEMM instance (mirrored by onnx_gtco/kernels/gemm.py GemmFamily.args_fields).
-// Sizes and strides count elements. Batch strides: A[b] = a + b * stride_a, B[b] = b + b * stride_b (0: one B
-// shared by the batch), y[b] and residual[b] = ... + b * stride_y. Leading dimensions are dense: K for A, N (or K
-// when transposed) for B, N for y and residual.
-struct GemmArgs {
-    const void* a;
-    const void* b;
-    const void* bias;      // [N], null when the instance has no bias
-    const void* residual;  // like y, null when the instance has no residual
-    void* y;
-    int64_t batch, m, n, k;
-    int64_t stride_a, stride_b, stride_y;
-};
-
 namespace gtco {
 
 // Epilogue activations, named as in onnx_gtco/patterns/_act.py.
@@ -60,7 +47,9 @@ namespace gemm_detail {
 
 template <class T>
 GTCO_DEVICE float to_f32(T x) {
-    if constexpr (std::is_same<T, __half>::value) {
+    if constexpr (std::is_same<T, float>::value) {
+        return x;
+    } else if constexpr (std::is_same<T, __half>::value) {
         return __half2float(x);
     } else {
         return __bfloat162float(x);
@@ -69,7 +58,9 @@ GTCO_DEVICE float to_f32(T x) {
 
 template <class T>
 GTCO_DEVICE T from_f32(float x) {
-    if constexpr (std::is_same<T, __half>::value) {
+    if constexpr (std::is_same<T, float>::value) {
+        return x;
+    } else if constexpr (std::is_same<T, __half>::value) {
         return __float2half_rn(x);
     } else {
         return __float2bfloat16_rn(x);
@@ -140,8 +131,9 @@ struct GemmTile {
 };
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true>
+          bool HAS_RES, bool VEC = true, class TOut = T>
 __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
+    static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
     constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride;
@@ -284,8 +276,8 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
 
     // Epilogue: lane (g, tig) of mma tile (mi, ni) holds rows g and g+8, columns 2*tig and 2*tig+1.
     const T* const bias = static_cast<const T*>(p.bias);
-    T* const Y = static_cast<T*>(p.y) + bz * p.stride_y;
-    const T* const R = HAS_RES ? static_cast<const T*>(p.residual) + bz * p.stride_y : nullptr;
+    TOut* const Y = static_cast<TOut*>(p.y) + bz * p.stride_y;
+    const TOut* const R = HAS_RES ? static_cast<const TOut*>(p.residual) + bz * p.stride_y : nullptr;
     const int g = lane / 4, tig = lane % 4;
     GTCO_UNROLL
     for (int ni = 0; ni < NI; ++ni) {
@@ -307,10 +299,17 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
             for (int h = 0; h < 2; ++h) {
                 const int row = m0 + wm * TM + mi * 16 + g + 8 * h;
                 if (row >= M) continue;
-                float v0 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h] + b0);
-                float v1 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h + 1] + b1);
+                float v0 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h] * p.alpha + b0);
+                float v1 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h + 1] * p.alpha + b1);
                 const int64_t off = static_cast<int64_t>(row) * N + col;
-                if constexpr (VEC) {
+                if constexpr (VEC && std::is_same<TOut, float>::value) {  // fp32 output: 8-byte pairs
+                    if constexpr (HAS_RES) {
+                        const float2 r = *reinterpret_cast<const float2*>(R + off);
+                        v0 += r.x;
+                        v1 += r.y;
+                    }
+                    *reinterpret_cast<float2*>(Y + off) = make_float2(v0, v1);
+                } else if constexpr (VEC) {
                     if constexpr (HAS_RES) {
                         float r0, r1;
                         gemm_detail::unpack_f32<T>(*reinterpret_cast<const uint32_t*>(R + off), r0, r1);
@@ -321,10 +320,10 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
                         pack_b16(gemm_detail::from_f32<T>(v0), gemm_detail::from_f32<T>(v1));
                 } else {
                     if constexpr (HAS_RES) v0 += gemm_detail::to_f32(R[off]);
-                    Y[off] = gemm_detail::from_f32<T>(v0);
+                    Y[off] = gemm_detail::from_f32<TOut>(v0);
                     if (pair) {
                         if constexpr (HAS_RES) v1 += gemm_detail::to_f32(R[off + 1]);
-                        Y[off + 1] = gemm_detail::from_f32<T>(v1);
+                        Y[off + 1] = gemm_detail::from_f32<TOut>(v1);
                     }
                 }
             }
@@ -340,7 +339,7 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 // (sizes out of range, K or N not a multiple of 8 for a VEC instance, a bias/residual pointer present or absent
 // against the instance, misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true>
+          bool HAS_RES, bool VEC = true, class TOut = T>
 int launch_gemm(const GemmArgs* args, void* stream) {
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     if (args == nullptr) return GTCO_EBADSHAPE;
@@ -354,10 +353,12 @@ int launch_gemm(const GemmArgs* args, void* stream) {
     if (!gemm_detail::aligned(p.a, 2) || !gemm_detail::aligned(p.b, 2) || !gemm_detail::aligned(p.y, 2) ||
         !gemm_detail::aligned(p.residual, 2) || !gemm_detail::aligned(p.bias, 2))
         return GTCO_EBADSHAPE;
-    if (VEC) {  // 16-byte cp.async chunks from A and B, 32-bit pairs of y and residual
+    if (!gemm_detail::aligned(p.y, sizeof(TOut)) || !gemm_detail::aligned(p.residual, sizeof(TOut)))
+        return GTCO_EBADSHAPE;
+    if (VEC) {  // 16-byte cp.async chunks from A and B, pairs of y and residual in one access
         if (p.k % 8 != 0 || p.n % 8 != 0) return GTCO_EBADSHAPE;
-        if (!gemm_detail::aligned(p.a, 16) || !gemm_detail::aligned(p.b, 16) || !gemm_detail::aligned(p.y, 4) ||
-            !gemm_detail::aligned(p.residual, 4))
+        if (!gemm_detail::aligned(p.a, 16) || !gemm_detail::aligned(p.b, 16) ||
+            !gemm_detail::aligned(p.y, 2 * sizeof(TOut)) || !gemm_detail::aligned(p.residual, 2 * sizeof(TOut)))
             return GTCO_EBADSHAPE;
         if (p.stride_a % 8 != 0 || p.stride_b % 8 != 0 || p.stride_y % 2 != 0) return GTCO_EBADSHAPE;
     }
@@ -367,7 +368,7 @@ int launch_gemm(const GemmArgs* args, void* stream) {
     const dim3 grid(static_cast<unsigned>((p.n + BN - 1) / BN), static_cast<unsigned>((p.m + BM - 1) / BM),
                     static_cast<unsigned>(p.batch));
     const dim3 block(Tile::kThreads);
-    auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC>;
+    auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut>;
     (void)stream;
     if constexpr (Tile::kDynamic) {
         return GTCO_LAUNCH_SMEM(kernel, grid, block, Tile::kSmemBytes, stream, p);

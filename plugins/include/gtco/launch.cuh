@@ -5,14 +5,12 @@
 //     extern "C" int <symbol>(const <Args>* args, void* stream);
 // returning 0 on success, or a GTCO_E* code when the arguments do not fit what the instance was built for (the
 // caller turns it into an error naming the op and the shapes). <Args> is a plain C struct of pointers and
-// integer/float scalars declared in gtco/<family>.cuh, mirrored field for field by the family's Python side.
+// integer/float scalars declared in gtco/args.h, mirrored field for field by the family's Python side.
 #pragma once
 
+#include "gtco/args.h"
 #include "gtco/primitives.cuh"
 
-#define GTCO_OK 0
-#define GTCO_EBADSHAPE 1    // a size differs from the one the instance was built for, or breaks its divisibility
-#define GTCO_ELAUNCH 2      // the launch itself failed (cudaGetLastError after the launch)
 
 #if defined(GTCO_EMULATE)
 #define GTCO_EXPORT extern "C" __attribute__((visibility("default")))

@@ -15,18 +15,6 @@
 #include "gtco/launch.cuh"
 #include "gtco/primitives.cuh"
 
-struct GtcoLayerNormArgs {
-    const void* x;         // a: [rows][hidden]
-    const void* residual;  // b: [rows][hidden] when RES, else null
-    const void* gamma;     // [hidden] when GAMMA, else null
-    const void* beta;      // [hidden] when BETA, else null
-    void* y;               // [rows][hidden]
-    void* sum;             // a + b: [rows][hidden] when RES_OUT, else null
-    int64_t rows;
-    int32_t hidden;        // must equal the instance's HIDDEN
-    float eps;
-};
-
 namespace gtco {
 
 // Sum over the THREADS threads of a row: a warp shuffle tree, then (THREADS > 32) through red[WARPS] in shared

@@ -18,18 +18,6 @@
 #include "gtco/layernorm.cuh"  // row_reduce_sum / row_reduce_max
 #include "gtco/primitives.cuh"
 
-struct GtcoSoftmaxArgs {
-    const void* x;     // [rows][cols]
-    const void* mask;  // [mask_rows][cols] (T) when MASK, else null
-    void* y;           // [rows][cols]
-    int64_t rows;
-    int32_t cols;      // must equal the instance's COLS
-    float scale;       // multiplies x before the mask is added (1 when the group has none)
-    int64_t mask_div;
-    int64_t mask_mul;
-    int64_t mask_mod;
-};
-
 namespace gtco {
 
 template <typename T, int COLS, int THREADS, int VEC, int ROWS, bool MASK>

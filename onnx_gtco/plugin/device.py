@@ -1,0 +1,105 @@
+"""Which generated kernel instance each bound fused node launches on the device, or why it has none.
+
+A node's Problem comes from its attributes (kernels.select.node_problem), or from its binder when the kernel is
+generated per node (an Elementwise node's program, bind_elementwise.node_problem); the binding then fixes the
+operand flags the instance is built with (a LayerNorm whose residual sum is read outside writes it, a GEMM with a
+bias input adds it, an attention node with a mask input reads it), so the instance's own argument checks and the
+node agree. One
+instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90 for 9.x. An emulated build
+(plugins/emu) has one device, an sm_80.
+
+A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, fp32
+on a Tensor Core family, a causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32
+model optimized with --precision fp16 keeps fp32 tensors between its nodes, and the device kernels read and write
+their own dtype only (no casts are fused in yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
+from onnx_gtco.kernels.family import Instance, Problem
+from onnx_gtco.kernels.select import node_problem, select_instance
+from onnx_gtco.plugin.binders import binder_for
+from onnx_gtco.plugin.binding import Binding, FusedNode
+
+ARCH_SLOTS = ("sm_80", "sm_90")
+"""gtco::kArchSlots, in slot order (gtco::arch_slot in plugins/ort/gtco_ort.h)."""
+EMULATED_ARCH = "sm_80"
+"""The emulated device's arch (gtco_device_cc() returns 80 in an emulated build)."""
+
+_ROLE_FLAGS: dict[str, tuple[tuple[str, str, int], ...]] = {
+    # family -> (flag, "in"/"out", role index): the flag is whether the node has that operand
+    "layernorm": (("residual", "in", 1), ("residual_out", "out", 1), ("gamma", "in", 2), ("beta", "in", 3)),
+    "gemm": (("bias", "in", 2), ("residual", "in", 3)),
+    "qkv": (("bias", "in", 4),),
+    "attention": (("mask", "in", 3), ("bias", "in", 4)),
+    "bmm_softmax": (("mask", "in", 3), ("bias", "in", 4)),
+}
+
+
+def _with_flags(problem: Problem, **flags: object) -> Problem:
+    return Problem.make(problem.family, problem.dtype, dict(problem.sizes), {**dict(problem.flags), **flags})
+
+
+def _node_problem(node: FusedNode) -> Problem | str:
+    """The binder's own Problem when it has one (a kernel generated per node, as elementwise programs are), else the
+    one the node's attributes describe."""
+    binder = binder_for(node.family)
+    own = getattr(binder, "problem", None)
+    return own(node) if own is not None else node_problem(node.node)
+
+
+def _select(problem: Problem, arch: str) -> Instance | str:
+    """select_instance, and the elementwise family's first valid configuration (kernels.select chooses only among
+    the families whose Problem a node's attributes describe)."""
+    if problem.family != ELEMENTWISE.name:
+        return select_instance(problem, arch)
+    configs = ELEMENTWISE.configs(problem, arch)
+    if not configs:
+        return f"no valid elementwise configuration for {arch} (every candidate failed its check)"
+    return ELEMENTWISE.instantiate(problem, configs[0], arch)
+
+
+def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
+    """The Problem of the instance `node` launches, or why it launches none."""
+    problem = _node_problem(node)
+    if isinstance(problem, str):
+        return problem
+    if problem.dtype != node.dtype:
+        precision = node.attrs.get("precision", "?")
+        precision = precision.decode() if isinstance(precision, bytes) else precision
+        return (f"computes in {problem.dtype} (precision {precision}) on {node.dtype} tensors; the device kernels "
+                f"read and write their own dtype only (give the model {problem.dtype} tensors)")
+    flags = {}
+    for flag, side, role in _ROLE_FLAGS.get(node.family, ()):
+        roles = binding.inputs if side == "in" else binding.outputs
+        flags[flag] = role < len(roles) and roles[role] >= 0
+    if node.family in ("gemm", "qkv") and flags.get("bias"):
+        first = 2 if node.family == "gemm" else 4
+        bias = node.inputs[binding.inputs[first]]
+        n = problem.size("N") if node.family == "gemm" else None
+        if bias.shape is not None and all(isinstance(d, int) for d in bias.shape):
+            dims = [int(d) for d in bias.shape]
+            if len(dims) == 0 or math.prod(dims[:-1]) != 1 or (n is not None and dims[-1] != n):
+                return f"bias of shape {dims}: the device kernel adds one row of N"
+    return _with_flags(problem, **flags) if flags else problem
+
+
+def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str]) -> tuple[Instance, ...] | str:
+    """The node's instance for each of `archs`, or why it has none."""
+    problem = device_problem(node, binding)
+    if isinstance(problem, str):
+        return problem
+    out = []
+    for arch in archs:
+        inst = _select(problem, arch)
+        if isinstance(inst, str):
+            return inst
+        out.append(inst)
+    return tuple(out)
+
+
+__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "device_instances", "device_problem"]

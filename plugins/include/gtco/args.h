@@ -1,0 +1,87 @@
+// The C argument struct of every kernel family: plain C types only, so that the g++-built ORT glue
+// (plugins/ort/*_op.h) fills the same structs that the nvcc-built instances read. Each is mirrored field for field
+// by its family's Python side (onnx_gtco/kernels/<family>.py args_fields), which fills it for the emulation and
+// GPU runs. A layout change here changes the library hash and every kernel's cache key (both cover this file).
+#pragma once
+
+#include <stdint.h>
+
+// What an instance's entry point returns (gtco/launch.cuh).
+#define GTCO_OK 0
+#define GTCO_EBADSHAPE 1    // a size differs from the one the instance was built for, or breaks its divisibility
+#define GTCO_ELAUNCH 2      // the launch itself failed (cudaGetLastError after the launch)
+
+// GEMM (gtco/gemm.cuh), y = act(alpha * A @ B + bias) + residual; mirrored by GemmFamily.args_fields.
+// Sizes and strides count elements. Batch strides: A[b] = a + b * stride_a, B[b] = b + b * stride_b (0: one B
+// shared by the batch), y[b] and residual[b] = ... + b * stride_y. Leading dimensions are dense: K for A, N (or K
+// when transposed) for B, N for y and residual.
+struct GemmArgs {
+    const void* a;
+    const void* b;
+    const void* bias;      // [N], null when the instance has no bias
+    const void* residual;  // like y, null when the instance has no residual
+    void* y;
+    int64_t batch, m, n, k;
+    int64_t stride_a, stride_b, stride_y;
+    float alpha;           // scales A @ B before the bias (ONNX Gemm's alpha; 1 for a MatMul)
+};
+
+// The C argument struct of both families (mirrored by onnx_gtco/kernels/attention.py field for field). All
+// strides and offsets are in elements. For bmm_softmax, v* are unused and out is P with (o_sb, o_sh, o_ss, o_sd)
+// = strides of (batch, head, query, key); for attention o_sd must be 1.
+struct gtco_attention_args {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    const void* mask;  // null without a mask
+    const void* bias;  // null without a bias
+    int64_t q_off, k_off, v_off;
+    int64_t q_sb, q_sh, q_ss;
+    int64_t k_sb, k_sh, k_ss, k_sd;
+    int64_t v_sb, v_sh, v_ss;
+    int64_t o_sb, o_sh, o_ss, o_sd;
+    int64_t m_sb, m_sh, m_sq, m_sk;
+    int64_t bias_sb, bias_sh, bias_sq, bias_sk;
+    int32_t batch, heads, seq_q, seq_k, head_dim;
+    int32_t m_bmod, bias_bmod;  // batch index of mask / bias = b % bmod
+    float scale;
+};
+
+// LayerNorm (gtco/layernorm.cuh).
+struct GtcoLayerNormArgs {
+    const void* x;         // a: [rows][hidden]
+    const void* residual;  // b: [rows][hidden] when RES, else null
+    const void* gamma;     // [hidden] when GAMMA, else null
+    const void* beta;      // [hidden] when BETA, else null
+    void* y;               // [rows][hidden]
+    void* sum;             // a + b: [rows][hidden] when RES_OUT, else null
+    int64_t rows;
+    int32_t hidden;        // must equal the instance's HIDDEN
+    float eps;
+};
+
+// Softmax (gtco/softmax.cuh).
+struct GtcoSoftmaxArgs {
+    const void* x;     // [rows][cols]
+    const void* mask;  // [mask_rows][cols] (T) when MASK, else null
+    void* y;           // [rows][cols]
+    int64_t rows;
+    int32_t cols;      // must equal the instance's COLS
+    float scale;       // multiplies x before the mask is added (1 when the group has none)
+    int64_t mask_div;
+    int64_t mask_mul;
+    int64_t mask_mod;
+};
+
+#define GTCO_EW_MAX_IN 8
+#define GTCO_EW_MAX_OUT 4
+
+// The argument struct of every elementwise instance. in[i] is the i-th kernel input (T, or uint8 for bool, or
+// int32/int64 for integer inputs, as the instance was built), out[j] the j-th output (T); unused slots are null.
+// n: elements of the iteration (output) shape, checked against the instance's.
+struct GtcoElementwiseArgs {
+    const void* in[GTCO_EW_MAX_IN];
+    void* out[GTCO_EW_MAX_OUT];
+    int64_t n;
+};
