@@ -208,7 +208,8 @@ def _lit(v: float) -> str:
     return f"(-{text})" if math.copysign(1.0, v) < 0 else text
 
 
-def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any) -> str:
+def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any, ns: str = "gtco::ew") -> str:
+    """The C expression of one instruction; `ns` is the namespace of the op math (device or host, same names)."""
     if op in ("Add", "Sub", "Mul", "Div"):
         return f"{a[0]} {dict(Add='+', Sub='-', Mul='*', Div='/')[op]} {a[1]}"
     if op == "Pow":
@@ -220,38 +221,38 @@ def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any) -> str:
                 return special[p]
         return f"powf({a[0]}, {a[1]})"
     unary = {"Sqrt": "sqrtf({})", "Reciprocal": "1.0f / {}", "Neg": "-{}", "Abs": "fabsf({})", "Exp": "expf({})",
-             "Log": "logf({})", "Tanh": "tanhf({})", "Erf": "erff({})", "Sigmoid": "gtco::ew::sigmoid({})",
-             "Relu": "gtco::ew::relu({})", "Identity": "{}"}
+             "Log": "logf({})", "Tanh": "tanhf({})", "Erf": "erff({})", "Sigmoid": "{ns}::sigmoid({})",
+             "Relu": "{ns}::relu({})", "Identity": "{}"}
     if op in unary:
-        return unary[op].format(a[0])
+        return unary[op].format(a[0], ns=ns)
     if op == "LeakyRelu":
-        return f"gtco::ew::leaky_relu({a[0]}, {_lit(0.01 if attr is None else attr)})"
+        return f"{ns}::leaky_relu({a[0]}, {_lit(0.01 if attr is None else attr)})"
     if op == "Gelu":
-        return f"gtco::ew::gelu_{'tanh' if attr == 'tanh' else 'erf'}({a[0]})"
+        return f"{ns}::gelu_{'tanh' if attr == 'tanh' else 'erf'}({a[0]})"
     if op in ("Max", "Min"):
         return f"{'fmaxf' if op == 'Max' else 'fminf'}({a[0]}, {a[1]})"
     if op == "Where":
-        return f"gtco::ew::where({a[0]}, {a[1]}, {a[2]})"
+        return f"{ns}::where({a[0]}, {a[1]}, {a[2]})"
     if op == "Cast":
-        return {"f16": "gtco::ew::round_f16({})", "bf16": "gtco::ew::round_bf16({})",
-                "bool": "gtco::ew::truth({})"}.get(attr, "{}").format(a[0])
-    more = {"Softplus": "gtco::ew::softplus({})", "Softsign": "gtco::ew::softsign({})",
-            "HardSwish": "gtco::ew::hard_swish({})", "Floor": "floorf({})", "Ceil": "ceilf({})",
-            "Round": "rintf({})", "Sign": "gtco::ew::sign({})", "Sin": "gtco::ew::sin({})", "Cos": "gtco::ew::cos({})",
-            "Not": "gtco::ew::lnot({})"}
+        return {"f16": "{ns}::round_f16({})", "bf16": "{ns}::round_bf16({})",
+                "bool": "{ns}::truth({})"}.get(attr, "{}").format(a[0], ns=ns)
+    more = {"Softplus": "{ns}::softplus({})", "Softsign": "{ns}::softsign({})",
+            "HardSwish": "{ns}::hard_swish({})", "Floor": "floorf({})", "Ceil": "ceilf({})",
+            "Round": "rintf({})", "Sign": "{ns}::sign({})", "Sin": "{ns}::sin({})", "Cos": "{ns}::cos({})",
+            "Not": "{ns}::lnot({})"}
     if op in more:
-        return more[op].format(a[0])
+        return more[op].format(a[0], ns=ns)
     if op == "PRelu":
-        return f"gtco::ew::leaky_relu({a[0]}, {a[1]})"
+        return f"{ns}::leaky_relu({a[0]}, {a[1]})"
     if op == "Elu":
-        return f"gtco::ew::elu({a[0]}, {_lit(1.0 if attr is None else attr)})"
+        return f"{ns}::elu({a[0]}, {_lit(1.0 if attr is None else attr)})"
     if op == "HardSigmoid":
         alpha, beta = (0.2, 0.5) if attr is None else attr
-        return f"gtco::ew::hard_sigmoid({a[0]}, {_lit(alpha)}, {_lit(beta)})"
+        return f"{ns}::hard_sigmoid({a[0]}, {_lit(alpha)}, {_lit(beta)})"
     if op in _COMPARE:
         return f"({a[0]} {_COMPARE[op]} {a[1]} ? 1.0f : 0.0f)"
     if op in ("And", "Or", "Xor"):
-        return f"gtco::ew::l{op.lower()}({a[0]}, {a[1]})"
+        return f"{ns}::l{op.lower()}({a[0]}, {a[1]})"
     raise ValueError(f"elementwise: unsupported op {op!r}")
 
 
@@ -434,6 +435,49 @@ class ElementwiseFamily(KernelFamily):
             "",
         ]
         return Instance(name, symbol, "\n".join(lines), problem, dict(config), arch, 0)
+
+    def host_function(self, problem: Problem) -> tuple[str, str]:
+        """The symbol and C++ source of `problem` as a plain host function (plugins/cpu/elementwise_ref.h).
+
+        The custom-op library's CPU-EP kernel of an Elementwise node: the program differs per node, so the glue
+        carries one of these per distinct program. Same fp32 expression and numpy-broadcast index arithmetic as
+        the device instance, one element at a time over [begin, end) (the caller splits the range over threads),
+        no CUDA. Signature `gtco::ref::ew::HostFn`: `void f(const GtcoElementwiseArgs*, uint64_t begin,
+        uint64_t end)`; `static`, so that glues of several models never share a symbol."""
+        why = _validate(problem) if problem.family == self.name else f"problem is for family {problem.family!r}"
+        if why is None and problem.dtype not in DTYPES:
+            why = f"dtype {problem.dtype!r} is not one of {DTYPES}"
+        if why is not None:
+            raise ValueError(f"elementwise: {why}")
+        instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
+        shape = iteration_shape(problem)
+        digest = hashlib.sha1(repr((problem.dtype, problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()
+        symbol = f"gtco_elementwise_host_{problem.dtype}_{digest[:12]}"
+        storage = {"f32": "float", "f16": "gtco::ref::ew::f16", "bf16": "gtco::ref::ew::bf16"}[problem.dtype]
+        D, S = collapse(shape, [s for s, _ in inputs])
+        ns = "gtco::ref::ew"
+        lines = [
+            f"// {symbol}: host function of an elementwise program (onnx_gtco.kernels.elementwise), "
+            f"iteration shape {tuple(shape)}",
+            "// program: " + "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
+                                       for j, (op, refs, a) in enumerate(instrs)),
+            f"static void {symbol}(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {{",
+            f"    using T = {storage};",
+        ]
+        for i, (_, kind) in enumerate(inputs):
+            ct = KINDS[kind] or "T"
+            lines.append(f"    const {ct}* in{i} = static_cast<const {ct}*>(a->in[{i}]);")
+        lines += [f"    T* out{k} = static_cast<T*>(a->out[{k}]);" for k in range(len(outputs))]
+        lines.append("    for (uint64_t e = begin; e < end; ++e) {")
+        for i in range(len(inputs)):
+            lines.append(f"        const float x{i} = {ns}::to_f32(in{i}[{_index_expr(D, S[i], 'e')}]);")
+        for j, (op, refs, attr) in enumerate(instrs):
+            args = [f"x{r[1]}" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1]) for r in refs]
+            lines.append(f"        const float t{j} = {_expr(op, args, refs, attr, ns)};")
+        for k, r in enumerate(outputs):
+            lines.append(f"        out{k}[e] = {ns}::from_f32<T>({'x' if r[0] == 'x' else 't'}{r[1]});")
+        lines += ["    }", "}", ""]
+        return symbol, "\n".join(lines)
 
     def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
         nin, nout = len(problem.flag("inputs")), len(problem.flag("outputs"))

@@ -1,0 +1,128 @@
+// CPU reference of the Elementwise family (op types Elementwise_f32 / _f16 / _bf16): plain C++, no ORT, no CUDA.
+//
+// The program differs per node, so there is no one reference function: onnx_gtco/kernels/elementwise.py
+// (ElementwiseFamily.host_function) writes one host function per program into the generated glue, with the same
+// fp32 expression and numpy-broadcast index arithmetic as the device instance, and this header holds what those
+// functions share: the storage types and their fp32 conversions, and the math of the supported ONNX ops, the same
+// formulas as gtco::ew in gtco/elementwise.cuh (host libm instead of CUDA's, so results agree to rounding).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "gtco/args.h"
+
+namespace gtco {
+namespace ref {
+namespace ew {
+
+// The signature of a generated host function: elements [begin, end) of the iteration shape, operands as in the
+// instance's GtcoElementwiseArgs (in[i] the i-th kernel input, out[j] the j-th output).
+using HostFn = void (*)(const GtcoElementwiseArgs* args, uint64_t begin, uint64_t end);
+
+// fp16 / bf16 storage (the bits of ONNX FLOAT16 / BFLOAT16; distinct types so that overloads pick the right one)
+struct f16 {
+    uint16_t bits;
+};
+struct bf16 {
+    uint16_t bits;
+};
+
+inline uint32_t f32_bits(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    return x;
+}
+
+inline float bits_f32(uint32_t x) {
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+}
+
+// IEEE binary32 -> binary16, round to nearest, ties to even (subnormals, infinities, NaN kept quiet), as
+// __float2half_rn and the emulation's stand-in (plugins/emu/gtco_emu.h) round.
+inline uint16_t f32_to_f16_bits(float f) {
+    const uint32_t x = f32_bits(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t exp = (x >> 23) & 0xffu;
+    uint32_t man = x & 0x7fffffu;
+    if (exp == 0xffu) return static_cast<uint16_t>(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0u));
+    const int e = static_cast<int>(exp) - 127 + 15;
+    if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return static_cast<uint16_t>(sign);
+        man |= 0x800000u;
+        const int shift = 14 - e;
+        uint32_t q = man >> shift;
+        const uint32_t rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return static_cast<uint16_t>(sign | q);
+    }
+    uint32_t q = (static_cast<uint32_t>(e) << 10) | (man >> 13);
+    const uint32_t rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) ++q;
+    return static_cast<uint16_t>(sign | q);
+}
+
+inline float f16_bits_to_f32(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) return bits_f32(f32_bits(static_cast<float>(man) * 5.9604644775390625e-8f) | sign);
+    if (exp == 31) return bits_f32(sign | 0x7f800000u | (man << 13));
+    return bits_f32(sign | ((exp - 15 + 127) << 23) | (man << 13));
+}
+
+inline uint16_t f32_to_bf16_bits(float f) {
+    const uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+    return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(f16 x) { return f16_bits_to_f32(x.bits); }
+inline float to_f32(bf16 x) { return bits_f32(static_cast<uint32_t>(x.bits) << 16); }
+inline float to_f32(uint8_t x) { return x ? 1.0f : 0.0f; }  // ONNX bool
+inline float to_f32(int32_t x) { return static_cast<float>(x); }
+inline float to_f32(int64_t x) { return static_cast<float>(x); }
+
+template <typename T>
+T from_f32(float x);
+template <>
+inline float from_f32<float>(float x) { return x; }
+template <>
+inline f16 from_f32<f16>(float x) { return f16{f32_to_f16_bits(x)}; }
+template <>
+inline bf16 from_f32<bf16>(float x) { return bf16{f32_to_bf16_bits(x)}; }
+
+// ---- the math of the elementwise ONNX ops (fp32), as gtco::ew in gtco/elementwise.cuh -------------------------
+inline float relu(float x) { return x > 0.0f ? x : 0.0f; }
+inline float leaky_relu(float x, float alpha) { return x >= 0.0f ? x : alpha * x; }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f)); }
+inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+inline float where(float c, float a, float b) { return c != 0.0f ? a : b; }
+inline float elu(float x, float alpha) { return x >= 0.0f ? x : alpha * std::expm1(x); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+inline float softsign(float x) { return x / (1.0f + std::fabs(x)); }
+inline float hard_sigmoid(float x, float alpha, float beta) {
+    return std::fmax(0.0f, std::fmin(1.0f, alpha * x + beta));
+}
+inline float hard_swish(float x) { return x * hard_sigmoid(x, 1.0f / 6.0f, 0.5f); }
+inline float sign(float x) { return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x; }
+inline float sin(float x) { return std::sin(x); }
+inline float cos(float x) { return std::cos(x); }
+inline float truth(float x) { return x != 0.0f ? 1.0f : 0.0f; }
+inline float lnot(float x) { return x != 0.0f ? 0.0f : 1.0f; }
+inline float land(float a, float b) { return (a != 0.0f && b != 0.0f) ? 1.0f : 0.0f; }
+inline float lor(float a, float b) { return (a != 0.0f || b != 0.0f) ? 1.0f : 0.0f; }
+inline float lxor(float a, float b) { return ((a != 0.0f) != (b != 0.0f)) ? 1.0f : 0.0f; }
+inline float round_f16(float x) { return f16_bits_to_f32(f32_to_f16_bits(x)); }
+inline float round_bf16(float x) { return to_f32(bf16{f32_to_bf16_bits(x)}); }
+
+}  // namespace ew
+}  // namespace ref
+}  // namespace gtco

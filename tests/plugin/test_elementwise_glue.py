@@ -1,0 +1,318 @@
+"""The Elementwise family's plugin op: binder, per-node host functions in the glue, CPU and emulated device kernels.
+
+Small hand-built models, each fused into one Elementwise node by optimize: a GELU (erf) with its bias, a bias and a
+broadcast residual, a Where over a comparison and a bool mask, a node with two outputs, and a spread of the other
+supported ops. The library's CPU-EP kernel (the node's generated host function) must match the node's model-local
+function; the emulated build runs fp16 versions through the sm_80 instances against the fp32 originals.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_gtco import optimize
+from onnx_gtco.kernels.family import rel_error
+from onnx_gtco.plugin.bind_elementwise import ElementwiseBinder
+from onnx_gtco.plugin.binding import Binding
+from onnx_gtco.plugin.library import LibraryResult, bind_nodes, build_library, generate_glue, library_info
+from onnx_gtco.plugin.nodes import fused_nodes
+
+CPU = ["CPUExecutionProvider"]
+h = helper.make_node
+
+
+def _model(name: str, nodes: list[onnx.NodeProto], inputs: dict[str, tuple[int, list[int | str]]],
+           outputs: dict[str, list[int | str]], consts: dict[str, np.ndarray], elem: int) -> onnx.ModelProto:
+    """A model whose float tensors are `elem` (inputs given as (element type or 0 for `elem`, shape))."""
+    dt = helper.tensor_dtype_to_np_dtype(elem)
+    inits = [numpy_helper.from_array(np.asarray(v, dt), k) for k, v in consts.items()]
+    ins = [helper.make_tensor_value_info(k, t or elem, s) for k, (t, s) in inputs.items()]
+    outs = [helper.make_tensor_value_info(k, elem, s) for k, s in outputs.items()]
+    graph = helper.make_graph(nodes, name, ins, outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def gelu(elem: int = TensorProto.FLOAT, batch: int | str = 2) -> onnx.ModelProto:
+    """(x + bias) -> Div sqrt2 -> Erf -> Add 1 -> Mul -> Mul 0.5: GELU with its bias, the scalars folded in."""
+    nodes = [h("Add", ["x", "bias"], ["a"], name="addb"), h("Div", ["a", "s2"], ["d"], name="div"),
+             h("Erf", ["d"], ["e"], name="erf"), h("Add", ["e", "one"], ["e1"], name="add1"),
+             h("Mul", ["a", "e1"], ["m"], name="mul"), h("Mul", ["m", "half"], ["y"], name="half")]
+    consts = {"bias": np.linspace(-1, 1, 16), "s2": np.sqrt(2.0), "one": 1.0, "half": 0.5}
+    return _model("gelu", nodes, {"x": (0, [batch, 3, 16])}, {"y": [batch, 3, 16]}, consts, elem)
+
+
+def residual(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """(x + bias[16]) * scale[4, 1] + r[1, 4, 16]: operands broadcast along different axes."""
+    nodes = [h("Add", ["x", "bias"], ["a"], name="addb"), h("Mul", ["a", "scale"], ["m"], name="scale"),
+             h("Add", ["m", "r"], ["y"], name="res")]
+    return _model("residual", nodes, {"x": (0, [3, 4, 16]), "r": (0, [1, 4, 16]), "scale": (0, [4, 1])},
+                  {"y": [3, 4, 16]}, {"bias": np.linspace(-1, 1, 16)}, elem)
+
+
+def where(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Where(x > t and mask, x * 2, x - 1): a comparison, a bool input, And, Where."""
+    nodes = [h("Greater", ["x", "t"], ["g"], name="gt"), h("And", ["g", "mask"], ["c"], name="and"),
+             h("Mul", ["x", "two"], ["x2"], name="mul"), h("Sub", ["x", "one"], ["x1"], name="sub"),
+             h("Where", ["c", "x2", "x1"], ["y"], name="where")]
+    return _model("where", nodes, {"x": (0, [2, 5, 8]), "t": (0, [8]), "mask": (TensorProto.BOOL, [2, 1, 8])},
+                  {"y": [2, 5, 8]}, {"two": 2.0, "one": 1.0}, elem)
+
+
+def two_outputs(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """s = x + r; y1 = Relu(s); y2 = Sigmoid(s) * s: one node, two outputs."""
+    nodes = [h("Add", ["x", "r"], ["s"], name="add"), h("Relu", ["s"], ["y1"], name="relu"),
+             h("Sigmoid", ["s"], ["sg"], name="sig"), h("Mul", ["sg", "s"], ["y2"], name="swish")]
+    return _model("two_outputs", nodes, {"x": (0, [4, 24]), "r": (0, [4, 24])}, {"y1": [4, 24], "y2": [4, 24]},
+                  {}, elem)
+
+
+def assorted(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Tanh, LeakyRelu, Elu, Softplus, HardSigmoid, Clip, Abs, Sqrt, Pow, Neg, Exp, Max, Min, Floor, Sin, Cos."""
+    nodes = [h("Tanh", ["x"], ["a"], name="tanh"), h("LeakyRelu", ["a"], ["b"], name="lrelu", alpha=0.2),
+             h("Elu", ["b"], ["c"], name="elu", alpha=0.7), h("Softplus", ["c"], ["d"], name="softplus"),
+             h("HardSigmoid", ["x"], ["e"], name="hsig", alpha=0.3, beta=0.4),
+             h("Clip", ["x", "lo", "hi"], ["f"], name="clip"), h("Abs", ["f"], ["g"], name="abs"),
+             h("Sqrt", ["g"], ["s"], name="sqrt"), h("Pow", ["s", "p"], ["q"], name="pow"),
+             h("Neg", ["q"], ["n"], name="neg"), h("Exp", ["n"], ["ex"], name="exp"),
+             h("Max", ["d", "e"], ["mx"], name="max"), h("Min", ["mx", "ex"], ["mn"], name="min"),
+             h("Sin", ["x"], ["si"], name="sin"), h("Cos", ["x"], ["co"], name="cos"),
+             h("Floor", ["r"], ["fl"], name="floor"), h("Add", ["si", "co"], ["sc"], name="addsc"),
+             h("Add", ["mn", "sc"], ["t"], name="add"), h("Add", ["t", "fl"], ["y"], name="addfl")]
+    return _model("assorted", nodes, {"x": (0, [6, 32]), "r": (0, [32])}, {"y": [6, 32]},
+                  {"lo": -0.5, "hi": 1.5, "p": 3.0}, elem)
+
+
+MODELS: dict[str, Callable[..., onnx.ModelProto]] = {
+    "gelu": gelu, "residual": residual, "where": where, "two_outputs": two_outputs, "assorted": assorted}
+
+
+def feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for vi in model.graph.input:
+        tt = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else 2 for d in tt.shape.dim]
+        if tt.elem_type == TensorProto.BOOL:
+            out[vi.name] = rng.random(shape) < 0.5
+        else:
+            out[vi.name] = (rng.standard_normal(shape) * 2).astype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+    return out
+
+
+def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "1",
+            profile: Path | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.add_session_config_entry("gtco.register", register)
+    if lib is not None:
+        so.register_custom_ops_library(str(lib))
+    if profile is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile / "profile")
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(data, so, providers=CPU)
+
+
+def ran_ops(sess: ort.InferenceSession) -> set[str]:
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    return {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
+
+
+def elementwise_types(model: onnx.ModelProto) -> set[str]:
+    return {n.op_type for n in model.graph.node if n.domain == "ai.gtco" and n.op_type.startswith("Elementwise_")}
+
+
+# --- (a) the CPU-EP kernel: the generated host function against the node's function ------------------------------
+
+@pytest.fixture(scope="module")
+def cpu_libs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[onnx.ModelProto, LibraryResult]]:
+    out = {}
+    for name, make in MODELS.items():
+        rewritten = optimize(make()).model
+        out[name] = rewritten, build_library(rewritten, tmp_path_factory.mktemp(f"ew_{name}"), cuda=False)
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cpu_kernel_matches_function(name: str, cpu_libs, tmp_path: Path) -> None:
+    rewritten, lib = cpu_libs[name]
+    assert elementwise_types(rewritten) == {"Elementwise_f32"}, [n.op_type for n in rewritten.graph.node]
+    assert "Elementwise_f32" in lib.op_types, lib.skipped()
+    assert not lib.skipped(), lib.skipped()
+    for seed in (0, 1, 2):
+        x = feeds(rewritten, seed)
+        want = session(rewritten, register="0").run(None, x)  # the model-local function
+        got = session(rewritten, lib.path).run(None, x)
+        assert len(got) == len(want)
+        for w, g in zip(want, got, strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{name} seed {seed}")
+    sess = session(rewritten, lib.path, profile=tmp_path)
+    sess.run(None, feeds(rewritten, 0))
+    assert "Elementwise_f32" in ran_ops(sess)  # the custom op ran (a registered op type hides the function)
+    sess = session(rewritten, lib.path, register="0", profile=tmp_path)
+    sess.run(None, feeds(rewritten, 0))
+    assert "Elementwise_f32" not in ran_ops(sess)  # the function's own ops ran
+
+
+def test_binding_roles_and_glue(cpu_libs) -> None:
+    """Scalar constants are folded (no role); the bias initializer is an operand; outputs map one to one."""
+    rewritten, _ = cpu_libs["gelu"]
+    (node,) = fused_nodes(rewritten)
+    binding = ElementwiseBinder().bind(node)
+    assert isinstance(binding, Binding)
+    names = [node.inputs[i].name for i in binding.inputs]
+    assert names == ["x", "bias"] and binding.outputs == (0,)
+    blocks, host = ElementwiseBinder().glue(node, binding)
+    assert host.startswith("&gtco_elementwise_node_") and "static void gtco_elementwise_host_f32_" in blocks[0]
+    assert "erff(" in blocks[0] and "(e % 16u)" in blocks[0]  # the bias broadcasts along the innermost dim
+    two, _ = cpu_libs["two_outputs"]
+    (node,) = fused_nodes(two)
+    binding = ElementwiseBinder().bind(node)
+    assert isinstance(binding, Binding) and sorted(binding.outputs) == [0, 1]
+
+
+def test_nodes_of_one_program_share_its_host_function(tmp_path: Path) -> None:
+    """Two GELU groups of the same shapes: two node descriptors in the glue, one host function."""
+    one = gelu()
+    graph = one.graph
+    second = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node]
+    for n in second:
+        n.name += "_2"
+        n.input[:] = [{"x": "z"}.get(t, t if t in ("bias", "s2", "one", "half") else t + "_2") for t in n.input]
+        n.output[:] = [t + "_2" for t in n.output]
+    graph.node.extend(second)
+    graph.input.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 3, 16]))
+    graph.output.append(helper.make_tensor_value_info("y_2", TensorProto.FLOAT, [2, 3, 16]))
+    rewritten = optimize(one).model
+    nodes = fused_nodes(rewritten)
+    assert len(nodes) == 2 and {n.family for n in nodes} == {"elementwise"}
+    results, binders = bind_nodes(nodes)
+    source, op_types, _ = generate_glue(nodes, results, binders, {})
+    assert op_types == ["Elementwise_f32"]
+    assert source.count("static void gtco_elementwise_host_f32_") == 1
+    assert source.count("static const gtco::ElementwiseNode gtco_elementwise_node_") == 2
+    lib = build_library(rewritten, tmp_path, cuda=False)
+    x = feeds(rewritten, 0)
+    want = session(rewritten, register="0").run(None, x)
+    for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+# --- (b) the emulated device path: fp16 nodes through the sm_80 instances -----------------------------------------
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[onnx.ModelProto, LibraryResult]]:
+    out = {}
+    for name in ("gelu", "residual", "where", "two_outputs"):
+        rewritten = optimize(MODELS[name](TensorProto.FLOAT16)).model
+        lib = build_library(rewritten, tmp_path_factory.mktemp(f"ew_emu_{name}"), cuda=False, emulated=True)
+        out[name] = rewritten, lib
+    return out
+
+
+@pytest.mark.parametrize("name", ["gelu", "residual", "where", "two_outputs"])
+def test_emulated_device_kernel_matches_fp32_original(name: str, emulated, tmp_path: Path) -> None:
+    rewritten, lib = emulated[name]
+    assert elementwise_types(rewritten) == {"Elementwise_f16"}
+    assert lib.cuda_op_types == ["Elementwise_f16"], (lib.skipped(), lib.kernel_skips)
+    info = library_info(lib.path)
+    assert info["emulated"] is True
+    assert all(len(v) == 1 and v[0].startswith("elementwise_sm80_f16_") for v in info["instances"].values())
+    original = MODELS[name]()
+    for seed in (0, 1):
+        x32 = feeds(original, seed)
+        x16 = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in x32.items()}
+        want = session(original).run(None, x32)
+        got = session(rewritten, lib.path).run(None, x16)
+        for w, g in zip(want, got, strict=True):
+            assert g.dtype == np.float16 and g.shape == w.shape and np.isfinite(g).all()
+            err = rel_error(g.astype(np.float32), w)
+            assert err < 5e-3, f"{name} seed {seed}: ‖err‖/‖ref‖ = {err:.2e}"
+    sess = session(rewritten, lib.path, profile=tmp_path)
+    sess.run(None, {k: v.astype(np.float16) if v.dtype == np.float32 else v
+                    for k, v in feeds(original, 0).items()})
+    assert "Elementwise_f16" in ran_ops(sess)  # in an emulated build the device kernel is the only one registered
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed for the CUDA build")
+def test_cuda_build_compiles_the_instances_and_runs_the_host_function_on_cpu(tmp_path: Path) -> None:
+    """nvcc builds the node's instance for sm_80 and sm_90 without spills; a CPU session runs the host function."""
+    rewritten = optimize(two_outputs(TensorProto.FLOAT16)).model
+    lib = build_library(rewritten, tmp_path, cuda=True)
+    assert lib.cuda_op_types == ["Elementwise_f16"], lib.kernel_skips
+    assert {k["arch"] for k in lib.kernels} == {"sm_80", "sm_90"}
+    for k in lib.kernels:
+        for r in k["kernels"]:
+            assert r["spill_store_bytes"] == 0 and r["stack_frame_bytes"] == 0, k
+    x = {k: v.astype(np.float16) for k, v in feeds(rewritten, 0).items()}
+    want = session(rewritten, register="0").run(None, x)
+    for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+# --- (c) run-time shapes the node was not built for ---------------------------------------------------------------
+
+def _symbolic_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for vi in [*model.graph.input, *model.graph.output]:  # let a wrong size through to the kernel
+        vi.type.tensor_type.shape.dim[-1].dim_param = "W"
+    return model
+
+
+def test_wrong_shape_names_the_op(cpu_libs) -> None:
+    rewritten, lib = cpu_libs["two_outputs"]
+    model = _symbolic_inputs(rewritten)
+    x = {k: v[:, :20].copy() for k, v in feeds(rewritten, 0).items()}
+    with pytest.raises(Exception, match=r"Elementwise_f32 node '[^']+': inputs float \[4,20\], float \[4,20\]; the "
+                                        r"kernel was built for float \[4,24\], float \[4,24\]"):
+        session(model, lib.path).run(None, x)
+
+
+def test_wrong_shape_names_the_op_on_the_device_path(emulated) -> None:
+    rewritten, lib = emulated["two_outputs"]
+    model = _symbolic_inputs(rewritten)
+    x = {k: v[:, :20].astype(np.float16) for k, v in feeds(rewritten, 0).items()}
+    with pytest.raises(Exception, match=r"Elementwise_f16 node '[^']+': inputs float16 \[4,20\], float16 \[4,20\]; "
+                                        r"the kernel was built for float16 \[4,24\]"):
+        session(model, lib.path).run(None, x)
+
+
+# --- (d) nodes the binder refuses keep their function, with the reason ---------------------------------------------
+
+def test_refused_nodes_keep_their_function(tmp_path: Path) -> None:
+    rewritten = optimize(gelu(batch="N")).model
+    lib = build_library(rewritten, tmp_path, cuda=False)
+    (node,) = [n.name for n in rewritten.graph.node if n.op_type == "Elementwise_f32"]
+    assert "Elementwise_f32" not in lib.op_types
+    assert "static shape" in lib.skipped()[node] and "'N'" in lib.skipped()[node], lib.skipped()
+    x = feeds(rewritten, 0)
+    want = session(gelu(batch="N")).run(None, x)[0]
+    np.testing.assert_allclose(session(rewritten, lib.path).run(None, x)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_binder_reasons() -> None:
+    """Every refusal is a reason string, never an exception."""
+    binder = ElementwiseBinder()
+    # an f32 input on an f16 node (onnxruntime's converter leaves such input casts in fused groups)
+    nodes = [h("Cast", ["x"], ["c"], name="cast", to=TensorProto.FLOAT16), h("Relu", ["c"], ["r"], name="relu"),
+             h("Add", ["r", "b"], ["y"], name="add")]
+    m = _model("mixed", nodes, {"x": (TensorProto.FLOAT, [2, 8]), "b": (0, [2, 8])}, {"y": [2, 8]}, {},
+               TensorProto.FLOAT16)
+    reasons = [binder.bind(n) for n in fused_nodes(optimize(m).model) if n.family == "elementwise"]
+    assert reasons and all(isinstance(r, str) for r in reasons), reasons
+    assert any("is f32; the Elementwise_f16 kernel reads float inputs as f16" in r for r in reasons), reasons
+    # nine operands: more than the kernel's eight inputs
+    names = [f"x{i}" for i in range(9)]
+    nodes = [h("Sum", names, ["s"], name="sum"), h("Relu", ["s"], ["y"], name="relu")]
+    m = _model("wide", nodes, {k: (0, [4, 8]) for k in names}, {"y": [4, 8]}, {}, TensorProto.FLOAT)
+    reasons = [binder.bind(n) for n in fused_nodes(optimize(m).model) if n.family == "elementwise"]
+    assert reasons and all(isinstance(r, str) and "at most 8" in r for r in reasons), reasons
