@@ -64,7 +64,14 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     model = read_model(source)
     name = str(source) if not isinstance(source, onnx.ModelProto) else "model"
     try:
-        onnx.checker.check_model(model)
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as e:
+            if "topologically sorted" not in str(e):
+                raise
+            # valid but out of order (onnxruntime's fp16 converter writes such graphs): sort it, then check again
+            model = _toposorted(model, name)
+            onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
@@ -77,6 +84,21 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     model = _infer_shapes(model, name)
     _order_depth_first(model)
     return model
+
+
+def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model with its main graph's nodes in topological order (onnx-graphsurgeon's sort)."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    try:
+        graph.toposort()
+    except Exception as e:  # graphsurgeon raises a plain exception on a cycle
+        raise ModelError(f"{name}: invalid ONNX model: the graph cannot be sorted topologically ({e})") from None
+    out = gs.export_onnx(graph)
+    del out.metadata_props[:]
+    out.metadata_props.extend(model.metadata_props)
+    return out
 
 
 # Initializers with more elements than this are hidden from shape inference: their shapes are all it needs, and

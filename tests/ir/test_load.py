@@ -142,3 +142,30 @@ def test_shape_arithmetic_folds_to_constants() -> None:
     assert [n.op_type for n in m.graph.node] == ["Relu", "Reshape"]
     y = next(v for v in m.graph.output if v.name == "y")
     assert [d.dim_value for d in y.type.tensor_type.shape.dim] == [3, 20]
+
+
+def test_out_of_order_graph_is_sorted(mlp: onnx.ModelProto) -> None:
+    """onnxruntime's fp16 converter writes valid graphs out of topological order: they load, sorted."""
+    shuffled = onnx.ModelProto()
+    shuffled.CopyFrom(mlp)
+    nodes = list(shuffled.graph.node)
+    del shuffled.graph.node[:]
+    shuffled.graph.node.extend(reversed(nodes))
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(shuffled)
+    model = load_model(shuffled)
+    assert sorted(n.name for n in model.graph.node) == sorted(n.name for n in mlp.graph.node)
+    seen = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+    for n in model.graph.node:
+        assert all(i in seen for i in n.input if i), n.name
+        seen.update(n.output)
+
+
+def test_cycle_is_a_clear_error(mlp: onnx.ModelProto) -> None:
+    cyclic = onnx.ModelProto()
+    cyclic.CopyFrom(mlp)
+    fc0 = next(n for n in cyclic.graph.node if n.name == "fc0")
+    fc0.input[0] = "y"  # fc0 now reads the last node's output
+    cyclic.graph.input[0].name = "unused_x"
+    with pytest.raises(ModelError, match="invalid ONNX model"):
+        load_model(cyclic)
