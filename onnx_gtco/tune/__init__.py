@@ -1,0 +1,1 @@
+"""Kernel tuning with Optuna over a tuning database every run reuses (tasks, search, scheduler, driver)."""

@@ -1,0 +1,125 @@
+"""An analytical time of one kernel configuration on one problem: the tuner's CPU measurer and its first guesses.
+
+ALCOP (thesis ch.5, Table 5.1) models a tiled, pipelined kernel by its waves of blocks, the work of one block and
+how much of its load latency the pipeline hides. We keep that shape, per family:
+
+* Tensor Core tiles (gemm, attention, bmm_softmax): blocks = tiles of the output; blocks resident per SM from
+  shared memory and threads; waves = ceil(blocks / (SMs * resident)). A block's time is its MMA work at the SM's
+  share of the Tensor Core peak, derated for small warp tiles (less operand reuse per ldmatrix) and padded edges,
+  plus its global loads at the SM's share of the bandwidth, of which a STAGES-deep pipeline hides all but
+  1 / STAGES (a resident second block hides more). Scalar loads (VEC = 0) cost 4x.
+* Row-wise families (layernorm, softmax) and elementwise: DRAM bytes at bandwidth, derated for narrow accesses
+  (VEC), too few threads in flight and partial waves.
+
+Times are microseconds, deterministic, and only rank configurations: they are what the tuner measures in CI (no
+GPU) and what seeds a GPU study, never a reported kernel time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from onnx_gtco.config import TARGETS
+from onnx_gtco.kernels.family import Problem
+
+SMS = {"sm_80": 108, "sm_90": 132}
+MAX_THREADS_PER_SM = 2048
+LAUNCH_US = 3.0
+_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+
+
+def _resident(smem_bytes: int, threads: int, arch: str) -> int:
+    by_smem = (TARGETS[arch].smem_kib * 1024) // max(smem_bytes, 1)
+    return max(1, min(by_smem, MAX_THREADS_PER_SM // max(threads, 1), 32))
+
+
+def _tiled_us(arch: str, blocks: int, threads: int, smem: int, flops_per_block: float, bytes_per_block: float,
+              stages: int, reuse: float, vec: bool) -> float:
+    t = TARGETS[arch]
+    sms = SMS[arch]
+    resident = _resident(smem, threads, arch)
+    waves = math.ceil(blocks / (sms * resident))
+    concurrent = min(blocks, sms * resident)
+    per_sm = max(1.0, concurrent / sms)  # blocks sharing one SM's peak in a full wave
+    mma_us = flops_per_block * per_sm / (t.tc_tflops * 1e6 / sms) / reuse
+    load_us = bytes_per_block * per_sm / (t.dram_gbps * 1e3 / sms) * (1.0 if vec else 4.0)
+    exposed = load_us / stages / (2.0 if resident > 1 else 1.0)
+    return waves * (max(mma_us, load_us) + exposed) + LAUNCH_US
+
+
+def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    batch, m, n, k = p.size("batch"), p.size("M"), p.size("N"), p.size("K")
+    bm, bn, bk, wm, wn, stages = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"], c["STAGES"]
+    blocks = batch * math.ceil(m / bm) * math.ceil(n / bn)
+    smem = stages * (bm + bn) * (bk + 8) * 2
+    warp_tile = (bm // wm) * (bn // wn)
+    reuse = min(1.0, (warp_tile / (64 * 64)) ** 0.25)
+    k_pad = math.ceil(k / bk) * bk
+    flops = 2.0 * bm * bn * k_pad
+    loads = (bm + bn) * k_pad * _BYTES[p.dtype]
+    return _tiled_us(arch, blocks, wm * wn * 32, smem, flops, loads, stages, reuse, bool(c.get("VEC", 1)))
+
+
+def _attention(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    b, h, sq, sk, d = (p.size(k) for k in ("batch", "heads", "seq_q", "seq_k", "head_dim"))
+    bq, bkv, warps, stages = c["BQ"], c["BKV"], c["WARPS"], c["STAGES"]
+    blocks = b * h * math.ceil(sq / bq)
+    sk_pad = math.ceil(sk / bkv) * bkv
+    passes = 2 if p.family == "bmm_softmax" else 1
+    smem = (bq + stages * bkv * (1 if p.family == "bmm_softmax" else 2)) * (d + 8) * 2
+    rows_per_warp = bq // warps
+    reuse = min(1.0, (rows_per_warp * bkv / (16 * 128)) ** 0.25)
+    flops = 2.0 * bq * sk_pad * d * (2 if p.family == "attention" else passes)
+    loads = sk_pad * d * _BYTES[p.dtype] * (2 if p.family == "attention" else passes)
+    return _tiled_us(arch, blocks, warps * 32, smem, flops, loads, stages, reuse, True)
+
+
+def _rowwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    if p.family == "layernorm":
+        cols = p.size("hidden")
+        rows = max(p.size("rows"), 1)
+        streams = 2 + int(bool(p.flag("residual", False))) + int(bool(p.flag("residual_out", False)))
+    else:
+        cols, rows = p.size("cols"), max(p.size("rows"), 1)
+        streams = 2
+    elem = _BYTES[p.dtype]
+    threads, vec, rows_per_block = c["THREADS"], c["VEC"], c["ROWS"]
+    blocks = math.ceil(rows / rows_per_block)
+    in_flight = threads * rows_per_block
+    sms = SMS[arch]
+    resident = max(1, min(MAX_THREADS_PER_SM // in_flight, 32))
+    waves = math.ceil(blocks / (sms * resident))
+    fill = blocks / (waves * sms * resident)
+    width = min(1.0, vec * elem / 16) ** 0.5  # 16-byte accesses reach the bandwidth; narrower ones fall short
+    idle = max(0.0, 1.0 - cols / (threads * vec))  # lanes with no element in a row that is short for the block
+    bytes_total = streams * rows * cols * elem
+    return bytes_total / (TARGETS[arch].dram_gbps * 1e3) / (width * max(fill, 0.05) * (1.0 - 0.5 * idle)) + LAUNCH_US
+
+
+def _elementwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    n = math.prod(v for k, v in p.sizes if k.startswith("d"))
+    streams = len(p.flag("inputs", ())) + len(p.flag("outputs", ()))
+    threads, vec = c["THREADS"], c["VEC"]
+    blocks = math.ceil(n / (threads * vec))
+    sms = SMS[arch]
+    waves = math.ceil(blocks / (sms * max(1, MAX_THREADS_PER_SM // threads)))
+    fill = blocks / (waves * sms * max(1, MAX_THREADS_PER_SM // threads))
+    width = min(1.0, vec * _BYTES[p.dtype] / 16) ** 0.5
+    return streams * n * _BYTES[p.dtype] / (TARGETS[arch].dram_gbps * 1e3) / (width * max(fill, 0.05)) + LAUNCH_US
+
+
+_MODELS = {"gemm": _gemm, "attention": _attention, "bmm_softmax": _attention, "layernorm": _rowwise,
+           "softmax": _rowwise, "elementwise": _elementwise}
+
+
+def estimate_us(problem: Problem, config: Mapping[str, int], arch: str) -> float:
+    """Predicted time of `config` on `problem` for `arch`, in microseconds (see the module docstring)."""
+    try:
+        model = _MODELS[problem.family]
+    except KeyError:
+        raise ValueError(f"no analytical model for family {problem.family!r}") from None
+    return float(model(problem, config, arch))
+
+
+__all__ = ["SMS", "estimate_us"]

@@ -1,0 +1,185 @@
+"""One Optuna study per task, in a storage every later run reuses: the tuning database.
+
+A study is named by its task's key (tasks.Task.key) and keeps the task in its user attributes, so any process
+with the storage URL can work on it. A trial suggests one value per tunable parameter of the family's space
+(seeded TPE); a configuration the family's validity check rejects is a failed trial with error kind "invalid" and
+the reason, recorded without measuring. Each study starts from the analytical model's best few configurations
+(`enqueue_trial`). A measured trial records the median time, its spread, the error kind of a failed run
+(compile / resource / runtime / wrong_answer / timeout), and the measurer's environment (GPU, driver, toolchain).
+
+Storage: `--storage URL` > $GTCO_TUNE_STORAGE > SQLite in the user cache (cache_root()/tuning.db). Any Optuna RDB
+URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import optuna
+
+from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.kernels.toolchain import cache_root
+from onnx_gtco.tune.analytical import estimate_us
+from onnx_gtco.tune.tasks import Task
+
+STORAGE_ENV = "GTCO_TUNE_STORAGE"
+SEEDS = 3          # analytical guesses enqueued per study
+HEARTBEAT_S = 2    # a running trial proves its worker alive this often
+ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "timeout")
+
+
+def storage_url(explicit: str | None = None) -> str:
+    """The tuning storage: `explicit`, else $GTCO_TUNE_STORAGE, else SQLite in the user cache."""
+    if explicit:
+        return explicit
+    if os.environ.get(STORAGE_ENV):
+        return os.environ[STORAGE_ENV]
+    path = cache_root() / "tuning.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """An RDB storage with heartbeats: a worker killed mid-trial leaves a RUNNING trial whose heartbeat stops; the
+    next process to run a trial of that study marks it failed (finished trials are committed already) and
+    enqueues its configuration again, once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=HEARTBEAT_S, grace_period=3 * HEARTBEAT_S,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one run of a configuration gave: a time, or the error kind that made the trial fail."""
+
+    median_us: float | None
+    spread_us: float = 0.0
+    error_kind: str | None = None
+    detail: str = ""
+    runs: int = 0
+
+
+class Measurer(Protocol):
+    """Times one configuration of a task. `device` names what it measures on (the study is per device);
+    `environment()` goes into every trial's record."""
+
+    name: str
+    device: str
+
+    def measure(self, task: Task, config: Mapping[str, int]) -> Measurement: ...
+
+    def environment(self) -> dict[str, str]: ...
+
+
+class AnalyticalMeasurer:
+    """The analytical model as a measurer: deterministic, no GPU; runs the whole tuning path in CI."""
+
+    name = "analytical"
+    device = "analytical"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def measure(self, task: Task, config: Mapping[str, int]) -> Measurement:
+        self.calls += 1
+        return Measurement(estimate_us(task.problem, config, task.arch), 0.0, runs=1)
+
+    def environment(self) -> dict[str, str]:
+        return {"measurer": self.name, "gpu": "none (analytical model)", "driver": "", "toolchain": ""}
+
+
+def _space(task: Task) -> dict[str, list[int]]:
+    family = FAMILIES.get(task.problem.family)
+    if family is None:
+        raise ValueError(f"no kernel family {task.problem.family!r} to tune")
+    space = {k: list(v) for k, v in family.space.items()}
+    for k, v in getattr(family, "optional", {}).items():
+        space.setdefault(k, sorted({int(v), 0, 1}) if k == "VEC" else [int(v)])
+    return space
+
+
+def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, int]]:
+    """The family's valid configurations ranked by the analytical model, best first."""
+    family = FAMILIES[task.problem.family]
+    keys = list(_space(task))
+    configs = [{k: c[k] for k in keys if k in c} for c in family.configs(task.problem, task.arch)]
+    ranked = sorted(configs, key=lambda c: estimate_us(task.problem, c, task.arch))
+    return ranked[:n]
+
+
+def study_name(task: Task, device: str) -> str:
+    """A study per task and device: times measured on one GPU (or by the analytical model) never mix with
+    another's."""
+    return f"{task.key}@{device}"
+
+
+def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: str, seed: int = 0) -> optuna.Study:
+    """The task's study on `device` (created on first use, with the analytical guesses enqueued)."""
+    study = optuna.create_study(study_name=study_name(task, device), storage=storage, direction="minimize",
+                                load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
+    if "task" not in study.user_attrs:
+        study.set_user_attr("task", {"family": task.problem.family, "dtype": task.problem.dtype,
+                                     "sizes": [list(s) for s in task.problem.sizes],
+                                     "flags": [[k, _jsonable(v)] for k, v in task.problem.flags],
+                                     "arch": task.arch, "version": task.version})
+        study.set_user_attr("describe", task.describe())
+        for config in analytical_guesses(task):
+            study.enqueue_trial(config, skip_if_exists=True)
+    return study
+
+
+def _jsonable(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def run_trial(study: optuna.Study, task: Task, measurer: Measurer) -> optuna.trial.FrozenTrial:
+    """Run one trial (through Study.optimize, which keeps its heartbeat): suggest a configuration, reject it
+    unmeasured when invalid, else measure it. A failed trial returns NaN, which Optuna records as FAIL; the user
+    attributes say why (error_kind, error)."""
+    numbers: list[int] = []
+
+    def objective(trial: optuna.Trial) -> float:
+        numbers.append(trial.number)
+        config = {k: trial.suggest_categorical(k, v) for k, v in _space(task).items()}
+        for k, v in measurer.environment().items():
+            trial.set_user_attr(k, v)
+        why = FAMILIES[task.problem.family].check(task.problem, config, task.arch)
+        if why is not None:
+            trial.set_user_attr("error_kind", "invalid")
+            trial.set_user_attr("error", why)
+            return math.nan
+        m = measurer.measure(task, config)
+        trial.set_user_attr("runs", m.runs)
+        if m.error_kind is not None or m.median_us is None:
+            trial.set_user_attr("error_kind", m.error_kind or "runtime")
+            trial.set_user_attr("error", m.detail)
+            return math.nan
+        trial.set_user_attr("median_us", m.median_us)
+        trial.set_user_attr("spread_us", m.spread_us)
+        return m.median_us
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Optuna warns about every NaN it records as a failure
+        study.optimize(objective, n_trials=1, gc_after_trial=False)
+    return next(t for t in reversed(study.get_trials(deepcopy=False)) if t.number == numbers[0])
+
+
+def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    return study.get_trials(deepcopy=False, states=states)
+
+
+def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return min(done, key=lambda t: (t.value, t.number)) if done else None
+
+
+__all__ = ["ERROR_KINDS", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer", "analytical_guesses",
+           "best", "finished", "open_storage", "run_trial", "storage_url", "study_for", "study_name"]

@@ -1,0 +1,112 @@
+"""Tuning tasks: identical fused groups of a rewritten model are one task, weighted by how often they occur.
+
+Two fused nodes are the same task when their kernel Problem (family, dtype, sizes, flags), the target arch and the
+template version (a digest of the kernel headers, so a kernel change starts new studies instead of reusing stale
+times) agree. ViT-B/16 has 12 identical layers: its per-layer groups are tasks of weight 12 (GTCO §3.4.2).
+
+Run-time sizes that the instance does not fix (GEMM rows, LayerNorm / softmax rows) are part of the task: they
+decide which configuration is fastest. They come from the node's shapes, a symbolic dim counting as 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import onnx
+
+from onnx_gtco.kernels.compile import headers_digest
+from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.select import node_problem
+
+
+@dataclass(frozen=True)
+class Task:
+    """One kernel to tune.
+
+    Attributes:
+        problem: the kernel Problem (with the run-time sizes of the model).
+        arch: "sm_80" or "sm_90".
+        version: template version (digest of plugins/include and plugins/emu).
+        weight: occurrences in the model (the budget scheduler's weight).
+        nodes: names of the fused nodes it serves.
+    """
+
+    problem: Problem
+    arch: str
+    version: str
+    weight: int = 1
+    nodes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def key(self) -> str:
+        """Stable name of the task: the study name in the tuning storage."""
+        text = repr((self.problem.family, self.problem.dtype, self.problem.sizes, self.problem.flags, self.arch,
+                     self.version))
+        return f"{self.problem.family}-{self.arch}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+    def describe(self) -> str:
+        sizes = ",".join(f"{k}={v}" for k, v in self.problem.sizes)
+        return f"{self.problem.family} {self.problem.dtype} {sizes} on {self.arch} (x{self.weight})"
+
+
+def template_version() -> str:
+    return headers_digest()[:12]
+
+
+def _rows(node: onnx.NodeProto, shapes: dict[str, tuple]) -> int:
+    """Rows a row-wise node runs at: its first input's elements over the last dim (symbolic dims as 1)."""
+    shape = shapes.get(node.input[0]) if node.input else None
+    if not shape:
+        return 1
+    dims = [d if isinstance(d, int) and d > 0 else 1 for d in shape]
+    return max(1, math.prod(dims[:-1]))
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    out: dict[str, tuple] = {}
+    for vi in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+    for init in model.graph.initializer:
+        out[init.name] = tuple(init.dims)
+    return out
+
+
+def model_tasks(model: onnx.ModelProto, arch: str) -> tuple[list[Task], dict[str, str]]:
+    """The tasks of a rewritten model's fused nodes for `arch`, heaviest first, and why the others have none."""
+    shapes = _shapes(model)
+    found: dict[tuple, Task] = {}
+    skipped: dict[str, str] = {}
+    version = template_version()
+    for node in model.graph.node:
+        if node.domain != "ai.gtco":
+            continue
+        problem = node_problem(node)
+        if isinstance(problem, str):
+            skipped[node.name] = problem
+            continue
+        if problem.family in ("layernorm", "softmax"):
+            sizes = dict(problem.sizes) | {"rows": _rows(node, shapes)}
+            problem = Problem.make(problem.family, problem.dtype, sizes, dict(problem.flags))
+        prev = found.get((problem, arch))
+        found[(problem, arch)] = Task(problem, arch, version, (prev.weight if prev else 0) + 1,
+                                      (prev.nodes if prev else ()) + (node.name,))
+    tasks = sorted(found.values(), key=lambda t: (-t.weight, t.key))
+    return tasks, skipped
+
+
+def merge(tasks: Iterable[Task]) -> list[Task]:
+    """Tasks of several models as one list: the same task's weights add up."""
+    out: dict[str, Task] = {}
+    for t in tasks:
+        prev = out.get(t.key)
+        out[t.key] = t if prev is None else Task(t.problem, t.arch, t.version, prev.weight + t.weight,
+                                                 prev.nodes + t.nodes)
+    return sorted(out.values(), key=lambda t: (-t.weight, t.key))
+
+
+__all__ = ["Task", "merge", "model_tasks", "template_version"]
