@@ -23,13 +23,25 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="compute precision of fused groups")
 
 
+def _tune_progress(r: object) -> None:
+    """One line per finished trial on stderr: the task, its trials, its best time and the gain over the first."""
+    from onnx_gtco.tune.driver import TaskResult
+
+    assert isinstance(r, TaskResult)
+    best = f"{r.best_us:9.2f} us" if r.best_us is not None else "       -   "
+    gain = f"x{r.speedup:.2f}" if r.speedup else ""
+    print(f"tune  {r.task.describe():<70.70}  trials {r.trials:4d}  best {best} {gain}", file=sys.stderr)
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     from onnx_gtco import report
     from onnx_gtco.kernels.toolchain import BuildError
     from onnx_gtco.pipeline import optimize_file
 
     try:
-        result, out, rep = optimize_file(args.model, args.output, args.report, _config(args), build=args.build)
+        result, out, rep = optimize_file(args.model, args.output, args.report, _config(args), build=args.build,
+                                         tune_trials=args.tune_trials, storage=args.storage,
+                                         progress=_tune_progress if args.tune_trials else None)
     except BuildError as e:
         raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
                         "its library; it then runs its model-local functions)") from None
@@ -133,6 +145,12 @@ def parser() -> argparse.ArgumentParser:
                    "are built when nvcc is found, with a warning otherwise")
     b.add_argument("--cpu", dest="build", action="store_const", const="cpu",
                    help="build the library with the CPU kernels only, even when nvcc is found")
+    p.add_argument("--tune-trials", type=int, default=0, metavar="N",
+                   help="tune each kernel task up to N finished trials in the tuning storage (a task that has N "
+                   "already is not measured again); without a GPU measurer the analytical model measures")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage of the tuning records (default $GTCO_TUNE_STORAGE, else SQLite in the user "
+                   "cache); any Optuna RDB URL, e.g. postgresql://user@host/db; browse it with optuna-dashboard URL")
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
 

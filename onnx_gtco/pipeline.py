@@ -112,6 +112,9 @@ def optimize_file(
     report_path: str | os.PathLike[str] | None = None,
     config: GtcoConfig | None = None,
     build: str | None = None,
+    tune_trials: int = 0,
+    storage: str | None = None,
+    progress: Any = None,
 ) -> tuple[OptimizeResult, Path, Path]:
     """optimize() a file and write the model and its report atomically; nothing is written on error.
 
@@ -125,6 +128,11 @@ def optimize_file(
 
     A missing g++, the ORT headers not obtainable or a compiler error is a BuildError in every mode (the CLI says
     to pass --no-build); a library this call created is removed again when writing the model fails.
+
+    `tune_trials` > 0 tunes the fused nodes' kernels for the config's target first (onnx_gtco.tune, up to that many
+    finished trials per task in the tuning storage: `storage`, $GTCO_TUNE_STORAGE or SQLite in the user cache);
+    whenever the storage is there, the build uses its best configurations and the report gets a "tuning" entry.
+    `progress` is called with each tune.driver.TaskResult as trials finish.
     """
     out = Path(output) if output else default_output(model_path)
     rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
@@ -136,7 +144,16 @@ def optimize_file(
             raise OutputError(f"{p}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK):
             raise OutputError(f"{p}: directory {parent} is not writable")
+    if tune_trials < 0:
+        raise OutputError(f"tune_trials={tune_trials}: give a number of trials >= 0")
     result = optimize(model_path, config)
+    tuned = None
+    from onnx_gtco.tune import apply as tuning
+
+    if tuning.wanted(tune_trials, storage):
+        target = (config or GtcoConfig()).target
+        result.report["tuning"], tuned = tuning.tune_model(result.model, target, tune_trials, storage,
+                                                           progress=progress)
     created: Path | None = None
     if build is not None:
         from onnx_gtco.kernels.toolchain import BuildError, find_nvcc
@@ -151,7 +168,7 @@ def optimize_file(
             except BuildError as e:
                 result.warnings.append(f"{e}: the library has the CPU kernels only")
         out_dir = out.parent if str(out.parent) else Path(".")
-        lib = build_library(result.model, out_dir, cuda=cuda)
+        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned)
         created = lib.path if lib.created else None
         result.library = lib
         result.timings["build_s"] = lib.seconds

@@ -17,7 +17,7 @@ their own dtype only (no casts are fused in yet).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import Instance, Problem
@@ -88,14 +88,19 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
     return _with_flags(problem, **flags) if flags else problem
 
 
-def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str]) -> tuple[Instance, ...] | str:
-    """The node's instance for each of `archs`, or why it has none."""
+def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
+                     tuned: Mapping[str, Mapping[str, int]] | None = None) -> tuple[Instance, ...] | str:
+    """The node's instance for each of `archs`, or why it has none. `tuned` maps an arch to the configuration the
+    tuner found best for the node's task; one that does not fit the node's problem falls back to the default."""
     problem = device_problem(node, binding)
     if isinstance(problem, str):
         return problem
     out = []
     for arch in archs:
-        inst = _select(problem, arch)
+        config = (tuned or {}).get(arch)
+        inst = select_instance(problem, arch, config) if config and problem.family != ELEMENTWISE.name else None
+        if inst is None or isinstance(inst, str):
+            inst = _select(problem, arch)
         if isinstance(inst, str):
             return inst
         out.append(inst)

@@ -272,17 +272,19 @@ def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str]) 
         return list(pool.map(one, instances))
 
 
-def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str]
+def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
+                  tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None
                   ) -> tuple[dict[str, tuple[Instance, ...]], dict[str, str]]:
-    """Each bound node's instances for `archs`, and why the others have none. An op type runs on the device only
-    when all its nodes have instances, so a node whose sibling has none gets that as its reason."""
+    """Each bound node's instances for `archs` (from `tuned`: node -> arch -> configuration, where the tuner has
+    one), and why the others have none. An op type runs on the device only when all its nodes have instances, so a
+    node whose sibling has none gets that as its reason."""
     by_name = {n.node.name: n for n in nodes}
     found: dict[str, tuple[Instance, ...]] = {}
     why: dict[str, str] = {}
     for r in results:
         if r.binding is None:
             continue
-        got = device_instances(by_name[r.node], r.binding, archs)
+        got = device_instances(by_name[r.node], r.binding, archs, (tuned or {}).get(r.node))
         if isinstance(got, str):
             why[r.node] = got
         else:
@@ -297,13 +299,16 @@ def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
 
 
 def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cuda: bool,
-                  emulated: bool = False) -> LibraryResult:
+                  emulated: bool = False, tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None
+                  ) -> LibraryResult:
     """Build (or take from the cache) the model's custom-op library into out_dir (see the module docstring).
 
     Args:
         cuda: link the device kernels built with nvcc for CUDA_ARCHS and register them for the CUDA EP.
         emulated: instead, link them built for the CPU emulation and register them for the CPU EP (tests of the
             device path without a GPU; slow, small shapes only). Exclusive with `cuda`.
+        tuned: node name -> arch -> the tuner's best configuration (onnx_gtco.tune); other nodes and archs get
+            the family's default. A tuned instance that spills is a BuildError like any other.
 
     Raises:
         BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable.
@@ -317,7 +322,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     nodes = fused_nodes(model)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
-    device, kernel_skips = select_device(nodes, results, archs) if archs else ({}, {})
+    device, kernel_skips = select_device(nodes, results, archs, tuned) if archs else ({}, {})
     source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated)
     unique = {(i.name, i.arch): i for r in results if r.op_type in device_types and r.node in device
               for i in device[r.node]}  # nodes of the same problem share an instance

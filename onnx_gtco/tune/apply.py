@@ -1,0 +1,75 @@
+"""Tuning as a step of `optimize`: tune a rewritten model's tasks (or only look them up) and hand the build the best
+configuration of every node whose task the storage knows.
+
+The storage is consulted when tuning was asked for, when a storage was named, or when the default SQLite file
+exists; a plain `optimize` on a machine that never tuned opens nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from onnx_gtco.tune.driver import TaskResult, best_configs, tune
+from onnx_gtco.tune.search import STORAGE_ENV, AnalyticalMeasurer, Measurer, storage_url
+from onnx_gtco.tune.tasks import model_tasks
+
+Tuned = dict[str, dict[str, dict[str, int]]]
+"""node name -> arch -> configuration."""
+
+
+def _default_db() -> Path:
+    from onnx_gtco.kernels.toolchain import cache_root
+
+    return cache_root() / "tuning.db"
+
+
+def wanted(trials: int, storage: str | None) -> bool:
+    """Whether optimize should open the tuning storage at all."""
+    return trials > 0 or bool(storage) or bool(os.environ.get(STORAGE_ENV)) or _default_db().is_file()
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for reports and logs."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | None = None,
+               measurer: Measurer | None = None, patience: int = 20,
+               progress: Callable[[TaskResult], None] | None = None) -> tuple[dict[str, Any], Tuned]:
+    """Tune the model's tasks for `arch` up to `trials` finished trials each (0: only look up), then return the
+    report's "tuning" entry and the tuned configuration per node."""
+    measurer = measurer or AnalyticalMeasurer()
+    url = storage_url(storage)
+    tasks, skipped = model_tasks(model, arch)
+    results = tune(tasks, trials=trials, measurer=measurer, storage=url, patience=patience,
+                   progress=progress) if trials > 0 else []
+    best = best_configs(tasks, measurer.device, url)
+    tuned: Tuned = {}
+    for t in tasks:
+        if t.key in best:
+            for node in t.nodes:
+                tuned[node] = {arch: best[t.key][0]}
+    by_key = {r.task.key: r for r in results}
+    entries = []
+    for t in tasks:
+        r = by_key.get(t.key)
+        entry = r.to_json() if r else {"task": t.key, "describe": t.describe(), "weight": t.weight, "measured": 0}
+        if t.key in best:
+            entry["best_config"], entry["best_us"] = best[t.key]
+        entries.append(entry)
+    predicted = sum(t.weight * best[t.key][1] for t in tasks if t.key in best)
+    report = {"storage": redact(url), "measurer": measurer.name, "device": measurer.device, "arch": arch,
+              "trials_per_task": trials, "measured": sum(r.measured for r in results),
+              "tasks_found": len(best), "tasks": entries, "untuned": skipped,
+              "kernel_time_us": round(predicted, 3) if best else None}
+    return report, tuned
+
+
+__all__ = ["Tuned", "redact", "tune_model", "wanted"]
