@@ -1,4 +1,5 @@
-"""Command line: optimize | inspect | check | demo. Builds the GtcoConfig; maps GtcoError to one line and exit 2."""
+"""Command line: optimize | inspect | check | demo | tune-worker. Builds the GtcoConfig; maps GtcoError to one line and
+exit 2."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
 from onnx_gtco.errors import GtcoError
@@ -33,6 +35,19 @@ def _tune_progress(r: object) -> None:
     print(f"tune  {r.task.describe():<70.70}  trials {r.trials:4d}  best {best} {gain}", file=sys.stderr)
 
 
+def cmd_tune_worker(args: argparse.Namespace) -> int:
+    from onnx_gtco.tune.search import AnalyticalMeasurer
+    from onnx_gtco.tune.worker import work
+
+    def line(task: Any, record: Any) -> None:
+        print(f"trial {record.number:>4}  {task.describe()}  {record.value}", file=sys.stderr)
+
+    ran = work(args.storage, AnalyticalMeasurer(), keys=set(args.task) if args.task else None,
+               patience=args.patience, progress=line)
+    print(f"tune-worker: {ran} trials")
+    return EXIT_OK
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     from onnx_gtco import report
     from onnx_gtco.kernels.toolchain import BuildError
@@ -40,7 +55,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     try:
         result, out, rep = optimize_file(args.model, args.output, args.report, _config(args), build=args.build,
-                                         tune_trials=args.tune_trials, storage=args.storage,
+                                         tune_trials=args.tune_trials, storage=args.storage, workers=args.workers,
                                          progress=_tune_progress if args.tune_trials else None)
     except BuildError as e:
         raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
@@ -151,8 +166,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage of the tuning records (default $GTCO_TUNE_STORAGE, else SQLite in the user "
                    "cache); any Optuna RDB URL, e.g. postgresql://user@host/db; browse it with optuna-dashboard URL")
+    p.add_argument("--workers", type=int, default=1, metavar="K",
+                   help="tune with K processes sharing the storage (K - 1 tune-worker processes beside this one)")
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser("tune-worker", help="run tuning trials of a shared storage's open studies until none is open")
+    p.add_argument("--storage", required=True, metavar="URL", help="the Optuna storage the studies are in")
+    p.add_argument("--patience", type=int, default=20, help="early stop a task after this many trials without gain")
+    p.add_argument("--task", action="append", default=None, metavar="KEY", help="only this task (repeatable)")
+    p.set_defaults(func=cmd_tune_worker)
 
     p = sub.add_parser("inspect", help="print the fusion plan without writing anything")
     p.add_argument("model")

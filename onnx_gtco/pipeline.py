@@ -114,6 +114,7 @@ def optimize_file(
     build: str | None = None,
     tune_trials: int = 0,
     storage: str | None = None,
+    workers: int = 1,
     progress: Any = None,
 ) -> tuple[OptimizeResult, Path, Path]:
     """optimize() a file and write the model and its report atomically; nothing is written on error.
@@ -132,7 +133,8 @@ def optimize_file(
     `tune_trials` > 0 tunes the fused nodes' kernels for the config's target first (onnx_gtco.tune, up to that many
     finished trials per task in the tuning storage: `storage`, $GTCO_TUNE_STORAGE or SQLite in the user cache);
     whenever the storage is there, the build uses its best configurations and the report gets a "tuning" entry.
-    `progress` is called with each tune.driver.TaskResult as trials finish.
+    `workers` > 1 runs that many tuning processes on the storage. `progress` is called with each
+    tune.driver.TaskResult as trials finish.
     """
     out = Path(output) if output else default_output(model_path)
     rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
@@ -146,6 +148,8 @@ def optimize_file(
             raise OutputError(f"{p}: directory {parent} is not writable")
     if tune_trials < 0:
         raise OutputError(f"tune_trials={tune_trials}: give a number of trials >= 0")
+    if workers < 1:
+        raise OutputError(f"workers={workers}: give at least 1")
     result = optimize(model_path, config)
     tuned = None
     from onnx_gtco.tune import apply as tuning
@@ -153,7 +157,7 @@ def optimize_file(
     if tuning.wanted(tune_trials, storage):
         target = (config or GtcoConfig()).target
         result.report["tuning"], tuned = tuning.tune_model(result.model, target, tune_trials, storage,
-                                                           progress=progress)
+                                                           workers=workers, progress=progress)
     created: Path | None = None
     if build is not None:
         from onnx_gtco.kernels.toolchain import BuildError, find_nvcc

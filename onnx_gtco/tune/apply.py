@@ -41,14 +41,14 @@ def redact(url: str) -> str:
 
 
 def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | None = None,
-               measurer: Measurer | None = None, patience: int = 20,
+               measurer: Measurer | None = None, patience: int = 20, workers: int = 1,
                progress: Callable[[TaskResult], None] | None = None) -> tuple[dict[str, Any], Tuned]:
     """Tune the model's tasks for `arch` up to `trials` finished trials each (0: only look up), then return the
     report's "tuning" entry and the tuned configuration per node."""
     measurer = measurer or AnalyticalMeasurer()
     url = storage_url(storage)
     tasks, skipped = model_tasks(model, arch)
-    results = tune(tasks, trials=trials, measurer=measurer, storage=url, patience=patience,
+    results = tune(tasks, trials=trials, measurer=measurer, storage=url, patience=patience, workers=workers,
                    progress=progress) if trials > 0 else []
     best = best_configs(tasks, measurer.device, url)
     tuned: Tuned = {}

@@ -13,13 +13,12 @@ from dataclasses import dataclass
 
 import optuna
 
-from onnx_gtco.tune.scheduler import Curve, Policy, next_task, stopped
+from onnx_gtco.tune.scheduler import Curve, Policy, stopped
 from onnx_gtco.tune.search import (
     Measurer,
     best,
     finished,
     open_storage,
-    run_trial,
     storage_url,
     study_for,
     study_name,
@@ -86,25 +85,51 @@ def _result(task: Task, study: optuna.Study, measured: int, stop: str) -> TaskRe
 
 
 def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str | None = None,
-         patience: int = 20, seed: int = 0,
+         patience: int = 20, seed: int = 0, workers: int = 1,
          progress: Callable[[TaskResult], None] | None = None) -> list[TaskResult]:
-    """Tune `tasks` (see the module docstring). `progress` is called after every measured trial."""
+    """Tune `tasks` (see the module docstring): their studies get the budget, then this process and `workers` - 1
+    tune-worker processes (analytical measurer only) run trials until every task has stopped. `progress` is
+    called after each trial this process runs."""
+    from onnx_gtco.tune.worker import prepare, spawn, work
+
     if trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are recorded with their reasons
-    store = open_storage(storage_url(storage))
-    policy = Policy(limit=trials, patience=patience)
-    studies = [study_for(t, store, measurer.device, seed) for t in tasks]
-    curves = [_curve(s, t.weight) for s, t in zip(studies, tasks, strict=True)]
-    measured = [0] * len(tasks)
-    while (i := next_task(curves, policy)) is not None:
-        record = run_trial(studies[i], tasks[i], measurer)
-        measured[i] += 1
-        curves[i].times.append(record.value if record.state == optuna.trial.TrialState.COMPLETE else None)
+    url = storage_url(storage)
+    prepare(list(tasks), trials, url, measurer.device, seed)
+    store = open_storage(url)
+    studies = {t.key: study_for(t, store, measurer.device, seed) for t in tasks}
+    before = {k: len(finished(s)) for k, s in studies.items()}
+    by_key = {t.key: t for t in tasks}
+    keys = set(studies)
+    if workers > 1 and measurer.name != "analytical":
+        raise ValueError("extra worker processes measure with the analytical model only")
+    procs = spawn(url, workers - 1, keys, patience) if workers > 1 else []
+
+    def report(task: Task, record: optuna.trial.FrozenTrial) -> None:
+        del record
         if progress is not None:
-            progress(_result(tasks[i], studies[i], measured[i], ""))
-    return [_result(t, s, m, stopped(c, policy) or "") for t, s, m, c in zip(tasks, studies, measured, curves,
-                                                                              strict=True)]
+            progress(_result(by_key[task.key], studies[task.key], len(finished(studies[task.key])) -
+                             before[task.key], ""))
+
+    try:
+        work(url, measurer, keys=keys, patience=patience, progress=report)
+    finally:
+        errors = []
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
+    if errors:
+        raise RuntimeError(f"tune-worker failed: {errors[0]}")
+    policy = Policy(limit=trials, patience=patience)
+    out = []
+    for t in tasks:
+        s = studies[t.key]
+        out.append(_result(t, s, len(finished(s)) - before[t.key], stopped(_curve(s, t.weight), policy) or ""))
+    return out
 
 
 def best_configs(tasks: Sequence[Task], device: str, storage: str | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from onnx_gtco.tune.analytical import estimate_us
 from onnx_gtco.tune.tasks import Task
 
 STORAGE_ENV = "GTCO_TUNE_STORAGE"
+DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement sleeps (tests of workers only)
 SEEDS = 3          # analytical guesses enqueued per study
 HEARTBEAT_S = 2    # a running trial proves its worker alive this often
 ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "timeout")
@@ -89,6 +91,9 @@ class AnalyticalMeasurer:
 
     def measure(self, task: Task, config: Mapping[str, int]) -> Measurement:
         self.calls += 1
+        delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+        if delay > 0:  # test hook: a measurement that takes time, so tests can kill a worker mid-trial
+            time.sleep(delay)
         return Measurement(estimate_us(task.problem, config, task.arch), 0.0, runs=1)
 
     def environment(self) -> dict[str, str]:
@@ -139,7 +144,7 @@ def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
-def run_trial(study: optuna.Study, task: Task, measurer: Measurer) -> optuna.trial.FrozenTrial:
+def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str = "") -> optuna.trial.FrozenTrial:
     """Run one trial (through Study.optimize, which keeps its heartbeat): suggest a configuration, reject it
     unmeasured when invalid, else measure it. A failed trial returns NaN, which Optuna records as FAIL; the user
     attributes say why (error_kind, error)."""
@@ -147,6 +152,8 @@ def run_trial(study: optuna.Study, task: Task, measurer: Measurer) -> optuna.tri
 
     def objective(trial: optuna.Trial) -> float:
         numbers.append(trial.number)
+        if worker:
+            trial.set_user_attr("worker", worker)
         config = {k: trial.suggest_categorical(k, v) for k, v in _space(task).items()}
         for k, v in measurer.environment().items():
             trial.set_user_attr(k, v)
