@@ -36,13 +36,13 @@ def _tune_progress(r: object) -> None:
 
 
 def cmd_tune_worker(args: argparse.Namespace) -> int:
-    from onnx_gtco.tune.search import AnalyticalMeasurer
+    from onnx_gtco.tune.apply import pick_measurer
     from onnx_gtco.tune.worker import work
 
     def line(task: Any, record: Any) -> None:
         print(f"trial {record.number:>4}  {task.describe()}  {record.value}", file=sys.stderr)
 
-    ran = work(args.storage, AnalyticalMeasurer(), keys=set(args.task) if args.task else None,
+    ran = work(args.storage, pick_measurer(), keys=set(args.task) if args.task else None,
                patience=args.patience, progress=line)
     print(f"tune-worker: {ran} trials")
     return EXIT_OK

@@ -40,12 +40,21 @@ def redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+def pick_measurer() -> Measurer:
+    """The GPU measurer when CuPy sees a CUDA device, else the analytical model."""
+    from onnx_gtco.tune.gpu import GpuMeasurer, gpu_available
+
+    return GpuMeasurer() if gpu_available() else AnalyticalMeasurer()
+
+
 def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | None = None,
                measurer: Measurer | None = None, patience: int = 20, workers: int = 1,
                progress: Callable[[TaskResult], None] | None = None) -> tuple[dict[str, Any], Tuned]:
     """Tune the model's tasks for `arch` up to `trials` finished trials each (0: only look up), then return the
-    report's "tuning" entry and the tuned configuration per node."""
-    measurer = measurer or AnalyticalMeasurer()
+    report's "tuning" entry and the tuned configuration per node. The measurer defaults to pick_measurer(); a GPU
+    measurer tunes for its GPU's arch instead of `arch`."""
+    measurer = measurer or pick_measurer()
+    arch = getattr(measurer, "arch", arch)  # a GPU measurer tunes for the GPU it has
     url = storage_url(storage)
     tasks, skipped = model_tasks(model, arch)
     results = tune(tasks, trials=trials, measurer=measurer, storage=url, patience=patience, workers=workers,
@@ -72,4 +81,4 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
     return report, tuned
 
 
-__all__ = ["Tuned", "redact", "tune_model", "wanted"]
+__all__ = ["Tuned", "pick_measurer", "redact", "tune_model", "wanted"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,6 +76,10 @@ def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, pati
     ran = 0
     while True:
         for o in studies:  # other workers add trials: refresh every curve
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                # a dead worker's trial must not hold its slot: fail it (and re-enqueue it) before counting
+                optuna.storages.fail_stale_trials(o.study)
             done = sorted(finished(o.study), key=lambda t: t.number)
             o.curve.times = [t.value if t.state == optuna.trial.TrialState.COMPLETE else None for t in done]
         open_ = [o for o in studies

@@ -1,0 +1,69 @@
+"""The GPU measurer: its compile step (nvcc, the ptxas report as error kinds) runs wherever nvcc is; launching,
+checking and timing need a GPU with CuPy."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.gemm import FAMILY as GEMM
+from onnx_gtco.kernels.gemm import gemm_problem
+from onnx_gtco.tune.gpu import GpuMeasurer, gpu_available, shared_library
+from onnx_gtco.tune.search import Measurement, analytical_guesses
+from onnx_gtco.tune.tasks import Task, template_version
+
+nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to compile instances")
+PROBLEM = gemm_problem("f16", 1, 197, 768, 768, bias=True, activation="gelu_erf")
+CONFIG = {"BM": 64, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3, "VEC": 1}
+
+_SPILL = """
+__global__ void gtco_fake_stack(float* p, int i) {
+    float a[256];
+    for (int j = 0; j < 256; ++j) a[j] = p[j];
+    p[0] = a[i];
+}
+extern "C" __attribute__((visibility("default"))) int gtco_fake(const void*, void*) { return 0; }
+"""
+
+
+@nvcc
+def test_compile_step_gives_a_library_or_the_error_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GTCO_CACHE_DIR", str(tmp_path))
+    inst = GEMM.instantiate(PROBLEM, CONFIG, "sm_90")
+    lib = shared_library(inst)
+    assert isinstance(lib, Path) and lib.is_file() and lib.stat().st_size > 0
+    spill = replace(inst, name="fake_spill", symbol="gtco_fake", source=_SPILL)
+    got = shared_library(spill)
+    assert isinstance(got, Measurement) and got.error_kind == "resource" and "stack frame" in got.detail
+    broken = replace(inst, name="fake_broken", source=inst.source + "\nthis is not C++;\n")
+    got = shared_library(broken)
+    assert isinstance(got, Measurement) and got.error_kind == "compile"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_gpu_measurer_times_checks_and_rejects_wrong_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = GpuMeasurer()
+    task = Task(PROBLEM, m.arch, template_version())
+    best = analytical_guesses(task)[0]
+    good = m.measure(task, best)
+    assert good.error_kind is None and good.median_us and good.median_us > 0 and good.runs >= 20
+    assert m.environment()["gpu"] == m.device and m.environment()["driver"]
+    # a kernel that adds the bias twice is a wrong answer, not a fast one
+    from onnx_gtco.tune import gpu as gpu_mod
+
+    real = gpu_mod.FAMILIES["gemm"]
+
+    class Faulty(type(real)):  # type: ignore[misc]
+        def instantiate(self, problem: Problem, config, arch: str):
+            inst = real.instantiate(problem, config, arch)
+            return replace(inst, name=inst.name + "_fault",
+                           source="#define GTCO_GEMM_TEST_FAULT 1\n" + inst.source)
+
+    monkeypatch.setitem(gpu_mod.FAMILIES, "gemm", Faulty())
+    bad = m.measure(task, best)
+    assert bad.error_kind == "wrong_answer", bad
