@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,24 +50,51 @@ class OptimizeResult:
     warnings: list[str] = field(default_factory=list)
 
 
+def measured_cost(view: GraphView, config: GtcoConfig, cost: Any, measured_us: Mapping[str, float]) -> Any:
+    """`cost` with a fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task
+    key -> microseconds on the target GPU); the analytical estimate everywhere else."""
+    from onnx_gtco.ir.rewrite import fused_node
+    from onnx_gtco.tune.tasks import node_task, template_version
+
+    version = template_version()
+
+    def shape_of(name: str) -> tuple | None:
+        info = view.info(name)
+        return tuple(info.shape) if info is not None and info.shape is not None else None
+
+    def c(cand: Candidate) -> float:
+        if cand.fused:
+            task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version)
+            if not isinstance(task, str) and task.key in measured_us:
+                return float(measured_us[task.key])
+        return float(cost(cand))
+
+    return c
+
+
 def plan_model(
-    model: onnx.ModelProto, config: GtcoConfig
+    model: onnx.ModelProto, config: GtcoConfig, measured_us: Mapping[str, float] | None = None
 ) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any]:
-    """Match the rules, cost the candidates and run the DP on a loaded model."""
+    """Match the rules, cost the candidates and run the DP on a loaded model. With `measured_us` (tuning task key ->
+    measured kernel time), the DP costs those groups by their measurements; the returned cost is the analytical
+    one either way (the report's "predicted")."""
     view = GraphView(model)
     candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
     cost = cost_fn(view, config)
-    plan = dp_plan(view, candidates, cost, config.max_states)
+    dp_cost = measured_cost(view, config, cost, measured_us) if measured_us else cost
+    plan = dp_plan(view, candidates, dp_cost, config.max_states)
     return view, candidates, rejects, plan, cost
 
 
-def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig | None = None
-             ) -> OptimizeResult:
+def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig | None = None,
+             measured_us: Mapping[str, float] | None = None) -> OptimizeResult:
     """Plan and rewrite a model in memory.
 
     Args:
         model_or_path: a ModelProto or a path to an .onnx file (external data resolved beside it).
         config: the run's configuration; defaults to GtcoConfig.from_env().
+        measured_us: tuning task key -> measured kernel time (us) on the target GPU: the DP plans those groups
+            with their measurements (plan_model).
 
     Returns:
         OptimizeResult with the rewritten model and its report.
@@ -78,7 +106,7 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
     t0 = time.perf_counter()
     model = load_model(model_or_path)
     t1 = time.perf_counter()
-    view, candidates, rejects, plan, cost = plan_model(model, config)
+    view, candidates, rejects, plan, cost = plan_model(model, config, measured_us)
     t2 = time.perf_counter()
     new_model, names = rewrite(view, plan, config.precision)
     new_model.metadata_props.extend([
@@ -92,6 +120,16 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
         model_or_path.graph.name or "model")
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
                                   source)
+    if measured_us:
+        dp_cost = measured_cost(view, config, cost, measured_us)
+        measured_groups = 0
+        for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):
+            t = dp_cost(cand)
+            if t != cost(cand):
+                g["measured_us"] = round(t, 4)
+                measured_groups += 1
+        rep["plan_costs"] = f"measured kernel times for {measured_groups} groups, the analytical model elsewhere"
+        rep["planned_us_after"] = round(plan.cost_us, 3)
     timings = {"load_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
     return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings)
 
@@ -116,6 +154,7 @@ def optimize_file(
     storage: str | None = None,
     workers: int = 1,
     progress: Any = None,
+    measurer: Any = None,
 ) -> tuple[OptimizeResult, Path, Path]:
     """optimize() a file and write the model and its report atomically; nothing is written on error.
 
@@ -134,7 +173,9 @@ def optimize_file(
     finished trials per task in the tuning storage: `storage`, $GTCO_TUNE_STORAGE or SQLite in the user cache);
     whenever the storage is there, the build uses its best configurations and the report gets a "tuning" entry.
     `workers` > 1 runs that many tuning processes on the storage. `progress` is called with each
-    tune.driver.TaskResult as trials finish.
+    tune.driver.TaskResult as trials finish. `measurer` overrides tune.apply.pick_measurer(). When the measurer
+    measures real kernels (not the analytical model), the model is planned again with the measured times of its
+    tuned groups and the build uses the new plan.
     """
     out = Path(output) if output else default_output(model_path)
     rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
@@ -156,8 +197,15 @@ def optimize_file(
 
     if tuning.wanted(tune_trials, storage):
         target = (config or GtcoConfig()).target
-        result.report["tuning"], tuned = tuning.tune_model(result.model, target, tune_trials, storage,
-                                                           workers=workers, progress=progress)
+        report_t, tuned = tuning.tune_model(result.model, target, tune_trials, storage, measurer=measurer,
+                                            workers=workers, progress=progress)
+        measured = tuning.measured_costs(report_t)
+        if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
+            result = optimize(model_path, config, measured_us=measured)
+            report_t2, tuned = tuning.tune_model(result.model, target, 0, storage, measurer=measurer)
+            report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
+                        "replanned": True}
+        result.report["tuning"] = report_t
     created: Path | None = None
     if build is not None:
         from onnx_gtco.kernels.toolchain import BuildError, find_nvcc

@@ -53,6 +53,18 @@ def node_attributes(cand: Candidate, precision: str) -> list[onnx.AttributeProto
     return sorted(out, key=lambda a: a.name)
 
 
+def fused_node(view: GraphView, cand: Candidate, precision: str) -> onnx.NodeProto:
+    """The `ai.gtco` node a fused candidate becomes (its function's overload is set by rewrite)."""
+    inputs = view.external_inputs(cand.nodes)
+    outputs = view.external_outputs(cand.nodes)
+    dtype = FLOAT_TYPES[group_dtype(view, cand.nodes)]  # type: ignore[index]
+    first = view.nodes[min(cand.nodes)].name
+    node = helper.make_node(op_type(cand.family, dtype), list(inputs), list(outputs),
+                            name=f"gtco/{cand.family}/{first}", domain=DOMAIN)
+    node.attribute.extend(node_attributes(cand, precision))
+    return node
+
+
 def _function(
     view: GraphView, cand: Candidate, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
     attr_names: Iterable[str], opsets: list[onnx.OperatorSetIdProto],
@@ -102,17 +114,10 @@ def rewrite(view: GraphView, plan: Plan, precision: str = "fp32") -> tuple[onnx.
         if not cand.fused:
             nodes.append(graph.node[next(iter(cand.nodes))])
             continue
-        inputs = view.external_inputs(cand.nodes)
-        outputs = view.external_outputs(cand.nodes)
-        dtype = FLOAT_TYPES[group_dtype(view, cand.nodes)]  # type: ignore[index]
-        attrs = node_attributes(cand, precision)
-        fname = op_type(cand.family, dtype)
-        fn = _function(view, cand, fname, inputs, outputs, [a.name for a in attrs], opsets)
+        node = fused_node(view, cand, precision)
+        fname, inputs, outputs = node.op_type, tuple(node.input), tuple(node.output)
+        fn = _function(view, cand, fname, inputs, outputs, [a.name for a in node.attribute], opsets)
         functions.setdefault((fname, fn.overload), fn)
-        first = view.nodes[min(cand.nodes)].name
-        node = helper.make_node(fname, list(inputs), list(outputs), name=f"gtco/{cand.family}/{first}",
-                                domain=DOMAIN)
-        node.attribute.extend(attrs)
         node.overload = fn.overload
         nodes.append(node)
         names.append(node.name)

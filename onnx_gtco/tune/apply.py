@@ -40,6 +40,14 @@ def redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+def measured_costs(report: dict[str, Any]) -> dict[str, float]:
+    """Task key -> best kernel time from a tuning report, when its measurer measured real kernels (the analytical
+    model's times are predictions, which the planner's own cost model already makes)."""
+    if report.get("measurer") == AnalyticalMeasurer.name:
+        return {}
+    return {e["task"]: float(e["best_us"]) for e in report["tasks"] if e.get("best_us") is not None}
+
+
 def pick_measurer() -> Measurer:
     """The GPU measurer when CuPy sees a CUDA device, else the analytical model."""
     from onnx_gtco.tune.gpu import GpuMeasurer, gpu_available
@@ -81,4 +89,4 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
     return report, tuned
 
 
-__all__ = ["Tuned", "pick_measurer", "redact", "tune_model", "wanted"]
+__all__ = ["Tuned", "measured_costs", "pick_measurer", "redact", "tune_model", "wanted"]

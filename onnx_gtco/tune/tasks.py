@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import onnx
@@ -56,13 +56,21 @@ def template_version() -> str:
     return headers_digest()[:12]
 
 
-def _rows(node: onnx.NodeProto, shapes: dict[str, tuple]) -> int:
-    """Rows a row-wise node runs at: its first input's elements over the last dim (symbolic dims as 1)."""
-    shape = shapes.get(node.input[0]) if node.input else None
-    if not shape:
-        return 1
-    dims = [d if isinstance(d, int) and d > 0 else 1 for d in shape]
-    return max(1, math.prod(dims[:-1]))
+def node_task(node: onnx.NodeProto, shape_of: Callable[[str], tuple | None], arch: str, version: str
+              ) -> Task | str:
+    """The task of one fused node (weight 1), or why it has none. `shape_of` gives a tensor's shape (ints, or
+    strings for symbolic dims; None when unknown): the run-time rows of a row-wise node come from its first
+    input, a symbolic dim counting as 1."""
+    problem = node_problem(node)
+    if isinstance(problem, str):
+        return problem
+    if problem.family in ("layernorm", "softmax"):
+        shape = shape_of(node.input[0]) if node.input else None
+        dims = [d if isinstance(d, int) and d > 0 else 1 for d in (shape or ())]
+        rows = max(1, math.prod(dims[:-1])) if dims else 1
+        problem = Problem.make(problem.family, problem.dtype, dict(problem.sizes) | {"rows": rows},
+                               dict(problem.flags))
+    return Task(problem, arch, version, 1, (node.name,))
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
@@ -79,22 +87,19 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
 def model_tasks(model: onnx.ModelProto, arch: str) -> tuple[list[Task], dict[str, str]]:
     """The tasks of a rewritten model's fused nodes for `arch`, heaviest first, and why the others have none."""
     shapes = _shapes(model)
-    found: dict[tuple, Task] = {}
+    found: dict[str, Task] = {}
     skipped: dict[str, str] = {}
     version = template_version()
     for node in model.graph.node:
         if node.domain != "ai.gtco":
             continue
-        problem = node_problem(node)
-        if isinstance(problem, str):
-            skipped[node.name] = problem
+        task = node_task(node, shapes.get, arch, version)
+        if isinstance(task, str):
+            skipped[node.name] = task
             continue
-        if problem.family in ("layernorm", "softmax"):
-            sizes = dict(problem.sizes) | {"rows": _rows(node, shapes)}
-            problem = Problem.make(problem.family, problem.dtype, sizes, dict(problem.flags))
-        prev = found.get((problem, arch))
-        found[(problem, arch)] = Task(problem, arch, version, (prev.weight if prev else 0) + 1,
-                                      (prev.nodes if prev else ()) + (node.name,))
+        prev = found.get(task.key)
+        found[task.key] = task if prev is None else Task(task.problem, arch, version, prev.weight + 1,
+                                                         prev.nodes + task.nodes)
     tasks = sorted(found.values(), key=lambda t: (-t.weight, t.key))
     return tasks, skipped
 
@@ -109,4 +114,4 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
     return sorted(out.values(), key=lambda t: (-t.weight, t.key))
 
 
-__all__ = ["Task", "merge", "model_tasks", "template_version"]
+__all__ = ["Task", "merge", "model_tasks", "node_task", "template_version"]

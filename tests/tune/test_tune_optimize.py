@@ -86,3 +86,46 @@ def test_build_launches_the_tuned_configuration(tmp_path: Path) -> None:
                                        tuned={node.node.name: {"sm_80": other}}).path)
     want = FAMILIES["softmax"].instantiate(problem, other, "sm_80").name
     assert tuned["instances"][node.node.name] == [want] != plain["instances"][node.node.name]
+
+
+class SlowGemmGpu:
+    """A stand-in for a real measurer (not the analytical model): GEMM kernels measure very slow, the rest fast."""
+
+    name = "synthetic-gpu"
+    device = "synthetic GPU"
+
+    def measure(self, task, config):
+        from onnx_gtco.tune.search import Measurement
+
+        return Measurement(1e6 if task.problem.family == "gemm" else 0.5, runs=20)
+
+    def environment(self) -> dict[str, str]:
+        return {"measurer": self.name, "gpu": self.device}
+
+
+def test_measured_kernel_times_replan_the_model(tmp_path: Path) -> None:
+    """With real measurements the DP plans again: GEMM groups measured far slower than their unfused nodes are
+    dropped, and the report shows the measured next to the predicted time."""
+    from onnx_gtco.pipeline import optimize_file
+
+    src = tmp_path / "vit.onnx"
+    onnx.save(build("vit-tiny", depth=1), str(src))
+    config = GtcoConfig(precision="fp16")
+    plain = optimize(str(src), config)
+    result, _, _ = optimize_file(src, tmp_path / "out.onnx", None, config, build=None, tune_trials=2,
+                                 storage=f"sqlite:///{tmp_path / 's.db'}", measurer=SlowGemmGpu())
+    rep = result.report
+    assert rep["tuning"]["replanned"] is True and rep["tuning"]["measured"] > 0
+    assert rep["plan_costs"].startswith("measured kernel times for ")
+
+    # no multi-node GEMM group measured slow survives: the DP covers those nodes another way (unfused, or groups
+    # of other shapes that were not measured). A single-node group is the DP's only choice for its node (it has no
+    # unfused alternative), so it stays whatever it measured; the fast measured groups stay, with both times.
+    slow = {e["task"] for e in rep["tuning"]["tasks_tuned_first_plan"] if e["best_us"] == 1e6}
+    survivors = [g for g in rep["groups"] if g.get("measured_us") == 1e6]
+    assert slow and len(survivors) < len(slow)
+    assert all(len(g["nodes"]) == 1 for g in survivors), survivors
+    assert [n.op_type for n in result.model.graph.node] != [n.op_type for n in plain.model.graph.node]
+    measured = [g for g in rep["groups"] if "measured_us" in g]
+    assert measured and all(g["measured_us"] in (0.5, 1e6) and g["predicted_us"] != g["measured_us"]
+                            for g in measured)
