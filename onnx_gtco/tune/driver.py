@@ -8,7 +8,7 @@ best has not improved for `patience` trials, and returns what each task reached.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import optuna
@@ -85,9 +85,10 @@ def _result(task: Task, study: optuna.Study, measured: int, stop: str) -> TaskRe
 
 
 def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str | None = None,
-         patience: int = 20, seed: int = 0, workers: int = 1,
+         patience: int = 20, seed: int = 0, workers: int = 1, targets: Mapping[str, float] | None = None,
          progress: Callable[[TaskResult], None] | None = None) -> list[TaskResult]:
-    """Tune `tasks` (see the module docstring): their studies get the budget, then this process and `workers` - 1
+    """Tune `tasks` (see the module docstring; `targets`: task key -> a time in us at which the task stops): their
+    studies get the budget, then this process and `workers` - 1
     tune-worker processes (analytical measurer only) run trials until every task has stopped. `progress` is
     called after each trial this process runs."""
     from onnx_gtco.tune.worker import prepare, spawn, work
@@ -98,7 +99,7 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
         raise ValueError(f"workers must be >= 1, got {workers}")
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are recorded with their reasons
     url = storage_url(storage)
-    prepare(list(tasks), trials, url, measurer.device, seed)
+    prepare(list(tasks), trials, url, measurer.device, seed, targets)
     store = open_storage(url)
     studies = {t.key: study_for(t, store, measurer.device, seed) for t in tasks}
     before = {k: len(finished(s)) for k, s in studies.items()}
@@ -128,7 +129,9 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
     out = []
     for t in tasks:
         s = studies[t.key]
-        out.append(_result(t, s, len(finished(s)) - before[t.key], stopped(_curve(s, t.weight), policy) or ""))
+        curve = _curve(s, t.weight)
+        curve.target = (targets or {}).get(t.key)
+        out.append(_result(t, s, len(finished(s)) - before[t.key], stopped(curve, policy) or ""))
     return out
 
 

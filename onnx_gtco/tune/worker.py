@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import optuna
@@ -35,13 +35,17 @@ def task_of(attrs: dict) -> Task:
     return Task(problem, a["arch"], a["version"], int(attrs.get("weight", 1)))
 
 
-def prepare(tasks: list[Task], trials: int, storage: str, device: str, seed: int = 0) -> None:
-    """Create (or update) the studies of `tasks` with their budget and weight, so that workers can take them."""
+def prepare(tasks: list[Task], trials: int, storage: str, device: str, seed: int = 0,
+            targets: Mapping[str, float] | None = None) -> None:
+    """Create (or update) the studies of `tasks` with their budget, weight and optional target time (task key ->
+    microseconds: the task stops once its best reaches it), so that workers can take them."""
     store = open_storage(storage)
     for t in tasks:
         s = study_for(t, store, device, seed)
         s.set_user_attr("trials", int(trials))
         s.set_user_attr("weight", int(t.weight))
+        if targets and t.key in targets:
+            s.set_user_attr("target_us", float(targets[t.key]))
 
 
 @dataclass
@@ -72,7 +76,9 @@ def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, pati
         if study_name(task, measurer.device) != name or (keys is not None and task.key not in keys):
             continue  # another template version's study (its key no longer matches), or not asked for
         study = optuna.load_study(study_name=name, storage=store)
-        studies.append(_Open(study, task, Curve(task.weight), int(summary.user_attrs["trials"])))
+        target = summary.user_attrs.get("target_us")
+        studies.append(_Open(study, task, Curve(task.weight, target=None if target is None else float(target)),
+                             int(summary.user_attrs["trials"])))
     ran = 0
     while True:
         for o in studies:  # other workers add trials: refresh every curve

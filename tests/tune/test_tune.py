@@ -160,3 +160,11 @@ def test_tune_with_synthetic_curves(vit_b: onnx.ModelProto, tmp_path: Path) -> N
                                           storage=f"sqlite:///{tmp_path / 's.db'}")}
     assert results[light.key].stop == "early stop"
     assert results[heavy.key].measured > results[light.key].measured
+
+
+def test_a_task_stops_at_its_target(vit_b: onnx.ModelProto, tmp_path: Path) -> None:
+    task = model_tasks(vit_b, "sm_90")[0][0]
+    meas = Synthetic({task.key: lambda n: 100.0 / n})
+    (r,) = tune([task], trials=50, measurer=meas, patience=50, targets={task.key: 20.0},
+                storage=f"sqlite:///{tmp_path / 't.db'}")
+    assert r.stop == "target reached" and r.best_us is not None and r.best_us <= 20.0 and r.trials < 50
