@@ -43,8 +43,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[str]:
-    """A PostgreSQL server on loopback for this module; its URL. As root the server runs as the postgres user
-    (postgres refuses to run as root)."""
+    """A fresh database for this module: on the server .ci/run started ($GTCO_TEST_POSTGRES), else on a server
+    started here on loopback (as the postgres user under root: postgres refuses to run as root). Its URL."""
+    server = os.environ.get("GTCO_TEST_POSTGRES")
+    if server:
+        yield from _fresh_database(server)
+        return
     bindir = _pg_bin()
     if bindir is None:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed; .ci/run installs them")
@@ -67,6 +71,24 @@ def postgres() -> Iterator[str]:
         subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-w", "-m", "immediate", "stop"],
                        capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _fresh_database(server: str) -> Iterator[str]:
+    import psycopg2
+    from sqlalchemy.engine import make_url
+
+    url = make_url(server)
+    name = f"gtco_test_{os.getpid()}_{int(time.time() * 1000)}"
+    conn = psycopg2.connect(host=url.host, port=url.port, user=url.username, dbname=url.database or "postgres")
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"CREATE DATABASE {name}")
+        yield url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.close()
 
 
 @pytest.fixture(scope="module")
