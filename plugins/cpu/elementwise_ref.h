@@ -9,9 +9,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "gtco/args.h"
+#include "gtco/half_bits.h"
 
 namespace gtco {
 namespace ref {
@@ -29,60 +29,14 @@ struct bf16 {
     uint16_t bits;
 };
 
-inline uint32_t f32_bits(float f) {
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    return x;
-}
-
-inline float bits_f32(uint32_t x) {
-    float f;
-    std::memcpy(&f, &x, 4);
-    return f;
-}
-
-// IEEE binary32 -> binary16, round to nearest, ties to even (subnormals, infinities, NaN kept quiet), as
-// __float2half_rn and the emulation's stand-in (plugins/emu/gtco_emu.h) round.
-inline uint16_t f32_to_f16_bits(float f) {
-    const uint32_t x = f32_bits(f);
-    const uint32_t sign = (x >> 16) & 0x8000u;
-    const uint32_t exp = (x >> 23) & 0xffu;
-    uint32_t man = x & 0x7fffffu;
-    if (exp == 0xffu) return static_cast<uint16_t>(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0u));
-    const int e = static_cast<int>(exp) - 127 + 15;
-    if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
-    if (e <= 0) {
-        if (e < -10) return static_cast<uint16_t>(sign);
-        man |= 0x800000u;
-        const int shift = 14 - e;
-        uint32_t q = man >> shift;
-        const uint32_t rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (q & 1u))) ++q;
-        return static_cast<uint16_t>(sign | q);
-    }
-    uint32_t q = (static_cast<uint32_t>(e) << 10) | (man >> 13);
-    const uint32_t rem = man & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) ++q;
-    return static_cast<uint16_t>(sign | q);
-}
-
-inline float f16_bits_to_f32(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0) return bits_f32(f32_bits(static_cast<float>(man) * 5.9604644775390625e-8f) | sign);
-    if (exp == 31) return bits_f32(sign | 0x7f800000u | (man << 13));
-    return bits_f32(sign | ((exp - 15 + 127) << 23) | (man << 13));
-}
-
-inline uint16_t f32_to_bf16_bits(float f) {
-    const uint32_t x = f32_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-    return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
+using bits::bf16_bits_to_f32;
+using bits::f16_bits_to_f32;
+using bits::f32_to_bf16_bits;
+using bits::f32_to_f16_bits;
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(f16 x) { return f16_bits_to_f32(x.bits); }
-inline float to_f32(bf16 x) { return bits_f32(static_cast<uint32_t>(x.bits) << 16); }
+inline float to_f32(bf16 x) { return bf16_bits_to_f32(x.bits); }
 inline float to_f32(uint8_t x) { return x ? 1.0f : 0.0f; }  // ONNX bool
 inline float to_f32(int32_t x) { return static_cast<float>(x); }
 inline float to_f32(int64_t x) { return static_cast<float>(x); }
