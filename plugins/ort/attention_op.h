@@ -63,14 +63,7 @@ struct AttentionGlue {
         attr_int(info, "bias", a.bias);
         attr_int(info, "nan_guard", a.nan_guard);
         attr_int(info, "causal", a.causal);
-        size_t n = 0;
-        OrtStatus* st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, "batch_dims", nullptr, &n);
-        if (st == nullptr && n > 0) {
-            a.batch_dims.resize(n);
-            st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, "batch_dims", a.batch_dims.data(), &n);
-            if (st != nullptr) a.batch_dims.clear();
-        }
-        if (st != nullptr) Ort::GetApi().ReleaseStatus(st);
+        attr_ints(info, "batch_dims", a.batch_dims);  // stays empty when absent or symbolic (strings)
         a.q_layout = attr_string(info, "q_layout", "bhsd");
         a.k_layout = attr_string(info, "k_layout", "bhds");
         a.v_layout = attr_string(info, "v_layout", "bhsd");

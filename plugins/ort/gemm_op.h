@@ -32,26 +32,6 @@ inline int64_t size_attr(const OrtKernelInfo* info, const char* name) {
     return v;
 }
 
-// An ints attribute; false when absent or of another type (e.g. strings for symbolic dims).
-inline bool attr_ints(const OrtKernelInfo* info, const char* name, std::vector<int64_t>& out) {
-    size_t size = 0;
-    OrtStatus* st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
-    if (st != nullptr) {
-        Ort::GetApi().ReleaseStatus(st);
-        return false;
-    }
-    out.assign(size, 0);
-    if (size == 0) return true;
-    st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, out.data(), &size);
-    if (st != nullptr) {
-        Ort::GetApi().ReleaseStatus(st);
-        out.clear();
-        return false;
-    }
-    out.resize(size);
-    return true;
-}
-
 template <DType D>
 inline OrtStatus* check_type(const NodeRef& ref, const Input& t, const char* role) {
     using S = Storage<D>;
@@ -129,7 +109,7 @@ struct Gemm {
         a.n = gemm_glue::size_attr(info, "n");
         a.k = gemm_glue::size_attr(info, "k");
         // absent for a weight GEMM (the rewrite drops empty lists); strings when symbolic: then not checked
-        a.batch_known = gemm_glue::attr_ints(info, "batch", a.batch);
+        a.batch_known = attr_ints(info, "batch", a.batch);
         attr_int(info, "trans_a", a.trans_a);
         attr_int(info, "trans_b", a.trans_b);
         attr_int(info, "bias", a.bias);
@@ -232,7 +212,7 @@ struct Qkv {
         a.m = gemm_glue::size_attr(info, "m");
         a.k = gemm_glue::size_attr(info, "k");
         a.n_out = gemm_glue::size_attr(info, "n_out");
-        a.ns_known = gemm_glue::attr_ints(info, "ns", a.ns);
+        a.ns_known = attr_ints(info, "ns", a.ns);
         attr_int(info, "bias", a.bias);
         a.precision = attr_string(info, "precision", "fp32");
         return a;

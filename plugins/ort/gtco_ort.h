@@ -309,6 +309,26 @@ inline bool attr_float(const OrtKernelInfo* info, const char* name, float& out) 
     Ort::GetApi().ReleaseStatus(st);
     return false;
 }
+// An ints attribute; false when absent or of another type (e.g. strings for symbolic dims).
+inline bool attr_ints(const OrtKernelInfo* info, const char* name, std::vector<int64_t>& out) {
+    size_t size = 0;
+    OrtStatus* st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+    if (st != nullptr) {
+        Ort::GetApi().ReleaseStatus(st);
+        return false;
+    }
+    out.assign(size, 0);
+    if (size == 0) return true;
+    st = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, out.data(), &size);
+    if (st != nullptr) {
+        Ort::GetApi().ReleaseStatus(st);
+        out.clear();
+        return false;
+    }
+    out.resize(size);
+    return true;
+}
+
 inline std::string attr_string(const OrtKernelInfo* info, const char* name, const std::string& def) {
     size_t size = 0;
     OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_string(info, name, nullptr, &size);
