@@ -52,11 +52,12 @@ def _node_problem(node: FusedNode) -> Problem | str:
     return own(node) if own is not None else node_problem(node.node)
 
 
-def _select(problem: Problem, arch: str) -> Instance | str:
-    """select_instance, and the elementwise family's first valid configuration (kernels.select chooses only among
-    the families whose Problem a node's attributes describe)."""
+def _select(problem: Problem, arch: str, config: Mapping[str, int] | None = None) -> Instance | str:
+    """select_instance (with `config`, else the family's first valid one); the elementwise family, which is not
+    tuned, always gets its first valid configuration (kernels.select chooses only among the families whose Problem
+    a node's attributes describe)."""
     if problem.family != ELEMENTWISE.name:
-        return select_instance(problem, arch)
+        return select_instance(problem, arch, config)
     configs = ELEMENTWISE.configs(problem, arch)
     if not configs:
         return f"no valid elementwise configuration for {arch} (every candidate failed its check)"
@@ -98,8 +99,8 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     out = []
     for arch in archs:
         config = (tuned or {}).get(arch)
-        inst = select_instance(problem, arch, config) if config and problem.family != ELEMENTWISE.name else None
-        if inst is None or isinstance(inst, str):
+        inst = _select(problem, arch, config)
+        if isinstance(inst, str) and config:  # a tuned config that does not fit this node: the default
             inst = _select(problem, arch)
         if isinstance(inst, str):
             return inst

@@ -267,7 +267,7 @@ def test_cuda_build_registers_fixed_size_kernels_and_refuses_a_spill(tmp_path: P
 
     from onnx_gtco.plugin import device
 
-    def spilling(problem: Problem, arch: str) -> Instance:
+    def spilling(problem: Problem, arch: str, config: object = None) -> Instance:
         return Instance("fake_spill", "gtco_fake_softmax", _SPILL_KERNEL, problem, arch=arch)
 
     monkeypatch.setattr(device, "select_instance", spilling)
