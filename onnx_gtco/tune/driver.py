@@ -22,6 +22,7 @@ from onnx_gtco.tune.search import (
     storage_url,
     study_for,
     study_name,
+    times,
 )
 from onnx_gtco.tune.tasks import Task
 
@@ -60,11 +61,6 @@ class TaskResult:
                 "trials": self.trials, "measured": self.measured, "best_config": self.best_config,
                 "best_us": self.best_us, "first_us": self.first_us, "speedup_over_first": self.speedup,
                 "trials_to_90": self.trials_to_90, "seconds_to_90": self.seconds_to_90, "stop": self.stop}
-
-
-def _curve(study: optuna.Study, weight: float) -> Curve:
-    done = sorted(finished(study), key=lambda t: t.number)
-    return Curve(weight, [t.value if t.state == optuna.trial.TrialState.COMPLETE else None for t in done])
 
 
 def _result(task: Task, study: optuna.Study, measured: int, stop: str) -> TaskResult:
@@ -129,8 +125,7 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
     out = []
     for t in tasks:
         s = studies[t.key]
-        curve = _curve(s, t.weight)
-        curve.target = (targets or {}).get(t.key)
+        curve = Curve(t.weight, times(s), (targets or {}).get(t.key))
         out.append(_result(t, s, len(finished(s)) - before[t.key], stopped(curve, policy) or ""))
     return out
 

@@ -183,10 +183,16 @@ def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=states)
 
 
+def times(study: optuna.Study) -> list[float | None]:
+    """The finished trials' times in trial order, None for a failed one: the scheduler's curve of the study."""
+    done = sorted(finished(study), key=lambda t: t.number)
+    return [t.value if t.state == optuna.trial.TrialState.COMPLETE else None for t in done]
+
+
 def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     return min(done, key=lambda t: (t.value, t.number)) if done else None
 
 
 __all__ = ["ERROR_KINDS", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer", "analytical_guesses",
-           "best", "finished", "open_storage", "run_trial", "storage_url", "study_for", "study_name"]
+           "best", "finished", "open_storage", "run_trial", "storage_url", "study_for", "study_name", "times"]

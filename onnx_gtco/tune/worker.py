@@ -23,7 +23,7 @@ import optuna
 
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.tune.scheduler import Curve, Policy, next_task, stopped
-from onnx_gtco.tune.search import Measurer, finished, open_storage, run_trial, study_for, study_name
+from onnx_gtco.tune.search import Measurer, open_storage, run_trial, study_for, study_name, times
 from onnx_gtco.tune.tasks import Task
 
 
@@ -86,8 +86,7 @@ def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, pati
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 # a dead worker's trial must not hold its slot: fail it (and re-enqueue it) before counting
                 optuna.storages.fail_stale_trials(o.study)
-            done = sorted(finished(o.study), key=lambda t: t.number)
-            o.curve.times = [t.value if t.state == optuna.trial.TrialState.COMPLETE else None for t in done]
+            o.curve.times = times(o.study)
         open_ = [o for o in studies
                  if stopped(o.curve, Policy(limit=o.limit, patience=patience)) is None
                  and len(o.curve.times) + _running(o.study) < o.limit]
