@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +50,10 @@ class OptimizeResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def measured_cost(view: GraphView, config: GtcoConfig, cost: Any, measured_us: Mapping[str, float]) -> Any:
-    """`cost` with a fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task
-    key -> microseconds on the target GPU); the analytical estimate everywhere else."""
+def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str, float]
+                  ) -> Callable[[Candidate], float | None]:
+    """A fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task key ->
+    microseconds on the target GPU), else None."""
     from onnx_gtco.ir.rewrite import fused_node
     from onnx_gtco.tune.tasks import node_task, template_version
 
@@ -62,28 +63,34 @@ def measured_cost(view: GraphView, config: GtcoConfig, cost: Any, measured_us: M
         info = view.info(name)
         return tuple(info.shape) if info is not None and info.shape is not None else None
 
-    def c(cand: Candidate) -> float:
-        if cand.fused:
-            task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version)
-            if not isinstance(task, str) and task.key in measured_us:
-                return float(measured_us[task.key])
-        return float(cost(cand))
+    def measured(cand: Candidate) -> float | None:
+        if not cand.fused:
+            return None
+        task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version)
+        if isinstance(task, str) or task.key not in measured_us:
+            return None
+        return float(measured_us[task.key])
 
-    return c
+    return measured
 
 
 def plan_model(
     model: onnx.ModelProto, config: GtcoConfig, measured_us: Mapping[str, float] | None = None
-) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any]:
+) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any, Callable[[Candidate], float | None] | None]:
     """Match the rules, cost the candidates and run the DP on a loaded model. With `measured_us` (tuning task key ->
-    measured kernel time), the DP costs those groups by their measurements; the returned cost is the analytical
-    one either way (the report's "predicted")."""
+    measured kernel time), the DP costs those groups by their measurements. Returns the analytical cost (the
+    report's "predicted") and the measured-time lookup (None without measurements) beside the plan."""
     view = GraphView(model)
     candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
     cost = cost_fn(view, config)
-    dp_cost = measured_cost(view, config, cost, measured_us) if measured_us else cost
-    plan = dp_plan(view, candidates, dp_cost, config.max_states)
-    return view, candidates, rejects, plan, cost
+    measured = measured_time(view, config, measured_us) if measured_us else None
+
+    def dp_cost(cand: Candidate) -> float:
+        m = measured(cand) if measured is not None else None
+        return m if m is not None else float(cost(cand))
+
+    plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)
+    return view, candidates, rejects, plan, cost, measured
 
 
 def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig | None = None,
@@ -106,7 +113,7 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
     t0 = time.perf_counter()
     model = load_model(model_or_path)
     t1 = time.perf_counter()
-    view, candidates, rejects, plan, cost = plan_model(model, config, measured_us)
+    view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us)
     t2 = time.perf_counter()
     new_model, names = rewrite(view, plan, config.precision)
     new_model.metadata_props.extend([
@@ -120,13 +127,12 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
         model_or_path.graph.name or "model")
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
                                   source)
-    if measured_us:
-        dp_cost = measured_cost(view, config, cost, measured_us)
+    if measured is not None:
         measured_groups = 0
         for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):
-            t = dp_cost(cand)
-            if t != cost(cand):
-                g["measured_us"] = round(t, 4)
+            m = measured(cand)
+            if m is not None:
+                g["measured_us"] = round(m, 4)
                 measured_groups += 1
         rep["plan_costs"] = f"measured kernel times for {measured_groups} groups, the analytical model elsewhere"
         rep["planned_us_after"] = round(plan.cost_us, 3)
