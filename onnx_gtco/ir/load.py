@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.version_converter
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
 from onnx_gtco.errors import ModelError, UnsupportedError
@@ -25,11 +25,99 @@ def default_opset(model: onnx.ModelProto) -> int:
     raise ModelError("model imports no opset of the default ONNX domain")
 
 
+# External data past this total stays on disk while planning (the plan needs shapes, not weights): tensors of
+# at least ON_DISK_MIN_BYTES keep their reference, with the directory they are in as the `basepath` entry, and
+# onnx_gtco.ir.export.save_atomic copies them into the output's data file. Smaller external data is read in.
+EXTERNAL_IN_MEMORY_LIMIT = 1 << 30
+ON_DISK_MIN_BYTES = 1 << 20
+
+
+def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """The model's tensors (initializers and attribute tensors, subgraphs included) whose data is external."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    return [t for t in _get_all_tensors(model) if uses_external_data(t)]
+
+
+def external_entries(tensor: onnx.TensorProto) -> dict[str, str]:
+    """A tensor's external_data key/value entries (location, offset, length, basepath, ...)."""
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _resolve_external(tensor: onnx.TensorProto, base: Path, name: Path) -> tuple[Path, int, int]:
+    """The file, offset and length of an external tensor, checked to lie inside `base` and inside the file."""
+    info = external_entries(tensor)
+    loc = info.get("location", "")
+    if not loc:
+        raise ModelError(f"{name}: external data of tensor {tensor.name!r} names no file")
+    file = (base / loc).resolve()
+    if Path(loc).is_absolute() or not file.is_relative_to(base.resolve()):
+        raise ModelError(f"{name}: external data of tensor {tensor.name!r} points outside the model's directory "
+                         f"({loc})")
+    if not file.is_file():
+        raise ModelError(f"{name}: external data of tensor {tensor.name!r} is missing: {file} does not exist")
+    size = file.stat().st_size
+    try:
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else size - offset
+    except ValueError:
+        raise ModelError(f"{name}: external data of tensor {tensor.name!r} has a non-integer offset or length") \
+            from None
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ModelError(f"{name}: external data of tensor {tensor.name!r} is truncated: {file} has {size} bytes, "
+                         f"the tensor needs bytes {offset}..{offset + length}")
+    return file, offset, length
+
+
+_PROTOBUF_LIMIT = 2**31 - 1
+
+
+def copy_fields(src: Message, dst: Message, skip: tuple[str, ...] = ()) -> None:
+    """Copy the set fields of protobuf message `src` into `dst` except those named in `skip` (so a model can be
+    copied without its weights)."""
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
+        if repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """What onnx.checker can take: the model itself, or, when weights are on disk (or it is over 2 GB), a copy whose
+    external and >= ON_DISK_MIN_BYTES initializers are graph inputs of their type and shape instead (the checker
+    cannot follow a `basepath` and cannot serialise 2 GB)."""
+    if not external_tensors(model) and model.ByteSize() < _PROTOBUF_LIMIT:
+        return model
+    from onnx.external_data_helper import uses_external_data
+
+    out = onnx.ModelProto()
+    copy_fields(model, out, skip=("graph",))
+    copy_fields(model.graph, out.graph, skip=("initializer",))
+    g = model.graph
+    declared = {v.name for v in g.input}
+    for t in g.initializer:
+        if uses_external_data(t) or len(t.raw_data) >= ON_DISK_MIN_BYTES:
+            if t.name not in declared:
+                out.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            out.graph.initializer.append(t)
+    return out
+
+
 def read_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelProto:
     """Parse a path (external data resolved beside it) or take a ModelProto as it is.
 
+    External data is read into memory unless it totals more than EXTERNAL_IN_MEMORY_LIMIT; then its large tensors
+    stay on disk, each with a `basepath` entry naming the directory its `location` is relative to (see
+    onnx_gtco.ir.export.save_atomic, which copies their bytes into the output's data file).
+
     Raises:
-        ModelError: missing, empty, truncated or non-ONNX file; missing external data.
+        ModelError: missing, empty, truncated or non-ONNX file; missing or truncated external data.
     """
     if isinstance(source, onnx.ModelProto):
         return source
@@ -46,10 +134,21 @@ def read_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
         raise ModelError(f"{path}: not a valid ONNX protobuf ({type(e).__name__}: {e})") from None
     if not model.HasField("graph") or (len(model.graph.node) == 0 and len(model.graph.output) == 0):
         raise ModelError(f"{path}: parses as protobuf but holds no ONNX graph (truncated or not a model?)")
-    try:
-        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError, onnx.checker.ValidationError) as e:
-        raise ModelError(f"{path}: external data could not be read: {e}") from None
+    base = path.parent.resolve()
+    external = [(t, *_resolve_external(t, base, path)) for t in external_tensors(model)]
+    keep_on_disk = sum(length for *_, length in external) > EXTERNAL_IN_MEMORY_LIMIT
+    for tensor, file, offset, length in external:
+        if keep_on_disk and length >= ON_DISK_MIN_BYTES:
+            entries = [(k, v) for k, v in external_entries(tensor).items() if k != "basepath"]
+            del tensor.external_data[:]
+            for k, v in [*entries, ("basepath", str(base))]:
+                tensor.external_data.add(key=k, value=v)
+            continue
+        with open(file, "rb") as f:
+            f.seek(offset)
+            tensor.raw_data = f.read(length)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
     return model
 
 
@@ -63,15 +162,17 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     """
     model = read_model(source)
     name = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+    _refuse_unknown_ops(model, name)
+    _refuse_dangling_inputs(model, name)
     try:
         try:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(weightless(model))
         except onnx.checker.ValidationError as e:
             if "topologically sorted" not in str(e):
                 raise
             # valid but out of order (onnxruntime's fp16 converter writes such graphs): sort it, then check again
             model = _toposorted(model, name)
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(weightless(model))
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
@@ -92,7 +193,8 @@ def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 
     graph = gs.import_onnx(model)
     try:
-        graph.toposort()
+        with gs.logger.G_LOGGER.suppress(gs.logger.G_LOGGER.CRITICAL + 1):  # it prints the error it then raises
+            graph.toposort()
     except Exception as e:  # graphsurgeon raises a plain exception on a cycle
         raise ModelError(f"{name}: invalid ONNX model: the graph cannot be sorted topologically ({e})") from None
     out = gs.export_onnx(graph)
@@ -128,12 +230,36 @@ def _infer_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     except (onnx.shape_inference.InferenceError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]
         raise ModelError(f"{name}: shape inference failed: {first}") from None
+    if any(d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim):
+        inferred = _keep_dim_names(inferred)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.value_info[:]
     out.graph.value_info.extend(inferred.graph.value_info)
     del out.graph.output[:]
     out.graph.output.extend(inferred.graph.output)
+    return out
+
+
+def _keep_dim_names(inferred: onnx.ModelProto) -> onnx.ModelProto:
+    """Symbolic shapes through Shape/Slice/Reshape(-1): onnxruntime's symbolic shape inference carries the input's
+    dim names (`batch`, `seq`) where onnx's gives fresh `unk__N` names; onnx's result stands where it cannot run."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        # a rewritten model's fused nodes are opaque to the tool: it reads them inlined (their inputs and outputs
+        # keep their names), and only the graph's own tensors are kept
+        flat = onnx.inliner.inline_local_functions(inferred) if inferred.functions else inferred
+        symbolic = SymbolicShapeInference.infer_shapes(flat, auto_merge=True)
+    except Exception:  # the tool raises plain Exceptions on the ops and graphs it does not cover
+        return inferred
+    if not inferred.functions:
+        return symbolic
+    names = {t for n in inferred.graph.node for t in n.output}
+    out = onnx.ModelProto()
+    out.CopyFrom(inferred)
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(v for v in symbolic.graph.value_info if v.name in names)
     return out
 
 
@@ -174,6 +300,30 @@ def _order_depth_first(model: onnx.ModelProto) -> None:
     model.graph.node.extend(nodes[i] for i in order)
 
 
+def _refuse_dangling_inputs(model: onnx.ModelProto, name: str) -> None:
+    """A node input that nothing defines (onnx.checker reports it as an ordering problem) is refused naming it."""
+    g = model.graph
+    defined = {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    defined |= {s.values.name for s in g.sparse_initializer}
+    for n in g.node:
+        missing = next((t for t in n.input if t and t not in defined), None)
+        if missing is not None:
+            raise ModelError(f"{name}: invalid ONNX model: input {missing!r} of node {n.name or n.op_type!r} "
+                             f"({n.op_type}) is no graph input, initializer or node output")
+
+
+def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
+    """An op of the default domain without a schema at the model's opset (a misspelt op, or one of the
+    experimental ops of old opsets, e.g. ImageScaler, which onnx.checker only warns about and the version converter
+    cannot convert) is refused naming the ops."""
+    opset = default_opset(model)
+    unknown = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")
+                      and not onnx.defs.has(n.op_type, opset, "")})
+    if unknown:
+        raise UnsupportedError(f"{name}: op {', '.join(unknown)} has no ONNX definition at opset {opset} (an "
+                               f"experimental or misspelt op); re-export the model with opset >= {MIN_OPSET}")
+
+
 def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     opset = default_opset(model)
     newest = onnx.defs.onnx_opset_version()
@@ -183,7 +333,7 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         return model
     try:
         converted = onnx.version_converter.convert_version(model, CONVERT_TO_OPSET)
-        onnx.checker.check_model(converted)
+        onnx.checker.check_model(weightless(converted))
     except Exception as e:  # the converter raises bare RuntimeErrors and more
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedError(

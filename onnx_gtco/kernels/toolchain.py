@@ -29,11 +29,51 @@ PLUGINS_DIR = _plugins_dir()
 
 def cache_root() -> Path:
     """Where built kernels, libraries and the ORT headers are kept: `$GTCO_CACHE_DIR`, else
-    `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`."""
+    `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`; with $GTCO_SANITIZE set, its `sanitize-<name>`
+    subfolder, so that sanitized builds and plain ones never share a cache entry (nor a library file name's hash
+    in it)."""
     if os.environ.get("GTCO_CACHE_DIR"):
-        return Path(os.environ["GTCO_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "onnx-gtco"
+        root = Path(os.environ["GTCO_CACHE_DIR"])
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "onnx-gtco"
+    name = sanitizer()
+    return root / f"sanitize-{name}" if name else root
+
+
+SANITIZE_ENV = "GTCO_SANITIZE"
+_SANITIZERS = {
+    "address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g"),
+}
+
+
+def sanitizer() -> str:
+    """The sanitizer $GTCO_SANITIZE asks for ("address"), or "" when it is unset or empty.
+
+    Raises:
+        BuildError: any other value.
+    """
+    name = os.environ.get(SANITIZE_ENV, "").strip()
+    if name and name not in _SANITIZERS:
+        raise BuildError(f"{SANITIZE_ENV}={name!r}: choose one of {', '.join(sorted(_SANITIZERS))} or leave it unset")
+    return name
+
+
+def sanitize_flags() -> tuple[str, ...]:
+    """The host-compiler flags of $GTCO_SANITIZE (compile and link), added by run_compile to every g++ command.
+
+    A sanitized library must be loaded into a process that has the sanitizer's runtime first, e.g.
+    `LD_PRELOAD=$(g++ -print-file-name=libasan.so)` for "address". nvcc-compiled device objects are not instrumented.
+    """
+    name = sanitizer()
+    return _SANITIZERS[name] if name else ()
+
+
+def _is_host_compiler(tool: str) -> bool:
+    name = Path(tool).name
+    cxx = os.environ.get("CXX")
+    return name.endswith(("g++", "c++", "clang++")) or (bool(cxx) and name == Path(cxx).name)
+
+
 _ERROR_LINES = 6
 
 
@@ -90,7 +130,7 @@ def _first_errors(text: str) -> str:
 
 def run_compile(command: Sequence[str], source: str | os.PathLike[str],
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> CompileResult:
-    """Run one compiler command line.
+    """Run one compiler command line (a host compiler's with the flags of $GTCO_SANITIZE, sanitize_flags()).
 
     Args:
         command: the full command, compiler first.
@@ -103,9 +143,14 @@ def run_compile(command: Sequence[str], source: str | os.PathLike[str],
     """
     cmd = tuple(str(c) for c in command)
     tool = Path(cmd[0]).name
+    extra = sanitize_flags() if _is_host_compiler(cmd[0]) else ()
+    cmd = (cmd[0], *extra, *cmd[1:])
     start = time.monotonic()
+    env = None
+    if sanitizer() and os.environ.get("LD_PRELOAD"):  # the sanitizer runtime preloaded for the tests: not into the
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # compilers (nvcc crashes under it)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
     except subprocess.TimeoutExpired:
         raise BuildError(f"{tool} timed out after {timeout_s:g} s compiling {source}") from None
     except OSError as e:
