@@ -17,12 +17,31 @@ EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
 
 def _config(args: argparse.Namespace) -> GtcoConfig:
-    return GtcoConfig.from_env(target=args.target, precision=args.precision, seed=getattr(args, "seed", None))
+    return GtcoConfig.from_env(target=args.target, precision=args.precision, seed=getattr(args, "seed", None),
+                               dynamic=_dynamic(getattr(args, "dynamic", None)))
+
+
+def _dynamic(text: str | None) -> tuple | None:
+    """--dynamic seq=1:512,batch=1:64 as GtcoConfig.dynamic; a malformed one is a GtcoError naming it."""
+    from onnx_gtco.config import parse_dynamic
+
+    if text is None:
+        return None
+    try:
+        return parse_dynamic(text)
+    except GtcoError as e:
+        raise GtcoError(f"--dynamic {text!r}: {e}") from None
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=sorted(TARGETS), default=None, help="GPU target (default sm_90)")
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="compute precision of fused groups")
+
+
+def _add_dynamic_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dynamic", default=None, metavar="DIM=LO:HI,...",
+                   help="ranges of the model's symbolic dims, e.g. seq=1:512,batch=1:64 (default: the model's "
+                   "gtco.dynamic metadata, else 1:512); with --tune-trials, tunes shape-generic micro-kernels")
 
 
 def _tune_progress(r: object) -> None:
@@ -168,6 +187,7 @@ def parser() -> argparse.ArgumentParser:
                    "cache); any Optuna RDB URL, e.g. postgresql://user@host/db; browse it with optuna-dashboard URL")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="tune with K processes sharing the storage (K - 1 tune-worker processes beside this one)")
+    _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
 
@@ -180,6 +200,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print the fusion plan without writing anything")
     p.add_argument("model")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_inspect)
 

@@ -1,12 +1,18 @@
-"""One frozen configuration, built once at the edge (CLI or API caller), and the GPU targets we plan for."""
+"""One frozen configuration, built once at the edge (CLI or API caller), the GPU targets we plan for, and the ranges
+of a model's symbolic dims (`--dynamic`, the `gtco.dynamic` metadata)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from onnx_gtco.errors import GtcoError
+
+if TYPE_CHECKING:
+    import onnx
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,135 @@ TARGETS: dict[str, Target] = {
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
+DynamicRanges = tuple[tuple[str, int, int], ...]
+"""Declared ranges of symbolic dims: (dim name, lo, hi) per dim, sorted by name."""
+
+DEFAULT_DYNAMIC_RANGE = (1, 512)
+"""The range of a symbolic dim that neither `--dynamic` nor the model's `gtco.dynamic` metadata declares."""
+
+
+def parse_dynamic(text: str) -> DynamicRanges:
+    """`"seq=1:512,batch=1:64"` -> (("batch", 1, 64), ("seq", 1, 512)): the `--dynamic` option and the
+    `gtco.dynamic` metadata value. An empty string is no range.
+
+    Raises:
+        GtcoError: an entry is not NAME=LO:HI with integers 1 <= LO <= HI, or a name repeats.
+    """
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, eq, bounds = item.partition("=")
+        lo, colon, hi = bounds.partition(":")
+        name = name.strip()
+        if not (eq and colon and name and lo.strip().isdigit() and hi.strip().isdigit()):
+            raise GtcoError(f"dynamic range {item!r}: expected NAME=LO:HI with integers, e.g. seq=1:512")
+        out.append((name, int(lo), int(hi)))
+    return check_dynamic(out)
+
+
+def check_dynamic(ranges: object) -> DynamicRanges:
+    """Validated ranges, sorted by name (see GtcoConfig.dynamic).
+
+    Raises:
+        GtcoError: not (name, lo, hi) triples, lo < 1, lo > hi, or a name given twice.
+    """
+    out: list[tuple[str, int, int]] = []
+    for r in ranges or ():  # type: ignore[attr-defined]
+        if not (isinstance(r, tuple | list) and len(r) == 3 and isinstance(r[0], str) and r[0]
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in r[1:])):
+            raise GtcoError(f"dynamic range {r!r}: expected (dim name, lo, hi) with integer bounds")
+        name, lo, hi = r
+        if lo < 1:
+            raise GtcoError(f"dynamic range {name}={lo}:{hi}: the lower bound must be >= 1")
+        if lo > hi:
+            raise GtcoError(f"dynamic range {name}={lo}:{hi}: the lower bound exceeds the upper bound")
+        out.append((name, lo, hi))
+    names = [r[0] for r in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise GtcoError(f"dynamic range for {', '.join(twice)} given more than once")
+    return tuple(sorted(out))
+
+
+def format_dynamic(ranges: DynamicRanges) -> str:
+    """(("batch", 1, 64), ("seq", 1, 512)) -> "batch=1:64,seq=1:512" (names sorted): parse_dynamic's inverse."""
+    return ",".join(f"{n}={lo}:{hi}" for n, lo, hi in sorted(ranges))
+
+
+DYNAMIC_METADATA_KEY = "gtco.dynamic"
+"""The metadata key of a model's ranges (format_dynamic's text): the rewritten model carries the ranges that apply."""
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """The ranges of a model's symbolic dims and where each came from.
+
+    Attributes:
+        ranges: (dim name, lo, hi) sorted by name, one per symbolic dim of the model's inputs.
+        sources: dim name -> "declared" (GtcoConfig.dynamic / --dynamic), "model" (the input model's
+            `gtco.dynamic` metadata) or "default" (DEFAULT_DYNAMIC_RANGE).
+    """
+
+    ranges: DynamicRanges = ()
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        return {n: (lo, hi) for n, lo, hi in self.ranges}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranges": format_dynamic(self.ranges),
+                "dims": [{"dim": n, "lo": lo, "hi": hi, "source": self.sources[n]} for n, lo, hi in self.ranges]}
+
+
+def symbolic_dims(model: onnx.ModelProto) -> list[str]:
+    """Names of the symbolic dims of the model's inputs, in order of first use."""
+    init = {i.name for i in model.graph.initializer}
+    out: list[str] = []
+    for vi in model.graph.input:
+        if vi.name in init or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param and d.dim_param not in out:
+                out.append(d.dim_param)
+    return out
+
+
+def resolve_ranges(model: onnx.ModelProto, declared: DynamicRanges) -> Ranges:
+    """The ranges that apply to `model`: the declared ones, then the model's `gtco.dynamic` metadata, then the
+    default, for each symbolic dim of its inputs.
+
+    Raises:
+        GtcoError: a declared dim that no input of the model has, or malformed `gtco.dynamic` metadata.
+    """
+    dims = symbolic_dims(model)
+    missing = [n for n, _, _ in declared if n not in dims]
+    if missing:
+        have = ", ".join(dims) if dims else "none"
+        raise GtcoError(f"dynamic range for {', '.join(missing)}: no model input has that dim (symbolic dims: "
+                        f"{have})")
+    meta = {p.key: p.value for p in model.metadata_props}
+    from_model: dict[str, tuple[int, int]] = {}
+    if DYNAMIC_METADATA_KEY in meta:
+        try:
+            from_model = {n: (lo, hi) for n, lo, hi in parse_dynamic(meta[DYNAMIC_METADATA_KEY])}
+        except GtcoError as e:
+            raise GtcoError(f"the model's {DYNAMIC_METADATA_KEY} metadata: {e}") from None
+    given = {n: (lo, hi) for n, lo, hi in declared}
+    ranges, sources = [], {}
+    for n in dims:
+        if n in given:
+            (lo, hi), sources[n] = given[n], "declared"
+        elif n in from_model:
+            (lo, hi), sources[n] = from_model[n], "model"
+        else:
+            (lo, hi), sources[n] = DEFAULT_DYNAMIC_RANGE, "default"
+        ranges.append((n, lo, hi))
+    return Ranges(tuple(sorted(ranges)), sources)
+
 
 @dataclass(frozen=True)
 class GtcoConfig:
@@ -53,6 +188,8 @@ class GtcoConfig:
         max_group_size: largest number of ONNX nodes one fused group may hold (DP ending bound).
         max_states: the DP gives up with a PlanError past this many memoized states.
         seed: seed of every random choice (check inputs, tuning).
+        dynamic: declared ranges of the model's symbolic dims, (dim name, lo, hi) sorted by name; the model is
+            optimized for every shape inside them (see parse_dynamic for the `--dynamic` text form).
     """
 
     target: str = "sm_90"
@@ -60,6 +197,7 @@ class GtcoConfig:
     max_group_size: int = 48
     max_states: int = 2_000_000
     seed: int = 0
+    dynamic: DynamicRanges = ()
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -68,6 +206,7 @@ class GtcoConfig:
             raise GtcoError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.max_group_size < 1:
             raise GtcoError(f"max_group_size must be >= 1, got {self.max_group_size}")
+        object.__setattr__(self, "dynamic", check_dynamic(self.dynamic))
 
     @property
     def hw(self) -> Target:

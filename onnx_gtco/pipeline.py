@@ -13,10 +13,10 @@ import onnx
 
 from onnx_gtco import patterns as patterns_mod
 from onnx_gtco import report as report_mod
-from onnx_gtco.config import GtcoConfig
+from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
 from onnx_gtco.errors import OutputError
-from onnx_gtco.ir.export import save_atomic, validate, write_text_atomic
+from onnx_gtco.ir.export import remove_saved, save_atomic, validate, write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.rewrite import rewrite
 from onnx_gtco.ir.view import GraphView
@@ -48,6 +48,8 @@ class OptimizeResult:
     library: Any = None
     """The plugin.library.LibraryResult when optimize_file built the custom-op library, else None."""
     warnings: list[str] = field(default_factory=list)
+    dynamic: Any = None
+    """The tune.dynamic.Ranges of the model's symbolic dims (declared or defaulted; empty for a static model)."""
 
 
 def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str, float]
@@ -112,14 +114,20 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
     config = config or GtcoConfig.from_env()
     t0 = time.perf_counter()
     model = load_model(model_or_path)
+    ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
     t1 = time.perf_counter()
     view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us)
     t2 = time.perf_counter()
     new_model, names = rewrite(view, plan, config.precision)
+    if ranges:  # the ranges that apply replace any the input model carried
+        kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
+        del new_model.metadata_props[:]
+        new_model.metadata_props.extend(kept)
     new_model.metadata_props.extend([
         onnx.StringStringEntryProto(key="gtco.version", value=__version__),
         onnx.StringStringEntryProto(key="gtco.target", value=config.target),
         onnx.StringStringEntryProto(key="gtco.precision", value=config.precision),
+        *([onnx.StringStringEntryProto(key=DYNAMIC_METADATA_KEY, value=ranges.to_json()["ranges"])] if ranges else []),
     ])
     validate(new_model)
     t3 = time.perf_counter()
@@ -136,8 +144,10 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
                 measured_groups += 1
         rep["plan_costs"] = f"measured kernel times for {measured_groups} groups, the analytical model elsewhere"
         rep["planned_us_after"] = round(plan.cost_us, 3)
+    if ranges:
+        rep["dynamic"] = ranges.to_json()
     timings = {"load_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
-    return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings)
+    return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings, dynamic=ranges)
 
 
 def default_output(model_path: str | os.PathLike[str]) -> Path:
@@ -198,10 +208,15 @@ def optimize_file(
     if workers < 1:
         raise OutputError(f"workers={workers}: give at least 1")
     result = optimize(model_path, config)
-    tuned = None
+    tuned = dispatch = None
     from onnx_gtco.tune import apply as tuning
 
-    if tuning.wanted(tune_trials, storage):
+    if result.dynamic and tuning.wanted(tune_trials, storage):  # symbolic dims: shape-generic tuning instead
+        from onnx_gtco.tune import dynamic as shape_generic
+
+        result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
+            result.model, (config or GtcoConfig()).target, result.dynamic, tune_trials, storage, measurer=measurer)
+    elif tuning.wanted(tune_trials, storage):
         target = (config or GtcoConfig()).target
         report_t, tuned = tuning.tune_model(result.model, target, tune_trials, storage, measurer=measurer,
                                             workers=workers, progress=progress)
@@ -226,16 +241,20 @@ def optimize_file(
             except BuildError as e:
                 result.warnings.append(f"{e}: the library has the CPU kernels only")
         out_dir = out.parent if str(out.parent) else Path(".")
-        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned)
+        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch)
         created = lib.path if lib.created else None
         result.library = lib
         result.timings["build_s"] = lib.seconds
         result.report["library"] = lib.to_json()
         result.model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
+    saved = False
     try:
         save_atomic(result.model, out)
+        saved = True
         write_text_atomic(report_mod.to_json(result.report), rep_path)
     except BaseException:
+        if saved:  # the report failed: no model without its report
+            remove_saved(out)
         if created is not None:
             created.unlink(missing_ok=True)
         raise

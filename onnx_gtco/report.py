@@ -135,6 +135,9 @@ def summary(report: dict[str, Any]) -> str:
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",
     ]
+    dyn = report.get("dynamic")
+    if dyn:
+        lines.append("dynamic    " + dynamic_line(dyn, report.get("library")))
     lib = report.get("library")
     if lib:
         kinds = "CPU + CUDA objects" if lib["cuda"] else "CPU kernels only"
@@ -146,3 +149,23 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"kernels    {len(lib['kernels'])} instances for {archs}, 0 spills, at most {regs} registers "
                          "(ptxas report: library.kernels)")
     return "\n".join(lines)
+
+
+def dynamic_line(dyn: dict[str, Any], library: dict[str, Any] | None = None) -> str:
+    """The summary's line on dynamic shapes: the ranges and where they came from, and the dispatch tables' sizes
+    (the shape-generic tuner's, else the library's defaults) with the largest prediction error measured."""
+    ranges = ", ".join(f"{d['dim']}={d['lo']}:{d['hi']} ({d['source']})" for d in dyn["dims"])
+    tuning = dyn.get("tuning")
+    sizes = tuning["table_sizes"] if tuning else []
+    if sizes:
+        tables = (f"{len(sizes)} tuned dispatch tables of {min(sizes)}-{max(sizes)} entries from {tuning['trials']} "
+                  "micro-kernel trials")
+        if tuning.get("max_prediction_error") is not None:
+            tables += (f", predictions within {100 * tuning['max_prediction_error']:.1f}% of the "
+                       f"{tuning['measurer']} measurer")
+    elif library and library.get("dispatch"):
+        sizes = [len(rows) for per in library["dispatch"].values() for rows in per.values()]
+        tables = f"{len(library['dispatch'])} nodes with default dispatch tables of {min(sizes)}-{max(sizes)} entries"
+    else:
+        tables = "dispatch tables: the library's defaults (untuned)"
+    return f"{ranges}; {tables}"

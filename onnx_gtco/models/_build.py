@@ -163,7 +163,8 @@ def gelu_act(b: Builder, x: str, name: str, form: str) -> str:
 
 def attention_core(b: Builder, x: str, name: str, *, seq: int, dim: int, heads: int, qkv: str, scale_op: str,
                    mask: str | None = None, proj: tuple[str, str, str] = ("q", "k", "v")) -> str:
-    """Self-attention from the normed input to the merged heads [B, S, dim], before the output projection.
+    """Self-attention from the normed input to the merged heads [B, S, dim], before the output projection; `seq`
+    is -1 for a symbolic sequence length (the Reshapes infer it).
 
     qkv="split": three MatMul+Add reading `x`, each Reshape [B,S,H,D] -> Transpose (k to [B,H,D,S]).
     qkv="fused": one MatMul+Add to 3*dim -> Reshape [B,S,3,H,D] -> Transpose [2,0,3,1,4] -> Gather 0/1/2, and

@@ -19,7 +19,7 @@ from onnx_gtco.models._build import (
 LN_EPS = 1e-12  # BertConfig.layer_norm_eps
 
 
-def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int = 128, dim: int = 768,
+def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int | str = 128, dim: int = 768,
          depth: int = 12, heads: int = 12, mlp: int = 3072, max_positions: int = 512, type_vocab: int = 2,
          token_types: bool = False, pooler: bool = False, mask_value: float = -10000.0,
          ln: str = "decomposed", gelu: str = "erf", qkv: str = "split", opset: int = 17,
@@ -27,15 +27,17 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int = 
     """A post-norm BERT encoder: `input_ids`, `attention_mask` (int64 [batch, seq]) -> `last_hidden_state`.
 
     Embeddings: Gather(word, input_ids) + Gather(token_type, ids or constant zeros) + Gather(position,
-    constant range) -> LayerNorm. Extended mask: Unsqueeze(mask, [1, 2]) -> Cast float -> Sub(1, m)
-    -> Mul(mask_value), added to the scores after the Div by sqrt(head_dim). Each layer:
-    h = LN(x + dense(attention(x))), then LN(h + dense(gelu(dense(h)))).
+    constant range) -> LayerNorm. With a symbolic `seq`, the position ids and the default token types are the
+    first seq columns of [1, max_positions] buffers, Slice(buffer, 0, Shape(input_ids)[1]) as exporters write
+    `position_ids[:, :seq_length]`, and the head Reshapes take -1 for the sequence. Extended mask:
+    Unsqueeze(mask, [1, 2]) -> Cast float -> Sub(1, m) -> Mul(mask_value), added to the scores after the Div by
+    sqrt(head_dim). Each layer: h = LN(x + dense(attention(x))), then LN(h + dense(gelu(dense(h)))).
 
     Args:
         batch: the batch size, or a dim name for a symbolic batch (Reshapes then copy it with 0).
         seed: seed of the numpy generator drawing every weight.
         vocab: rows of the word embedding table.
-        seq: sequence length of the inputs.
+        seq: sequence length of the inputs, or a dim name (e.g. "seq") for a symbolic length.
         dim: hidden width.
         depth: number of encoder layers.
         heads: attention heads; `dim` must be a multiple of it.
@@ -61,15 +63,21 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int = 
         ValueError: a size is not positive or does not divide, or a form is unknown or needs a newer opset.
     """
     check_forms(opset, ln, gelu, qkv)
-    check_dims(dim, heads, vocab=vocab, seq=seq, depth=depth, mlp=mlp, type_vocab=type_vocab,
+    symbolic = isinstance(seq, str)
+    if symbolic and not seq:
+        raise ValueError("seq must be a positive int or a dim name, not ''")
+    check_dims(dim, heads, vocab=vocab, seq=1 if symbolic else seq, depth=depth, mlp=mlp, type_vocab=type_vocab,
                max_positions=max_positions)
-    if seq > max_positions:
+    if not symbolic and seq > max_positions:
         raise ValueError(f"seq {seq} exceeds max_positions {max_positions}")
     b = Builder(name, seed=seed, opset=opset, batch=batch)
     ids = b.input("input_ids", TensorProto.INT64, [batch, seq])
     mask = b.input("attention_mask", TensorProto.INT64, [batch, seq])
+    seq_len = _seq_length(b, ids) if symbolic else None
     if token_types:
         types = b.input("token_type_ids", TensorProto.INT64, [batch, seq])
+    elif seq_len is not None:
+        types = _first_columns(b, "embeddings.token_type_ids", np.zeros((1, max_positions)), seq_len)
     else:
         types = b.const("embeddings.token_type_ids", np.zeros((1, seq)), np.int64)
 
@@ -78,7 +86,10 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int = 
     t = b.op("Gather", [b.param(f"{e}.token_type_embeddings.weight", (type_vocab, dim)), types],
              f"{e}.token_type_embeddings")
     x = b.op("Add", [x, t], f"{e}.add_token_types")
-    positions = b.const(f"{e}.position_ids", np.arange(seq)[None, :], np.int64)
+    if seq_len is not None:
+        positions = _first_columns(b, f"{e}.position_ids", np.arange(max_positions)[None, :], seq_len)
+    else:
+        positions = b.const(f"{e}.position_ids", np.arange(seq)[None, :], np.int64)
     pos = b.op("Gather", [b.param(f"{e}.position_embeddings.weight", (max_positions, dim)), positions],
                f"{e}.position_embeddings")
     x = b.op("Add", [x, pos], f"{e}.add_positions")
@@ -92,7 +103,7 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int = 
     for i in range(depth):
         p = f"encoder.layer.{i}"
         last = i == depth - 1
-        h = attention_core(b, x, f"{p}.attention.self", seq=seq, dim=dim, heads=heads, qkv=qkv,
+        h = attention_core(b, x, f"{p}.attention.self", seq=-1 if symbolic else seq, dim=dim, heads=heads, qkv=qkv,
                            scale_op="Div", mask=m, proj=("query", "key", "value"))
         h = linear(b, h, f"{p}.attention.output.dense", dim, dim)
         h = b.op("Add", [h, x], f"{p}.attention.output.residual")
@@ -111,3 +122,19 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int = 
         b.output("pooler_output", TensorProto.FLOAT, [batch, dim])
     return b.model(f"{name}: BERT, vocab {vocab}, seq {seq}, dim {dim}, depth {depth}, heads {heads}, "
                    f"mlp {mlp}, ln={ln}, gelu={gelu}, qkv={qkv}, seed {seed}")
+
+
+def _seq_length(b: Builder, ids: str) -> str:
+    """The run-time sequence length as a 1-element int64 tensor: Shape(ids) -> Gather(1) -> Unsqueeze(0)."""
+    shape = b.op("Shape", [ids], "embeddings.input_shape")
+    length = b.op("Gather", [shape, b.const("embeddings.seq_axis", 1, np.int64)], "embeddings.seq_length", axis=0)
+    return b.op("Unsqueeze", [length, b.const("embeddings.seq_length.axes", [0], np.int64)],
+                "embeddings.seq_length.unsqueeze")
+
+
+def _first_columns(b: Builder, name: str, buffer: np.ndarray, length: str) -> str:
+    """buffer[:, :length] of an int64 [1, max_positions] buffer, as Slice(buffer, [0], length, [1])."""
+    table = b.const(name, buffer, np.int64)
+    starts = b.const(f"{name}.starts", [0], np.int64)
+    axes = b.const(f"{name}.axes", [1], np.int64)
+    return b.op("Slice", [table, starts, length, axes], f"{name}.slice")

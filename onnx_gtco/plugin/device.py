@@ -52,7 +52,7 @@ def _node_problem(node: FusedNode) -> Problem | str:
     return own(node) if own is not None else node_problem(node.node)
 
 
-def _select(problem: Problem, arch: str, config: Mapping[str, int] | None = None) -> Instance | str:
+def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None = None) -> Instance | str:
     """select_instance (with `config`, else the family's first valid one); the elementwise family, which is not
     tuned, always gets its first valid configuration (kernels.select chooses only among the families whose Problem
     a node's attributes describe)."""
@@ -99,13 +99,13 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     out = []
     for arch in archs:
         config = (tuned or {}).get(arch)
-        inst = _select(problem, arch, config)
+        inst = select_config(problem, arch, config)
         if isinstance(inst, str) and config:  # a tuned config that does not fit this node: the default
-            inst = _select(problem, arch)
+            inst = select_config(problem, arch)
         if isinstance(inst, str):
             return inst
         out.append(inst)
     return tuple(out)
 
 
-__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "device_instances", "device_problem"]
+__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "device_instances", "device_problem", "select_config"]

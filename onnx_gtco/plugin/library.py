@@ -8,9 +8,13 @@
    nodes keep their functions and the report says why.
 2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80 and sm_90 for CUDA, the
    sm_80 one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one.
+   Dynamic shapes (plugin.dispatch): every bound node checks the declared ranges (`gtco.dynamic` metadata) of its
+   symbolic input dims on each call, and a node whose run-time extent is symbolic gets a dispatch table per arch
+   (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
 3. One generated glue `.cc`: includes plugins/ort/gtco_ort.h and the used families' headers, the per-node code or
    data of binders with a `glue` hook (the Elementwise family's host functions and node descriptors), the NodeSpec
-   table `kNodes` (roles, the instances' entry points per arch slot, the hook's `node_data`), `add_ops()` registering
+   table `kNodes` (roles, the instances' entry points per arch slot, the hook's `node_data`, the ranges, extent
+   factors and dispatch table of a dynamic node), `add_ops()` registering
    one CPU-EP op per bound op type and a CUDA-EP op per op type with device kernels, `kLibraryInfo` (JSON), then
    register.inc.
 4. g++ -std=c++17 -O3 -fPIC -fvisibility=hidden against `ort_include_dir()`. With cuda=True the instances are
@@ -39,12 +43,32 @@ from pathlib import Path
 
 import onnx
 
+from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
-from onnx_gtco.kernels.family import Instance
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, cache_root, find_cxx, find_nvcc, run_compile
+from onnx_gtco.kernels.dynamic import with_extent
+from onnx_gtco.kernels.family import Instance, Problem
+from onnx_gtco.kernels.toolchain import (
+    PLUGINS_DIR,
+    BuildError,
+    cache_root,
+    find_cxx,
+    find_nvcc,
+    run_compile,
+    sanitize_flags,
+)
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import MAX_ROLES, Binder, Binding, FusedNode
-from onnx_gtco.plugin.device import ARCH_SLOTS, EMULATED_ARCH, device_instances
+from onnx_gtco.plugin.device import ARCH_SLOTS, EMULATED_ARCH, device_instances, device_problem, select_config
+from onnx_gtco.plugin.dispatch import (
+    BUCKETS,
+    NodeDynamic,
+    check_table,
+    default_table,
+    extent_dims,
+    extent_top,
+    model_ranges,
+    node_ranges,
+)
 from onnx_gtco.plugin.headers import HeaderError, ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
 
@@ -82,6 +106,9 @@ class LibraryResult:
         log: compiler command lines and their output.
         kernels: the compiled kernel instances (cuda builds): name, arch, config, ptxas registers / smem / spills.
         kernel_skips: bound fused node -> why it has no device kernel (cuda and emulated builds).
+        dispatch: dynamic node -> arch -> its dispatch table [(max_extent, instance name, config)] in ascending
+            max_extent (the last entry's max_extent is the extent's top under the declared ranges, None when
+            unbounded); nodes with one instance are absent.
     """
 
     path: Path
@@ -96,6 +123,7 @@ class LibraryResult:
     kernels: list[dict[str, object]] = field(default_factory=list)
     kernel_skips: dict[str, str] = field(default_factory=dict)
     emulated: bool = False
+    dispatch: dict[str, dict[str, list[tuple[int | None, str, dict[str, int]]]]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -108,7 +136,9 @@ class LibraryResult:
     def to_json(self) -> dict[str, object]:
         return {"file": self.name, "cuda": self.cuda, "emulated": self.emulated, "op_types": self.op_types,
                 "cuda_op_types": self.cuda_op_types, "skipped": self.skipped(), "kernels": self.kernels,
-                "kernel_skips": self.kernel_skips}
+                "kernel_skips": self.kernel_skips,
+                "dispatch": {n: {a: [[t, name, dict(c)] for t, name, c in rows] for a, rows in per.items()}
+                             for n, per in self.dispatch.items()}}
 
 
 def lib_cache_dir() -> Path:
@@ -158,17 +188,20 @@ def _roles(idx: tuple[int, ...]) -> str:
 
 
 def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], binders: dict[str, Binder],
-                  device: Mapping[str, tuple[Instance, ...]], emulated: bool = False
-                  ) -> tuple[str, list[str], list[str]]:
+                  device: Mapping[str, tuple[Instance, ...]], emulated: bool = False,
+                  dynamic: Mapping[str, NodeDynamic] | None = None) -> tuple[str, list[str], list[str]]:
     """The glue source, the op types it registers, and those among them with device kernels.
 
     `device` maps a bound node's name to its instance per arch slot (device.ARCH_SLOTS; one, the sm_80 one, in
     an emulated build). An op type gets a device kernel when every one of its nodes has instances. In an emulated
-    build (`emulated`) the device kernels are registered for the CPU EP in place of the reference ones."""
+    build (`emulated`) the device kernels are registered for the CPU EP in place of the reference ones.
+    `dynamic` maps a bound node to the ranges it checks and, with device kernels, its dispatch table (one table
+    per arch slot of `device`)."""
     by_name = {n.node.name: n for n in nodes}
     bound = [r for r in results if r.binding is not None]
     op_types = sorted(binders)
     device_types = [t for t in op_types if all(r.node in device for r in bound if r.op_type == t)]
+    dynamic = dynamic or {}
     lines = ["// Generated by onnx_gtco.plugin.library: do not edit."]
     if emulated:
         lines.append("#define GTCO_EMULATED_DEVICE 1  // device kernels run the emulated instances on the CPU EP")
@@ -176,11 +209,15 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     lines += [f'#include "{h}"' for h in sorted({b.header for b in binders.values()})]
     if emulated:
         lines.append('extern "C" int gtco_device_cc() { return 80; }  // the emulated device is an sm_80')
-    symbols = sorted({i.symbol for r in bound if r.op_type in device_types for i in device[r.node]})
+    tables = {r.node: dynamic[r.node].tables for r in bound
+              if r.op_type in device_types and r.node in dynamic and dynamic[r.node].tables}
+    symbols = sorted({i.symbol for r in bound if r.op_type in device_types for i in device[r.node]} |
+                     {i.symbol for t in tables.values() for table in t for _, i in table})
     lines += [f'extern "C" int {s}(const void* args, void* stream);' for s in symbols]
     rows = []
     blocks: dict[str, None] = {}  # per-node glue of the binders that have a `glue` hook, deduplicated by text
-    for r in bound:
+    arrays: list[str] = []        # the dynamic nodes' ranges, extent factors, dispatch tables and launch counters
+    for k, r in enumerate(bound):
         assert r.binding is not None
         n = by_name[r.node]
         insts = list(device[r.node]) if r.op_type in device_types else []
@@ -192,17 +229,43 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
         if hook is not None:
             texts, host = hook(n, r.binding)
             blocks.update(dict.fromkeys(texts))
+        dyn = dynamic.get(r.node, NodeDynamic())
+        ranges, extent, table, counts = "nullptr", "nullptr", "nullptr", "nullptr"
+        if dyn.ranges:
+            ranges = f"kRanges{k}"
+            arrays.append(f"const DimRange {ranges}[] = {{" + ", ".join(
+                f"{{{i}, {a}, {lo}, {hi}, {_c(d)}}}" for i, a, lo, hi, d in dyn.ranges) + "};")
+        entries = _entries(tables[r.node]) if r.node in tables else []
+        if entries:
+            extent, table = f"kExtent{k}", f"kDispatch{k}"
+            arrays.append(f"const DimRef {extent}[] = {{" + ", ".join(f"{{{i}, {a}}}" for i, a in dyn.extent) + "};")
+            arrays.append(f"const DispatchEntry {table}[] = {{")
+            arrays += [f"    {{{top}, {{{f}}}, {{{nm}}}}}," for top, f, nm in entries]
+            arrays.append("};")
+            counts = f"kLaunches{k}"
+            arrays.append(f"std::atomic<int64_t> {counts}[{len(entries)}];")
         rows.append(f"    {{{_c(r.op_type)}, {_c(r.node)}, {len(n.node.input)}, {len(n.node.output)}, "
-                    f"{_roles(r.binding.inputs)}, {_roles(r.binding.outputs)}, {{{fns}}}, {{{names}}}, {host}}},")
+                    f"{_roles(r.binding.inputs)}, {_roles(r.binding.outputs)}, {{{fns}}}, {{{names}}}, {host}, "
+                    f"{ranges}, {len(dyn.ranges)}, {extent}, {len(dyn.extent) if entries else 0}, {table}, "
+                    f"{len(entries)}, {counts}}},")
     if blocks:
         lines += ["", "// per-node glue of the families that carry code or data per node (Binder.glue)", *blocks]
-    lines += ["", "namespace gtco {", "", "const NodeSpec kNodes[] = {"]
-    lines += rows or ['    {"", "", 0, 0, {-1}, {-1}, {nullptr}, {nullptr}, nullptr},  // placeholder: none is bound']
+    lines += ["", "namespace gtco {", ""]
+    if arrays:
+        lines += ["// declared ranges (gtco.dynamic), run-time extents and dispatch tables of the dynamic nodes",
+                  *arrays, ""]
+    lines += ["const NodeSpec kNodes[] = {"]
+    lines += rows or ['    {"", "", 0, 0, {-1}, {-1}, {nullptr}, {nullptr}, nullptr, nullptr, 0, nullptr, 0, nullptr, '
+                      '0, nullptr},  // placeholder: none is bound']
     lines += ["};", f"const size_t kNodeCount = {len(rows)};", ""]
     info = {"op_types": op_types, "cuda_op_types": device_types,
             "nodes": {r.node: r.op_type for r in bound}, "cuda": bool(device_types) and not emulated,
             "emulated": emulated,
-            "instances": {r.node: [i.name for i in device[r.node]] for r in bound if r.op_type in device_types}}
+            "instances": {r.node: [i.name for i in device[r.node]] for r in bound if r.op_type in device_types},
+            "ranges": {r.node: [list(x) for x in dynamic[r.node].ranges] for r in bound
+                       if r.node in dynamic and dynamic[r.node].ranges},
+            "dispatch": {node: [[top, [i.name for i in per_arch]] for top, per_arch in _rows(t)]
+                         for node, t in tables.items()}}
     text = json.dumps(info, sort_keys=True)
     if ")gtco\"" in text:
         raise BuildError("a node name contains the sequence )gtco\" that the generated glue cannot quote")
@@ -229,6 +292,36 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
                   "    GeneratedOps& o = generated_ops();", *adds, "    (void)o;", "    (void)domain;", "}", ""]
     lines += ["}  // namespace gtco", "", '#include "register.inc"', ""]
     return "\n".join(lines), op_types, device_types
+
+
+def _rows(tables: Sequence[Sequence[tuple[int | None, Instance]]]) -> list[tuple[int | None, list[Instance]]]:
+    """Per-arch tables -> rows of (max_extent, the instance per arch) over the union of their max_extents (None,
+    unbounded, last), neighbouring rows with the same instances merged."""
+    def key(t: int | None) -> float:
+        return float("inf") if t is None else t
+
+    tops = sorted({t for table in tables for t, _ in table}, key=key)
+    rows: list[tuple[int | None, list[Instance]]] = []
+    for top in tops:
+        insts = [next((i for t, i in table if key(t) >= key(top)), table[-1][1]) for table in tables]
+        if rows and [i.name for i in rows[-1][1]] == [i.name for i in insts]:
+            rows[-1] = (top, insts)
+        else:
+            rows.append((top, insts))
+    return rows
+
+
+def _entries(tables: Sequence[Sequence[tuple[int | None, Instance]]]) -> list[tuple[str, str, str]]:
+    """The C initializers (max_extent, fn per arch slot, name per arch slot) of a node's dispatch table; the last
+    entry takes every extent above (INT64_MAX)."""
+    rows = _rows(tables)
+    out = []
+    for e, (top, insts) in enumerate(rows):
+        padded = [*insts, *([None] * (len(ARCH_SLOTS) - len(insts)))]
+        fns = ", ".join(f"&{i.symbol}" if i else "nullptr" for i in padded)
+        names = ", ".join(_c(i.name) if i else "nullptr" for i in padded)
+        out.append(("INT64_MAX" if e == len(rows) - 1 or top is None else str(top), fns, names))
+    return out
 
 
 def _tree_digest(h: hashlib._Hash, root: Path) -> None:
@@ -298,9 +391,62 @@ def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
     return found, why
 
 
+Dispatch = Mapping[str, Mapping[str, Sequence[tuple[int | None, Mapping[str, int]]]]]
+"""node name -> arch -> (max_extent, config) entries in ascending max_extent, the last covering the range's top."""
+
+
+def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
+                  device: Mapping[str, tuple[Instance, ...]], ranges: Mapping[str, tuple[int, int]],
+                  dispatch: Dispatch | None = None) -> dict[str, NodeDynamic]:
+    """What each bound node checks and dispatches on (plugin.dispatch): the declared ranges of its input dims, and
+    for a node with device instances whose run-time extent has a symbolic dim, its table per arch of `archs`:
+    `dispatch`'s entries for the node where given (an entry whose config does not fit takes the default config
+    at its extent), else the analytical default (dispatch.default_table); where an extent of the table has no
+    instance, the node's one instance (`device`) is the whole table."""
+    by_name = {n.node.name: n for n in nodes}
+    out: dict[str, NodeDynamic] = {}
+    for r in results:
+        if r.binding is None:
+            continue
+        node = by_name[r.node]
+        checked = node_ranges(node, ranges)
+        dims = extent_dims(node, r.binding) if r.node in device else ()
+        symbolic, top = extent_top(node, dims, ranges) if dims else (False, None)
+        problem = device_problem(node, r.binding) if symbolic else None
+        if not isinstance(problem, Problem):
+            if checked:
+                out[r.node] = NodeDynamic(ranges=checked)
+            continue
+        tables = []
+        for slot, arch in enumerate(archs):
+            given = (dispatch or {}).get(r.node, {}).get(arch)
+            if given is not None:
+                check_table(given, r.node, arch)
+                rows: Sequence[tuple[int | None, Mapping[str, int] | None]] = given
+            else:
+                default = default_table(problem, arch, top)
+                rows = default if not isinstance(default, str) else [(top, None)]
+            table: list[tuple[int | None, Instance]] = []
+            for t, config in rows:
+                at = with_extent(problem, t if t is not None else BUCKETS[-1])
+                inst = select_config(at, arch, config)
+                if isinstance(inst, str) and config:
+                    inst = select_config(at, arch)
+                if isinstance(inst, str):  # no instance at this extent: the node's one instance serves them all
+                    table = [(top, device[r.node][slot])]
+                    break
+                if table and table[-1][1].name == inst.name:  # neighbouring entries of one instance: one entry
+                    table[-1] = (t, inst)
+                else:
+                    table.append((t, inst))
+            tables.append(tuple(table))
+        out[r.node] = NodeDynamic(ranges=checked, extent=dims, tables=tuple(tables))
+    return out
+
+
 def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cuda: bool,
-                  emulated: bool = False, tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None
-                  ) -> LibraryResult:
+                  emulated: bool = False, tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None,
+                  dispatch: Dispatch | None = None) -> LibraryResult:
     """Build (or take from the cache) the model's custom-op library into out_dir (see the module docstring).
 
     Args:
@@ -309,9 +455,14 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             device path without a GPU; slow, small shapes only). Exclusive with `cuda`.
         tuned: node name -> arch -> the tuner's best configuration (onnx_gtco.tune); other nodes and archs get
             the family's default. A tuned instance that spills is a BuildError like any other.
+        dispatch: node name -> arch -> the dispatch table [(max_extent, config)] of a node whose run-time extent
+            is symbolic (onnx_gtco.tune.dynamic); such nodes missing from it get the analytical default table
+            (plugin.dispatch), whatever `tuned` says for them. Every distinct instance of the tables is built.
+            The ranges checked at run time come from the model's `gtco.dynamic` metadata.
 
     Raises:
-        BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable.
+        BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable, a
+            malformed `gtco.dynamic` metadata or dispatch table.
     """
     if cuda and emulated:
         raise ValueError("build_library: cuda and emulated exclude each other")
@@ -319,13 +470,23 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     out = Path(out_dir)
     if not out.is_dir():
         raise BuildError(f"library output directory {out} does not exist")
+    try:
+        ranges = model_ranges(model)
+    except GtcoError as e:
+        raise BuildError(str(e)) from None
     nodes = fused_nodes(model)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
     device, kernel_skips = select_device(nodes, results, archs, tuned) if archs else ({}, {})
-    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated)
-    unique = {(i.name, i.arch): i for r in results if r.op_type in device_types and r.node in device
-              for i in device[r.node]}  # nodes of the same problem share an instance
+    dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch)
+    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic)
+    on_device = [r.node for r in results if r.op_type in device_types and r.node in device]
+    unique = {(i.name, i.arch): i for node in on_device
+              for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t))}
+    # nodes of the same problem share an instance
+    tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
+                     for arch, table in zip(archs, dynamic[node].tables, strict=True)}
+              for node in on_device if node in dynamic and dynamic[node].tables}
     instances = [unique[k] for k in sorted(unique)]
     # nvcc per instance, cached across models; BuildError names a failing or spilling one
     compiled: list[CompiledInstance] = compile_instances(instances) if cuda else []
@@ -336,7 +497,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     cxx = find_cxx()
     nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
     h = hashlib.sha256()
-    for part in (source, *CXX_FLAGS, cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
+    for part in (source, *CXX_FLAGS, *sanitize_flags(), cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
                  *(f"{i.arch}:{i.source}" for i in instances)):
         h.update(part.encode() + b"\0")
     _tree_digest(h, PLUGINS)
@@ -346,7 +507,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
 
     def result(cached: bool, created: bool, log: str) -> LibraryResult:
         return LibraryResult(dest, op_types, device_types, results, cuda, cached, created, time.monotonic() - start,
-                             log, [c.summary() for c in compiled], kernel_skips, emulated)
+                             log, [c.summary() for c in compiled], kernel_skips, emulated, tables)
 
     if dest.is_file():
         return result(True, False, "")
@@ -416,5 +577,5 @@ def library_info(path: str | os.PathLike[str]) -> dict[str, object]:
     return dict(json.loads(f().decode()))
 
 
-__all__ = ["BuildError", "LibraryResult", "NodeResult", "bind_nodes", "build_library", "generate_glue",
-           "library_info", "select_device"]
+__all__ = ["BuildError", "Dispatch", "LibraryResult", "NodeResult", "bind_nodes", "build_library",
+           "dynamic_nodes", "generate_glue", "library_info", "select_device"]

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import ModelError
 from onnx_gtco.ir.load import _infer_shapes
@@ -60,7 +60,8 @@ def fused_nodes(model: onnx.ModelProto) -> list[FusedNode]:
     for t in model.graph.initializer:
         types.setdefault(t.name, onnx.TypeProto.Tensor(elem_type=t.data_type, shape=onnx.TensorShapeProto(
             dim=[onnx.TensorShapeProto.Dimension(dim_value=d) for d in t.dims])))
-        values[t.name] = numpy_helper.to_array(t)
+        if not external_data_helper.uses_external_data(t):  # weights left on disk are never read to bind a node
+            values[t.name] = numpy_helper.to_array(t)
     for n in model.graph.node:
         if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output:
             for a in n.attribute:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.family import Problem
@@ -26,6 +27,7 @@ from onnx_gtco.kernels.family import Problem
 SMS = {"sm_80": 108, "sm_90": 132}
 MAX_THREADS_PER_SM = 2048
 LAUNCH_US = 3.0
+FILL_FLOOR = 0.05  # a row-wise kernel's time stops dropping with fewer busy slots than this share: latency-bound
 _BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 
@@ -48,11 +50,24 @@ def _tiled_us(arch: str, blocks: int, threads: int, smem: int, flops_per_block: 
     return waves * (max(mma_us, load_us) + exposed) + LAUNCH_US
 
 
+def _gemm_smem(c: Mapping[str, int]) -> int:
+    return c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2
+
+
+def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
+    kv_tiles = c["STAGES"] * c["BKV"] * (1 if p.family == "bmm_softmax" else 2)
+    return (c["BQ"] + kv_tiles) * (p.size("head_dim") + 8) * 2
+
+
+def _rowwise_resident(c: Mapping[str, int]) -> int:
+    return max(1, min(MAX_THREADS_PER_SM // (c["THREADS"] * c["ROWS"]), 32))
+
+
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     batch, m, n, k = p.size("batch"), p.size("M"), p.size("N"), p.size("K")
     bm, bn, bk, wm, wn, stages = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"], c["STAGES"]
     blocks = batch * math.ceil(m / bm) * math.ceil(n / bn)
-    smem = stages * (bm + bn) * (bk + 8) * 2
+    smem = _gemm_smem(c)
     warp_tile = (bm // wm) * (bn // wn)
     reuse = min(1.0, (warp_tile / (64 * 64)) ** 0.25)
     k_pad = math.ceil(k / bk) * bk
@@ -67,7 +82,7 @@ def _attention(p: Problem, c: Mapping[str, int], arch: str) -> float:
     blocks = b * h * math.ceil(sq / bq)
     sk_pad = math.ceil(sk / bkv) * bkv
     passes = 2 if p.family == "bmm_softmax" else 1
-    smem = (bq + stages * bkv * (1 if p.family == "bmm_softmax" else 2)) * (d + 8) * 2
+    smem = _attention_smem(p, c)
     rows_per_warp = bq // warps
     reuse = min(1.0, (rows_per_warp * bkv / (16 * 128)) ** 0.25)
     flops = 2.0 * bq * sk_pad * d * (2 if p.family == "attention" else passes)
@@ -86,15 +101,15 @@ def _rowwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
     elem = _BYTES[p.dtype]
     threads, vec, rows_per_block = c["THREADS"], c["VEC"], c["ROWS"]
     blocks = math.ceil(rows / rows_per_block)
-    in_flight = threads * rows_per_block
     sms = SMS[arch]
-    resident = max(1, min(MAX_THREADS_PER_SM // in_flight, 32))
+    resident = _rowwise_resident(c)
     waves = math.ceil(blocks / (sms * resident))
     fill = blocks / (waves * sms * resident)
     width = min(1.0, vec * elem / 16) ** 0.5  # 16-byte accesses reach the bandwidth; narrower ones fall short
     idle = max(0.0, 1.0 - cols / (threads * vec))  # lanes with no element in a row that is short for the block
     bytes_total = streams * rows * cols * elem
-    return bytes_total / (TARGETS[arch].dram_gbps * 1e3) / (width * max(fill, 0.05) * (1.0 - 0.5 * idle)) + LAUNCH_US
+    return (bytes_total / (TARGETS[arch].dram_gbps * 1e3) / (width * max(fill, FILL_FLOOR) * (1.0 - 0.5 * idle))
+            + LAUNCH_US)
 
 
 def _elementwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
@@ -113,6 +128,48 @@ _MODELS = {"gemm": _gemm, "attention": _attention, "bmm_softmax": _attention, "l
            "softmax": _rowwise, "elementwise": _elementwise}
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How one configuration's blocks cover a problem along its run-time extent (`kernels.dynamic.extent_name`):
+    the micro-kernel geometry of the shape-generic tuner (onnx_gtco.tune.dynamic).
+
+    Attributes:
+        tile: the extent one block covers (gemm BM, attention BQ, row-wise ROWS).
+        across: blocks per tile of the extent (the grid's other dims: batch x N tiles, batch x heads, 1).
+        slots: blocks resident on the whole GPU at once (SMs x blocks per SM): one wave.
+        saturation: blocks from which a wave costs as much as a full one (all the slots for the Tensor Core
+            families; FILL_FLOOR of them for the row-wise kernels, whose waves are latency-bound).
+        min_busy: blocks below which a wave gets no faster (one per SM for the Tensor Core families, whose lone
+            blocks run at their SM's speed; none for the row-wise kernels).
+    """
+
+    tile: int
+    across: int
+    slots: int
+    saturation: float
+    min_busy: float
+
+
+def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
+    """The Tiling of `config` on `problem` for `arch`, by the same resource rules as estimate_us.
+
+    Raises:
+        ValueError: the family has no run-time extent (elementwise).
+    """
+    sms = SMS[arch]
+    c = config
+    if problem.family == "gemm":
+        slots = sms * _resident(_gemm_smem(c), c["WM"] * c["WN"] * 32, arch)
+        return Tiling(c["BM"], problem.size("batch") * math.ceil(problem.size("N") / c["BN"]), slots, slots, sms)
+    if problem.family in ("attention", "bmm_softmax"):
+        slots = sms * _resident(_attention_smem(problem, c), c["WARPS"] * 32, arch)
+        return Tiling(c["BQ"], problem.size("batch") * problem.size("heads"), slots, slots, sms)
+    if problem.family in ("layernorm", "softmax"):
+        slots = sms * _rowwise_resident(c)
+        return Tiling(c["ROWS"], 1, slots, FILL_FLOOR * slots, 0.0)
+    raise ValueError(f"{problem.family} kernels have no tiling over a run-time extent")
+
+
 def estimate_us(problem: Problem, config: Mapping[str, int], arch: str) -> float:
     """Predicted time of `config` on `problem` for `arch`, in microseconds (see the module docstring)."""
     try:
@@ -122,4 +179,4 @@ def estimate_us(problem: Problem, config: Mapping[str, int], arch: str) -> float
     return float(model(problem, config, arch))
 
 
-__all__ = ["SMS", "estimate_us"]
+__all__ = ["FILL_FLOOR", "SMS", "Tiling", "estimate_us", "tiling"]

@@ -37,6 +37,11 @@ def redact(url: str) -> str:
     """The URL without its password, for reports and logs."""
     from sqlalchemy.engine import make_url
 
+    from onnx_gtco.tune.search import MEMORY_PREFIX
+
+    if url.startswith(MEMORY_PREFIX):
+        return url
+
     return make_url(url).render_as_string(hide_password=True)
 
 

@@ -15,6 +15,7 @@ import optuna
 
 from onnx_gtco.tune.scheduler import Curve, Policy, stopped
 from onnx_gtco.tune.search import (
+    MEMORY_PREFIX,
     Measurer,
     best,
     finished,
@@ -103,6 +104,8 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
     keys = set(studies)
     if workers > 1 and measurer.name != "analytical":
         raise ValueError("extra worker processes measure with the analytical model only")
+    if workers > 1 and url.startswith(MEMORY_PREFIX):
+        raise ValueError(f"{url}: an in-memory storage cannot be shared with worker processes")
     procs = spawn(url, workers - 1, keys, patience) if workers > 1 else []
 
     def report(task: Task, record: optuna.trial.FrozenTrial) -> None:

@@ -46,10 +46,19 @@ def storage_url(explicit: str | None = None) -> str:
     return f"sqlite:///{path}"
 
 
+MEMORY_PREFIX = "memory:"
+_MEMORY: dict[str, optuna.storages.InMemoryStorage] = {}
+
+
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """An RDB storage with heartbeats: a worker killed mid-trial leaves a RUNNING trial whose heartbeat stops; the
     next process to run a trial of that study marks it failed (finished trials are committed already) and
-    enqueues its configuration again, once."""
+    enqueues its configuration again, once.
+
+    `memory:NAME` is Optuna's in-memory storage, one per name and process: nothing persists and no other process
+    (no tune-worker) can join; for experiments and tests that only count trials."""
+    if url.startswith(MEMORY_PREFIX):
+        return _MEMORY.setdefault(url, optuna.storages.InMemoryStorage())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.storages.RDBStorage(

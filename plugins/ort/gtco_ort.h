@@ -18,12 +18,17 @@
 // GTCO_EMULATED_DEVICE links the same instances compiled for the CPU emulation (g++ -DGTCO_EMULATE) and registers
 // the Cuda = true kernels for the CPU EP: the whole device path (argument structs, strides, dispatch, the
 // instances' own checks) then runs in an ordinary CPU session, which is how CI tests it without a GPU.
+//
+// Dynamic shapes: before either kernel runs, FusedKernel checks the node's declared ranges (NodeSpec::ranges, from
+// the model's gtco.dynamic metadata) and a device kernel with a dispatch table (NodeSpec::dispatch) launches the
+// entry for the call's run-time extent (NodeSpec::extent) instead of cuda_fn.
 #pragma once
 
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +97,30 @@ inline int arch_slot(int cc) {
     return -1;
 }
 
+// A declared range of a symbolic dim (the model's gtco.dynamic metadata) on one input axis of a node: every call
+// checks lo <= shape[axis] <= hi, on the CPU and the device path alike (gtco::check_ranges).
+struct DimRange {
+    int input;        // node input index
+    int axis;         // axis of that input
+    int64_t lo, hi;   // the declared range, inclusive
+    const char* dim;  // the dim's name, for messages
+};
+
+// One factor of a node's run-time extent (onnx_gtco.kernels.dynamic): the size of input `input` along `axis`
+// (negative: from the end).
+struct DimRef {
+    int input;
+    int axis;
+};
+
+// One entry of a node's dispatch table: the instances (per arch slot) a call whose extent is at most max_extent
+// launches. The table is in ascending max_extent; the last entry has INT64_MAX and takes everything above.
+struct DispatchEntry {
+    int64_t max_extent;
+    InstanceFn fn[kArchSlots];
+    const char* name[kArchSlots];
+};
+
 // One fused node of the model the library was built for (generated table, see library.py).
 struct NodeSpec {
     const char* op_type;
@@ -104,6 +133,14 @@ struct NodeSpec {
     const char* cuda_name[kArchSlots];   // their names, for messages
     const void* node_data;               // family-specific per-node data of the glue (nullptr: none); the
                                          // Elementwise family's gtco::ElementwiseNode, with its host function
+    // Dynamic shapes (left out, a node has none: the defaults)
+    const DimRange* ranges = nullptr;        // declared ranges checked on every call (n_ranges of them)
+    int n_ranges = 0;
+    const DimRef* extent = nullptr;          // the factors of the run-time extent (n_extent of them)
+    int n_extent = 0;
+    const DispatchEntry* dispatch = nullptr; // the dispatch table (n_dispatch entries; 0: cuda_fn is the instance)
+    int n_dispatch = 0;
+    std::atomic<int64_t>* launches = nullptr;  // launches per dispatch entry (gtco_dispatch_launches, register.inc)
 };
 
 extern const NodeSpec kNodes[];
@@ -146,6 +183,7 @@ struct NodeRef {
     std::string node;
     InstanceFn fn = nullptr;
     std::string fn_name;
+    int slot = -1;  // the device's arch slot (device kernels)
     std::string where() const { return op_type + " node '" + node + "'"; }
     OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) const {
         return make_status(code, where() + ": " + msg);
@@ -210,8 +248,53 @@ inline void choose_instance(const NodeSpec& spec, NodeRef& ref) {
         throw std::runtime_error("no instance for this GPU (compute capability " + std::to_string(cc / 10) + "." +
                                  std::to_string(cc % 10) + "); the library was built for sm_80 (8.x) and sm_90 (9.x)");
     }
+    for (int e = 0; e < spec.n_dispatch; ++e) {
+        if (spec.dispatch[e].fn[slot] == nullptr) {
+            throw std::runtime_error("dispatch entry " + std::to_string(e) + " has no instance for this GPU");
+        }
+    }
+    ref.slot = slot;
     ref.fn = spec.cuda_fn[slot];
     ref.fn_name = spec.cuda_name[slot] ? spec.cuda_name[slot] : "?";
+}
+
+// Size of input `input` along `axis` (negative: from the end) in this call; -1 when it has no such input or axis.
+inline int64_t dim_of(Ort::KernelContext& ctx, int input, int axis) {
+    if (input < 0 || static_cast<size_t>(input) >= ctx.GetInputCount()) return -1;
+    Ort::ConstValue v = ctx.GetInput(static_cast<size_t>(input));
+    if (v == nullptr) return -1;
+    const std::vector<int64_t> shape = v.GetTensorTypeAndShapeInfo().GetShape();
+    const int rank = static_cast<int>(shape.size());
+    const int a = axis < 0 ? axis + rank : axis;
+    return a >= 0 && a < rank ? shape[static_cast<size_t>(a)] : -1;
+}
+
+// The declared ranges of the node's symbolic dims: an error naming the dim, its value and the range, or nullptr.
+inline OrtStatus* check_ranges(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec) {
+    for (int r = 0; r < spec.n_ranges; ++r) {
+        const DimRange& d = spec.ranges[r];
+        const int64_t got = dim_of(ctx, d.input, d.axis);
+        if (got >= 0 && (got < d.lo || got > d.hi)) {
+            return ref.fail(std::string("dim '") + d.dim + "' is " + std::to_string(got) + " (input " +
+                            std::to_string(d.input) + " axis " + std::to_string(d.axis) +
+                            "), outside the declared range " + d.dim + "=" + std::to_string(d.lo) + ":" +
+                            std::to_string(d.hi) + " the model was optimized for (gtco.dynamic; optimize it again "
+                            "with a wider --dynamic range)");
+        }
+    }
+    return nullptr;
+}
+
+// The dispatch entry a call launches: the first whose max_extent is at least the call's extent.
+inline int dispatch_entry(Ort::KernelContext& ctx, const NodeSpec& spec) {
+    int64_t extent = 1;
+    for (int i = 0; i < spec.n_extent; ++i) {
+        const int64_t d = dim_of(ctx, spec.extent[i].input, spec.extent[i].axis);
+        extent *= d > 0 ? d : 1;
+    }
+    int e = 0;
+    while (e + 1 < spec.n_dispatch && spec.dispatch[e].max_extent < extent) ++e;
+    return e;
 }
 
 // The kernel of one node: Family::Kernel<D, Cuda> holds the attributes and does the work.
@@ -237,6 +320,15 @@ struct FusedKernel {
                 m << "has " << ctx.GetInputCount() << " inputs and " << ctx.GetOutputCount()
                   << " outputs; the library was built for " << spec->n_inputs << " and " << spec->n_outputs;
                 return ref.fail(m.str());
+            }
+            if (OrtStatus* st = check_ranges(ctx, ref, *spec)) return st;
+            if (Cuda && spec->n_dispatch > 0) {  // a dynamic node: the entry for this call's extent
+                const int e = dispatch_entry(ctx, *spec);
+                if (spec->launches != nullptr) spec->launches[e].fetch_add(1, std::memory_order_relaxed);
+                NodeRef at = ref;
+                at.fn = spec->dispatch[e].fn[ref.slot];
+                at.fn_name = spec->dispatch[e].name[ref.slot] ? spec->dispatch[e].name[ref.slot] : "?";
+                return Family::template compute<D, Cuda>(ctx, at, *spec, attrs);
             }
             return Family::template compute<D, Cuda>(ctx, ref, *spec, attrs);
         } catch (const Ort::Exception& e) {

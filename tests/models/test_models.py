@@ -234,6 +234,21 @@ def test_symbolic_batch_runs_for_any_batch(name: str) -> None:
     np.testing.assert_allclose(got3[:1], got1, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("forms", [{}, {"qkv": "fused", "token_types": True}])
+def test_symbolic_sequence_matches_the_static_model(forms: dict) -> None:
+    model = build("bert-tiny", batch="batch", seq="seq", depth=1, **forms)
+    onnx.checker.check_model(model, full_check=True)
+    ends = [*model.graph.input, *model.graph.output]
+    assert all([d.dim_param for d in vi.type.tensor_type.shape.dim[:2]] == ["batch", "seq"] for vi in ends)
+    assert {"Shape", "Slice"} <= {n.op_type for n in model.graph.node}  # position ids cut from the table
+    for batch, seq in ((1, 1), (3, 7), (2, 128)):
+        static = build("bert-tiny", batch=batch, seq=seq, depth=1, **forms)
+        x = feeds_for(static, batch=batch)
+        got, want = run(model, x)[0], run(static, x)[0]
+        assert got.shape == (batch, seq, 128)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_symbolic_vit_tiny_depth_one() -> None:
     model = build("vit-tiny", depth=1, batch="N")
     for batch in (1, 3):
@@ -261,6 +276,7 @@ def test_opsets(opset: int) -> None:
     ("bert-tiny", {"seq": 1024}, "max_positions"),
     ("bert-tiny", {"opset": 12}, "opset 12"),
     ("bert-tiny", {"batch": 0}, "batch"),
+    ("bert-tiny", {"seq": ""}, "seq"),
 ])
 def test_bad_arguments_raise(name: str, overrides: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
