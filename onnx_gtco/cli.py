@@ -1,5 +1,5 @@
-"""Command line: optimize | inspect | check | demo | tune-worker. Builds the GtcoConfig; maps GtcoError to one line and
-exit 2."""
+"""Command line: optimize | inspect | check | bench | demo | tune-worker. Builds the GtcoConfig; maps GtcoError to one
+line and exit 2."""
 
 from __future__ import annotations
 
@@ -159,6 +159,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_MISMATCH
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from onnx_gtco.bench import BenchOptions, format_table, run_bench, write_outputs
+
+    out_dir = Path(args.out)
+    opts = BenchOptions(model=args.model, rewritten=args.rewritten, provider=args.provider,
+                        batches=tuple(args.batch), precision=args.precision, target=args.target,
+                        baselines=tuple(n for a in args.baselines for n in a.split(",") if n) if args.baselines
+                        else BenchOptions.baselines,
+                        runs=args.runs, warmup=args.warmup, quick=args.quick, model_type=args.model_type,
+                        dims=_dims(args.dim), seed=args.seed, remeasure_peaks=args.remeasure_peaks, out=str(out_dir))
+    opts = dataclasses.replace(opts, command=opts.as_command())
+    opts.validate()
+    doc = run_bench(opts)
+    table = format_table(doc)
+    print(table)
+    for path in write_outputs(doc, table, out_dir):
+        print(f"wrote      {path}")
+    return EXIT_OK
+
+
 def parser() -> argparse.ArgumentParser:
     from onnx_gtco.pipeline import __version__
 
@@ -223,6 +245,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gtco-demo", help="folder for the demo's files (default ./gtco-demo)")
     _add_plan_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="time the model's baselines and ours on the same inputs; table, JSON, PNG")
+    p.add_argument("model", help="an .onnx file or a built-in model name (vit-tiny, bert-tiny, ...)")
+    p.add_argument("--rewritten", default=None, metavar="R",
+                   help="time this optimized model as ours (its library beside it); default: optimize MODEL")
+    p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="N",
+                   help="batch sizes (a file model's symbolic batch dim is bound to each; default 1)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="what ours is optimized with (default fp16 on cuda, fp32 on cpu)")
+    p.add_argument("--target", choices=sorted(TARGETS), default=None, help="GPU target ours is planned for")
+    p.add_argument("--baselines", nargs="+", default=None, metavar="NAME",
+                   help="among ort-fp32 ort-fp16 ort-transformers-fp16 torch-compile tensorrt, space or comma "
+                   "separated (default: all)")
+    p.add_argument("--runs", type=int, default=100, help="timed runs per variant (>= 100; default 100)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default 10)")
+    p.add_argument("--quick", action="store_true", help="allow --runs below 100 (smoke tests, not for reporting)")
+    p.add_argument("--remeasure-peaks", action="store_true",
+                   help="measure the device's matmul and copy peaks again (else cached once per device)")
+    p.add_argument("--model-type", default=None,
+                   help="model type for ORT's transformer optimizer (default: bert for token ids, vit for images)")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="size of a symbolic input dim")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.add_argument("--out", default=".", help="folder for bench.json, bench.md and bench.png (default .)")
+    p.set_defaults(func=cmd_bench)
     return ap
 
 

@@ -1,13 +1,14 @@
 """Run the generated kernels on a real GPU: check them against fp64 references and time them beside cuBLAS / torch.
 
-    python tools/gpu_suite.py [--arch sm_90] [--out DIR] [--reps 50] [--quick]
+    python tools/kernel_bench.py [--arch sm_90] [--out DIR] [--reps 50] [--quick] [--max-configs K] [--compile-only]
 
 For each shape (ViT-B/16, SETR-style ViT-L at 577 tokens, DETR's encoder) and kernel family, every configuration the
 family offers is compiled with nvcc into a shared library, called through its C entry point on CUDA tensors, checked
 against the family's fp64 reference (‖err‖/‖ref‖, NaN never), and timed with CUDA events: median of `reps` runs after
 a warm-up. Baselines on the same inputs in the same process: cuBLAS through torch (matmul / addmm, plus the
 unfused epilogue), torch SDPA (flash / memory-efficient backends), torch softmax and layer_norm. Writes results.json
-and a Markdown table (results.md) into --out. Needs torch with CUDA and nvcc; no ONNX Runtime.
+and a Markdown table (results.md) into --out. Needs torch with CUDA and nvcc; no ONNX Runtime. `--compile-only` builds
+the instances and launches nothing (no torch, no GPU: how `tools/gpu_suite --dry-run` exercises this step).
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def baselines(label: str, fam: KernelFamily, p: Problem, dev: dict, torch) -> di
     return {"torch add+layer_norm": lambda: F.layer_norm(x + r, (x.shape[-1],), g, bt, 1e-6)}
 
 
-def run_case(label: str, fam: KernelFamily, p: Problem, arch: str, libs: dict[str, Path], reps: int, torch) -> dict:
+def run_case(label: str, fam: KernelFamily, p: Problem, arch: str, libs: dict[str, Path], reps: int, torch,
+             max_configs: int | None = None) -> dict:
     inputs = fam.random_inputs(p, seed=5)
     dev = {k: to_torch(v, p.dtype, torch) for k, v in inputs.items()}
     outs = {name: torch.full(shape, float("nan"), dtype=torch.float16 if dt == "f16" else torch.bfloat16,
@@ -176,7 +178,7 @@ def run_case(label: str, fam: KernelFamily, p: Problem, arch: str, libs: dict[st
     ref = fam.reference(p, inputs)
     stream = torch.cuda.current_stream().cuda_stream
     rows = []
-    for cfg in fam.configs(p, arch):
+    for cfg in fam.configs(p, arch)[:max_configs]:
         inst = fam.instantiate(p, cfg, arch)
         fields = fam.args_fields(p, arrays)
         def address(name: str) -> int | None:
@@ -221,32 +223,54 @@ def markdown(results: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def instances(todo: list[tuple[str, KernelFamily, Problem]], arch: str, max_configs: int | None
+              ) -> dict[str, Instance]:
+    """Every instance the cases need, by name: each case's offered configurations (its first `max_configs`)."""
+    out: dict[str, Instance] = {}
+    for _, fam, p in todo:
+        for cfg in fam.configs(p, arch)[:max_configs]:
+            i = fam.instantiate(p, cfg, arch)
+            out[i.name] = i
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--out", default="gpu-suite")
+    ap.add_argument("--out", default="kernel-bench")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="the first three cases only")
+    ap.add_argument("--max-configs", type=int, default=None, metavar="K",
+                    help="only the first K configurations of each case (default: all)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="build the instances, launch nothing (no torch or GPU needed)")
     args = ap.parse_args(argv)
-    import torch
+    if args.max_configs is not None and args.max_configs < 1:
+        ap.error("--max-configs must be >= 1")
 
     out = Path(args.out)
     (out / "build").mkdir(parents=True, exist_ok=True)
     todo = cases(args.quick)
-    insts = {}
-    for _, fam, p in todo:
-        for cfg in fam.configs(p, args.arch):
-            i = fam.instantiate(p, cfg, args.arch)
-            insts[i.name] = i
+    insts = instances(todo, args.arch, args.max_configs)
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         libs = dict(zip(insts, pool.map(lambda i: build(i, out / "build"), insts.values()), strict=True))
-    print(f"built {len(libs)} instances in {time.monotonic() - t0:.0f} s", flush=True)
+    build_s = time.monotonic() - t0
+    print(f"built {len(libs)} instances in {build_s:.0f} s", flush=True)
+    if args.compile_only:
+        (out / "results.json").write_text(json.dumps(
+            {"device": None, "arch": args.arch, "compile_only": True, "build_seconds": round(build_s, 1),
+             "built": sorted(libs), "cases": [label for label, _, _ in todo], "results": []}, indent=1))
+        (out / "results.md").write_text(f"Compiled {len(libs)} instances for {args.arch} in {build_s:.0f} s; "
+                                        "none launched (--compile-only).\n")
+        return 0
+    import torch
+
     results = []
     device = torch.cuda.get_device_name()
     for label, fam, p in todo:
         try:
-            r = run_case(label, fam, p, args.arch, libs, args.reps, torch)
+            r = run_case(label, fam, p, args.arch, libs, args.reps, torch, args.max_configs)
         except Exception as e:  # one broken case must not hide the others' numbers
             print(f"{label}: {type(e).__name__}: {e}", flush=True)
             r = {"case": label, "family": fam.name, "rows": [], "baselines_us": {}, "best": None, "best_us": None,
@@ -254,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(json.dumps({k: r[k] for k in ("case", "best", "best_us", "default_us", "baselines_us", "all_ok")}),
               flush=True)
-        (out / "results.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+        (out / "results.json").write_text(json.dumps({"device": device, "arch": args.arch, "compile_only": False,
+                                                      "build_seconds": round(build_s, 1), "results": results},
+                                                     indent=1))
         (out / "results.md").write_text(markdown(results, device))
     print(markdown(results, device))
     return 0 if all(r["all_ok"] for r in results) else 1

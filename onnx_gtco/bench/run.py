@@ -1,0 +1,309 @@
+"""`onnx-gtco bench`: one process, one run, the same seeded inputs for every variant of a model at each batch size.
+
+Per batch: the fp32 original is run once on the CPU EP for the reference outputs, then every selected baseline and
+ours ("gtco") is prepared and timed (onnx_gtco.bench.variants), its accuracy taken against the reference, and the
+roofline floor computed (onnx_gtco.bench.roofline). The result is one JSON document (schema in `run_bench`),
+printed as a table.
+"""
+
+from __future__ import annotations
+
+import platform
+import shlex
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_gtco.bench import roofline
+from onnx_gtco.bench.output import check_out_dir
+from onnx_gtco.bench.timing import first_line
+from onnx_gtco.bench.variants import BASELINES, OURS, Context, Result, reference_outputs, run_variant
+from onnx_gtco.errors import GtcoError
+
+MIN_RUNS = 100
+PROVIDERS = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What one `onnx-gtco bench` run measures (the CLI's arguments).
+
+    Attributes:
+        model: an .onnx path or a built-in model name (onnx_gtco.models.BUILTIN, built at each batch size).
+        rewritten: an already optimized model to time as ours; None optimizes `model` per batch size.
+        provider: "cuda" or "cpu".
+        batches: batch sizes; a file model's symbolic batch dim is bound to each, a fixed one must equal it.
+        precision: what ours is optimized with; None: fp16 on cuda, fp32 on cpu.
+        target: the GPU target ours is planned for (GtcoConfig's default when None).
+        baselines: a subset of variants.BASELINES, run in that order.
+        runs, warmup: timed and untimed runs per variant; runs >= MIN_RUNS unless quick.
+        quick: allow fewer runs (smoke tests; the numbers are not for reporting).
+        model_type: the ORT transformer optimizer's model type; None infers vit or bert from the inputs.
+        dims: sizes of other symbolic input dims (e.g. a sequence length).
+        seed: seed of the inputs.
+        remeasure_peaks: measure the device's peaks again instead of using the cached ones.
+        out: folder for bench.json, bench.md and bench.png.
+        command: the command line, recorded in the JSON.
+    """
+
+    model: str
+    rewritten: str | None = None
+    provider: str = "cuda"
+    batches: tuple[int, ...] = (1,)
+    precision: str | None = None
+    target: str | None = None
+    baselines: tuple[str, ...] = BASELINES
+    runs: int = MIN_RUNS
+    warmup: int = 10
+    quick: bool = False
+    model_type: str | None = None
+    dims: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+    remeasure_peaks: bool = False
+    out: str = "."
+    command: str = ""
+
+    def validate(self) -> None:
+        """Raise GtcoError for any argument that cannot be benchmarked, before anything runs."""
+        from onnx_gtco.config import PRECISIONS
+
+        if self.provider not in PROVIDERS:
+            raise GtcoError(f"unknown provider {self.provider!r}; choose one of {', '.join(PROVIDERS)}")
+        unknown = [b for b in self.baselines if b not in BASELINES]
+        if unknown:
+            raise GtcoError(f"unknown baseline {unknown[0]!r}; choose among {', '.join(BASELINES)}")
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise GtcoError(f"--batch takes sizes >= 1, got {' '.join(map(str, self.batches)) or 'none'}")
+        if len(set(self.batches)) != len(self.batches):
+            raise GtcoError(f"--batch lists a size twice: {' '.join(map(str, self.batches))}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise GtcoError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.runs < 1 or (self.runs < MIN_RUNS and not self.quick):
+            raise GtcoError(f"--runs {self.runs}: at least {MIN_RUNS} timed runs (pass --quick for a smoke test "
+                            "with fewer)")
+        if self.warmup < 0:
+            raise GtcoError(f"--warmup {self.warmup}: give a count >= 0")
+        check_out_dir(Path(self.out))
+        if self.model_type is not None:
+            from onnxruntime.transformers.optimizer import MODEL_TYPES
+
+            if self.model_type not in MODEL_TYPES:
+                raise GtcoError(f"unknown --model-type {self.model_type!r}; ORT's transformer optimizer knows "
+                                f"{', '.join(MODEL_TYPES)}")
+
+    def as_command(self) -> str:
+        """The equivalent `onnx-gtco bench` command line, every option spelled out (recorded in the JSON)."""
+        argv = ["onnx-gtco", "bench", self.model, "--provider", self.provider, "--batch", *map(str, self.batches),
+                "--precision", self.gtco_precision, "--baselines", *self.baselines, "--runs", str(self.runs),
+                "--warmup", str(self.warmup), "--seed", str(self.seed), "--out", self.out]
+        argv += ["--rewritten", self.rewritten] if self.rewritten else []
+        argv += ["--target", self.target] if self.target else []
+        argv += ["--model-type", self.model_type] if self.model_type else []
+        argv += [a for k, v in self.dims.items() for a in ("--dim", f"{k}={v}")]
+        argv += ["--quick"] if self.quick else []
+        argv += ["--remeasure-peaks"] if self.remeasure_peaks else []
+        return shlex.join(argv)
+
+    @property
+    def gtco_precision(self) -> str:
+        return self.precision or ("fp16" if self.provider == "cuda" else "fp32")
+
+
+def bind_dims(model: onnx.ModelProto, batch: int, dims: dict[str, int], name: str) -> onnx.ModelProto:
+    """A copy of `model` whose graph inputs' first dim is `batch` and whose symbolic dims named in `dims` take
+    those sizes (in inputs, outputs and value_info alike).
+
+    Raises:
+        GtcoError: an input's batch is fixed to another size, or an input keeps a symbolic dim not in `dims`.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {t.name for t in out.graph.initializer}
+    inputs = [vi for vi in out.graph.input if vi.name not in inits]
+    values = dict(dims)
+    for vi in inputs:
+        shape = vi.type.tensor_type.shape.dim
+        if not shape:
+            continue
+        d0 = shape[0]
+        if d0.HasField("dim_value"):
+            if d0.dim_value != batch:
+                raise GtcoError(f"{name}: input {vi.name!r} has a fixed batch of {d0.dim_value}; --batch {batch} "
+                                "needs a model with a symbolic batch dim")
+        elif d0.dim_param:
+            values[d0.dim_param] = batch
+        else:
+            d0.dim_value = batch
+    for vi in [*inputs, *out.graph.output, *out.graph.value_info]:
+        for d in vi.type.tensor_type.shape.dim:
+            if not d.HasField("dim_value") and d.dim_param in values:
+                d.dim_value = values[d.dim_param]
+    for vi in inputs:
+        for d in vi.type.tensor_type.shape.dim:
+            if not d.HasField("dim_value"):
+                raise GtcoError(f"{name}: input {vi.name!r} has the symbolic dim {d.dim_param or '?'!r}; give its "
+                                f"size with --dim {d.dim_param or 'NAME'}=INT")
+    return out
+
+
+def infer_model_type(model: onnx.ModelProto) -> str:
+    """"bert" when a graph input is an integer tensor (token ids), "vit" when one is a 4-D float image, else
+    "bert" (ORT's transformer optimizer's generic encoder fusions)."""
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        if np.issubdtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type), np.integer):
+            return "bert"
+    for vi in model.graph.input:
+        tt = vi.type.tensor_type
+        if vi.name not in inits and len(tt.shape.dim) == 4 and tt.elem_type in (onnx.TensorProto.FLOAT,
+                                                                               onnx.TensorProto.FLOAT16):
+            return "vit"
+    return "bert"
+
+
+def _model_source(spec: str) -> Callable[[int], onnx.ModelProto]:
+    """batch -> the fp32 model at that batch (not yet bound, for a file)."""
+    from onnx_gtco import models
+    from onnx_gtco.ir.load import read_model
+
+    if spec in models.BUILTIN:
+        return lambda batch: models.build(spec, batch=batch, seed=0)
+    path = Path(spec)
+    if not path.is_file():
+        raise GtcoError(f"{spec}: neither a file nor a built-in model ({', '.join(models.BUILTIN)})")
+    model = read_model(path)
+    return lambda batch: model
+
+
+def device_info(provider: str, peaks: roofline.Peaks | None) -> dict[str, Any]:
+    """The device's name (the peaks' key) and the versions of everything measured."""
+    import onnxruntime
+
+    from onnx_gtco.pipeline import __version__
+
+    versions: dict[str, Any] = {"onnx_gtco": __version__, "onnxruntime": onnxruntime.__version__,
+                                "onnx": onnx.__version__, "numpy": np.__version__,
+                                "python": platform.python_version()}
+    for key, dists in (("torch", ("torch",)), ("tensorrt", ("tensorrt",)), ("onnx2torch", ("onnx2torch",)),
+                       ("cupy", ("cupy", "cupy-cuda12x", "cupy-cuda11x", "cupy-cuda13x"))):
+        versions[key] = None  # not installed
+        for dist in dists:
+            try:
+                versions[key] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    name = peaks.device if peaks is not None else (roofline.cpu_name() if provider == "cpu" else "cuda: unknown")
+    return {"name": name, "providers": onnxruntime.get_available_providers(), **versions}
+
+
+def _variant_json(r: Result) -> dict[str, Any]:
+    lat = r.timed.latency if r.timed is not None and r.status == "ok" else None
+    acc = r.accuracy
+    return {"name": r.name, "status": r.status, "reason": r.reason,
+            "median_ms": lat.median_ms if lat else None, "p10_ms": lat.p10_ms if lat else None,
+            "p90_ms": lat.p90_ms if lat else None, "runs": lat.runs if lat else 0,
+            "cuda_graph": bool(lat is not None and r.timed is not None and r.timed.cuda_graph),
+            "max_abs_err": acc.max_abs_err if acc else None, "max_rel_err": acc.max_rel_err if acc else None,
+            "cosine": acc.cosine if acc else None, "note": r.note}
+
+
+def ours_over(variants: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """baseline -> ours' median / that baseline's median; None where either did not run."""
+    ours = next((v for v in variants if v["name"] == OURS), None)
+    out: dict[str, float | None] = {}
+    for v in variants:
+        if v["name"] == OURS:
+            continue
+        ok = ours is not None and ours["status"] == "ok" and v["status"] == "ok" and v["median_ms"] > 0
+        out[v["name"]] = ours["median_ms"] / v["median_ms"] if ok else None  # type: ignore[index]
+    return out
+
+
+def _log(msg: str) -> None:
+    print(f"bench  {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Measure every variant at every batch size and return the JSON document:
+
+    {"model", "provider", "device": {"name", "providers", versions...}, "precision", "runs", "warmup", "quick",
+     "batches": [{"batch", "variants": [{"name", "status": "ok"|"skipped"|"failed", "reason", "median_ms",
+     "p10_ms", "p90_ms", "runs", "cuda_graph", "max_abs_err", "max_rel_err", "cosine", "note"}],
+     "ours_over": {baseline: ours_median / baseline_median or None}, "roofline": {"flops", "bytes",
+     "peak_tflops", "peak_gbps", "floor_ms"}}], "command"}
+
+    Raises:
+        GtcoError: invalid options, a model that cannot be read or bound to a batch size, or the CUDA EP missing
+            for provider "cuda". A variant's own failure is recorded in the document instead.
+    """
+    import onnxruntime as ort
+
+    from onnx_gtco.config import GtcoConfig
+    from onnx_gtco.ir.export import save_atomic
+    from onnx_gtco.runtime.check import make_inputs
+
+    opts.validate()
+    if opts.provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise GtcoError(f"--provider cuda: CUDAExecutionProvider is not available in this onnxruntime "
+                        f"({ort.__version__}); install onnxruntime-gpu, or pass --provider cpu")
+    rewritten = Path(opts.rewritten) if opts.rewritten else None
+    if rewritten is not None and not rewritten.is_file():
+        raise GtcoError(f"--rewritten {rewritten}: no such file")
+    source = _model_source(opts.model)
+    for batch in opts.batches:  # a batch the model cannot take is an error before anything is measured
+        bind_dims(source(batch), batch, opts.dims, opts.model)
+        if rewritten is not None:  # its inputs must take the same feeds; a fixed batch must match
+            bind_dims(onnx.load(str(rewritten), load_external_data=False), batch, opts.dims, str(rewritten))
+    target = GtcoConfig.from_env(target=opts.target).target
+    try:
+        peaks, cached = roofline.device_peaks(opts.provider, remeasure=opts.remeasure_peaks)
+        _log(f"peaks of {peaks.device}: {peaks.peak_tflops:.2f} TFLOP/s, {peaks.peak_gbps:.1f} GB/s "
+             f"({'cached' if cached else 'measured'})")
+        peak_reason = ""
+    except GtcoError as e:
+        peaks, cached, peak_reason = None, False, str(e)
+    names = [*[b for b in BASELINES if b in opts.baselines], OURS]
+    batches = []
+    for batch in opts.batches:
+        model = bind_dims(source(batch), batch, opts.dims, opts.model)
+        with tempfile.TemporaryDirectory(prefix="gtco-bench-") as tmp:
+            work_dir = Path(tmp)
+            path = save_atomic(model, work_dir / "model.onnx")
+            feeds = make_inputs(model, opts.seed)
+            try:
+                reference = reference_outputs(path, feeds)
+            except Exception as e:  # ORT's own exception types
+                raise GtcoError(f"{opts.model}: onnxruntime cannot run the fp32 original: {first_line(e)}") from None
+            ctx = Context(model, path, work_dir, opts.provider, opts.gtco_precision, target,
+                          opts.model_type or infer_model_type(model), feeds, reference, opts.runs, opts.warmup,
+                          rewritten=rewritten)
+            variants = []
+            for name in names:
+                r = run_variant(name, ctx)
+                lat = r.timed.latency if r.timed is not None and r.status == "ok" else None
+                _log(f"batch {batch:<4} {name:<22} {r.status:<8} "
+                     + (f"{lat.median_ms:.3f} ms" if lat else r.reason))
+                variants.append(_variant_json(r))
+        work = roofline.model_work(model, opts.gtco_precision, io=[*feeds.values(), *reference])
+        roof: dict[str, Any] = (roofline.roofline_json(work, peaks) if peaks is not None else
+                                {"flops": work.flops, "bytes": work.bytes, "peak_tflops": None, "peak_gbps": None,
+                                 "floor_ms": None, "reason": peak_reason})
+        roof["mm_flops"] = work.mm_flops
+        batches.append({"batch": batch, "variants": variants, "ours_over": ours_over(variants), "roofline": roof})
+    device = device_info(opts.provider, peaks)
+    if peaks is not None:
+        device["peaks"] = {"method": peaks.method, "cached": cached}
+    return {"model": opts.model, "provider": opts.provider, "device": device,
+            "precision": opts.gtco_precision, "runs": opts.runs, "warmup": opts.warmup, "quick": opts.quick,
+            "batches": batches, "command": opts.command}

@@ -1,0 +1,264 @@
+"""onnx-gtco bench: the CLI end to end on the CPU EP, the statistics, the roofline arithmetic, argument errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnx_gtco import models
+from onnx_gtco.bench import BASELINES, roofline, variants
+from onnx_gtco.bench.run import BenchOptions, bind_dims, infer_model_type, ours_over
+from onnx_gtco.bench.stats import accuracy, summarize
+from onnx_gtco.cli import main
+from onnx_gtco.errors import GtcoError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_cache() -> Iterator[Path]:
+    """Measured peaks go to a cache of this module's (measured once, by the first command), never the user's."""
+    with tempfile.TemporaryDirectory(prefix="gtco-bench-cache-") as d, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GTCO_CACHE_DIR", d)
+        yield Path(d)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache of the test's own."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("GTCO_CACHE_DIR", str(d))
+    return d
+
+
+def test_cli_bench_vit_tiny_on_cpu_writes_table_json_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CI acceptance with the real defaults (100 timed runs, 10 warm-up, every baseline) on a one-layer ViT-tiny
+    file, so it fits the test budget on a shared CPU; `onnx-gtco bench vit-tiny --provider cpu` runs the same
+    path on the built-in twelve layers."""
+    src = tmp_path / "vit-tiny.onnx"
+    vit = models.build("vit-tiny", batch="N", depth=1)
+    onnx.save(vit, str(src))
+    out = tmp_path / "out"
+    assert main(["bench", str(src), "--provider", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = (out / "bench.md").read_text()
+    assert table.strip() in printed and "roofline floor" in table and "speedup" in table
+
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["model"] == str(src) and doc["provider"] == "cpu" and doc["precision"] == "fp32"
+    assert doc["device"]["name"] and doc["device"]["onnxruntime"] == ort.__version__
+    assert doc["device"]["peaks"]["method"].startswith("numpy fp32 matmul")
+    assert doc["command"].startswith(f"onnx-gtco bench {src} --provider cpu --batch 1 --precision fp32")
+    [b] = doc["batches"]
+    assert b["batch"] == 1
+    names = [v["name"] for v in b["variants"]]
+    assert names == [*BASELINES, "gtco"]
+    by = {v["name"]: v for v in b["variants"]}
+    for v in b["variants"]:
+        assert v["status"] in ("ok", "skipped", "failed")
+        if v["status"] == "ok":
+            assert v["runs"] >= 100 and v["runs"] == 100
+            assert 0 < v["p10_ms"] <= v["median_ms"] <= v["p90_ms"]
+            assert v["cosine"] > 0.999 and v["max_abs_err"] < 0.1, v  # fp16 variants included
+        else:
+            assert v["reason"] and v["median_ms"] is None, v
+    assert by["tensorrt"]["status"] == "skipped" and "GPU" in by["tensorrt"]["reason"]
+    for must_run in ("ort-fp32", "gtco"):
+        assert by[must_run]["status"] == "ok", by[must_run]
+    # the original through IO binding is the reference itself; ours at fp32 within check's default tolerance
+    assert by["ort-fp32"]["max_abs_err"] == 0.0
+    assert by["gtco"]["max_abs_err"] <= 1e-4 and by["gtco"]["cosine"] > 1 - 1e-6
+    assert set(b["ours_over"]) == set(BASELINES)
+    for name, ratio in b["ours_over"].items():
+        if by[name]["status"] == "ok":
+            assert ratio == pytest.approx(by["gtco"]["median_ms"] / by[name]["median_ms"], rel=1e-12)
+        else:
+            assert ratio is None
+    roof = b["roofline"]
+    weights = sum(int(np.prod(t.dims)) * 4 for t in vit.graph.initializer)
+    assert roof["bytes"] >= weights + 3 * 224 * 224 * 4
+    # patch embedding (196 x 768 x 192) + one layer's QKV/proj/MLP GEMMs on 197 tokens + attention, in FLOPs
+    gemms = 2 * 196 * 768 * 192 + 2 * 197 * 192 * (3 * 192 + 192 + 2 * 768) + 2 * 2 * 197 * 197 * 192
+    assert gemms <= roof["mm_flops"] <= 1.01 * gemms + 2 * 192 * 1000
+    assert roof["floor_ms"] == pytest.approx(max(roof["flops"] / (roof["peak_tflops"] * 1e12),
+                                                 roof["bytes"] / (roof["peak_gbps"] * 1e9)) * 1e3)
+    png = (out / "bench.png").read_bytes()
+    assert png.startswith(PNG_MAGIC)
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(out / "bench.png")).shape[:2] == (450, 600)
+
+
+def test_symbolic_batch_file_binds_each_batch(tmp_path: Path) -> None:
+    src = tmp_path / "bert.onnx"
+    onnx.save(models.build("bert-tiny", batch="B", depth=1), str(src))
+    out = tmp_path / "out"
+    assert main(["bench", str(src), "--provider", "cpu", "--batch", "1", "3", "--baselines", "ort-fp32",
+                 "--runs", "5", "--warmup", "1", "--quick", "--remeasure-peaks", "--out", str(out)]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["device"]["peaks"]["cached"] is False and doc["command"].endswith("--quick --remeasure-peaks")
+    assert [b["batch"] for b in doc["batches"]] == [1, 3]
+    assert [[v["name"] for v in b["variants"]] for b in doc["batches"]] == [["ort-fp32", "gtco"]] * 2
+    b1, b3 = (b["roofline"] for b in doc["batches"])
+    assert b3["flops"] == pytest.approx(3 * b1["flops"])  # every FLOP of an encoder scales with the batch
+    assert all(v["status"] == "ok" and v["runs"] == 5 for b in doc["batches"] for v in b["variants"])
+
+
+def test_rewritten_model_is_timed_as_ours_and_a_failing_baseline_is_reported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "bert.onnx"
+    onnx.save(models.build("bert-tiny", batch="B", depth=1), str(src))
+    rewritten = tmp_path / "bert.gtco.onnx"
+    assert main(["optimize", str(src), "-o", str(rewritten), "--no-build"]) == 0
+
+    def broken(ctx: object) -> None:
+        raise RuntimeError("fp16 kernel missing\nsecond line of the trace")
+
+    monkeypatch.setitem(variants._RUNNERS, "ort-fp16", broken)
+    out = tmp_path / "out"
+    assert main(["bench", str(src), "--rewritten", str(rewritten), "--provider", "cpu", "--batch", "2",
+                 "--baselines", "ort-fp16", "ort-fp32", "--runs", "5", "--quick", "--out", str(out)]) == 0
+    [b] = json.loads((out / "bench.json").read_text())["batches"]
+    by = {v["name"]: v for v in b["variants"]}
+    assert list(by) == ["ort-fp32", "ort-fp16", "gtco"]
+    assert (by["ort-fp16"]["status"], by["ort-fp16"]["reason"]) == ("failed", "fp16 kernel missing")
+    assert by["gtco"]["status"] == "ok" and by["gtco"]["note"] == f"the given rewritten model {rewritten.name}"
+    assert by["gtco"]["max_abs_err"] < 1e-4 and by["gtco"]["cosine"] > 1 - 1e-6
+    assert b["ours_over"]["ort-fp16"] is None and b["ours_over"]["ort-fp32"] > 0
+    assert "- ort-fp16 (failed): fp16 kernel missing" in (out / "bench.md").read_text()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--baselines", "ort-fp32", "onnxruntime-magic"], "unknown baseline 'onnxruntime-magic'"),
+    (["--batch", "0"], "--batch takes sizes >= 1"),
+    (["--batch", "2", "2"], "lists a size twice"),
+    (["--runs", "10"], "at least 100 timed runs"),
+    (["--model-type", "resnet"], "unknown --model-type 'resnet'"),
+])
+def test_argument_errors_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "vit-tiny", "--provider", "cpu", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_fixed_batch_that_differs_and_missing_model_are_errors(tmp_path: Path, make_mlp,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "mlp.onnx"
+    onnx.save(make_mlp(rows=4), str(src))
+    assert main(["bench", str(src), "--provider", "cpu", "--batch", "2", "--out", str(tmp_path / "o")]) == 2
+    assert "fixed batch of 4; --batch 2 needs a model with a symbolic batch dim" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path / "nope.onnx"), "--provider", "cpu", "--out", str(tmp_path / "o")]) == 2
+    assert "neither a file nor a built-in model" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bind_dims_binds_the_batch_and_asks_for_other_symbols() -> None:
+    model = models.build("bert-tiny", batch="B", seq="S", depth=1)
+    with pytest.raises(GtcoError, match=r"symbolic dim 'S'; give its size with --dim S=INT"):
+        bind_dims(model, 2, {}, "bert")
+    bound = bind_dims(model, 2, {"S": 16}, "bert")
+    for vi in [*bound.graph.input, *bound.graph.output]:
+        dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        assert dims[:2] == [2, 16], (vi.name, dims)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "B"  # the original is untouched
+    assert infer_model_type(model) == "bert" and infer_model_type(models.build("vit-tiny", depth=1)) == "vit"
+
+
+def test_summarize_percentiles_and_bad_input() -> None:
+    lat = summarize(np.arange(1, 101, dtype=float)[::-1])  # order does not matter
+    assert (lat.median_ms, lat.p10_ms, lat.p90_ms, lat.runs) == (50.5, pytest.approx(10.9), pytest.approx(90.1), 100)
+    assert summarize([3.0]).median_ms == 3.0
+    for bad in ([], [1.0, float("nan")], [1.0, -1.0]):
+        with pytest.raises(ValueError):
+            summarize(bad)
+
+
+def test_accuracy_against_a_float64_reference() -> None:
+    rng = np.random.default_rng(7)
+    ref = rng.standard_normal((4, 33))
+    got = ref.astype(np.float16).astype(np.float32)  # a real rounding error
+    got[2, 5] = ref[2, 5] + 0.25  # and one known outlier
+    acc = accuracy([ref, ref[:1]], [got, ref[:1].astype(np.float32)])
+    assert acc.max_abs_err == pytest.approx(0.25, rel=1e-6)
+    want_rel = np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-5))
+    assert acc.max_rel_err == pytest.approx(want_rel, rel=1e-9)
+    want_cos = float(np.dot(ref.ravel(), got.ravel().astype(np.float64))
+                     / (np.linalg.norm(ref) * np.linalg.norm(got.astype(np.float64))))
+    assert acc.cosine == pytest.approx(want_cos, rel=1e-12) and acc.cosine < 1.0
+    nan = got.copy()
+    nan[0, 0] = np.nan
+    assert math.isinf(accuracy([ref], [nan]).max_abs_err)
+    with pytest.raises(ValueError, match="shape"):
+        accuracy([ref], [got[:2]])
+
+
+def test_ours_over_is_ours_median_divided_by_each_baseline() -> None:
+    v = [{"name": "ort-fp32", "status": "ok", "median_ms": 4.0}, {"name": "tensorrt", "status": "skipped",
+         "median_ms": None}, {"name": "gtco", "status": "ok", "median_ms": 3.0}]
+    assert ours_over(v) == {"ort-fp32": 0.75, "tensorrt": None}
+
+
+def test_model_work_of_a_two_layer_mlp(make_mlp) -> None:
+    work = roofline.model_work(make_mlp(rows=4, width=8))
+    assert work.mm_flops == 2 * (2 * 4 * 8 * 8)
+    assert work.flops == work.mm_flops + 3 * 4 * 8  # two bias Adds and a Relu, one FLOP per element
+    assert work.bytes == 4 * (2 * 8 * 8 + 2 * 8 + 2 * 4 * 8)  # weights, biases, input and output once
+    half = roofline.model_work(make_mlp(rows=4, width=8), "fp16")
+    assert half.bytes == 2 * (2 * 8 * 8 + 2 * 8) + 4 * (2 * 4 * 8)  # fp16 weights, fp32 input and output
+    assert half.flops == work.flops
+    io = [np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float64)]  # actual arrays replace the declared shapes
+    assert roofline.model_work(make_mlp(rows=4, width=8), io=io).bytes == 4 * (2 * 8 * 8 + 2 * 8) + 32 * 4 + 32 * 8
+
+
+def test_floor_is_the_slower_of_compute_and_memory() -> None:
+    peaks = roofline.Peaks("dev", peak_tflops=100.0, peak_gbps=1000.0, method="given")
+    assert roofline.floor_ms(roofline.Work(2e12, 2e12, 1e9), peaks) == pytest.approx(20.0)  # compute: 2e12 / 1e14
+    assert roofline.floor_ms(roofline.Work(1e9, 0.0, 5e10), peaks) == pytest.approx(50.0)  # memory: 5e10 / 1e12
+    entry = roofline.roofline_json(roofline.Work(2e12, 2e12, 1e9), peaks)
+    assert entry == {"flops": 2e12, "bytes": 1e9, "peak_tflops": 100.0, "peak_gbps": 1000.0,
+                     "floor_ms": pytest.approx(20.0)}
+
+
+def test_peaks_are_measured_once_per_device_and_cached(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = roofline.measure_cpu_peaks
+
+    def small(**_: object) -> roofline.Peaks:
+        calls.append(1)
+        return real(n=256, copy_mib=8, repeats=2)
+
+    monkeypatch.setattr(roofline, "measure_cpu_peaks", small)
+    first, cached1 = roofline.device_peaks("cpu")
+    second, cached2 = roofline.device_peaks("cpu")
+    assert (cached1, cached2, len(calls)) == (False, True, 1)
+    assert first == second and first.device == roofline.cpu_name()
+    assert 0 < first.peak_tflops < 1e3 and 0 < first.peak_gbps < 1e5
+    assert json.loads((cache_dir / "bench" / "peaks.json").read_text())[first.device]["peak_gbps"] == first.peak_gbps
+    roofline.device_peaks("cpu", remeasure=True)
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs onnxruntime-gpu with the CUDA EP and an NVIDIA GPU")
+def test_cuda_bench_times_every_installed_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "bert-tiny", "--provider", "cuda", "--out", str(out)]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    by = {v["name"]: v for v in doc["batches"][0]["variants"]}
+    assert doc["precision"] == "fp16" and doc["device"]["name"].startswith("cuda: ")
+    for name in ("ort-fp32", "ort-fp16", "ort-transformers-fp16", "gtco"):
+        assert by[name]["status"] == "ok", by[name]
+        assert by[name]["cosine"] > 0.999 and by[name]["runs"] >= 100
+    assert doc["batches"][0]["roofline"]["floor_ms"] > 0
+    assert BenchOptions(model="bert-tiny").gtco_precision == "fp16"

@@ -1,0 +1,302 @@
+"""tools/gpu_suite: its dry run writes every file with every model and step accounted for, the budget is split and
+enforced, and the install step installs only what is not importable yet."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from onnx_gtco.errors import GtcoError
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "gpu_suite"
+
+
+def _tool() -> ModuleType:
+    """Import tools/gpu_suite (a script without extension) as module gpu_suite."""
+    if "gpu_suite" in sys.modules:
+        return sys.modules["gpu_suite"]
+    loader = importlib.machinery.SourceFileLoader("gpu_suite", str(TOOL))
+    spec = importlib.util.spec_from_loader("gpu_suite", loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = module
+    loader.exec_module(module)
+    return module
+
+
+suite = _tool()
+
+
+def make_wheel(folder: Path, dist: str, module: str, top_level: bool = True, body: str = "VALUE = 7\n") -> Path:
+    """A minimal pure-Python wheel installing package `module`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dist}-0.1-py3-none-any.whl"
+    info = f"{dist}-0.1.dist-info"
+    files = {f"{module}/__init__.py": body,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    if top_level:
+        files[f"{info}/top_level.txt"] = module + "\n"
+    record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def steps_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+# ------------------------------------------------------------------------------------------------------ budget
+
+
+def test_budget_shares_follow_the_weights_and_never_go_negative() -> None:
+    assert suite.budget_shares(100.0, [3.0, 1.0, 1.0]) == pytest.approx([60.0, 20.0, 20.0])
+    assert sum(suite.budget_shares(7.5, [1.5, 2.0, 1.0, 1.0])) == pytest.approx(7.5)
+    assert suite.budget_shares(-5.0, [1.0, 2.0]) == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        suite.budget_shares(10.0, [1.0, 0.0])
+    with pytest.raises(ValueError):
+        suite.budget_shares(10.0, [])
+
+
+def test_budget_gives_unused_time_to_the_later_models_and_names_the_spent_budget() -> None:
+    now = [0.0]
+    budget = suite.Budget(2.0, clock=lambda: now[0])  # 120 s
+    weights = [2.0, 1.0, 1.0]
+    assert budget.model_share_s(weights) == pytest.approx(60.0)
+    now[0] = 20.0  # the first model used 20 of its 60 s: the other two share the 100 s left
+    assert budget.model_share_s(weights[1:]) == pytest.approx(50.0)
+    assert budget.skip_reason(15.0) is None
+    now[0] = 110.0
+    reason = budget.skip_reason(15.0)
+    assert reason is not None and reason.startswith("budget:") and "1.8 of 2.0 min" in reason
+    now[0] = 500.0
+    assert budget.left_s() == 0.0 and budget.model_share_s([1.0]) == 0.0
+
+
+def test_models_after_the_budget_are_listed_skipped_with_the_reason(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = suite.main(["--dry-run", "--out", str(out), "--budget-min", "0.001",
+                       "--skip", "plugin,gpu-tests,kernel-bench"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [m["name"] for m in summary["models"]] == [m.name for m in suite.DRY_RUN_MODELS]
+    for m in summary["models"]:
+        assert m["status"] == "skipped" and m["reason"].startswith("budget:")
+        assert [r["batch"] for r in m["results"]] == m["batches"]
+        assert all(r["status"] == "skipped" and r["reason"].startswith("budget:") for r in m["results"])
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert steps["install"]["status"] == "skipped" and steps["install"]["reason"].startswith("budget:")
+    assert steps["plugin"]["reason"] == "--skip"
+    md = (out / "benchmarks.md").read_text()
+    assert "| vit-tiny (for vit-b16) | 2 | skipped: budget:" in md
+    assert "- bert-tiny: skipped: budget:" in md
+    assert "bert-tiny" in capsys.readouterr().out.splitlines()[-3]
+
+
+def test_model_selection_and_bad_arguments(tmp_path: Path) -> None:
+    assert [m.name for m in suite.select_models(["bert-base", "vit-b16"], dry_run=False)] == ["vit-b16", "bert-base"]
+    with pytest.raises(GtcoError, match="unknown model swin-x"):
+        suite.select_models(["swin-x"], dry_run=False)
+    with pytest.raises(GtcoError, match="never replaces docs"):
+        suite.parse_args(["--dry-run", "--write-docs"])
+    with pytest.raises(GtcoError, match="--skip"):
+        suite.parse_args(["--skip", "everything"])
+    assert suite.main(["--dry-run", "--budget-min", "-1"]) == 2
+    assert suite.main(["--dry-run", "--models", "vit-b16", "--out", str(tmp_path / "out")]) == 2  # not a dry-run model
+    assert not (tmp_path / "out").exists()
+    assert suite.target_for("sm_90") == "sm_90" and suite.target_for("sm_89") == "sm_80"
+    assert suite.target_for("sm_100") == "sm_90" and suite.target_for("sm_75") is None
+
+
+def test_the_gpu_list_holds_the_issues_models_at_their_batches() -> None:
+    got = {m.name: m.batches for m in suite.GPU_MODELS}
+    assert got == {"vit-b16": (1, 8, 64), "deit-s": (1,), "swin-t": (1,), "setr-vit-l": (1,), "detr-r50": (1,),
+                   "bert-base": (1,)}
+    setr = next(m for m in suite.GPU_MODELS if m.name == "setr-vit-l").overrides
+    assert (setr["image"] // setr["patch"]) ** 2 + 1 == 577 and setr["dim"] == 1024
+
+
+def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    cmd = ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    step = suite.run_command("slow", cmd, env=dict(os.environ), timeout_s=1.0, log=tmp_path / "slow.log")
+    assert step.status == "failed" and step.reason == "timed out after 1 s" and step.seconds < 30
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    for _ in range(50):  # killed: gone, or a zombie until its new parent reaps it
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the step's child process outlived the timeout")
+    ok = suite.run_command("fine", ["sh", "-c", "echo one; echo two >&2; exit 3"], env=dict(os.environ),
+                           timeout_s=30.0, log=tmp_path / "fine.log")
+    assert ok.status == "failed" and ok.reason == "exit 3: two"
+
+
+def test_a_zoo_model_without_its_dependencies_is_skipped_with_the_reason(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(suite, "_probe", lambda code, args, env, timeout_s=120.0: ["timm", "onnxscript"])
+    ctx = suite.Context(tmp_path, dict(os.environ), suite.Budget(1.0), False, "sm_90", 1, 1, None, tmp_path / "zoo")
+    swin = next(m for m in suite.GPU_MODELS if m.name == "swin-t")
+    rec = suite.run_model(ctx, swin, 60.0)
+    assert rec["status"] == "skipped" and rec["reason"].startswith("swin-t: export: needs timm, onnxscript")
+    assert rec["results"] == [{"batch": 1, "status": "skipped", "reason": rec["reason"]}]
+    assert not (tmp_path / "zoo").exists()
+
+
+# ------------------------------------------------------------------------------------------------------ install
+
+
+def test_already_importable_checks_modules_and_the_cuda_provider_for_onnxruntime_gpu(tmp_path: Path) -> None:
+    stdlib = make_wheel(tmp_path, "jsonlike", "json")
+    absent = make_wheel(tmp_path, "gtco_absent_pkg", "gtco_absent_pkg", top_level=False)
+    ort_gpu = tmp_path / "onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+    shutil.copy(make_wheel(tmp_path / "o", "onnxruntime_gpu", "onnxruntime"), ort_gpu)
+    assert suite.wheel_modules(absent) == ["gtco_absent_pkg"]  # from the archive's layout without top_level.txt
+    got = suite.already_importable([stdlib, absent, ort_gpu], steps_env())
+    import onnxruntime  # importable here, so only the provider check keeps the GPU wheel in
+
+    cuda = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    assert got == {"jsonlike": True, "gtco_absent_pkg": False, "onnxruntime_gpu": cuda}
+
+
+def test_ort_parts_are_joined_and_checked_against_the_install_script(tmp_path: Path) -> None:
+    wheel = make_wheel(tmp_path / "w", "onnxruntime_gpu", "onnxruntime", body="X = 1\n" * 4000)
+    data = wheel.read_bytes()
+    name = "onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
+    parts = tmp_path / "ort-parts"
+    parts.mkdir()
+    third = len(data) // 3 + 1
+    for i in range(3):
+        (parts / f"ort-part{i + 1}").write_bytes(data[i * third:(i + 1) * third])
+    # the lines of the script ../shared/device/prepare-ort-gpu writes, for 3 parts
+    (parts / "install-ort-gpu").write_text(
+        "#!/usr/bin/env bash\nset -euo pipefail\ncd /tmp/ort-parts\n"
+        "for i in $(seq 1 3); do [ -f ort-part$i ] || { echo \"missing ort-part$i\" >&2; exit 1; }; done\n"
+        f"cat $(for i in $(seq 1 3); do echo ort-part$i; done) > {name}\n"
+        f"echo \"{hashlib.sha256(data).hexdigest()}  {name}\" | sha256sum -c - >/dev/null\n")
+    joined = suite.collect_wheels([parts], tmp_path / "joined")
+    assert [w.name for w in joined] == [name] and joined[0].read_bytes() == data
+    assert suite.wheel_dist(joined[0]) == "onnxruntime_gpu"
+    (parts / "ort-part2").write_bytes(data[third:2 * third - 1] + b"\x00")
+    with pytest.raises(GtcoError, match="sha256"):
+        suite.reassemble_ort_parts(parts, tmp_path / "bad")
+    assert not list((tmp_path / "bad").iterdir())  # nothing half-written
+    (parts / "ort-part3").unlink()
+    with pytest.raises(GtcoError, match="missing ort-part3 of 3 parts"):
+        suite.reassemble_ort_parts(parts, tmp_path / "bad")
+
+
+def test_two_versions_of_one_wheel_are_refused(tmp_path: Path) -> None:
+    make_wheel(tmp_path, "gtco_twice", "gtco_twice")
+    shutil.copy(tmp_path / "gtco_twice-0.1-py3-none-any.whl", tmp_path / "gtco_twice-0.2-py3-none-any.whl")
+    with pytest.raises(GtcoError, match="two wheels of gtco_twice"):
+        suite.collect_wheels([tmp_path], tmp_path / "joined")
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+
+def test_markdown_lists_variants_that_did_not_run_with_their_reasons(tmp_path: Path) -> None:
+    summary = {
+        "suite": {"command": "tools/gpu_suite --models vit-b16", "date": "2026-11-23 16:00 UTC", "dry_run": False,
+                  "budget_min": 9.0, "elapsed_s": 300.0, "tune_trials": 16, "storage": "sqlite:///x/tuning.db"},
+        "out": str(tmp_path),
+        "env": {"gpu": {"name": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "compute_cap": "9.0",
+                        "arch": "sm_90"}, "target": "sm_90", "cuda": "13.0", "tree": "abc",
+                "versions": {"onnx_gtco": "0.1.0", "onnxruntime": "1.31.1", "torch": "2.11.0"}},
+        "steps": [{"name": "env", "status": "ok", "reason": "", "seconds": 1.0, "detail": {"target": "sm_90"}}],
+        "models": [{"name": "vit-b16", "stands_in_for": None, "status": "ok", "reason": "", "results": [
+            {"batch": 8, "status": "ok", "reason": "", "ours_over": {"ort-fp16": 0.8, "tensorrt": None},
+             "roofline": {"floor_ms": 0.5},
+             "variants": [{"name": "gtco", "status": "ok", "median_ms": 2.0},
+                          {"name": "ort-fp16", "status": "ok", "median_ms": 2.5},
+                          {"name": "tensorrt", "status": "skipped", "reason": "tensorrt is not importable"}]}]}],
+    }
+    md = suite.render_markdown(summary)
+    assert "- GPU: NVIDIA H100 80GB HBM3 (sm_90, onnx-gtco target sm_90), driver 580.159.04" in md
+    assert "- Command: `tools/gpu_suite --models vit-b16`" in md and "Dry run" not in md
+    assert "| vit-b16 | 8 | ok | 2.000 | 2.500 (0.80×) | skipped | 0.500 |" in md
+    assert "- tensorrt skipped (vit-b16 b8): tensorrt is not importable" in md
+    assert "Not run (see the steps)." in md
+
+
+# ------------------------------------------------------------------------------------------------------ dry run
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_file_with_every_model_and_step(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    wheels = tmp_path / "wheels"
+    make_wheel(wheels, "gtco_suite_probe", "gtco_suite_probe")
+    make_wheel(wheels, "jsonlike", "json")
+    out = tmp_path / "out"
+    argv = ["--dry-run", "--out", str(out), "--wheels", str(wheels), "--budget-min", "15"]
+    code = suite.main(argv)
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["suite"]["command"] == "tools/gpu_suite " + " ".join(argv)
+
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert list(steps) == list(suite.STEPS)
+    assert steps["env"]["status"] == "ok" and summary["env"]["target"] == "sm_90" and summary["env"]["gpu"] is None
+    assert summary["env"]["versions"]["onnx_gtco"] and summary["env"]["versions"]["onnxruntime"]
+    install = steps["install"]
+    assert install["status"] == "ok" and install["detail"]["already_importable"] == ["jsonlike"]
+    assert install["detail"]["installed"] == ["gtco_suite_probe-0.1-py3-none-any.whl"]
+    assert (out / "site" / "gtco_suite_probe" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert steps["plugin"]["status"] == "ok" and Path(steps["plugin"]["detail"]["library"]).is_file()
+    tests = steps["gpu-tests"]
+    assert tests["status"] == "ok", tests["reason"]  # a collection error anywhere in tests/ fails it
+    assert tests["detail"]["tests"] >= 1
+    assert tests["detail"]["skipped"] == tests["detail"]["tests"] and (out / "pytest-gpu.xml").is_file()
+    kb = steps["kernel-bench"]
+    if shutil.which(os.environ.get("NVCC", "nvcc")):
+        assert kb["status"] == "ok" and kb["detail"]["compile_only"] and kb["detail"]["built"] == 3
+        assert json.loads((out / "kernel-bench" / "results.json").read_text())["results"] == []
+    else:
+        assert kb["status"] == "skipped" and kb["reason"] == "nvcc not found"
+
+    assert [m["name"] for m in summary["models"]] == ["vit-tiny", "bert-tiny"]
+    for m in summary["models"]:
+        assert m["status"] == "ok", m
+        assert [r["batch"] for r in m["results"]] == m["batches"]
+        for r in m["results"]:
+            variants = {v["name"]: v for v in r["variants"]}
+            assert set(variants) == {"gtco", "ort-fp32", "ort-fp16"}
+            assert all(v["status"] == "ok" and v["median_ms"] > 0 for v in variants.values()), variants
+            assert r["ours_over"]["ort-fp32"] == pytest.approx(
+                variants["gtco"]["median_ms"] / variants["ort-fp32"]["median_ms"])
+            assert r["roofline"]["floor_ms"] > 0
+            report = json.loads((out / "models" / f"{m['name']}.b{r['batch']}.gtco.onnx.report.json").read_text())
+            assert report["tuning"]["trials_per_task"] == 2 and report["tuning"]["measured"] > 0
+    assert (out / "tuning.db").stat().st_size > 0
+
+    md = (out / "benchmarks.md").read_text()
+    for line in ("- Date: ", "- GPU: none (dry run), onnx-gtco target sm_90", "- CUDA: ", "- Versions: onnx-gtco ",
+                 f"- Command: `{summary['suite']['command']}`", "**Dry run**"):
+        assert line in md, line
+    assert "| model | batch | status | gtco ms | ort-fp32 ms | ort-fp16 ms | floor ms |" in md
+    for name, batch in (("vit-tiny (for vit-b16)", 1), ("vit-tiny (for vit-b16)", 2), ("bert-tiny (for bert-base)", 1)):
+        assert f"| {name} | {batch} | ok | " in md
+    assert code == 0 and summary["suite"]["exit"] == 0
+    last = printed.strip().splitlines()
+    assert last[-1].startswith("files: ") and last[-2].startswith("steps: env ok | install ok | plugin ok")
+    assert [ln.split()[:3] for ln in last[-5:-2]] == [["vit-tiny", "1", "ok"], ["vit-tiny", "2", "ok"],
+                                                      ["bert-tiny", "1", "ok"]]
