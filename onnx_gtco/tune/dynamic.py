@@ -31,7 +31,6 @@ Per task:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +45,8 @@ from onnx_gtco.config import Ranges, resolve_ranges, symbolic_dims
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.select import FAMILIES, split_op_type
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
-from onnx_gtco.tune.search import Measurer, _space, open_storage, storage_url
-from onnx_gtco.tune.tasks import Task, _shapes, node_task, template_version
+from onnx_gtco.tune.search import Measurer, _space, measure_into, open_storage, optimize_once, storage_url
+from onnx_gtco.tune.tasks import Task, _shapes, fused_node_tasks
 
 MAX_CONFIGS = 6         # micro-kernel configurations per task
 RANK_POINTS = 5         # extents of the range at which the analytical model ranks the candidates
@@ -144,13 +143,9 @@ def dynamic_tasks(model: onnx.ModelProto, arch: str, ranges: Ranges) -> tuple[li
     nodes have none."""
     shapes = _shapes(model)
     bounds = ranges.bounds()
-    version = template_version()
     found: dict[tuple[str, int, int], DynamicTask] = {}
     skipped: dict[str, str] = {}
-    for node in model.graph.node:
-        if node.domain != "ai.gtco":
-            continue
-        task = node_task(node, shapes.get, arch, version)
+    for node, task in fused_node_tasks(model, arch):
         if isinstance(task, str):
             skipped[node.name] = task
             continue
@@ -161,7 +156,7 @@ def dynamic_tasks(model: onnx.ModelProto, arch: str, ranges: Ranges) -> tuple[li
         lo, hi, expr = rng
         prev = found.get((task.key, lo, hi))
         if prev is not None:
-            task = Task(task.problem, arch, version, prev.task.weight + 1, prev.task.nodes + task.nodes)
+            task = Task(task.problem, arch, task.version, prev.task.weight + 1, prev.task.nodes + task.nodes)
         found[(task.key, lo, hi)] = DynamicTask(task, extent_name(task.problem.family) or "", lo, hi, expr)
     return sorted(found.values(), key=lambda d: (-d.task.weight, d.key)), skipped
 
@@ -335,21 +330,9 @@ def _record(study: optuna.Study, dt: DynamicTask, config: dict[str, int], n: int
 
     def objective(trial: optuna.Trial) -> float:
         cfg = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
-        for k, v in measurer.environment().items():
-            trial.set_user_attr(k, v)
-        m = measurer.measure(Task(dt.problem_at(n), dt.task.arch, dt.task.version), cfg)
-        trial.set_user_attr("runs", m.runs)
-        if m.error_kind is not None or m.median_us is None:
-            trial.set_user_attr("error_kind", m.error_kind or "runtime")
-            trial.set_user_attr("error", m.detail)
-            return math.nan
-        trial.set_user_attr("median_us", m.median_us)
-        trial.set_user_attr("spread_us", m.spread_us)
-        return m.median_us
+        return measure_into(trial, measurer, Task(dt.problem_at(n), dt.task.arch, dt.task.version), cfg)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        study.optimize(objective, n_trials=1, gc_after_trial=False)
+    optimize_once(study, objective)
 
 
 def _measured(study: optuna.Study) -> dict[tuple[tuple[tuple[str, int], ...], int], optuna.trial.FrozenTrial]:

@@ -17,7 +17,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -153,6 +153,29 @@ def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
+def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Mapping[str, int]) -> float:
+    """Measure `config` of `task` and record it on `trial`: the measurer's environment, runs, median and spread, or
+    why it failed (error_kind, error). Returns the trial's value: the median, or NaN (Optuna's FAIL) on a failure."""
+    for k, v in measurer.environment().items():
+        trial.set_user_attr(k, v)
+    m = measurer.measure(task, dict(config))
+    trial.set_user_attr("runs", m.runs)
+    if m.error_kind is not None or m.median_us is None:
+        trial.set_user_attr("error_kind", m.error_kind or "runtime")
+        trial.set_user_attr("error", m.detail)
+        return math.nan
+    trial.set_user_attr("median_us", m.median_us)
+    trial.set_user_attr("spread_us", m.spread_us)
+    return m.median_us
+
+
+def optimize_once(study: optuna.Study, objective: Callable[[optuna.Trial], float]) -> None:
+    """One trial of `objective` through Study.optimize (which keeps the trial's heartbeat)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Optuna warns about every NaN it records as a failure
+        study.optimize(objective, n_trials=1, gc_after_trial=False)
+
+
 def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str = "") -> optuna.trial.FrozenTrial:
     """Run one trial (through Study.optimize, which keeps its heartbeat): suggest a configuration, reject it
     unmeasured when invalid, else measure it. A failed trial returns NaN, which Optuna records as FAIL; the user
@@ -164,26 +187,16 @@ def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str =
         if worker:
             trial.set_user_attr("worker", worker)
         config = {k: trial.suggest_categorical(k, v) for k, v in _space(task).items()}
-        for k, v in measurer.environment().items():
-            trial.set_user_attr(k, v)
         why = FAMILIES[task.problem.family].check(task.problem, config, task.arch)
         if why is not None:
+            for k, v in measurer.environment().items():
+                trial.set_user_attr(k, v)
             trial.set_user_attr("error_kind", "invalid")
             trial.set_user_attr("error", why)
             return math.nan
-        m = measurer.measure(task, config)
-        trial.set_user_attr("runs", m.runs)
-        if m.error_kind is not None or m.median_us is None:
-            trial.set_user_attr("error_kind", m.error_kind or "runtime")
-            trial.set_user_attr("error", m.detail)
-            return math.nan
-        trial.set_user_attr("median_us", m.median_us)
-        trial.set_user_attr("spread_us", m.spread_us)
-        return m.median_us
+        return measure_into(trial, measurer, task, config)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # Optuna warns about every NaN it records as a failure
-        study.optimize(objective, n_trials=1, gc_after_trial=False)
+    optimize_once(study, objective)
     return next(t for t in reversed(study.get_trials(deepcopy=False)) if t.number == numbers[0])
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import onnx
@@ -84,21 +84,25 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
     return out
 
 
-def model_tasks(model: onnx.ModelProto, arch: str) -> tuple[list[Task], dict[str, str]]:
-    """The tasks of a rewritten model's fused nodes for `arch`, heaviest first, and why the others have none."""
+def fused_node_tasks(model: onnx.ModelProto, arch: str) -> Iterator[tuple[onnx.NodeProto, Task | str]]:
+    """Each fused node of a rewritten model with its task for `arch` (weight 1), or why it has none."""
     shapes = _shapes(model)
-    found: dict[str, Task] = {}
-    skipped: dict[str, str] = {}
     version = template_version()
     for node in model.graph.node:
-        if node.domain != "ai.gtco":
-            continue
-        task = node_task(node, shapes.get, arch, version)
+        if node.domain == "ai.gtco":
+            yield node, node_task(node, shapes.get, arch, version)
+
+
+def model_tasks(model: onnx.ModelProto, arch: str) -> tuple[list[Task], dict[str, str]]:
+    """The tasks of a rewritten model's fused nodes for `arch`, heaviest first, and why the others have none."""
+    found: dict[str, Task] = {}
+    skipped: dict[str, str] = {}
+    for node, task in fused_node_tasks(model, arch):
         if isinstance(task, str):
             skipped[node.name] = task
             continue
         prev = found.get(task.key)
-        found[task.key] = task if prev is None else Task(task.problem, arch, version, prev.weight + 1,
+        found[task.key] = task if prev is None else Task(task.problem, arch, task.version, prev.weight + 1,
                                                          prev.nodes + task.nodes)
     tasks = sorted(found.values(), key=lambda t: (-t.weight, t.key))
     return tasks, skipped
