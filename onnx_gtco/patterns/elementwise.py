@@ -13,6 +13,7 @@ from onnx_gtco.patterns.base import Match
 from onnx_gtco.plan.types import Reject
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+QUANTIZED_TYPES = (TensorProto.INT8, TensorProto.UINT8)  # integer chains of these are data, not shape arithmetic
 VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")  # injective and free: may sit inside a chain
 
 
@@ -40,7 +41,13 @@ class ElementwisePattern:
                              f"split into {len(parts)} convex groups: a path leaves them and comes back")
             for part in parts:
                 part = self._trim(view, part)
-                if len(part) < 2 or not _computes_floats(view, part):
+                if len(part) < 2:
+                    continue
+                if not _computes_floats(view, part):
+                    quantized = _quantized_output(view, part)
+                    if quantized is not None:  # other integer-only groups are shape arithmetic: nothing to report
+                        yield Reject(self.name, view.nodes[min(part)].name, f"{len(part)} elementwise nodes compute "
+                                     f"only integers ({quantized}): no fused kernel for quantized elementwise chains")
                     continue
                 yield self._match(view, part)
                 if len(part) == 2:
@@ -114,6 +121,15 @@ class ElementwisePattern:
     def _match(view: GraphView, ids: frozenset[int]) -> Match:
         return Match(ids, "elementwise", {"ops": tuple(view.nodes[i].op_type for i in sorted(ids))})
 
+
+def _quantized_output(view: GraphView, ids: frozenset[int]) -> str | None:
+    """The lower-case name of the first int8/uint8 tensor the group writes (topological order), or None."""
+    for i in sorted(ids):
+        for o in view.nodes[i].outputs:
+            ti = view.info(o)
+            if ti is not None and ti.dtype in QUANTIZED_TYPES:
+                return TensorProto.DataType.Name(ti.dtype).lower()
+    return None
 
 
 def _computes_floats(view: GraphView, ids: frozenset[int]) -> bool:

@@ -6,8 +6,13 @@
 V is the set of nodes still to schedule (a bitmask over topological ids); an ending V' is a candidate group inside V
 with no edge from V' to V − V', so it can run last. The chosen endings, read back from V = all nodes, are the stages.
 Every ending holds at least one sink of V, so only candidates through a sink are tried, and the graph is first cut
-where no candidate spans the topological order (see `segments`). Pure: no graph mutation, no I/O, no clock, no
-randomness.
+where no candidate spans the topological order (see `segments`).
+
+Each segment has its own state budget. A segment that passes it is solved again with forced moves: a sink whose only
+candidates are single nodes is always removed first (running it last is legal and changes no cost, so the optimum is
+the same), which collapses the many orderings of parallel unfusable nodes (shape arithmetic in expanded functions)
+into one. A segment that passes the budget even so is left unfused, and the plan says so in `Plan.rejects`; the
+rest of the graph is planned as usual. Pure: no graph mutation, no I/O, no clock, no randomness.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from onnx_gtco.errors import PlanError
-from onnx_gtco.plan.types import Candidate, Plan
+from onnx_gtco.plan.types import Candidate, Plan, Reject
+
+
+class _OverBudget(Exception):
+    """The search of one segment passed its state budget."""
 
 
 class Dag(Protocol):
@@ -43,13 +52,14 @@ def plan(
         dag: the graph (GraphView or any object with `succ_mask`).
         candidates: groups that may fuse; a node with no single-node candidate gets an "unfused" one.
         cost: predicted time of one group, microseconds; math.inf forbids it.
-        max_states: give up past this many memoized states.
+        max_states: state budget of one segment's search; a segment past it even with forced moves (module
+            docstring) runs unfused, with a Reject naming it in `Plan.rejects`.
 
     Returns:
-        The Plan: groups in execution order, total predicted cost, number of states explored.
+        The Plan: groups in execution order, total predicted cost, number of states explored, segments left unfused.
 
     Raises:
-        PlanError: too many states, or no finite-cost cover exists.
+        PlanError: no finite-cost cover exists, or a candidate names a node outside the graph.
     """
     succ = list(dag.succ_mask)
     n = len(succ)
@@ -75,7 +85,11 @@ def plan(
         for i in c.nodes:
             by_node[i].append(k)
 
-    def endings(state: int) -> list[int]:
+    # forced[v]: the cheapest single-node candidate of v when every candidate through v is a single node, else -1
+    forced = [min(ks, key=lambda k: (costs[k], k)) if all(masks[k] == 1 << v for k in ks) else -1
+              for v, ks in enumerate(by_node)]
+
+    def endings(state: int, force: bool) -> list[int]:
         found: dict[int, None] = {}
         rest = state
         while rest:
@@ -84,15 +98,18 @@ def plan(
             rest ^= low
             if succ[v] & state:
                 continue  # not a sink of state
+            if force and forced[v] >= 0:
+                return [forced[v]]
             for k in by_node[v]:
                 if masks[k] & ~state == 0 and outs[k] & state == 0 and costs[k] < math.inf:
                     found.setdefault(k, None)
         return sorted(found)
 
-    best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
-    pending: dict[int, list[int]] = {}
-
-    def solve(full: int) -> None:
+    def solve(full: int, force: bool) -> dict[int, tuple[float, int]]:
+        """best[state] = (least cost, chosen ending) for `full` and every state it reaches; _OverBudget past
+        max_states."""
+        best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
+        pending: dict[int, list[int]] = {}
         stack = [full]
         while stack:
             state = stack[-1]
@@ -101,13 +118,12 @@ def plan(
                 continue
             trans = pending.get(state)
             if trans is None:
-                trans = pending[state] = endings(state)
+                trans = pending[state] = endings(state, force)
                 todo = [state & ~masks[k] for k in trans if (state & ~masks[k]) not in best]
                 if todo:
                     stack.extend(todo)
                     if len(best) + len(pending) > max_states:
-                        raise PlanError(
-                            f"fusion search passed {max_states} states; lower max_group_size or split the model")
+                        raise _OverBudget
                     continue
             value, choice = math.inf, -1
             for k in trans:
@@ -117,24 +133,44 @@ def plan(
             best[state] = (value, choice)
             del pending[state]
             stack.pop()
+        return best
 
+    names = [getattr(node, "name", "") or f"#{i}" for i, node in enumerate(getattr(dag, "nodes", range(n)))]
     groups: list[Candidate] = []
+    rejects: list[Reject] = []
     total = 0.0
+    states = 0
     for lo, hi in segments(n, cands):
         full = ((1 << hi) - 1) & ~((1 << lo) - 1)
-        solve(full)
-        seg_total, _ = best[full]
+        seg: list[Candidate] = []
+        try:
+            try:
+                best = solve(full, force=False)
+            except _OverBudget:
+                best = solve(full, force=True)
+        except _OverBudget:
+            # Past the budget even with forced moves: every node of the segment runs alone, in topological order.
+            rejects.append(Reject("dp", names[lo], f"fusion search passed {max_states} states on nodes {lo}..{hi - 1} "
+                                                   f"({names[lo]} .. {names[hi - 1]}); that segment is left unfused"))
+            alone = [min((k for k in by_node[i] if masks[k] == 1 << i), key=lambda k: (costs[k], k))
+                     for i in range(lo, hi)]
+            seg = [cands[k] for k in alone]
+            seg_total = sum(costs[k] for k in alone)
+            states += max_states
+        else:
+            seg_total = best[full][0]
+            state = full if seg_total < math.inf else 0
+            while state:
+                _, k = best[state]
+                seg.append(cands[k])
+                state &= ~masks[k]
+            seg.reverse()
+            states += len(best) - (1 if lo else 0)  # the empty state is shared by every segment
         if seg_total == math.inf:
             raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
         total += seg_total
-        seg: list[Candidate] = []
-        state = full
-        while state:
-            _, k = best[state]
-            seg.append(cands[k])
-            state &= ~masks[k]
-        groups.extend(reversed(seg))
-    return Plan(tuple(groups), total, states=len(best))
+        groups.extend(seg)
+    return Plan(tuple(groups), total, states=states, rejects=tuple(rejects))
 
 
 def segments(n: int, candidates: Sequence[Candidate]) -> list[tuple[int, int]]:

@@ -47,11 +47,17 @@ class Reject:
 
 @dataclass(frozen=True)
 class Plan:
-    """The DP's answer: groups in execution order (they cover every node exactly once) and predicted cost (us)."""
+    """The DP's answer: groups in execution order (they cover every node exactly once) and predicted cost (us).
+
+    Attributes:
+        states: memoized states the search explored.
+        rejects: segments the search left unfused because they passed the state budget, and why.
+    """
 
     groups: tuple[Candidate, ...]
     cost_us: float
     states: int = field(default=0, compare=False)
+    rejects: tuple[Reject, ...] = field(default=(), compare=False)
 
     @property
     def fused_groups(self) -> tuple[Candidate, ...]:

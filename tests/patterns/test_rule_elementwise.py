@@ -63,3 +63,19 @@ def test_integer_shape_arithmetic_is_not_proposed(kit) -> None:
     view = GraphView(onnx.shape_inference.infer_shapes(g.model()))  # unfolded, as exporters may leave it
     matches, _ = kit.run(RULE, view)
     assert kit.groups(view, matches) == [{"r", "n"}]
+
+
+def test_int8_chain_is_rejected_with_the_reason(kit) -> None:
+    """An int8-only chain is data, not shape arithmetic: the report says why it stays unfused."""
+    g = kit.graph()
+    g.input("q", [4, 16], TensorProto.INT8)
+    g.op("Add", ["q", g.const("zero_point", np.int8(3))], "shift")
+    g.op("Mul", ["shift", g.const("gain", np.int8(2))], "scale")
+    g.op("Relu", ["scale"], "relu")
+    g.output("relu")
+    view = g.view()
+    matches, rejects = kit.run(RULE, view)
+    assert matches == []
+    assert [(r.anchor, r.reason) for r in rejects] == [
+        ("shift", "3 elementwise nodes compute only integers (int8): no fused kernel for quantized elementwise "
+                  "chains")]

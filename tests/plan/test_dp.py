@@ -166,11 +166,43 @@ def test_gtco_mha_core_split() -> None:
     assert result.states == 4  # the paper's four states: {M1,Soft,M2}, {M1,Soft}, {M1}, {}
 
 
-def test_dp_state_limit_is_a_clear_error() -> None:
-    n = 16  # 16 independent nodes under one spanning candidate: 2^16 remaining-sets
+def _pair_cost(c: Candidate) -> float:
+    return 1.0 if len(c.nodes) == 1 else 1.5
+
+
+def test_forced_moves_keep_the_optimum_past_the_state_budget() -> None:
+    """16 independent nodes under one spanning candidate: 2^16 remaining-sets, but 14 nodes can only run alone."""
+    n = 16
     dag = Dag(tuple(0 for _ in range(n)))
-    with pytest.raises(PlanError, match="states"):
-        plan(dag, [Candidate(frozenset([0, n - 1]), "fam", "span")], lambda c: 1.0, max_states=100)
+    cands = [Candidate(frozenset([0, n - 1]), "fam", "span")]
+    full = plan(dag, cands, _pair_cost)
+    assert full.states > 1000
+    capped = plan(dag, cands, _pair_cost, max_states=100)
+    assert capped.rejects == ()
+    assert capped.cost_us == full.cost_us == 15.5
+    assert capped.states <= 100
+    assert frozenset([0, n - 1]) in {g.nodes for g in capped.groups}
+    assert sorted(i for g in capped.groups for i in g.nodes) == list(range(n))
+
+
+def test_segment_past_the_budget_runs_unfused_and_says_so() -> None:
+    """Nodes 0-15 independent, all in fusable pairs (nothing forced); then a chain 16 -> 17 that still fuses."""
+    n = 18
+    dag = Dag(tuple(1 << 17 if i == 16 else 0 for i in range(n)))
+    cands = [Candidate(frozenset([i, i + 1]), "fam", "pair") for i in range(0, 16, 2)]
+    cands += [Candidate(frozenset([0, 15]), "fam", "span"), Candidate(frozenset([16, 17]), "fam", "chain")]
+    result = plan(dag, cands, _pair_cost, max_states=100)
+    assert [g.nodes for g in result.groups] == [frozenset([i]) for i in range(16)] + [frozenset([16, 17])]
+    assert result.cost_us == 17.5
+    assert [(r.pattern, r.anchor) for r in result.rejects] == [("dp", "#0")]
+    assert "passed 100 states on nodes 0..15" in result.rejects[0].reason
+    assert "left unfused" in result.rejects[0].reason
+
+
+def test_infeasible_cover_is_still_an_error() -> None:
+    dag = Dag((0b10, 0))
+    with pytest.raises(PlanError, match="no finite-cost"):
+        plan(dag, [], lambda c: math.inf)
 
 
 def test_segments_cut_where_no_candidate_spans() -> None:
