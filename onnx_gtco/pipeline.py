@@ -92,6 +92,7 @@ def plan_model(
         return m if m is not None else float(cost(cand))
 
     plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)
+    rejects = [*rejects, *plan.rejects]  # segments the DP left unfused past its state budget
     return view, candidates, rejects, plan, cost, measured
 
 
@@ -129,7 +130,7 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
         onnx.StringStringEntryProto(key="gtco.precision", value=config.precision),
         *([onnx.StringStringEntryProto(key=DYNAMIC_METADATA_KEY, value=ranges.to_json()["ranges"])] if ranges else []),
     ])
-    validate(new_model)
+    validate(new_model, model)
     t3 = time.perf_counter()
     source = Path(model_or_path).name if not isinstance(model_or_path, onnx.ModelProto) else (
         model_or_path.graph.name or "model")

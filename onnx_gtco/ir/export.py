@@ -22,12 +22,43 @@ def _on_disk(model: onnx.ModelProto) -> bool:
     return bool(external_tensors(model))
 
 
-def validate(model: onnx.ModelProto) -> None:
-    """Full ONNX check (strict shape inference through the local functions)."""
-    try:  # weights on disk or over 2 GB: their initializers are checked as graph inputs of their type and shape
-        onnx.checker.check_model(weightless(model), full_check=True)
+def validate(model: onnx.ModelProto, loaded: onnx.ModelProto | None = None) -> None:
+    """Full ONNX check of a rewritten model (strict shape inference through the local functions).
+
+    Args:
+        model: the rewritten model.
+        loaded: the model it was rewritten from, as load_model gave it. Where that one fails strict shape inference
+            itself (onnx cannot infer some valid models, e.g. through the function bodies of a few standard ops),
+            the rewritten model is held to the plain check only: the failure is not the rewrite's.
+
+    Raises:
+        RewriteError: the rewritten model fails the check.
+    """
+    checked = weightless(model)  # weights on disk or over 2 GB: their initializers are checked as graph inputs
+    try:
+        onnx.checker.check_model(checked, full_check=True)
     except onnx.checker.ValidationError as e:
-        raise RewriteError(f"rewritten model fails onnx.checker: {str(e).strip().splitlines()[0]}") from None
+        raise RewriteError(f"rewritten model fails onnx.checker: {_first_line(e)}") from None
+    except onnx.shape_inference.InferenceError as e:
+        if loaded is None or _infers_strictly(loaded):
+            raise RewriteError(f"rewritten model fails onnx shape inference: {_first_line(e)}") from None
+        try:
+            onnx.checker.check_model(checked)
+        except onnx.checker.ValidationError as e2:
+            raise RewriteError(f"rewritten model fails onnx.checker: {_first_line(e2)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _infers_strictly(model: onnx.ModelProto) -> bool:
+    """Whether onnx's strict shape inference (what check_model's full check runs) passes on the model."""
+    try:
+        onnx.shape_inference.infer_shapes(weightless(model), check_type=True, strict_mode=True)
+    except onnx.shape_inference.InferenceError:
+        return False
+    return True
 
 
 def _shell(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -12,17 +12,19 @@ from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
 from onnx_gtco.errors import ModelError, UnsupportedError
+from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
 MIN_OPSET = 13
 CONVERT_TO_OPSET = 17
 
 
-def default_opset(model: onnx.ModelProto) -> int:
-    """The model's opset of the default ("" or "ai.onnx") domain."""
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The model's opset of the default ("" or "ai.onnx") domain, or None where it imports none (a model of other
+    domains only, e.g. ai.onnx.ml: nothing in it is ours to fuse, and it passes through as it is)."""
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
             return int(imp.version)
-    raise ModelError("model imports no opset of the default ONNX domain")
+    return None
 
 
 # External data past this total stays on disk while planning (the plan needs shapes, not weights): tensors of
@@ -176,15 +178,44 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
+    if default_opset(model) is None:  # no ONNX op to fold or fuse
+        return _infer_shapes(model, name)
     model = _convert_opset(model, name)
-    # Shapes first, so folding sees static extents (TorchScript exports compute reshape targets from Shape nodes);
-    # fold, infer again (folding reveals more), fold what that exposes, and infer the final graph.
-    for _ in range(2):
-        model = _infer_shapes(model, name)
-        model = _fold_constants(model)
-    model = _infer_shapes(model, name)
+    model = _folded(model, name)
     _order_depth_first(model)
     return model
+
+
+def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model with its constants folded and shapes inferred, or, where folding cannot be done safely, only with
+    its shapes inferred.
+
+    Shapes first, so folding sees static extents (TorchScript exports compute reshape targets from Shape nodes);
+    fold, infer again (folding reveals more), fold what that exposes, and infer the final graph. Folding is an
+    optimization: when onnx-graphsurgeon fails on the model, or the folded model fails onnx.checker or strict shape
+    inference (which the rewritten model's check applies), or lost a graph output, the unfolded model is kept.
+    A model that onnx cannot infer strictly to begin with (a few standard ops' function bodies) keeps its folding
+    where the unfolded model fails the same way.
+    """
+    folded = model
+    try:
+        for _ in range(2):
+            folded = _infer_shapes(folded, name)
+            folded = _fold_constants(folded)
+    except (ModelError, _FoldError):
+        return _infer_shapes(model, name)
+    if [o.name for o in folded.graph.output] != [o.name for o in model.graph.output]:
+        return _infer_shapes(model, name)
+    try:
+        return _infer_shapes(folded, name, strict=True)
+    except ModelError as e:
+        folded_error = str(e)
+    try:
+        _infer_shapes(model, name, strict=True)
+    except ModelError as e:
+        if str(e) == folded_error:
+            return _infer_shapes(folded, name)
+    return _infer_shapes(model, name)
 
 
 def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
@@ -208,8 +239,15 @@ def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 _INFER_VALUE_LIMIT = 4096
 
 
-def _infer_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
-    """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model."""
+def _infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
+    """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model.
+
+    `strict`: the model is checked (onnx.checker, weights aside) and an error inferring any node fails (onnx
+    otherwise skips the node and goes on).
+
+    Raises:
+        ModelError: the check or shape inference failed.
+    """
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import,
                                       functions=model.functions))
@@ -221,13 +259,15 @@ def _infer_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     graph.value_info.extend(model.graph.value_info)
     declared = {v.name for v in model.graph.input}
     for t in model.graph.initializer:
-        if int(np.prod(t.dims, dtype=np.int64)) <= _INFER_VALUE_LIMIT:
+        if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) <= _INFER_VALUE_LIMIT:
             graph.initializer.append(t)
         elif t.name not in declared:
             graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, data_prop=True)
-    except (onnx.shape_inference.InferenceError, RuntimeError) as e:
+        if strict:
+            onnx.checker.check_model(skeleton)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=strict, data_prop=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0]
         raise ModelError(f"{name}: shape inference failed: {first}") from None
     if any(d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim):
@@ -272,6 +312,8 @@ def _order_depth_first(model: onnx.ModelProto) -> None:
     """
     nodes = list(model.graph.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    # a node's subgraphs (If, Loop, Scan bodies) may read the graph's tensors by name: those are its inputs too
+    reads = [[*n.input, *outer_scope_inputs(n)] for n in nodes]
     done = [False] * len(nodes)
     order: list[int] = []
 
@@ -281,7 +323,7 @@ def _order_depth_first(model: onnx.ModelProto) -> None:
             i, k = stack.pop()
             if done[i]:
                 continue
-            inputs = nodes[i].input
+            inputs = reads[i]
             while k < len(inputs) and (inputs[k] not in producer or done[producer[inputs[k]]]):
                 k += 1
             if k == len(inputs):
@@ -317,6 +359,8 @@ def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
     experimental ops of old opsets, e.g. ImageScaler, which onnx.checker only warns about and the version converter
     cannot convert) is refused naming the ops."""
     opset = default_opset(model)
+    if opset is None:
+        return
     unknown = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")
                       and not onnx.defs.has(n.op_type, opset, "")})
     if unknown:
@@ -325,7 +369,13 @@ def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
 
 
 def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model at opset >= MIN_OPSET of the default domain (onnx's version converter, to CONVERT_TO_OPSET).
+
+    Raises:
+        UnsupportedError: an opset newer than the onnx package knows, or one the converter fails on.
+    """
     opset = default_opset(model)
+    assert opset is not None, "the caller passes models of the default domain only"
     newest = onnx.defs.onnx_opset_version()
     if opset > newest:
         raise UnsupportedError(f"{name}: opset {opset} is newer than this onnx package supports ({newest})")
@@ -340,17 +390,37 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
             f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter failed: {first}; "
             f"re-export the model with opset >= {MIN_OPSET}"
         ) from None
+    changed = next((b.name for a, b in zip([*model.graph.input, *model.graph.output],
+                                           [*converted.graph.input, *converted.graph.output], strict=False)
+                    if a.name != b.name or a.type != b.type), None)
+    if changed is not None or len(converted.graph.input) != len(model.graph.input) \
+            or len(converted.graph.output) != len(model.graph.output):
+        # e.g. Scan-8's batch axis, which the converter drops from the graph's inputs and outputs
+        raise UnsupportedError(
+            f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter changed the graph's inputs or "
+            f"outputs ({changed or 'their number'}); re-export the model with opset >= {MIN_OPSET}")
     return converted
 
 
+class _FoldError(Exception):
+    """onnx-graphsurgeon failed folding a model (the caller keeps it unfolded)."""
+
+
 def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Fold constant subgraphs (shape arithmetic of static shapes) with onnx-graphsurgeon, then drop dead nodes."""
+    """Fold constant subgraphs (shape arithmetic of static shapes) with onnx-graphsurgeon, then drop dead nodes.
+
+    Raises:
+        _FoldError: onnx-graphsurgeon failed on the model.
+    """
     import onnx_graphsurgeon as gs
 
     functions = list(model.functions)
-    graph = gs.import_onnx(model)
-    graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
-    folded = gs.export_onnx(graph, do_type_check=False)
+    try:
+        graph = gs.import_onnx(_shape_slices_split(model))
+        graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
+        folded = gs.export_onnx(graph, do_type_check=False)
+    except Exception as e:  # it raises what its passes raise (UnboundLocalError on absent optional values, ...)
+        raise _FoldError(f"{type(e).__name__}: {e}") from e
     folded.ir_version = model.ir_version
     del folded.functions[:]
     folded.functions.extend(functions)
@@ -358,3 +428,54 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     folded.metadata_props.extend(model.metadata_props)
     folded.producer_name, folded.producer_version = model.producer_name, model.producer_version
     return folded
+
+
+def _shape_slices_split(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with each Shape node that has a start or end attribute (opset 15) split into a plain Shape and a
+    Slice of its result, subgraphs included; `model` itself if it has none.
+
+    onnx-graphsurgeon folds a Shape of a static tensor into the tensor's whole shape, ignoring start and end; its
+    folds of Shape -> Slice and Shape -> Gather are right.
+    """
+    def has_range(n: onnx.NodeProto) -> bool:
+        return n.op_type == "Shape" and n.domain in ("", "ai.onnx") and any(a.name in ("start", "end")
+                                                                            for a in n.attribute)
+
+    def graphs(g: onnx.GraphProto):
+        yield g
+        for n in g.node:
+            for sub in subgraphs(n):
+                yield from graphs(sub)
+
+    if not any(has_range(n) for g in graphs(model.graph) for n in g.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = {t for g in graphs(out.graph) for n in g.node for t in (*n.input, *n.output)}
+    names |= {v.name for g in graphs(out.graph) for v in (*g.input, *g.initializer)}
+
+    def fresh(base: str) -> str:
+        k = 0
+        while f"{base}_{k}" in names:
+            k += 1
+        names.add(f"{base}_{k}")
+        return f"{base}_{k}"
+
+    for g in list(graphs(out.graph)):
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            if not has_range(n):
+                nodes.append(n)
+                continue
+            attrs = {a.name: a.i for a in n.attribute}
+            whole, starts, ends = fresh(f"{n.output[0]}_shape"), fresh(f"{n.output[0]}_start"), \
+                fresh(f"{n.output[0]}_end")
+            nodes += [helper.make_node("Shape", [n.input[0]], [whole], name=n.name),
+                      helper.make_node("Constant", [], [starts], value=helper.make_tensor(
+                          starts, onnx.TensorProto.INT64, [1], [attrs.get("start", 0)])),
+                      helper.make_node("Constant", [], [ends], value=helper.make_tensor(
+                          ends, onnx.TensorProto.INT64, [1], [attrs.get("end", np.iinfo(np.int64).max)])),
+                      helper.make_node("Slice", [whole, starts, ends], [n.output[0]])]
+        del g.node[:]
+        g.node.extend(nodes)
+    return out

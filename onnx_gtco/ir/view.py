@@ -13,6 +13,32 @@ from onnx import helper, numpy_helper
 Dim = int | str | None  # int: static extent, str: symbolic name, None: unknown
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs in a node's attributes (If branches, Loop and Scan bodies)."""
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+
+
+def outer_scope_inputs(node: onnx.NodeProto) -> list[str]:
+    """The names a node's subgraphs (nested ones included) read from the scope around the node, in first-use order:
+    dependencies of the node that its input list does not show."""
+    out: dict[str, None] = {}
+
+    def walk(graph: onnx.GraphProto, outer_defined: set[str]) -> None:
+        defined = set(outer_defined) | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+        defined |= {s.values.name for s in graph.sparse_initializer}
+        for n in graph.node:
+            for t in n.input:
+                if t and t not in defined:
+                    out.setdefault(t, None)
+            for sub in subgraphs(n):
+                walk(sub, defined)
+            defined.update(n.output)
+
+    for sub in subgraphs(node):
+        walk(sub, set())
+    return list(out)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Type of one tensor: ONNX element type and shape (None when the rank is unknown)."""
@@ -99,13 +125,15 @@ class GraphView:
             self.tensors[vi.name] = TensorInfo(vi.name, dtype, shape)
         for t in graph.initializer:
             self.tensors[t.name] = TensorInfo(t.name, t.data_type, tuple(int(d) for d in t.dims))
+        # what If / Loop / Scan bodies read from the graph around them: dependencies their input lists do not show
+        self.outer_reads: tuple[tuple[str, ...], ...] = tuple(tuple(outer_scope_inputs(n)) for n in graph.node)
         self.producer: dict[str, int] = {}
         consumers: dict[str, list[int]] = {}
         for node in self.nodes:
             for o in node.outputs:
                 if o:
                     self.producer[o] = node.id
-            for t in node.inputs:
+            for t in (*node.inputs, *self.outer_reads[node.id]):
                 if t:
                     consumers.setdefault(t, []).append(node.id)
         self.consumers: dict[str, tuple[int, ...]] = {k: tuple(dict.fromkeys(v)) for k, v in consumers.items()}
@@ -171,7 +199,8 @@ class GraphView:
     @cached_property
     def preds(self) -> tuple[frozenset[int], ...]:
         return tuple(
-            frozenset(self.producer[t] for t in n.inputs if t in self.producer) for n in self.nodes
+            frozenset(self.producer[t] for t in (*n.inputs, *self.outer_reads[n.id]) if t in self.producer)
+            for n in self.nodes
         )
 
     @cached_property

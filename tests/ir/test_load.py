@@ -169,3 +169,80 @@ def test_cycle_is_a_clear_error(mlp: onnx.ModelProto) -> None:
     cyclic.graph.input[0].name = "unused_x"
     with pytest.raises(ModelError, match="invalid ONNX model"):
         load_model(cyclic)
+
+
+def test_model_of_other_domains_only_loads_as_it_is() -> None:
+    """No default-domain opset (an ai.onnx.ml model): nothing to convert or fold; it loads, shapes inferred."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])
+    g = helper.make_graph([helper.make_node("Binarizer", ["x"], ["y"], domain="ai.onnx.ml")], "ml", [x],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "m"])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("ai.onnx.ml", 1)], ir_version=8)
+    assert default_opset(m) is None
+    loaded = load_model(m)
+    assert [n.op_type for n in loaded.graph.node] == ["Binarizer"]
+    assert [d.dim_value for d in loaded.graph.output[0].type.tensor_type.shape.dim] == [3, 4]
+
+
+def test_shape_start_end_folds_to_its_slice() -> None:
+    """Shape(start=1, end=-1) of a static [2, 5, 7, 3] tensor folds to [5, 7], not to the whole shape."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 7, 3])
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1, end=-1),
+             helper.make_node("Reshape", ["x", "s2"], ["y"]),
+             helper.make_node("Concat", ["s", "minus1"], ["s2"], axis=0)]
+    nodes = [nodes[0], nodes[2], nodes[1]]
+    g = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c"])],
+                          [onnx.numpy_helper.from_array(np.array([-1], np.int64), "minus1")])
+    m = load_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    assert [n.op_type for n in m.graph.node] == ["Reshape"]
+    target = next(t for t in m.graph.initializer if t.name == m.graph.node[0].input[1])
+    assert onnx.numpy_helper.to_array(target).tolist() == [5, 7, -1]
+    assert [d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim] == [5, 7, 6]
+
+
+def test_folded_model_failing_the_check_is_not_used(mlp: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folding is an optimization: a folded model that onnx.checker rejects (onnx-graphsurgeon's flattening of
+    constant If conditions lost a tensor in test_affine_grid_2d_align_corners_expanded) is dropped, the model loads
+    unfolded."""
+    import onnx_gtco.ir.load as load_mod
+
+    fold = load_mod._fold_constants
+
+    def dropping_a_node(model: onnx.ModelProto) -> onnx.ModelProto:
+        out = fold(model)
+        del out.graph.node[0]
+        return out
+
+    monkeypatch.setattr(load_mod, "_fold_constants", dropping_a_node)
+    m = load_model(mlp)
+    onnx.checker.check_model(m, full_check=True)
+    assert sorted(n.name for n in m.graph.node) == sorted(n.name for n in mlp.graph.node)
+
+
+def test_old_opset_whose_conversion_changes_the_inputs_is_refused() -> None:
+    """onnx's converter drops Scan-8's batch axis from the graph's inputs: the converted model is not the same
+    model, so it is refused, not planned (test_scan_sum)."""
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    body = helper.make_graph([helper.make_node("Add", ["s", "n"], ["s2"]), helper.make_node("Identity", ["s2"], ["o"])],
+                             "body", [vi("s", f, [2]), vi("n", f, [2])], [vi("s2", f, [2]), vi("o", f, [2])])
+    g = helper.make_graph([helper.make_node("Scan", ["", "init", "x"], ["y", "z"], body=body, num_scan_inputs=1)],
+                          "scan8", [vi("init", f, [1, 2]), vi("x", f, [1, 3, 2])],
+                          [vi("y", f, [1, 2]), vi("z", f, [1, 3, 2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
+    onnx.checker.check_model(m)
+    with pytest.raises(UnsupportedError, match="changed the graph's inputs or outputs"):
+        load_model(m)
+
+
+def test_model_onnx_cannot_infer_strictly_keeps_its_folding() -> None:
+    """MeanVarianceNormalization fails onnx's strict shape inference in its own function body; the Shape beside it
+    folds anyway (the folded model fails strict inference exactly as the unfolded one does)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 1])
+    nodes = [helper.make_node("MeanVarianceNormalization", ["x"], ["n"]),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Reshape", ["n", "s"], ["y"])]
+    g = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 1])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    assert [n.op_type for n in load_model(m).graph.node] == ["MeanVarianceNormalization", "Reshape"]
