@@ -15,6 +15,7 @@ import pytest
 
 from onnx_gtco import models
 from onnx_gtco.bench import BASELINES, roofline, variants
+from onnx_gtco.bench.output import format_table
 from onnx_gtco.bench.run import BenchOptions, bind_dims, infer_model_type, ours_over
 from onnx_gtco.bench.stats import accuracy, summarize
 from onnx_gtco.cli import main
@@ -227,6 +228,27 @@ def test_floor_is_the_slower_of_compute_and_memory() -> None:
     entry = roofline.roofline_json(roofline.Work(2e12, 2e12, 1e9), peaks)
     assert entry == {"flops": 2e12, "bytes": 1e9, "peak_tflops": 100.0, "peak_gbps": 1000.0,
                      "floor_ms": pytest.approx(20.0)}
+
+
+def test_table_warns_when_a_variant_beats_the_floor() -> None:
+    """Peaks measured on a busy machine put the floor above real runs: the table says so instead of printing a
+    multiple of the floor below 1 without comment."""
+    def variant(name: str, median: float) -> dict[str, object]:
+        return {"name": name, "status": "ok", "reason": None, "median_ms": median, "p10_ms": median,
+                "p90_ms": median, "runs": 100, "cuda_graph": False, "max_abs_err": 0.0, "max_rel_err": 0.0,
+                "cosine": 1.0}
+
+    def doc(floor: float) -> dict[str, object]:
+        return {"model": "m", "provider": "cpu", "precision": "fp32", "device": {"name": "cpu-x"},
+                "batches": [{"batch": 1, "variants": [variant("ort-fp32", 20.0), variant("gtco", 25.0)],
+                             "ours_over": {"ort-fp32": 1.25},
+                             "roofline": {"flops": 2.5e9, "bytes": 2.3e7, "peak_tflops": 0.05, "peak_gbps": 30.0,
+                                          "floor_ms": floor}}]}
+
+    warned = format_table(doc(22.0))
+    assert "warning: ort-fp32 ran below the roofline floor" in warned and "gtco," not in warned
+    assert "--remeasure-peaks" in warned
+    assert "warning" not in format_table(doc(16.7))
 
 
 def test_peaks_are_measured_once_per_device_and_cached(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
