@@ -263,7 +263,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default 10)")
     p.add_argument("--quick", action="store_true", help="allow --runs below 100 (smoke tests, not for reporting)")
     p.add_argument("--remeasure-peaks", action="store_true",
-                   help="measure the device's matmul and copy peaks again (else cached once per device)")
+                   help="keep only this run's matmul and copy peaks (else the best of every run on this device)")
     p.add_argument("--model-type", default=None,
                    help="model type for ORT's transformer optimizer (default: bert for token ids, vit for images)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="size of a symbolic input dim")

@@ -51,10 +51,10 @@ def format_table(doc: dict[str, Any]) -> str:
                          f"{roof['peak_tflops']:.2f} TFLOP/s, {roof['bytes'] / 1e6:.3f} MB at {roof['peak_gbps']:.1f} "
                          "GB/s)")
             below = [v["name"] for v in b["variants"] if v["status"] == "ok" and v["median_ms"] < floor]
-            if below:  # a floor no run can beat: the peaks were measured low (cached from a busy machine)
-                lines.append(f"warning: {', '.join(below)} ran below the roofline floor, so the cached peaks of "
-                             f"{dev['name']} are too low (measured while the machine was busy?); run again with "
-                             "--remeasure-peaks")
+            if below:  # a floor no run can beat: the peaks were measured low (on a busy machine)
+                lines.append(f"warning: {', '.join(below)} ran below the roofline floor, so the peaks measured on "
+                             f"{dev['name']} are too low (the machine was busy?); a run on an idle machine raises "
+                             "them")
         else:
             lines.append(f"roofline floor not available: {roof.get('reason', 'no peaks')} "
                          f"({roof['flops'] / 1e9:.3f} GFLOP, {roof['bytes'] / 1e6:.3f} MB)")

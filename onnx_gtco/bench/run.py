@@ -48,7 +48,7 @@ class BenchOptions:
         model_type: the ORT transformer optimizer's model type; None infers vit or bert from the inputs.
         dims: sizes of other symbolic input dims (e.g. a sequence length).
         seed: seed of the inputs.
-        remeasure_peaks: measure the device's peaks again instead of using the cached ones.
+        remeasure_peaks: keep only this run's measured peaks, forgetting the best of earlier runs on the device.
         out: folder for bench.json, bench.md and bench.png.
         command: the command line, recorded in the JSON.
     """
@@ -269,7 +269,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     try:
         peaks, cached = roofline.device_peaks(opts.provider, remeasure=opts.remeasure_peaks)
         _log(f"peaks of {peaks.device}: {peaks.peak_tflops:.2f} TFLOP/s, {peaks.peak_gbps:.1f} GB/s "
-             f"({'cached' if cached else 'measured'})")
+             f"({'best of this run and earlier ones' if cached else 'measured now'})")
         peak_reason = ""
     except GtcoError as e:
         peaks, cached, peak_reason = None, False, str(e)

@@ -26,7 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(autouse=True, scope="module")
 def module_cache() -> Iterator[Path]:
-    """Measured peaks go to a cache of this module's (measured once, by the first command), never the user's."""
+    """Measured peaks go to a cache of this module's, never the user's."""
     with tempfile.TemporaryDirectory(prefix="gtco-bench-cache-") as d, pytest.MonkeyPatch.context() as mp:
         mp.setenv("GTCO_CACHE_DIR", d)
         yield Path(d)
@@ -247,27 +247,38 @@ def test_table_warns_when_a_variant_beats_the_floor() -> None:
 
     warned = format_table(doc(22.0))
     assert "warning: ort-fp32 ran below the roofline floor" in warned and "gtco," not in warned
-    assert "--remeasure-peaks" in warned
+    assert "a run on an idle machine raises them" in warned
     assert "warning" not in format_table(doc(16.7))
 
 
-def test_peaks_are_measured_once_per_device_and_cached(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    real = roofline.measure_cpu_peaks
+def test_peaks_keep_the_best_measurement_per_device(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run measures; the cache keeps the best per field, so one run on a busy machine cannot lower the peaks
+    (and so raise the floor above real runs); --remeasure-peaks keeps the new measurement alone."""
+    measured = iter([(2.0, 50.0), (1.0, 80.0), (0.5, 10.0), (0.5, 10.0)])
 
-    def small(**_: object) -> roofline.Peaks:
-        calls.append(1)
-        return real(n=256, copy_mib=8, repeats=2)
+    def fake(**_: object) -> roofline.Peaks:
+        tflops, gbps = next(measured)
+        return roofline.Peaks(roofline.cpu_name(), tflops, gbps, "fake")
 
-    monkeypatch.setattr(roofline, "measure_cpu_peaks", small)
+    monkeypatch.setattr(roofline, "measure_cpu_peaks", fake)
     first, cached1 = roofline.device_peaks("cpu")
-    second, cached2 = roofline.device_peaks("cpu")
-    assert (cached1, cached2, len(calls)) == (False, True, 1)
-    assert first == second and first.device == roofline.cpu_name()
-    assert 0 < first.peak_tflops < 1e3 and 0 < first.peak_gbps < 1e5
-    assert json.loads((cache_dir / "bench" / "peaks.json").read_text())[first.device]["peak_gbps"] == first.peak_gbps
-    roofline.device_peaks("cpu", remeasure=True)
-    assert len(calls) == 2
+    second, cached2 = roofline.device_peaks("cpu")  # a slower matmul, a faster copy: each field keeps its best
+    third, cached3 = roofline.device_peaks("cpu")
+    assert (first.peak_tflops, first.peak_gbps, cached1) == (2.0, 50.0, False)
+    assert (second.peak_tflops, second.peak_gbps, cached2) == (2.0, 80.0, True)
+    assert (third.peak_tflops, third.peak_gbps, cached3) == (2.0, 80.0, True)
+    stored = json.loads((cache_dir / "bench" / "peaks.json").read_text())[roofline.cpu_name()]
+    assert (stored["peak_tflops"], stored["peak_gbps"]) == (2.0, 80.0)
+    fourth, cached4 = roofline.device_peaks("cpu", remeasure=True)
+    assert (fourth.peak_tflops, fourth.peak_gbps, cached4) == (0.5, 10.0, False)
+    stored = json.loads((cache_dir / "bench" / "peaks.json").read_text())[roofline.cpu_name()]
+    assert (stored["peak_tflops"], stored["peak_gbps"]) == (0.5, 10.0)
+
+
+def test_cpu_peaks_are_plausible() -> None:
+    peaks = roofline.measure_cpu_peaks(n=256, copy_mib=8, repeats=2)
+    assert peaks.device == roofline.cpu_name()
+    assert 0 < peaks.peak_tflops < 1e3 and 0 < peaks.peak_gbps < 1e5
 
 
 @pytest.mark.gpu
