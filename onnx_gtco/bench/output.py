@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from onnx_gtco.errors import GtcoError
-from onnx_gtco.ir.export import write_text_atomic
+from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
 
 FILES = ("bench.json", "bench.md", "bench.png")
 
@@ -93,16 +93,12 @@ def write_png(doc: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("median latency, ms (p10-p90)")
     fig.suptitle(f"{doc['model']} on {doc['provider']} ({doc['device']['name']})", fontsize=10)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fig.savefig(png, format="png", dpi=100)
     finally:
         plt.close(fig)
+    write_bytes_atomic(png.getvalue(), path)
 
 
 def check_out_dir(out_dir: Path) -> None:

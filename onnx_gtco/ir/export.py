@@ -186,8 +186,25 @@ def _copy_range(src: Path, start: int, length: int, dst: BinaryIO, at: int) -> N
             pos = hole
 
 
+def file_mode() -> int:
+    """The mode a new file gets from open(): 0o666 less the umask (mkstemp's own files are 0o600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_text_atomic(text: str, path: str | os.PathLike[str]) -> Path:
-    """Atomic write of a text file (reports)."""
+    """Atomic write of a text file (reports), with the mode open() would give it."""
+    return write_bytes_atomic(text.encode("utf-8"), path)
+
+
+def write_bytes_atomic(data: bytes, path: str | os.PathLike[str]) -> Path:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, with the mode open() would
+    give it.
+
+    Raises:
+        OutputError: the directory is missing or not writable, or the write failed (nothing is left behind).
+    """
     out = Path(path)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
@@ -197,8 +214,9 @@ def write_text_atomic(text: str, path: str | os.PathLike[str]) -> Path:
     except OSError as e:
         raise OutputError(f"{out}: cannot write in {parent}: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), file_mode())
         os.replace(tmp, out)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)

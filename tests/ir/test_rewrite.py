@@ -89,3 +89,21 @@ def test_save_atomic_leaves_nothing_on_failure(tmp_path, mlp: onnx.ModelProto) -
     out = save_atomic(mlp, tmp_path / "m.onnx")
     assert onnx.load(str(out)).graph.name == "mlp"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_atomic_writes_get_the_mode_open_would_give(tmp_path, mlp: onnx.ModelProto) -> None:
+    """Reports, bench files and models are readable by whoever may read the folder, as with a plain open(), not
+    private to the writer as mkstemp leaves its files."""
+    import os
+
+    from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
+
+    old = os.umask(0o027)
+    try:
+        paths = [save_atomic(mlp, tmp_path / "m.onnx"), write_text_atomic("{}\n", tmp_path / "r.json"),
+                 write_bytes_atomic(b"\x89PNG", tmp_path / "b.png")]
+    finally:
+        os.umask(old)
+    assert [p.stat().st_mode & 0o777 for p in paths] == [0o640] * 3
+    assert (tmp_path / "r.json").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.png", "m.onnx", "r.json"]
