@@ -15,6 +15,16 @@ class UnsupportedError(GtcoError):
     """The model is valid but uses something onnx-gtco does not support."""
 
 
+class OpsetNotConvertedError(UnsupportedError):
+    """A valid model of an opset below 13 that onnx's version converter cannot bring forward faithfully (it fails,
+    or changes the graph's inputs or outputs). `model` is the checked model at its own opset: optimize passes it
+    through unfused, since the fusion rules read opset >= 13 semantics."""
+
+    def __init__(self, message: str, model: object) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 class PlanError(GtcoError):
     """Fusion planning failed (no candidate set covers the graph, or the search was too large)."""
 

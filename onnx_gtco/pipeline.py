@@ -15,7 +15,7 @@ from onnx_gtco import patterns as patterns_mod
 from onnx_gtco import report as report_mod
 from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
-from onnx_gtco.errors import OutputError
+from onnx_gtco.errors import OpsetNotConvertedError, OutputError
 from onnx_gtco.ir.export import remove_saved, save_atomic, validate, write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.rewrite import rewrite
@@ -77,13 +77,17 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
 
 
 def plan_model(
-    model: onnx.ModelProto, config: GtcoConfig, measured_us: Mapping[str, float] | None = None
+    model: onnx.ModelProto, config: GtcoConfig, measured_us: Mapping[str, float] | None = None, unfused: str = ""
 ) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any, Callable[[Candidate], float | None] | None]:
     """Match the rules, cost the candidates and run the DP on a loaded model. With `measured_us` (tuning task key ->
     measured kernel time), the DP costs those groups by their measurements. Returns the analytical cost (the
-    report's "predicted") and the measured-time lookup (None without measurements) beside the plan."""
+    report's "predicted") and the measured-time lookup (None without measurements) beside the plan. `unfused`: why
+    no rule may run on the model (it is planned node by node, and the reason is its one reject)."""
     view = GraphView(model)
-    candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
+    if unfused:
+        candidates, rejects = [], [Reject("model", model.graph.name or "graph", unfused)]
+    else:
+        candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
     cost = cost_fn(view, config)
     measured = measured_time(view, config, measured_us) if measured_us else None
 
@@ -114,10 +118,14 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
     """
     config = config or GtcoConfig.from_env()
     t0 = time.perf_counter()
-    model = load_model(model_or_path)
+    unfused = ""
+    try:
+        model = load_model(model_or_path)
+    except OpsetNotConvertedError as e:  # a valid model the rules cannot read: passed through, saying why
+        model, unfused = e.model, f"not optimized: {e}"
     ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
     t1 = time.perf_counter()
-    view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us)
+    view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us, unfused)
     t2 = time.perf_counter()
     new_model, names = rewrite(view, plan, config.precision)
     if ranges:  # the ranges that apply replace any the input model carried
@@ -148,7 +156,8 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
     if ranges:
         rep["dynamic"] = ranges.to_json()
     timings = {"load_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
-    return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings, dynamic=ranges)
+    return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings, dynamic=ranges,
+                          warnings=[unfused] if unfused else [])
 
 
 def default_output(model_path: str | os.PathLike[str]) -> Path:

@@ -37,5 +37,21 @@ def make_mlp():
 
 
 @pytest.fixture
+def scan8() -> onnx.ModelProto:
+    """An opset-8 running sum over Scan-8 (onnx's backend case test_scan_sum): init [1, 2], xs [1, 3, 2] ->
+    final [1, 2], ys [1, 3, 2]. onnx's version converter drops Scan-8's batch axis from the graph's inputs and
+    outputs, so it cannot bring this model forward faithfully."""
+    vi = helper.make_tensor_value_info
+    f = TensorProto.FLOAT
+    body = helper.make_graph([helper.make_node("Add", ["s", "x_t"], ["s2"]),
+                              helper.make_node("Identity", ["s2"], ["y_t"])], "body",
+                             [vi("s", f, [2]), vi("x_t", f, [2])], [vi("s2", f, [2]), vi("y_t", f, [2])])
+    scan = helper.make_node("Scan", ["", "init", "xs"], ["final", "ys"], num_scan_inputs=1, body=body)
+    graph = helper.make_graph([scan], "scan8", [vi("init", f, [1, 2]), vi("xs", f, [1, 3, 2])],
+                              [vi("final", f, [1, 2]), vi("ys", f, [1, 3, 2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

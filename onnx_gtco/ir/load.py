@@ -11,7 +11,7 @@ import onnx.version_converter
 from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
-from onnx_gtco.errors import ModelError, UnsupportedError
+from onnx_gtco.errors import ModelError, OpsetNotConvertedError, UnsupportedError
 from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
 MIN_OPSET = 13
@@ -372,7 +372,8 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     """The model at opset >= MIN_OPSET of the default domain (onnx's version converter, to CONVERT_TO_OPSET).
 
     Raises:
-        UnsupportedError: an opset newer than the onnx package knows, or one the converter fails on.
+        UnsupportedError: an opset newer than the onnx package knows.
+        OpsetNotConvertedError: an old opset the converter fails on or converts into another model.
     """
     opset = default_opset(model)
     assert opset is not None, "the caller passes models of the default domain only"
@@ -386,9 +387,9 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         onnx.checker.check_model(weightless(converted))
     except Exception as e:  # the converter raises bare RuntimeErrors and more
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnsupportedError(
+        raise OpsetNotConvertedError(
             f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter failed: {first}; "
-            f"re-export the model with opset >= {MIN_OPSET}"
+            f"re-export the model with opset >= {MIN_OPSET}", model
         ) from None
     changed = next((b.name for a, b in zip([*model.graph.input, *model.graph.output],
                                            [*converted.graph.input, *converted.graph.output], strict=False)
@@ -396,9 +397,9 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     if changed is not None or len(converted.graph.input) != len(model.graph.input) \
             or len(converted.graph.output) != len(model.graph.output):
         # e.g. Scan-8's batch axis, which the converter drops from the graph's inputs and outputs
-        raise UnsupportedError(
+        raise OpsetNotConvertedError(
             f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter changed the graph's inputs or "
-            f"outputs ({changed or 'their number'}); re-export the model with opset >= {MIN_OPSET}")
+            f"outputs ({changed or 'their number'}); re-export the model with opset >= {MIN_OPSET}", model)
     return converted
 
 

@@ -10,8 +10,7 @@ directories (onnx.backend.test.case.node.collect_testcases). Per case:
 2. optimize (default config, no build). No fused node: "passed through" (the model still has to run and match).
    Otherwise the rewritten model runs through its functions and must match: "passed".
 3. Anything else fails the test, except the tests listed in backend_known_failures.txt with the cause of each
-   (a fix pending outside the loader, or a model refused on purpose); a listed test that passes fails the test
-   too, so the list only shrinks.
+   (a fix pending outside onnx-gtco); a listed test that passes fails the test too, so the list only shrinks.
 
 Tolerance: the case's own (rtol 1e-3, atol 1e-7 for every node case), as onnx's backend runner compares. The cases
 are split into chunks so `pytest -n 2` can spread them; counts are printed at the end of the run (conftest.py).

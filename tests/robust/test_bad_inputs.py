@@ -269,6 +269,28 @@ def test_old_opsets_are_converted(opset: int, tmp_path: Path, make_mlp: Mlp) -> 
     np.testing.assert_allclose(_run(out, x), _reference(src, x), rtol=1e-5, atol=1e-5)
 
 
+def test_old_opset_the_converter_cannot_keep_is_passed_through(tmp_path: Path, scan8: onnx.ModelProto,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Converting would make another model, and the rules read opset >= 13: the model is written unfused at its own
+    opset, with one warning line and the reason in the report."""
+    src = scan8
+    capsys.readouterr()
+    model, report, out = _optimize_ok("opset8-scan-passed-through", _save(src, tmp_path))
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match(r"onnx-gtco: warning: not optimized: .*opset 8 < 13 and onnx's "
+                                                   r"version converter changed the graph's inputs or outputs", err), err
+    assert [r["pattern"] for r in report["rejected"]] == ["model"] and report["groups"] == []
+    assert [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node] == \
+        [(n.op_type, list(n.input), list(n.output)) for n in src.graph.node]
+    assert ("", 8) in {(o.domain, o.version) for o in model.opset_import}
+    rng = np.random.default_rng(8)
+    init, xs = rng.standard_normal((1, 2)).astype(np.float32), rng.standard_normal((1, 3, 2)).astype(np.float32)
+    final, ys = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"init": init, "xs": xs})
+    expected = init.astype(np.float64)[:, None, :] + np.cumsum(xs.astype(np.float64), axis=1)
+    np.testing.assert_allclose(ys, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(final, expected[:, -1], rtol=1e-6, atol=1e-6)
+
+
 def test_unknown_domain_op_is_kept_untouched(tmp_path: Path, make_mlp: Mlp) -> None:
     src = _with_unknown_op(make_mlp)
     model, report, _ = _optimize_ok("unknown-domain-op-kept", _save(src, tmp_path))
