@@ -165,7 +165,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from onnx_gtco.bench import BenchOptions, format_table, run_bench, write_outputs
 
     out_dir = Path(args.out)
-    opts = BenchOptions(model=args.model, rewritten=args.rewritten, provider=args.provider,
+    opts = BenchOptions(model=args.model, rewritten=args.rewritten, torch_program=args.torch_program,
+                        provider=args.provider,
                         batches=tuple(args.batch), precision=args.precision, target=args.target,
                         baselines=tuple(n for a in args.baselines for n in a.split(",") if n) if args.baselines
                         else BenchOptions.baselines,
@@ -250,6 +251,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="an .onnx file or a built-in model name (vit-tiny, bert-tiny, ...)")
     p.add_argument("--rewritten", default=None, metavar="R",
                    help="time this optimized model as ours (its library beside it); default: optimize MODEL")
+    p.add_argument("--torch-program", default=None, metavar="PT2",
+                   help="the model's torch.export program (torch.export.save), which the torch-compile baseline "
+                   "compiles; it takes MODEL's inputs in order (default: convert MODEL with onnx2torch)")
     p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="N",
                    help="batch sizes (a file model's symbolic batch dim is bound to each; default 1)")

@@ -60,7 +60,9 @@
 # * GELU: ``Div/Erf/Add/Mul/Mul`` with ``torchscript``, the ``Gelu`` op with ``dynamo`` (opset 20). LayerNorm
 #   is ``LayerNormalization`` with both. No ONNX ``Attention`` op appears (it needs opset 23).
 #
-# Usage: ``python tools/export_zoo.py [--out DIR] [--models a,b] [--exporters torchscript,dynamo] [--force]``.
+# Usage: ``python tools/export_zoo.py [--out DIR] [--models a,b] [--exporters torchscript,dynamo] [--force]
+# [--programs]``. ``--programs`` also saves each model's torch.export program as ``<out>/<name>.pt2`` (for the
+# torch-compile baseline of ``onnx-gtco bench --torch-program``).
 # The default output directory is ``$GTCO_ZOO_DIR`` or ``~/.cache/onnx-gtco/zoo``. Each export writes
 # ``<out>/<name>.<exporter>.onnx`` (single file, no external data) atomically plus a JSON sidecar
 # ``<out>/<name>.<exporter>.json``; an existing, valid export with the same recipe is reused unless
@@ -86,6 +88,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from onnx_gtco.ir.export import write_text_atomic
 
 MODELS: tuple[str, ...] = ("vit-b16", "deit-s", "swin-t", "detr-r50", "setr", "bert-base", "minilm")
 EXPORTERS: tuple[str, ...] = ("torchscript", "dynamo")
@@ -586,18 +590,6 @@ def is_valid(name: str, exporter: str, out_dir: str | os.PathLike[str]) -> bool:
     return True
 
 
-def _atomic_write_text(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _sha256(path: pathlib.Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -755,8 +747,54 @@ def _export(
             return final, True
         check_dependencies()
         meta = _export_file(name, exporter, out, final)
-        _atomic_write_text(sidecar_path(out, name, exporter), json.dumps(meta, indent=2) + "\n")
+        write_text_atomic(json.dumps(meta, indent=2) + "\n", sidecar_path(out, name, exporter))
     return final, False
+
+
+def program_path(out_dir: str | os.PathLike[str], name: str) -> pathlib.Path:
+    """Returns ``<out_dir>/<name>.pt2``."""
+    return pathlib.Path(out_dir).expanduser() / f"{name}.pt2"
+
+
+def save_program(name: str, out_dir: str | os.PathLike[str], force: bool = False) -> pathlib.Path:
+    """Saves the torch.export program of the module that is exported for ``name`` (same weights, same inputs) as
+    ``<out_dir>/<name>.pt2``, for ``onnx-gtco bench --torch-program``: torch.compile then compiles the model's
+    own torch module rather than a conversion of its ONNX export. Reused while its JSON sidecar's cache key (recipe,
+    inputs, package versions) is current, unless ``force``.
+
+    Raises:
+        ValueError: Unknown model.
+        MissingDependencyError: torch / timm / transformers / onnxscript missing.
+    """
+    _check_name(name)
+    out = pathlib.Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    final = program_path(out, name)
+    side = final.with_suffix(".pt2.json")
+    key = _cache_key(name, "torch.export")
+    with _locked(out / f".{final.name}.lock"):
+        try:
+            meta = json.loads(side.read_text())
+        except (OSError, ValueError):
+            meta = None
+        if not force and final.is_file() and isinstance(meta, dict) and meta.get("cache_key") == key \
+                and meta.get("bytes") == final.stat().st_size:
+            return final
+        check_dependencies()
+        import torch
+
+        program = torch.export.export(build_torch(name), torch_inputs(name, SEED), strict=False)
+        fd, tmp_name = tempfile.mkstemp(dir=out, prefix=f".{final.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = pathlib.Path(tmp_name)
+        try:
+            torch.export.save(program, str(tmp))
+            size = tmp.stat().st_size
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        write_text_atomic(json.dumps({"name": name, "cache_key": key, "bytes": size}, indent=2) + "\n", side)
+    return final
 
 
 # --------------------------------------------------------------------------------------------------- CLI
@@ -781,6 +819,9 @@ def _parser() -> argparse.ArgumentParser:
                         default=list(EXPORTERS),
                         help=f"comma-separated subset of {','.join(EXPORTERS)} (default: both)")
     parser.add_argument("--force", action="store_true", help="re-export even if a valid export exists")
+    parser.add_argument("--programs", action="store_true",
+                        help="also save each model's torch.export program as <name>.pt2 (for onnx-gtco bench "
+                        "--torch-program)")
     return parser
 
 
@@ -817,6 +858,13 @@ def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = pr
             tag = " (cached)" if reused else ""
             print_fn(f"{name:<10} {exporter:<12} opset {meta.get('opset', '?'):<3} "
                      f"nodes {meta.get('nodes', '?'):>5}  {seconds:7.1f}s{tag}  {final}")
+        if args.programs:
+            try:
+                print_fn(f"{name:<10} {'program':<12} {save_program(name, out, force=args.force)}")
+            except Exception as exc:  # report and go on with the next model
+                failures += 1
+                first = (str(exc).splitlines() or [""])[0]
+                print_fn(f"{name:<10} {'program':<12} FAILED {type(exc).__name__}: {first}")
     return 1 if failures else 0
 
 

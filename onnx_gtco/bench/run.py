@@ -38,6 +38,8 @@ class BenchOptions:
     Attributes:
         model: an .onnx path or a built-in model name (onnx_gtco.models.BUILTIN, built at each batch size).
         rewritten: an already optimized model to time as ours; None optimizes `model` per batch size.
+        torch_program: a torch.export program file of the model (torch.export.save) for the torch-compile
+            baseline, taking the ONNX model's graph inputs in order; None converts the ONNX model with onnx2torch.
         provider: "cuda" or "cpu".
         batches: batch sizes; a file model's symbolic batch dim is bound to each, a fixed one must equal it.
         precision: what ours is optimized with; None: fp16 on cuda, fp32 on cpu.
@@ -55,6 +57,7 @@ class BenchOptions:
 
     model: str
     rewritten: str | None = None
+    torch_program: str | None = None
     provider: str = "cuda"
     batches: tuple[int, ...] = (1,)
     precision: str | None = None
@@ -91,6 +94,8 @@ class BenchOptions:
         if self.warmup < 0:
             raise GtcoError(f"--warmup {self.warmup}: give a count >= 0")
         check_out_dir(Path(self.out))
+        if self.torch_program is not None and not Path(self.torch_program).is_file():
+            raise GtcoError(f"--torch-program {self.torch_program}: no such file")
         if self.model_type is not None:
             from onnxruntime.transformers.optimizer import MODEL_TYPES
 
@@ -104,6 +109,7 @@ class BenchOptions:
                 "--precision", self.gtco_precision, "--baselines", *self.baselines, "--runs", str(self.runs),
                 "--warmup", str(self.warmup), "--seed", str(self.seed), "--out", self.out]
         argv += ["--rewritten", self.rewritten] if self.rewritten else []
+        argv += ["--torch-program", self.torch_program] if self.torch_program else []
         argv += ["--target", self.target] if self.target else []
         argv += ["--model-type", self.model_type] if self.model_type else []
         argv += [a for k, v in self.dims.items() for a in ("--dim", f"{k}={v}")]
@@ -287,7 +293,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 raise GtcoError(f"{opts.model}: onnxruntime cannot run the fp32 original: {first_line(e)}") from None
             ctx = Context(model, path, work_dir, opts.provider, opts.gtco_precision, target,
                           opts.model_type or infer_model_type(model), feeds, reference, opts.runs, opts.warmup,
-                          rewritten=rewritten)
+                          rewritten=rewritten,
+                          torch_program=Path(opts.torch_program) if opts.torch_program else None)
             variants = []
             for name in names:
                 r = run_variant(name, ctx)

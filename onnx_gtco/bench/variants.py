@@ -46,6 +46,7 @@ class Context:
         reference: the fp32 original's outputs on those inputs (reference_outputs: on the CPU EP).
         runs, warmup: timed and untimed runs per variant.
         rewritten: an already optimized model to time as ours (its library beside it), else None.
+        torch_program: the model's torch.export program file for torch-compile, else None (onnx2torch).
     """
 
     model: onnx.ModelProto
@@ -60,6 +61,7 @@ class Context:
     runs: int
     warmup: int
     rewritten: Path | None = None
+    torch_program: Path | None = None
     _fp16: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -172,21 +174,37 @@ def _graph_inputs(model: onnx.ModelProto) -> list[str]:
     return [i.name for i in model.graph.input if i.name not in inits]
 
 
+def _torch_module(ctx: Context, device: str) -> tuple[Any, str]:
+    """(the module torch.compile gets, where it came from): the model's torch.export program when given, else the
+    ONNX model converted by onnx2torch."""
+    import torch
+
+    if ctx.torch_program is not None:
+        try:
+            program = torch.export.load(str(ctx.torch_program))
+        except Exception as e:  # torch raises its own types for a file that is not a saved program
+            raise RuntimeError(f"torch.export.load({ctx.torch_program.name}) failed: {first_line(e)}") from None
+        return program.module().to(device), f"torch.export program {ctx.torch_program.name}"
+    from onnx2torch import convert
+
+    try:
+        return convert(ctx.model).eval().to(device), "onnx2torch module"
+    except Exception as e:  # onnx2torch raises NotImplementedError and others per unsupported node
+        raise RuntimeError(f"onnx2torch cannot convert the model: {first_line(e)}") from None
+
+
 def _torch_compile(ctx: Context) -> tuple[Timed, str]:
     if importlib.util.find_spec("torch") is None:
         raise Skip("torch is not installed")
-    if importlib.util.find_spec("onnx2torch") is None:  # checked before importing torch, which takes seconds
-        raise Skip("torch.compile needs a torch module and the model is ONNX; install onnx2torch to convert it")
+    if ctx.torch_program is None and importlib.util.find_spec("onnx2torch") is None:  # before importing torch
+        raise Skip("torch.compile needs the model's torch module: pass --torch-program (the model's "
+                   "torch.export.save file), or install onnx2torch to convert the ONNX model")
     import torch
-    from onnx2torch import convert
 
     device = "cuda" if ctx.provider == "cuda" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise Skip("torch sees no CUDA device")
-    try:
-        module = convert(ctx.model).eval().to(device)
-    except Exception as e:  # onnx2torch raises NotImplementedError and others per unsupported node
-        raise RuntimeError(f"onnx2torch cannot convert the model: {first_line(e)}") from None
+    module, source = _torch_module(ctx, device)
     compiled = torch.compile(module, mode="max-autotune")
     args = [torch.from_numpy(ctx.feeds[n]).to(device) for n in _graph_inputs(ctx.model)]
     half = device == "cuda" and ctx.precision == "fp16"
@@ -199,13 +217,13 @@ def _torch_compile(ctx: Context) -> tuple[Timed, str]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
         latency, out = time_callable(run, sync, ctx.runs, max(1, ctx.warmup))
-    except Exception as e:  # dynamo/inductor errors: the converted module is not compilable
-        raise RuntimeError(f"torch.compile(mode='max-autotune') of the onnx2torch module failed: {first_line(e)}") \
+    except Exception as e:  # dynamo/inductor errors, or a program exported for other input shapes
+        raise RuntimeError(f"torch.compile(mode='max-autotune') of the {source} failed: {first_line(e)}") \
             from None
     outs = out if isinstance(out, (tuple, list)) else [out]
     arrays = [o.detach().float().cpu().numpy() for o in outs]
     graphs = device == "cuda"  # max-autotune replays CUDA graphs (cudagraph trees) on the GPU
-    how = "onnx2torch module, torch.compile(mode='max-autotune')" + (", fp16 autocast" if half else "")
+    how = f"{source}, torch.compile(mode='max-autotune')" + (", fp16 autocast" if half else "")
     return Timed(latency, arrays, graphs), how
 
 

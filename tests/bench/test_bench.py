@@ -137,12 +137,49 @@ def test_rewritten_model_is_timed_as_ours_and_a_failing_baseline_is_reported(
     assert "- ort-fp16 (failed): fp16 kernel missing" in (out / "bench.md").read_text()
 
 
+def test_torch_compile_compiles_the_models_torch_program(tmp_path: Path, make_mlp) -> None:
+    """--torch-program: the torch-compile baseline compiles the model's own torch.export program (here the mlp's
+    torch twin, same weights), and a file that is not a program fails that variant with the reason."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install -r requirements-zoo.txt)")
+    from onnx import numpy_helper
+
+    model = make_mlp(rows=4)
+    weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
+
+    class Mlp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, w in weights.items():
+                self.register_buffer(name, w)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x @ self.w0 + self.b0) @ self.w1 + self.b1
+
+    src, program, bad = tmp_path / "mlp.onnx", tmp_path / "mlp.pt2", tmp_path / "bad.pt2"
+    onnx.save(model, str(src))
+    torch.export.save(torch.export.export(Mlp().eval(), (torch.zeros(4, 8),)), str(program))
+    bad.write_bytes(b"not a torch.export program")
+    common = ["bench", str(src), "--provider", "cpu", "--batch", "4", "--baselines", "torch-compile", "--runs", "5",
+              "--warmup", "1", "--quick"]
+    assert main([*common, "--torch-program", str(program), "--out", str(tmp_path / "ok")]) == 0
+    doc = json.loads((tmp_path / "ok" / "bench.json").read_text())
+    tc = doc["batches"][0]["variants"][0]
+    assert (tc["name"], tc["status"]) == ("torch-compile", "ok"), tc
+    assert tc["note"] == "torch.export program mlp.pt2, torch.compile(mode='max-autotune')"
+    assert tc["max_abs_err"] < 1e-4 and tc["cosine"] > 1 - 1e-6 and tc["runs"] == 5
+    assert doc["command"].endswith(f"--torch-program {program} --quick")
+    assert main([*common, "--torch-program", str(bad), "--out", str(tmp_path / "bad")]) == 0
+    tc = json.loads((tmp_path / "bad" / "bench.json").read_text())["batches"][0]["variants"][0]
+    assert tc["status"] == "failed" and tc["reason"].startswith("torch.export.load(bad.pt2) failed"), tc
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--baselines", "ort-fp32", "onnxruntime-magic"], "unknown baseline 'onnxruntime-magic'"),
     (["--batch", "0"], "--batch takes sizes >= 1"),
     (["--batch", "2", "2"], "lists a size twice"),
     (["--runs", "10"], "at least 100 timed runs"),
     (["--model-type", "resnet"], "unknown --model-type 'resnet'"),
+    (["--torch-program", "missing.pt2"], "--torch-program missing.pt2: no such file"),
 ])
 def test_argument_errors_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,3 +95,19 @@ def test_minilm_is_the_packaged_sentence_transformer() -> None:
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     got = torch.nn.functional.normalize(pooled, dim=-1)[0].numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_program_is_the_torch_module_and_is_reused(tmp_path: pathlib.Path,
+                                                  torch_outputs: Callable[[str, int], dict[str, Any]]) -> None:
+    """--programs: the saved torch.export program (what bench's torch-compile baseline compiles) computes what the
+    exported torch module does, and a current one is reused instead of exported again."""
+    path = zoo.save_program("deit-s", tmp_path)
+    assert path == zoo.program_path(tmp_path, "deit-s") and path.is_file()
+    module = torch.export.load(str(path)).module()
+    with torch.inference_mode():
+        (got,) = module(*zoo.torch_inputs("deit-s", TEST_SEED))
+    np.testing.assert_allclose(got.numpy(), torch_outputs("deit-s", TEST_SEED)["logits"], rtol=RTOL, atol=ATOL)
+    stamp = path.stat().st_mtime_ns
+    assert zoo.save_program("deit-s", tmp_path) == path and path.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["deit-s.pt2",
+                                                                                        "deit-s.pt2.json"]
