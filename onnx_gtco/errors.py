@@ -7,6 +7,13 @@ class GtcoError(Exception):
     """Base of every error onnx-gtco raises on purpose; the CLI prints it as one line and exits 2."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (onnx's and ORT's run over many lines), or its type's name when the
+    message is empty: what a one-line error quotes of a library's exception."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class ModelError(GtcoError):
     """The input model cannot be read, is not valid ONNX, or uses an opset we cannot handle."""
 

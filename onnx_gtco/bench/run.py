@@ -23,9 +23,8 @@ import onnx
 
 from onnx_gtco.bench import roofline
 from onnx_gtco.bench.output import check_out_dir
-from onnx_gtco.bench.timing import first_line
 from onnx_gtco.bench.variants import BASELINES, OURS, Context, Result, reference_outputs, run_variant
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import GtcoError, first_line
 
 MIN_RUNS = 100
 PROVIDERS = ("cuda", "cpu")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from onnx_gtco.bench.stats import Latency, summarize
+from onnx_gtco.errors import first_line
 
 CPU_EP, CUDA_EP = "CPUExecutionProvider", "CUDAExecutionProvider"
 CAPTURE_WARMUP = 3
@@ -28,12 +29,6 @@ class Timed:
     outputs: list[np.ndarray]
     cuda_graph: bool
     note: str = ""
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (ORT's run over many lines), with its type when it is empty."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def session_options() -> Any:

@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 
 from onnx_gtco.bench.stats import Accuracy, accuracy
-from onnx_gtco.bench.timing import CPU_EP, CUDA_EP, Timed, ep_list, first_line, session_options, time_callable, time_ort
+from onnx_gtco.bench.timing import CPU_EP, CUDA_EP, Timed, ep_list, session_options, time_callable, time_ort
+from onnx_gtco.errors import first_line
 
 OURS = "gtco"
 BASELINES = ("ort-fp32", "ort-fp16", "ort-transformers-fp16", "torch-compile", "tensorrt")

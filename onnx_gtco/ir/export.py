@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 import onnx
 
-from onnx_gtco.errors import OutputError, RewriteError
+from onnx_gtco.errors import OutputError, RewriteError, first_line
 from onnx_gtco.ir.load import copy_fields, external_entries, external_tensors, weightless
 
 PROTOBUF_LIMIT = 2**31 - 1
@@ -38,18 +38,14 @@ def validate(model: onnx.ModelProto, loaded: onnx.ModelProto | None = None) -> N
     try:
         onnx.checker.check_model(checked, full_check=True)
     except onnx.checker.ValidationError as e:
-        raise RewriteError(f"rewritten model fails onnx.checker: {_first_line(e)}") from None
+        raise RewriteError(f"rewritten model fails onnx.checker: {first_line(e)}") from None
     except onnx.shape_inference.InferenceError as e:
         if loaded is None or _infers_strictly(loaded):
-            raise RewriteError(f"rewritten model fails onnx shape inference: {_first_line(e)}") from None
+            raise RewriteError(f"rewritten model fails onnx shape inference: {first_line(e)}") from None
         try:
             onnx.checker.check_model(checked)
         except onnx.checker.ValidationError as e2:
-            raise RewriteError(f"rewritten model fails onnx.checker: {_first_line(e2)}") from None
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RewriteError(f"rewritten model fails onnx.checker: {first_line(e2)}") from None
 
 
 def _infers_strictly(model: onnx.ModelProto) -> bool:

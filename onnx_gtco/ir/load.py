@@ -11,7 +11,7 @@ import onnx.version_converter
 from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
-from onnx_gtco.errors import ModelError, OpsetNotConvertedError, UnsupportedError
+from onnx_gtco.errors import ModelError, OpsetNotConvertedError, UnsupportedError, first_line
 from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
 MIN_OPSET = 13
@@ -176,7 +176,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
             model = _toposorted(model, name)
             onnx.checker.check_model(weightless(model))
     except onnx.checker.ValidationError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
     if default_opset(model) is None:  # no ONNX op to fold or fuse
         return _infer_shapes(model, name)
@@ -268,7 +268,7 @@ def _infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> on
             onnx.checker.check_model(skeleton)
         inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=strict, data_prop=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0]
+        first = first_line(e)
         raise ModelError(f"{name}: shape inference failed: {first}") from None
     if any(d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim):
         inferred = _keep_dim_names(inferred)
@@ -386,7 +386,7 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         converted = onnx.version_converter.convert_version(model, CONVERT_TO_OPSET)
         onnx.checker.check_model(weightless(converted))
     except Exception as e:  # the converter raises bare RuntimeErrors and more
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise OpsetNotConvertedError(
             f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter failed: {first}; "
             f"re-export the model with opset >= {MIN_OPSET}", model

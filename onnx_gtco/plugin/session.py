@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import onnx
 
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import GtcoError, first_line
 
 METADATA_KEY = "gtco.library"
 CUDA_EP = "CUDAExecutionProvider"
@@ -80,5 +80,5 @@ def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None =
             try:
                 so.register_custom_ops_library(str(lib))
             except Exception as e:  # ORT raises its own types
-                raise LibraryError(f"{lib}: onnxruntime cannot load the library: {str(e).splitlines()[0]}") from None
+                raise LibraryError(f"{lib}: onnxruntime cannot load the library: {first_line(e)}") from None
     return ort.InferenceSession(str(path), so, providers=list(providers))

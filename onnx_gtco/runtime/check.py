@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnx_gtco.errors import CheckError, GtcoError
+from onnx_gtco.errors import CheckError, GtcoError, first_line
 from onnx_gtco.ir.load import read_model
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -48,13 +48,13 @@ def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, lib
         except LibraryError as e:
             raise CheckError(str(e)) from None
         except Exception as e:  # ORT raises its own exception types per failure
-            raise CheckError(f"onnxruntime cannot load the model with its library: {str(e).splitlines()[0]}"
+            raise CheckError(f"onnxruntime cannot load the model with its library: {first_line(e)}"
                              ) from None
     src = str(model) if not isinstance(model, onnx.ModelProto) else model.SerializeToString()
     try:
         return ort.InferenceSession(src, so, providers=[name])
     except Exception as e:  # ORT raises its own exception types per failure
-        raise CheckError(f"onnxruntime cannot load the model: {str(e).splitlines()[0]}") from None
+        raise CheckError(f"onnxruntime cannot load the model: {first_line(e)}") from None
 
 
 def _index_bound(model: onnx.ModelProto, name: str) -> int | None:
@@ -151,7 +151,7 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
             ref = s_orig.run(None, feeds)
             got = s_new.run(None, feeds)
         except Exception as e:  # ORT runtime failures
-            raise CheckError(f"onnxruntime failed while running: {str(e).splitlines()[0]}") from None
+            raise CheckError(f"onnxruntime failed while running: {first_line(e)}") from None
         for name, r, g in zip(names, ref, got, strict=True):
             w = worst[name]
             r64, g64 = np.asarray(r, dtype=np.float64), np.asarray(g, dtype=np.float64)
