@@ -12,9 +12,14 @@ from typing import BinaryIO
 import onnx
 
 from onnx_gtco.errors import OutputError, RewriteError, first_line
-from onnx_gtco.ir.load import copy_fields, external_entries, external_tensors, weightless
-
-PROTOBUF_LIMIT = 2**31 - 1
+from onnx_gtco.ir.load import (
+    PROTOBUF_LIMIT,
+    copy_fields,
+    external_entries,
+    external_tensors,
+    weightless,
+    without_initializers,
+)
 
 
 def _on_disk(model: onnx.ModelProto) -> bool:
@@ -55,14 +60,6 @@ def _infers_strictly(model: onnx.ModelProto) -> bool:
     except onnx.shape_inference.InferenceError:
         return False
     return True
-
-
-def _shell(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of the model without its graph's initializers (copying no weight)."""
-    out = onnx.ModelProto()
-    copy_fields(model, out, ("graph",))
-    copy_fields(model.graph, out.graph, ("initializer",))
-    return out
 
 
 def _tensor_shell(t: onnx.TensorProto) -> onnx.TensorProto:
@@ -134,7 +131,7 @@ _CHUNK = 16 << 20
 def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> onnx.ModelProto:
     """Write the model's initializers of EXTERNAL_MIN_BYTES or more into data_path (each at a 4 KiB aligned
     offset) and return a copy of the model whose initializers refer to it; `model` is left as it is."""
-    shell = _shell(model)
+    shell = without_initializers(model)
     with open(data_path, "wb") as dst:
         end = 0
         for t in model.graph.initializer:

@@ -71,7 +71,8 @@ def _resolve_external(tensor: onnx.TensorProto, base: Path, name: Path) -> tuple
     return file, offset, length
 
 
-_PROTOBUF_LIMIT = 2**31 - 1
+PROTOBUF_LIMIT = 2**31 - 1
+"""protobuf's limit on a serialized message: a larger model keeps its weights in an external data file."""
 
 
 def copy_fields(src: Message, dst: Message, skip: tuple[str, ...] = ()) -> None:
@@ -89,17 +90,23 @@ def copy_fields(src: Message, dst: Message, skip: tuple[str, ...] = ()) -> None:
             setattr(dst, fd.name, value)
 
 
+def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the model without its graph's initializers (copying no weight)."""
+    out = onnx.ModelProto()
+    copy_fields(model, out, skip=("graph",))
+    copy_fields(model.graph, out.graph, skip=("initializer",))
+    return out
+
+
 def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     """What onnx.checker can take: the model itself, or, when weights are on disk (or it is over 2 GB), a copy whose
     external and >= ON_DISK_MIN_BYTES initializers are graph inputs of their type and shape instead (the checker
     cannot follow a `basepath` and cannot serialise 2 GB)."""
-    if not external_tensors(model) and model.ByteSize() < _PROTOBUF_LIMIT:
+    if not external_tensors(model) and model.ByteSize() < PROTOBUF_LIMIT:
         return model
     from onnx.external_data_helper import uses_external_data
 
-    out = onnx.ModelProto()
-    copy_fields(model, out, skip=("graph",))
-    copy_fields(model.graph, out.graph, skip=("initializer",))
+    out = without_initializers(model)
     g = model.graph
     declared = {v.name for v in g.input}
     for t in g.initializer:
