@@ -49,7 +49,7 @@ def ep_list(provider: str, cuda_graph: bool) -> list[Any]:
 
 
 def _time_bound(session: Any, feeds: Mapping[str, np.ndarray], provider: str, outputs: Mapping[str, tuple[int, ...]],
-                runs: int, warmup: int) -> tuple[list[float], list[np.ndarray]]:
+                runs: int, warmup: int) -> tuple[Latency, list[np.ndarray]]:
     import onnxruntime as ort
 
     metas = {m.name: m for m in session.get_outputs()}
@@ -77,15 +77,8 @@ def _time_bound(session: Any, feeds: Mapping[str, np.ndarray], provider: str, ou
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", 0)
             keep.append(value)
             binding.bind_ortvalue_output(name, value)
-    for _ in range(warmup):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times, [np.asarray(o) for o in binding.copy_outputs_to_cpu()]
+    latency, _ = time_callable(lambda: session.run_with_iobinding(binding), binding.synchronize_outputs, runs, warmup)
+    return latency, [np.asarray(o) for o in binding.copy_outputs_to_cpu()]
 
 
 def time_ort(make: Callable[[bool], Any], feeds: Mapping[str, np.ndarray], provider: str,
@@ -105,17 +98,17 @@ def time_ort(make: Callable[[bool], Any], feeds: Mapping[str, np.ndarray], provi
     if provider == "cuda":
         try:
             # ORT runs a model normally a couple of times before it captures the graph: keep that out of the timing
-            times, outs = _time_bound(make(True), feeds, provider, outputs, runs, max(CAPTURE_WARMUP, warmup))
-            return Timed(summarize(times), outs, True)
+            latency, outs = _time_bound(make(True), feeds, provider, outputs, runs, max(CAPTURE_WARMUP, warmup))
+            return Timed(latency, outs, True)
         except Exception as e:  # ORT raises its own exception types per failure
             note = f"CUDA graph replay not used: {first_line(e)}"
-    times, outs = _time_bound(make(False), feeds, provider, outputs, runs, warmup)
-    return Timed(summarize(times), outs, False, note)
+    latency, outs = _time_bound(make(False), feeds, provider, outputs, runs, warmup)
+    return Timed(latency, outs, False, note)
 
 
 def time_callable(fn: Callable[[], Any], sync: Callable[[], None], runs: int, warmup: int) -> tuple[Latency, Any]:
-    """Time a non-ORT runner: `fn()` then `sync()` per run (e.g. torch.cuda.synchronize). Returns the latency and
-    the last run's result."""
+    """Time a runner: `warmup` untimed calls, then `fn()` and `sync()` per timed run (e.g. torch.cuda.synchronize,
+    or an IO binding's synchronize_outputs). Returns the latency and the last run's result."""
     result = None
     for _ in range(warmup):
         result = fn()
