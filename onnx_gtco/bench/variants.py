@@ -43,7 +43,7 @@ class Context:
         precision: what ours is optimized with (fp32, fp16 or bf16).
         target: the GPU target ours is planned for.
         model_type: the ORT transformer optimizer's model type ("vit", "bert", ...).
-        feeds: the seeded inputs (onnx_gtco.runtime.check.make_inputs).
+        feeds: the seeded inputs (onnx_gtco.runtime.check.make_inputs), in the graph inputs' order.
         reference: the fp32 original's outputs on those inputs (reference_outputs: on the CPU EP).
         runs, warmup: timed and untimed runs per variant.
         rewritten: an already optimized model to time as ours (its library beside it), else None.
@@ -170,11 +170,6 @@ def _gtco(ctx: Context) -> tuple[Timed, str]:
                    f"{rep['nodes_after']} nodes; {lib}{warn}")
 
 
-def _graph_inputs(model: onnx.ModelProto) -> list[str]:
-    inits = {t.name for t in model.graph.initializer}
-    return [i.name for i in model.graph.input if i.name not in inits]
-
-
 def _torch_module(ctx: Context, device: str) -> tuple[Any, str]:
     """(the module torch.compile gets, where it came from): the model's torch.export program when given, else the
     ONNX model converted by onnx2torch."""
@@ -207,7 +202,7 @@ def _torch_compile(ctx: Context) -> tuple[Timed, str]:
         raise Skip("torch sees no CUDA device")
     module, source = _torch_module(ctx, device)
     compiled = torch.compile(module, mode="max-autotune")
-    args = [torch.from_numpy(ctx.feeds[n]).to(device) for n in _graph_inputs(ctx.model)]
+    args = [torch.from_numpy(x).to(device) for x in ctx.feeds.values()]  # the graph inputs, in their order
     half = device == "cuda" and ctx.precision == "fp16"
 
     def run() -> Any:
