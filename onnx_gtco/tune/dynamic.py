@@ -40,8 +40,7 @@ import onnx
 import optuna
 from onnx import helper
 
-from onnx_gtco.config import DYNAMIC_METADATA_KEY as METADATA_KEY
-from onnx_gtco.config import Ranges, resolve_ranges, symbolic_dims
+from onnx_gtco.config import Ranges
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.select import FAMILIES, split_op_type
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
@@ -53,9 +52,6 @@ RANK_POINTS = 5         # extents of the range at which the analytical model ran
 RANK_TOP = 2            # best candidates taken at each of them
 TABLE_SLACK = 0.02      # predicted slowdown a dispatch table accepts for fewer entries
 SAMPLES = 8             # extents of the range the report compares predicted and measured time at
-
-
-# ---------------------------------------------------------------------------------------------- ranges
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -335,12 +331,17 @@ def _record(study: optuna.Study, dt: DynamicTask, config: dict[str, int], n: int
     optimize_once(study, objective)
 
 
+def _config_key(config: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """A configuration as a hashable key (its items in name order)."""
+    return tuple(sorted(config.items()))
+
+
 def _measured(study: optuna.Study) -> dict[tuple[tuple[tuple[str, int], ...], int], optuna.trial.FrozenTrial]:
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
     out = {}
     for t in study.get_trials(deepcopy=False, states=states):
         if "extent" in t.user_attrs:
-            out[(tuple(sorted(t.params.items())), int(t.user_attrs["extent"]))] = t
+            out[(_config_key(t.params), int(t.user_attrs["extent"]))] = t
     return out
 
 
@@ -411,7 +412,7 @@ def tune_dynamic(tasks: Sequence[DynamicTask], *, trials: int, measurer: Measure
         plan: list[tuple[dict[str, int], list[int]]] = []
         for c in candidates(dt):  # as many micro-kernels as the budget measures in full; 0: those measured already
             pts = micro_extents(dt, c)
-            known = all((tuple(sorted(c.items())), n) in done for n in pts)
+            known = all((_config_key(c), n) in done for n in pts)
             over = bool(plan) and sum(len(q) for _, q in plan) + len(pts) > trials
             if (trials == 0 and not known) or (trials > 0 and over):
                 break
@@ -419,13 +420,13 @@ def tune_dynamic(tasks: Sequence[DynamicTask], *, trials: int, measurer: Measure
         ran = 0
         for c, pts in plan:
             for n in pts:
-                if (tuple(sorted(c.items())), n) not in done:
+                if (_config_key(c), n) not in done:
                     _record(study, dt, c, n, measurer)
                     ran += 1
         done = _measured(study)
         kernels = []
         for c, pts in plan:
-            got = [done[(tuple(sorted(c.items())), n)] for n in pts]
+            got = [done[(_config_key(c), n)] for n in pts]
             ok = [(n, float(t.value)) for n, t in zip(pts, got, strict=True)
                   if t.state == optuna.trial.TrialState.COMPLETE]
             bad = [t.user_attrs.get("error_kind", "runtime") for t in got
@@ -434,10 +435,10 @@ def tune_dynamic(tasks: Sequence[DynamicTask], *, trials: int, measurer: Measure
         table = dispatch_table(dt, kernels) if any(not k.failed for k in kernels) else None
         result = DynamicResult(dt, kernels, len(done), ran, table)
         if table is not None and trials > 0:
-            by_config = {tuple(sorted(k.config.items())): k for k in kernels}
+            by_config = {_config_key(k.config): k for k in kernels}
             for n in spread(dt.lo, dt.hi, samples):
                 c = table_config(table, n)
-                pred = float(by_config[tuple(sorted(c.items()))].predict(dt, n)[0])
+                pred = float(by_config[_config_key(c)].predict(dt, n)[0])
                 m = measurer.measure(Task(dt.problem_at(n), dt.task.arch, dt.task.version), c)
                 result.samples.append((n, c, pred, m.median_us))
         out.append(result)
@@ -476,6 +477,6 @@ def tune_model(model: onnx.ModelProto, arch: str, ranges: Ranges, trials: int, s
     return report, dispatch
 
 
-__all__ = ["METADATA_KEY", "Dispatch", "DynamicResult", "DynamicTask", "MicroKernel", "Ranges", "candidates",
-           "dispatch_table", "dynamic_tasks", "extent_range", "fit", "micro_extents", "microkernel_study_name",
-           "resolve_ranges", "spread", "symbolic_dims", "table_config", "tune_dynamic", "tune_model"]
+__all__ = ["Dispatch", "DynamicResult", "DynamicTask", "MicroKernel", "candidates", "dispatch_table", "dynamic_tasks",
+           "extent_range", "fit", "micro_extents", "microkernel_study_name", "spread", "table_config", "tune_dynamic",
+           "tune_model"]

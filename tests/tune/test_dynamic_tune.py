@@ -15,11 +15,11 @@ import pytest
 
 from onnx_gtco import models
 from onnx_gtco.cli import main
-from onnx_gtco.config import GtcoConfig, format_dynamic, parse_dynamic
+from onnx_gtco.config import GtcoConfig, format_dynamic, parse_dynamic, resolve_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.tune.driver import tune
-from onnx_gtco.tune.dynamic import DynamicTask, dynamic_tasks, resolve_ranges, table_config, tune_dynamic
+from onnx_gtco.tune.dynamic import DynamicTask, dynamic_tasks, table_config, tune_dynamic
 from onnx_gtco.tune.search import AnalyticalMeasurer
 from onnx_gtco.tune.tasks import Task, merge
 
