@@ -145,6 +145,21 @@ def symbolic_dims(model: onnx.ModelProto) -> list[str]:
     return out
 
 
+def model_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
+    """The ranges a model declares in its `gtco.dynamic` metadata, {dim: (lo, hi)} ({} without).
+
+    Raises:
+        GtcoError: the metadata is malformed (parse_dynamic says how).
+    """
+    for prop in model.metadata_props:
+        if prop.key == DYNAMIC_METADATA_KEY:
+            try:
+                return {name: (lo, hi) for name, lo, hi in parse_dynamic(prop.value)}
+            except GtcoError as e:
+                raise GtcoError(f"the model's {DYNAMIC_METADATA_KEY} metadata: {e}") from None
+    return {}
+
+
 def resolve_ranges(model: onnx.ModelProto, declared: DynamicRanges) -> Ranges:
     """The ranges that apply to `model`: the declared ones, then the model's `gtco.dynamic` metadata, then the
     default, for each symbolic dim of its inputs.
@@ -158,13 +173,7 @@ def resolve_ranges(model: onnx.ModelProto, declared: DynamicRanges) -> Ranges:
         have = ", ".join(dims) if dims else "none"
         raise GtcoError(f"dynamic range for {', '.join(missing)}: no model input has that dim (symbolic dims: "
                         f"{have})")
-    meta = {p.key: p.value for p in model.metadata_props}
-    from_model: dict[str, tuple[int, int]] = {}
-    if DYNAMIC_METADATA_KEY in meta:
-        try:
-            from_model = {n: (lo, hi) for n, lo, hi in parse_dynamic(meta[DYNAMIC_METADATA_KEY])}
-        except GtcoError as e:
-            raise GtcoError(f"the model's {DYNAMIC_METADATA_KEY} metadata: {e}") from None
+    from_model = model_ranges(model)
     given = {n: (lo, hi) for n, lo, hi in declared}
     ranges, sources = [], {}
     for n in dims:

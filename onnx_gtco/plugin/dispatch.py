@@ -23,10 +23,6 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import onnx
-
-from onnx_gtco.config import DYNAMIC_METADATA_KEY as DYNAMIC_KEY
-from onnx_gtco.config import parse_dynamic
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.family import Config, Instance, Problem
@@ -54,21 +50,6 @@ class NodeDynamic:
     ranges: tuple[tuple[int, int, int, int, str], ...] = ()
     extent: tuple[tuple[int, int], ...] = ()
     tables: tuple[tuple[Entry, ...], ...] = ()
-
-
-def model_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
-    """The declared ranges of a rewritten model, {dim: (lo, hi)} from its `gtco.dynamic` metadata ({} without).
-
-    Raises:
-        GtcoError: the metadata is malformed (onnx_gtco.config.parse_dynamic says how).
-    """
-    for prop in model.metadata_props:
-        if prop.key == DYNAMIC_KEY:
-            try:
-                return {name: (lo, hi) for name, lo, hi in parse_dynamic(prop.value)}
-            except GtcoError as e:
-                raise GtcoError(f"model metadata {DYNAMIC_KEY}: {e}") from None
-    return {}
 
 
 def node_ranges(node: FusedNode, ranges: Mapping[str, tuple[int, int]]) -> tuple[tuple[int, int, int, int, str], ...]:

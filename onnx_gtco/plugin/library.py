@@ -43,6 +43,7 @@ from pathlib import Path
 
 import onnx
 
+from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
 from onnx_gtco.kernels.dynamic import with_extent
@@ -66,7 +67,6 @@ from onnx_gtco.plugin.dispatch import (
     default_table,
     extent_dims,
     extent_top,
-    model_ranges,
     node_ranges,
 )
 from onnx_gtco.plugin.headers import HeaderError, ort_include_dir

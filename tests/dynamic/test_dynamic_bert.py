@@ -19,10 +19,11 @@ import onnxruntime as ort
 import pytest
 
 from onnx_gtco import optimize
+from onnx_gtco.config import DYNAMIC_METADATA_KEY as DYNAMIC_KEY
 from onnx_gtco.config import GtcoConfig, format_dynamic
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.models import build
-from onnx_gtco.plugin.dispatch import DYNAMIC_KEY, bucket_of, launches
+from onnx_gtco.plugin.dispatch import bucket_of, launches
 from onnx_gtco.plugin.library import LibraryResult, build_library
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "plugin"))

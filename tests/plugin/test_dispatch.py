@@ -11,11 +11,13 @@ import onnx
 import pytest
 
 from onnx_gtco import optimize
+from onnx_gtco.config import DYNAMIC_METADATA_KEY as DYNAMIC_KEY
+from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.attention import make_problem
 from onnx_gtco.models import build
 from onnx_gtco.plugin.device import device_instances
-from onnx_gtco.plugin.dispatch import DYNAMIC_KEY, bucket_of, check_table, default_table, model_ranges
+from onnx_gtco.plugin.dispatch import bucket_of, check_table, default_table
 from onnx_gtco.plugin.library import BuildError, bind_nodes, build_library, dynamic_nodes, generate_glue, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
 
