@@ -143,8 +143,9 @@ def launches(path: str) -> dict[str, list[int]]:
     return {k: [int(x) for x in v] for k, v in json.loads(f().decode()).items()}
 
 
-def bucket_of(table: Sequence[Entry], extent: int) -> int:
-    """Index of the entry a call with `extent` launches (the first whose max_extent is at least it)."""
+def bucket_of(table: Sequence[tuple[int | None, object]], extent: float) -> int:
+    """Index of the entry a call with `extent` launches (the first whose max_extent is at least it; None as
+    max_extent covers everything, and an extent above every entry takes the last), as the glue looks it up."""
     for k, (top, _) in enumerate(table):
         if top is None or extent <= top:
             return k

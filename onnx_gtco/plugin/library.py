@@ -63,6 +63,7 @@ from onnx_gtco.plugin.device import ARCH_SLOTS, EMULATED_ARCH, device_instances,
 from onnx_gtco.plugin.dispatch import (
     BUCKETS,
     NodeDynamic,
+    bucket_of,
     check_table,
     default_table,
     extent_dims,
@@ -303,7 +304,7 @@ def _rows(tables: Sequence[Sequence[tuple[int | None, Instance]]]) -> list[tuple
     tops = sorted({t for table in tables for t, _ in table}, key=key)
     rows: list[tuple[int | None, list[Instance]]] = []
     for top in tops:
-        insts = [next((i for t, i in table if key(t) >= key(top)), table[-1][1]) for table in tables]
+        insts = [table[bucket_of(table, key(top))][1] for table in tables]
         if rows and [i.name for i in rows[-1][1]] == [i.name for i in insts]:
             rows[-1] = (top, insts)
         else:

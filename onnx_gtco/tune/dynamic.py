@@ -43,6 +43,7 @@ from onnx import helper
 from onnx_gtco.config import Ranges
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.select import FAMILIES, split_op_type
+from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
 from onnx_gtco.tune.search import Measurer, _space, measure_into, open_storage, optimize_once, storage_url
 from onnx_gtco.tune.tasks import Task, _shapes, fused_node_tasks
@@ -305,11 +306,11 @@ def dispatch_table(dt: DynamicTask, kernels: Sequence[MicroKernel]) -> tuple[tup
 
 
 def table_config(table: Sequence[tuple[int, Mapping[str, int]]], n: int) -> dict[str, int]:
-    """The configuration a table dispatches extent `n` to (the first entry whose max_extent >= n)."""
-    for top, config in table:
-        if n <= top:
-            return dict(config)
-    raise ValueError(f"extent {n} is above the table's top {table[-1][0]}")
+    """The configuration a table dispatches extent `n` to (the first entry whose max_extent >= n, as the glue
+    looks it up: plugin.dispatch.bucket_of)."""
+    if n > table[-1][0]:
+        raise ValueError(f"extent {n} is above the table's top {table[-1][0]}")
+    return dict(table[bucket_of(table, n)][1])
 
 
 # ---------------------------------------------------------------------------------------------- tuning
