@@ -99,26 +99,29 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0, dims: dict[str, int] | No
 
 
 @dataclass(frozen=True)
-class OutputError:
-    """How far one output is from its reference: max |got - ref|, max |got - ref| / max(|ref|, floor), the cosine
-    similarity, and whether `got` has a NaN where the reference has none. NaN positions shared by both count as 0."""
+class Deviation:
+    """How far one output is from its reference: max |got - ref|, max |got - ref| / max(|ref|, atol), the cosine
+    similarity, whether `got` has a NaN where the reference has none (NaN positions shared by both count as 0), and
+    whether every element is within |got - ref| <= atol + rtol * |ref| with no such NaN."""
 
     max_abs: float
     max_rel: float
     cosine: float
     nan_bad: bool
+    within: bool
 
 
-def output_error(ref: np.ndarray, got: np.ndarray, rel_floor: float) -> OutputError:
-    """The error of `got` against `ref` (same shape), computed in float64; relative errors divide by
-    max(|ref|, rel_floor)."""
+def output_error(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float = 0.0) -> Deviation:
+    """The deviation of `got` from `ref` (same shape), computed in float64; relative errors divide by
+    max(|ref|, atol) (atol 0: by |ref|, zeros counting as 1e-30)."""
     r64, g64 = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     nan_bad = bool(np.any(np.isnan(g64) & ~np.isnan(r64)))
     diff = np.nan_to_num(np.abs(g64 - r64), nan=0.0)
-    rel = diff / np.maximum(np.abs(r64), rel_floor)
+    rel = diff / np.maximum(np.abs(r64), atol if atol > 0 else 1e-30)
     denom = float(np.linalg.norm(r64) * np.linalg.norm(g64))
     cos = float(np.vdot(r64.ravel(), g64.ravel()) / denom) if denom > 0 else float(np.array_equal(r64, g64))
-    return OutputError(float(diff.max(initial=0.0)), float(rel.max(initial=0.0)), cos, nan_bad)
+    within = not nan_bad and bool(np.all(diff <= atol + rtol * np.abs(r64)))
+    return Deviation(float(diff.max(initial=0.0)), float(rel.max(initial=0.0)), cos, nan_bad, within)
 
 
 def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.ModelProto | str | os.PathLike[str],
@@ -157,12 +160,11 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
             r64, g64 = np.asarray(r, dtype=np.float64), np.asarray(g, dtype=np.float64)
             if r64.shape != g64.shape:
                 raise CheckError(f"output {name}: shape {g64.shape} != original {r64.shape}")
-            e = output_error(r64, g64, atol if atol > 0 else 1e-30)
+            e = output_error(r64, g64, atol, rtol)
             w[0] = max(w[0], e.max_abs)
             w[1] = max(w[1], e.max_rel)
             w[2] = min(w[2], e.cosine)
-            diff = np.nan_to_num(np.abs(g64 - r64), nan=0.0)
-            w[3] = bool(w[3]) and not e.nan_bad and bool(np.all(diff <= atol + rtol * np.abs(r64)))
+            w[3] = bool(w[3]) and e.within
     return [OutputDiff(n, w[0], w[1], w[2], bool(w[3])) for n, w in worst.items()]
 
 
