@@ -12,8 +12,9 @@ import numpy as np
 
 from onnx_gtco.bench.stats import Latency, summarize
 from onnx_gtco.errors import first_line
+from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries, require_cuda_ep
 
-CPU_EP, CUDA_EP = "CPUExecutionProvider", "CUDAExecutionProvider"
+CPU_EP = "CPUExecutionProvider"
 CAPTURE_WARMUP = 3
 """Untimed runs at least, with CUDA graphs on: ORT captures the graph after a first regular run or two."""
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -52,6 +53,8 @@ def _time_bound(session: Any, feeds: Mapping[str, np.ndarray], provider: str, ou
                 runs: int, warmup: int) -> tuple[Latency, list[np.ndarray]]:
     import onnxruntime as ort
 
+    if provider == "cuda":
+        require_cuda_ep(session, "the timed session")
     metas = {m.name: m for m in session.get_outputs()}
     missing = [n for n in outputs if n not in metas]
     if missing:
@@ -96,6 +99,7 @@ def time_ort(make: Callable[[bool], Any], feeds: Mapping[str, np.ndarray], provi
     """
     note = ""
     if provider == "cuda":
+        load_cuda_libraries()
         try:
             # ORT runs a model normally a couple of times before it captures the graph: keep that out of the timing
             latency, outs = _time_bound(make(True), feeds, provider, outputs, runs, max(CAPTURE_WARMUP, warmup))

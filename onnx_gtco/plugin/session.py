@@ -19,9 +19,9 @@ from typing import Any, Literal
 import onnx
 
 from onnx_gtco.errors import GtcoError, first_line
+from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries
 
 METADATA_KEY = "gtco.library"
-CUDA_EP = "CUDAExecutionProvider"
 
 
 class LibraryError(GtcoError):
@@ -37,13 +37,16 @@ def library_path(path: str | os.PathLike[str]) -> Path | None:
     return Path(path).resolve().parent / name
 
 
+def _provider_names(providers: Sequence[Any]) -> list[str]:
+    return [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
+
+
 def _wants_library(library: bool | str, providers: Sequence[Any], available: Sequence[str]) -> bool:
     if library is True or library is False:
         return library
     if library != "auto":
         raise ValueError(f"library={library!r}: choose True, False or 'auto'")
-    names = [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
-    return CUDA_EP in names and CUDA_EP in available
+    return CUDA_EP in _provider_names(providers) and CUDA_EP in available
 
 
 def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None = None, *,
@@ -64,6 +67,8 @@ def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None =
     available = ort.get_available_providers()
     if providers is None:
         providers = [p for p in (CUDA_EP, "CPUExecutionProvider") if p in available]
+    if CUDA_EP in _provider_names(providers):
+        load_cuda_libraries()
     so = sess_options if sess_options is not None else ort.SessionOptions()
     if _wants_library(library, providers, available):
         so.add_session_config_entry("gtco.register", "1" if library is True else "cuda")

@@ -11,6 +11,7 @@ from onnx import helper
 
 from onnx_gtco.errors import CheckError, GtcoError, first_line
 from onnx_gtco.ir.load import read_model
+from onnx_gtco.runtime.cuda_ep import load_cuda_libraries, require_cuda_ep
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -35,6 +36,8 @@ def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, lib
     if name not in ort.get_available_providers():
         raise CheckError(f"{name} is not available in this onnxruntime ({ort.__version__}); "
                          "install onnxruntime-gpu for --provider cuda")
+    if provider == "cuda":
+        load_cuda_libraries()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if library:
@@ -44,17 +47,19 @@ def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, lib
             raise CheckError("checking with the library needs the rewritten model as a file (the library is "
                              "found beside it)")
         try:
-            return make_session(model, [name], library=True, sess_options=so)
+            session = make_session(model, [name], library=True, sess_options=so)
         except LibraryError as e:
             raise CheckError(str(e)) from None
         except Exception as e:  # ORT raises its own exception types per failure
             raise CheckError(f"onnxruntime cannot load the model with its library: {first_line(e)}"
                              ) from None
-    src = str(model) if not isinstance(model, onnx.ModelProto) else model.SerializeToString()
-    try:
-        return ort.InferenceSession(src, so, providers=[name])
-    except Exception as e:  # ORT raises its own exception types per failure
-        raise CheckError(f"onnxruntime cannot load the model: {first_line(e)}") from None
+    else:
+        src = str(model) if not isinstance(model, onnx.ModelProto) else model.SerializeToString()
+        try:
+            session = ort.InferenceSession(src, so, providers=[name])
+        except Exception as e:  # ORT raises its own exception types per failure
+            raise CheckError(f"onnxruntime cannot load the model: {first_line(e)}") from None
+    return require_cuda_ep(session, "check --provider cuda") if provider == "cuda" else session
 
 
 def _index_bound(model: onnx.ModelProto, name: str) -> int | None:
