@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import GtcoError, missing_package
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -290,7 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.debug:
         _quiet_onnxruntime()
     try:
-        return int(args.func(args))
+        try:
+            return int(args.func(args))
+        except ModuleNotFoundError as e:  # an optional package a feature imports lazily: one line, never a traceback
+            if args.debug or not e.name:
+                raise
+            raise missing_package(e.name, f"onnx-gtco {args.cmd}") from None
     except GtcoError as e:
         if args.debug:
             traceback.print_exc()

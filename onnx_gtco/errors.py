@@ -14,6 +14,27 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+class MissingPackageError(GtcoError):
+    """An optional package that a feature needs is not installed."""
+
+
+EXTRAS = {"cupy": "gpu", "torch": "torch", "onnx2torch": "torch", "tensorrt": "tensorrt", "psycopg2": "postgres"}
+"""Importable name -> the onnx-gtco extra that installs it (pyproject.toml's optional-dependencies)."""
+
+
+def install_hint(module: str) -> str:
+    """How to install what provides `module`: the extra that brings it, else the package itself."""
+    top = module.split(".")[0]
+    extra = EXTRAS.get(top)
+    return f"pip install 'onnx-gtco[{extra}]'" if extra else f"pip install {top}"
+
+
+def missing_package(module: str, needed_for: str) -> MissingPackageError:
+    """The one-line error for a missing optional package: what needs it, and the extra that installs it."""
+    return MissingPackageError(f"{needed_for} needs the Python package {module.split('.')[0]}, which is not "
+                               f"installed: {install_hint(module)}")
+
+
 class ModelError(GtcoError):
     """The input model cannot be read, is not valid ONNX, or uses an opset we cannot handle."""
 

@@ -136,3 +136,27 @@ def test_check_masks_and_ids_are_in_range() -> None:
     feeds = make_inputs(onnx_helper.make_model(g), seed=3)
     assert feeds["ids"].min() >= 0 and feeds["ids"].max() < 7 and len(np.unique(feeds["ids"])) > 1
     assert set(np.unique(feeds["attention_mask"])) == {0, 1}
+
+
+def test_a_missing_optional_package_is_one_line_naming_its_extra(model_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A feature importing a package that is not installed: exit 2, one line naming the package and the extra."""
+    import onnx_gtco.cli as cli
+
+    def needs_cupy(args: object) -> int:
+        raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
+
+    monkeypatch.setattr(cli, "cmd_inspect", needs_cupy)
+    assert main(["inspect", str(model_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("onnx-gtco: error: onnx-gtco inspect needs the Python package cupy, which is not "
+                           "installed: pip install 'onnx-gtco[gpu]'")
+
+
+def test_a_storage_without_its_database_driver_names_it() -> None:
+    from onnx_gtco.errors import MissingPackageError
+    from onnx_gtco.tune.search import open_storage
+
+    with pytest.raises(MissingPackageError, match=r"^the tuning storage mysql\+pymysql:// needs the Python "
+                                                  r"package pymysql, which is not installed: pip install pymysql$"):
+        open_storage("mysql+pymysql://u@127.0.0.1/db")

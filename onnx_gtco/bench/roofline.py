@@ -27,7 +27,7 @@ import onnx
 from onnx import helper
 
 from onnx_gtco.cost.model import node_flops
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import GtcoError, missing_package
 from onnx_gtco.ir.export import write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
@@ -155,7 +155,7 @@ def measure_cuda_peaks(n: int = 8192, copy_mib: int = 1024, repeats: int = 10) -
     try:
         import cupy as cp
     except ImportError:
-        raise GtcoError("measuring the GPU's peaks needs CuPy (pip install cupy-cuda12x)") from None
+        raise missing_package("cupy", "measuring the GPU's peaks") from None
     try:
         name = _cuda_name(cp)
     except Exception as e:  # CuPy raises CUDARuntimeError without a driver or device

@@ -19,7 +19,7 @@ import onnx
 
 from onnx_gtco.bench.stats import Accuracy, accuracy
 from onnx_gtco.bench.timing import CPU_EP, CUDA_EP, Timed, ep_list, session_options, time_callable, time_ort
-from onnx_gtco.errors import first_line
+from onnx_gtco.errors import first_line, install_hint
 
 OURS = "gtco"
 BASELINES = ("ort-fp32", "ort-fp16", "ort-transformers-fp16", "torch-compile", "tensorrt")
@@ -191,10 +191,11 @@ def _torch_module(ctx: Context, device: str) -> tuple[Any, str]:
 
 def _torch_compile(ctx: Context) -> tuple[Timed, str]:
     if importlib.util.find_spec("torch") is None:
-        raise Skip("torch is not installed")
+        raise Skip(f"torch is not installed ({install_hint('torch')})")
     if ctx.torch_program is None and importlib.util.find_spec("onnx2torch") is None:  # before importing torch
         raise Skip("torch.compile needs the model's torch module: pass --torch-program (the model's "
-                   "torch.export.save file), or install onnx2torch to convert the ONNX model")
+                   "torch.export.save file), or install onnx2torch to convert the ONNX model "
+                   f"({install_hint('onnx2torch')})")
     import torch
 
     device = "cuda" if ctx.provider == "cuda" else "cpu"
@@ -242,8 +243,8 @@ def _tensorrt(ctx: Context) -> tuple[Timed, str]:
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        raise Skip("neither ORT's TensorRT EP (onnxruntime-gpu with TensorRT) nor the tensorrt package is installed") \
-            from None
+        raise Skip("neither ORT's TensorRT EP (onnxruntime-gpu with TensorRT) nor the tensorrt package is installed "
+                   f"({install_hint('tensorrt')})") from None
     return _tensorrt_package(ctx, half)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import optuna
 
+from onnx_gtco.errors import GtcoError, first_line, missing_package
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
@@ -61,9 +62,18 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         return _MEMORY.setdefault(url, optuna.storages.InMemoryStorage())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(
-            url, heartbeat_interval=HEARTBEAT_S, grace_period=3 * HEARTBEAT_S,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+        try:
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=HEARTBEAT_S, grace_period=3 * HEARTBEAT_S,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+        except ImportError as e:  # the database driver of the URL's scheme (psycopg2 for postgresql://), which
+            # optuna re-raises as its own ImportError
+            missing = next((getattr(x, "name", None) for x in (e, e.__cause__, e.__context__)
+                            if isinstance(x, ModuleNotFoundError) and x.name), None)
+            what = f"the tuning storage {url.split(':')[0]}://"
+            if missing:
+                raise missing_package(missing, what) from None
+            raise GtcoError(f"{what}: {first_line(e)}") from None
 
 
 @dataclass(frozen=True)
