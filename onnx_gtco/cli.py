@@ -4,6 +4,7 @@ line and exit 2."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -31,6 +32,31 @@ def _dynamic(text: str | None) -> tuple | None:
         return parse_dynamic(text)
     except GtcoError as e:
         raise GtcoError(f"--dynamic {text!r}: {e}") from None
+
+
+def _say_target(args: argparse.Namespace) -> None:
+    """After a command that planned for a target the user did not name: which one, and why (on stderr, so an error
+    before it stays one line)."""
+    from onnx_gtco.config import target_note
+
+    note = target_note(getattr(args, "target", None))
+    if note:
+        print(f"onnx-gtco: note: {note}", file=sys.stderr)
+
+
+def _model_arg(spec: str) -> Any:
+    """A model argument: a file's path, else a built-in model's name (the model built with seeded weights).
+
+    Raises:
+        GtcoError: neither a file nor a built-in name.
+    """
+    from onnx_gtco import models
+
+    if Path(spec).exists():
+        return spec
+    if spec in models.BUILTIN:
+        return models.build(spec, seed=0)
+    raise GtcoError(f"{spec}: no such file, nor a built-in model ({', '.join(models.BUILTIN)})")
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -72,8 +98,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from onnx_gtco.kernels.toolchain import BuildError
     from onnx_gtco.pipeline import optimize_file
 
+    model = _model_arg(args.model)
+    output = args.output or (None if isinstance(model, str) else f"{args.model}.gtco.onnx")
     try:
-        result, out, rep = optimize_file(args.model, args.output, args.report, _config(args), build=args.build,
+        result, out, rep = optimize_file(model, output, args.report, _config(args), build=args.build,
                                          tune_trials=args.tune_trials, storage=args.storage, workers=args.workers,
                                          progress=_tune_progress if args.tune_trials else None)
     except BuildError as e:
@@ -81,6 +109,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                         "its library; it then runs its model-local functions)") from None
     for w in result.warnings:
         print(f"onnx-gtco: warning: {w}", file=sys.stderr)
+    _say_target(args)
     print(report.summary(result.report))
     print(f"wrote      {out}\nreport     {rep}")
     if result.library is not None:
@@ -93,7 +122,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from onnx_gtco import report
     from onnx_gtco.pipeline import optimize
 
-    result = optimize(args.model, _config(args))
+    result = optimize(_model_arg(args.model), _config(args))
+    _say_target(args)
     if args.json:
         sys.stdout.write(report.to_json(result.report))
         return EXIT_OK
@@ -120,8 +150,8 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
 def cmd_check(args: argparse.Namespace) -> int:
     from onnx_gtco.runtime.check import compare, format_diffs
 
-    diffs = compare(args.original, args.rewritten, args.provider, args.rtol, args.atol, args.samples, args.seed,
-                    _dims(args.dim), library=args.library)
+    diffs = compare(_model_arg(args.original), _model_arg(args.rewritten), args.provider, args.rtol, args.atol,
+                    args.samples, args.seed, _dims(args.dim), library=args.library)
     if args.library:
         print("rewritten model run with its custom-op library registered (the plugin's kernels)")
     print(format_diffs(diffs))
@@ -138,6 +168,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from onnx_gtco.pipeline import optimize_file
     from onnx_gtco.runtime.check import compare, format_diffs
 
+    if args.model not in models.BUILTIN:
+        raise GtcoError(f"demo --model {args.model}: not a built-in model; choose one of {', '.join(models.BUILTIN)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / f"{args.model}.onnx"
@@ -167,7 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     opts = BenchOptions(model=args.model, rewritten=args.rewritten, torch_program=args.torch_program,
                         provider=args.provider,
-                        batches=tuple(args.batch), precision=args.precision, target=args.target,
+                        batches=tuple(args.batch) if args.batch else None, precision=args.precision, target=args.target,
                         baselines=tuple(n for a in args.baselines for n in a.split(",") if n) if args.baselines
                         else BenchOptions.baselines,
                         runs=args.runs, warmup=args.warmup, quick=args.quick, model_type=args.model_type,
@@ -175,6 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = dataclasses.replace(opts, command=opts.as_command())
     opts.validate()
     doc = run_bench(opts)
+    _say_target(args)
     table = format_table(doc)
     print(table)
     for path in write_outputs(doc, table, out_dir):
@@ -255,8 +288,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the model's torch.export program (torch.export.save), which the torch-compile baseline "
                    "compiles; it takes MODEL's inputs in order (default: convert MODEL with onnx2torch)")
     p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="N",
-                   help="batch sizes (a file model's symbolic batch dim is bound to each; default 1)")
+    p.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
+                   help="batch sizes (a file model's symbolic batch dim is bound to each; default: the model's own "
+                   "batch, 1 when it is symbolic)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="what ours is optimized with (default fp16 on cuda, fp32 on cpu)")
     p.add_argument("--target", choices=sorted(TARGETS), default=None, help="GPU target ours is planned for")
@@ -303,4 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("onnx-gtco: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # `onnx-gtco inspect ... | head`: the reader left; later writes to stdout go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("onnx-gtco: error: the output pipe was closed before everything was written", file=sys.stderr)
         return EXIT_ERROR

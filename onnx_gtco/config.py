@@ -4,7 +4,11 @@ of a model's symbolic dims (`--dynamic`, the `gtco.dynamic` metadata)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
+import shutil
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +51,55 @@ TARGETS: dict[str, Target] = {
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+
+DEFAULT_TARGET = "sm_90"
+
+
+@functools.cache
+def local_gpu_arch() -> str | None:
+    """The compute capability of the first GPU nvidia-smi lists, as "sm_XY"; None without nvidia-smi, without a
+    GPU, or with CUDA_VISIBLE_DEVICES hiding every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return None
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+    m = re.fullmatch(r"(\d+)\.(\d+)", lines[0].strip()) if lines else None
+    return f"sm_{m[1]}{m[2]}" if m else None
+
+
+def target_for_arch(arch: str) -> str | None:
+    """The target whose kernels run best on a GPU of compute capability `arch` ("sm_86" -> "sm_80": Ampere and Ada
+    get the sm_80 instances, Hopper 9.x the sm_90 ones); None for an arch we have no kernels for."""
+    m = re.fullmatch(r"sm_(\d+?)(\d)a?", arch)
+    major = int(m[1]) if m else 0
+    return {8: "sm_80", 9: "sm_90"}.get(major)
+
+
+def default_target() -> tuple[str, str]:
+    """The target to plan for when none is given (--target, GTCO_TARGET), and a sentence saying why."""
+    arch = local_gpu_arch()
+    if arch is None:
+        return DEFAULT_TARGET, f"no GPU visible: planning for {DEFAULT_TARGET} (pass --target to choose)"
+    target = target_for_arch(arch)
+    if target is None:
+        return DEFAULT_TARGET, (f"the local GPU is {arch}, which has no kernels of its own: planning for "
+                                f"{DEFAULT_TARGET} (pass --target to choose)")
+    return target, f"the local GPU is {arch}: planning for {target}"
+
+
+def target_note(explicit: str | None) -> str | None:
+    """Where the target came from when the user did not name one (None when --target or GTCO_TARGET did)."""
+    if explicit is not None or "GTCO_TARGET" in os.environ:
+        return None
+    return default_target()[1]
 
 DynamicRanges = tuple[tuple[str, int, int], ...]
 """Declared ranges of symbolic dims: (dim name, lo, hi) per dim, sorted by name."""
@@ -201,7 +254,7 @@ class GtcoConfig:
             optimized for every shape inside them (see parse_dynamic for the `--dynamic` text form).
     """
 
-    target: str = "sm_90"
+    target: str = DEFAULT_TARGET
     precision: str = "fp32"
     max_group_size: int = 48
     max_states: int = 2_000_000
@@ -226,10 +279,13 @@ class GtcoConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> GtcoConfig:
-        """Defaults, then GTCO_TARGET / GTCO_PRECISION / GTCO_SEED from the environment, then overrides."""
+        """Defaults (the target of the local GPU, see `default_target`), then GTCO_TARGET / GTCO_PRECISION /
+        GTCO_SEED from the environment, then overrides."""
         env: dict[str, object] = {}
         if "GTCO_TARGET" in os.environ:
             env["target"] = os.environ["GTCO_TARGET"]
+        elif overrides.get("target") is None:
+            env["target"] = default_target()[0]
         if "GTCO_PRECISION" in os.environ:
             env["precision"] = os.environ["GTCO_PRECISION"]
         if "GTCO_SEED" in os.environ:

@@ -171,7 +171,7 @@ BUILD_MODES = ("auto", "cpu", "cuda")
 
 
 def optimize_file(
-    model_path: str | os.PathLike[str],
+    model_path: str | os.PathLike[str] | onnx.ModelProto,
     output: str | os.PathLike[str] | None = None,
     report_path: str | os.PathLike[str] | None = None,
     config: GtcoConfig | None = None,
@@ -182,7 +182,8 @@ def optimize_file(
     progress: Any = None,
     measurer: Any = None,
 ) -> tuple[OptimizeResult, Path, Path]:
-    """optimize() a file and write the model and its report atomically; nothing is written on error.
+    """optimize() a file (or a ModelProto, given `output`) and write the model and its report atomically; nothing is
+    written on error.
 
     `build` also builds the custom-op library beside the output (onnx_gtco.plugin.library, cached by content hash)
     and records its file name in the model's `gtco.library` metadata and the report's "library" entry:
@@ -203,7 +204,9 @@ def optimize_file(
     measures real kernels (not the analytical model), the model is planned again with the measured times of its
     tuned groups and the build uses the new plan.
     """
-    out = Path(output) if output else default_output(model_path)
+    if output is None and isinstance(model_path, onnx.ModelProto):
+        raise OutputError("optimize_file of a ModelProto needs an output path")
+    out = Path(output) if output else default_output(model_path)  # type: ignore[arg-type]
     rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
     if build is not None and build not in BUILD_MODES:
         raise OutputError(f"build={build!r}: choose one of {', '.join(BUILD_MODES)} or None")

@@ -8,6 +8,7 @@ printed as a table.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shlex
 import sys
@@ -40,7 +41,8 @@ class BenchOptions:
         torch_program: a torch.export program file of the model (torch.export.save) for the torch-compile
             baseline, taking the ONNX model's graph inputs in order; None converts the ONNX model with onnx2torch.
         provider: "cuda" or "cpu".
-        batches: batch sizes; a file model's symbolic batch dim is bound to each, a fixed one must equal it.
+        batches: batch sizes; a file model's symbolic batch dim is bound to each, a fixed one must equal it. None:
+            the model's own batch (its fixed batch dim; 1 when the dim is symbolic, and for built-in models).
         precision: what ours is optimized with; None: fp16 on cuda, fp32 on cpu.
         target: the GPU target ours is planned for (GtcoConfig's default when None).
         baselines: a subset of variants.BASELINES, run in that order.
@@ -58,7 +60,7 @@ class BenchOptions:
     rewritten: str | None = None
     torch_program: str | None = None
     provider: str = "cuda"
-    batches: tuple[int, ...] = (1,)
+    batches: tuple[int, ...] | None = None
     precision: str | None = None
     target: str | None = None
     baselines: tuple[str, ...] = BASELINES
@@ -81,9 +83,9 @@ class BenchOptions:
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
             raise GtcoError(f"unknown baseline {unknown[0]!r}; choose among {', '.join(BASELINES)}")
-        if not self.batches or any(b < 1 for b in self.batches):
+        if self.batches is not None and (not self.batches or any(b < 1 for b in self.batches)):
             raise GtcoError(f"--batch takes sizes >= 1, got {' '.join(map(str, self.batches)) or 'none'}")
-        if len(set(self.batches)) != len(self.batches):
+        if self.batches is not None and len(set(self.batches)) != len(self.batches):
             raise GtcoError(f"--batch lists a size twice: {' '.join(map(str, self.batches))}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise GtcoError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -104,7 +106,8 @@ class BenchOptions:
 
     def as_command(self) -> str:
         """The equivalent `onnx-gtco bench` command line, every option spelled out (recorded in the JSON)."""
-        argv = ["onnx-gtco", "bench", self.model, "--provider", self.provider, "--batch", *map(str, self.batches),
+        argv = ["onnx-gtco", "bench", self.model, "--provider", self.provider,
+                *(["--batch", *map(str, self.batches)] if self.batches is not None else []),
                 "--precision", self.gtco_precision, "--baselines", *self.baselines, "--runs", str(self.runs),
                 "--warmup", str(self.warmup), "--seed", str(self.seed), "--out", self.out]
         argv += ["--rewritten", self.rewritten] if self.rewritten else []
@@ -174,6 +177,17 @@ def infer_model_type(model: onnx.ModelProto) -> str:
                                                                                onnx.TensorProto.FLOAT16):
             return "vit"
     return "bert"
+
+
+def own_batch(model: onnx.ModelProto) -> int:
+    """The batch a model is exported for: the fixed first dim of its first non-initializer input with one, else 1
+    (a symbolic batch)."""
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.name not in inits and dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
+            return int(dims[0].dim_value)
+    return 1
 
 
 def _model_source(spec: str) -> Callable[[int], onnx.ModelProto]:
@@ -266,6 +280,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if rewritten is not None and not rewritten.is_file():
         raise GtcoError(f"--rewritten {rewritten}: no such file")
     source = _model_source(opts.model)
+    if opts.batches is None:  # the recorded command spells the resolved batch out, as every other option
+        resolved = dataclasses.replace(opts, batches=(own_batch(source(1)),))
+        opts = dataclasses.replace(resolved, command=resolved.as_command() if opts.command else "")
+        _log(f"batch {opts.batches[0]}: the model's own (pass --batch to time other sizes)")
+    assert opts.batches is not None
     for batch in opts.batches:  # a batch the model cannot take is an error before anything is measured
         bind_dims(source(batch), batch, opts.dims, opts.model)
         if rewritten is not None:  # its inputs must take the same feeds; a fixed batch must match
