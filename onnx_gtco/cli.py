@@ -1,5 +1,5 @@
-"""Command line: optimize | inspect | check | bench | demo | tune-worker. Builds the GtcoConfig; maps GtcoError to one
-line and exit 2."""
+"""Command line: optimize | inspect | report | check | bench | demo | tune-worker. Builds the GtcoConfig; maps
+GtcoError to one line and exit 2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
-from onnx_gtco.errors import GtcoError, missing_package
+from onnx_gtco.errors import GtcoError, OutputError, missing_package
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -104,6 +104,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{g['predicted_unfused_us']:>10.2f}")
     for r in result.report["rejected"]:
         print(f"rejected  {r['pattern']:<12} at {r['anchor']}: {r['reason']}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from onnx_gtco import report_md
+    from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
+
+    doc = report_md.load_report(args.report)
+    for out in filter(None, (args.output, args.png)):  # before writing either
+        parent = Path(out).parent
+        if not parent.is_dir():
+            raise OutputError(f"{out}: directory {parent} does not exist")
+    text = report_md.render(doc)
+    png = report_md.png_bytes(doc) if args.png else None  # both rendered before anything is written
+    if not args.output:
+        sys.stdout.write(text)
+    else:
+        write_text_atomic(text, args.output)
+    if png is not None:
+        try:
+            write_bytes_atomic(png, args.png)
+        except BaseException:
+            if args.output:  # all or nothing: no Markdown without the chart asked for with it
+                Path(args.output).unlink(missing_ok=True)
+            raise
+    wrote = [f"wrote      {p} ({what})" for what, p in (("markdown", args.output), ("chart", args.png)) if p]
+    if wrote:
+        print("\n".join(wrote), file=sys.stdout if args.output else sys.stderr)
     return EXIT_OK
 
 
@@ -226,6 +254,13 @@ def parser() -> argparse.ArgumentParser:
     _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("report", help="render an optimize report (JSON) as Markdown, and a PNG of time per family")
+    p.add_argument("report", help="the JSON report optimize wrote (MODEL.gtco.onnx.report.json)")
+    p.add_argument("-o", "--output", default=None, metavar="OUT.md", help="write the Markdown here (default stdout)")
+    p.add_argument("--png", default=None, metavar="OUT.png",
+                   help="also write a bar chart of the predicted (or measured) time per family, before and after")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("check", help="compare a rewritten model with its original on seeded random inputs")
     p.add_argument("original")
