@@ -75,7 +75,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         result, out, rep = optimize_file(args.model, args.output, args.report, _config(args), build=args.build,
                                          tune_trials=args.tune_trials, storage=args.storage, workers=args.workers,
-                                         progress=_tune_progress if args.tune_trials else None)
+                                         progress=_tune_progress if args.tune_trials else None,
+                                         markdown=True if args.report_md == "" else args.report_md or False)
     except BuildError as e:
         raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
                         "its library; it then runs its model-local functions)") from None
@@ -83,6 +84,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         print(f"onnx-gtco: warning: {w}", file=sys.stderr)
     print(report.summary(result.report))
     print(f"wrote      {out}\nreport     {rep}")
+    if args.report_md is not None:
+        print(f"markdown   {args.report_md or out.with_name(out.name + '.report.md')}")
     if result.library is not None:
         print(f"built      {result.library.path} ({'from the cache' if result.library.cached else 'compiled'} in "
               f"{result.library.seconds:.1f} s)")
@@ -222,6 +225,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("-o", "--output", default=None, help="output model (default MODEL.gtco.onnx)")
     p.add_argument("--report", default=None, help="report path (default OUTPUT.report.json)")
+    p.add_argument("--report-md", nargs="?", const="", default=None, metavar="PATH",
+                   help="also write the report as Markdown (default path OUTPUT.report.md; onnx-gtco report renders "
+                   "a JSON report later)")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--no-build", dest="build", action="store_const", const=None, default="auto",
                    help="do not build the custom-op library (the model then runs its model-local functions)")

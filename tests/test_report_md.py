@@ -153,6 +153,28 @@ def test_cli_report_writes_markdown_and_png(vit: tuple[Path, dict[str, Any]], tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.md", "r.png"]  # no temporary files left
 
 
+def test_optimize_report_md(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "m.onnx"
+    save_atomic(models.build("vit-tiny", depth=1), src)
+    assert main(["optimize", str(src), "--no-build", "--report-md"]) == EXIT_OK
+    md = tmp_path / "m.gtco.onnx.report.md"
+    assert f"markdown   {md}" in capsys.readouterr().out
+    rep = json.loads((tmp_path / "m.gtco.onnx.report.json").read_text())
+    assert md.read_text() == report_md.render(rep)
+    other = tmp_path / "x.md"
+    assert main(["optimize", str(src), "--no-build", "--report-md", str(other)]) == EXIT_OK
+    assert other.read_text() == md.read_text()
+
+
+def test_optimize_report_md_in_a_missing_folder_writes_nothing(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "m.onnx"
+    save_atomic(models.build("vit-tiny", depth=1), src)
+    code = main(["optimize", str(src), "--no-build", "--report-md", str(tmp_path / "nope" / "m.md")])
+    assert code == EXIT_ERROR and capsys.readouterr().err.count("\n") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
 def _write(p: Path, text: str) -> Path:
     p.write_text(text)
     return p
