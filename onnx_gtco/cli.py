@@ -1,5 +1,5 @@
-"""Command line: optimize | inspect | check | bench | demo | tune-worker. Builds the GtcoConfig; maps GtcoError to one
-line and exit 2."""
+"""Command line: optimize | inspect | report | check | bench | demo | tune-worker. Builds the GtcoConfig; maps
+GtcoError to one line and exit 2."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
-from onnx_gtco.errors import GtcoError, missing_package
+from onnx_gtco.errors import GtcoError, OutputError, missing_package
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -103,7 +103,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         result, out, rep = optimize_file(model, output, args.report, _config(args), build=args.build,
                                          tune_trials=args.tune_trials, storage=args.storage, workers=args.workers,
-                                         progress=_tune_progress if args.tune_trials else None)
+                                         progress=_tune_progress if args.tune_trials else None,
+                                         markdown=True if args.report_md == "" else args.report_md or False)
     except BuildError as e:
         raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
                         "its library; it then runs its model-local functions)") from None
@@ -112,6 +113,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _say_target(args)
     print(report.summary(result.report))
     print(f"wrote      {out}\nreport     {rep}")
+    if args.report_md is not None:
+        print(f"markdown   {args.report_md or out.with_name(out.name + '.report.md')}")
     if result.library is not None:
         print(f"built      {result.library.path} ({'from the cache' if result.library.cached else 'compiled'} in "
               f"{result.library.seconds:.1f} s)")
@@ -134,6 +137,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{g['predicted_unfused_us']:>10.2f}")
     for r in result.report["rejected"]:
         print(f"rejected  {r['pattern']:<12} at {r['anchor']}: {r['reason']}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from onnx_gtco import report_md
+    from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
+
+    doc = report_md.load_report(args.report)
+    for out in filter(None, (args.output, args.png)):  # before writing either
+        parent = Path(out).parent
+        if not parent.is_dir():
+            raise OutputError(f"{out}: directory {parent} does not exist")
+    text = report_md.render(doc)
+    png = report_md.png_bytes(doc) if args.png else None  # both rendered before anything is written
+    if not args.output:
+        sys.stdout.write(text)
+    else:
+        write_text_atomic(text, args.output)
+    if png is not None:
+        try:
+            write_bytes_atomic(png, args.png)
+        except BaseException:
+            if args.output:  # all or nothing: no Markdown without the chart asked for with it
+                Path(args.output).unlink(missing_ok=True)
+            raise
+    wrote = [f"wrote      {p} ({what})" for what, p in (("markdown", args.output), ("chart", args.png)) if p]
+    if wrote:
+        print("\n".join(wrote), file=sys.stdout if args.output else sys.stderr)
     return EXIT_OK
 
 
@@ -227,6 +258,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("-o", "--output", default=None, help="output model (default MODEL.gtco.onnx)")
     p.add_argument("--report", default=None, help="report path (default OUTPUT.report.json)")
+    p.add_argument("--report-md", nargs="?", const="", default=None, metavar="PATH",
+                   help="also write the report as Markdown (default path OUTPUT.report.md; onnx-gtco report renders "
+                   "a JSON report later)")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--no-build", dest="build", action="store_const", const=None, default="auto",
                    help="do not build the custom-op library (the model then runs its model-local functions)")
@@ -259,6 +293,13 @@ def parser() -> argparse.ArgumentParser:
     _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("report", help="render an optimize report (JSON) as Markdown, and a PNG of time per family")
+    p.add_argument("report", help="the JSON report optimize wrote (MODEL.gtco.onnx.report.json)")
+    p.add_argument("-o", "--output", default=None, metavar="OUT.md", help="write the Markdown here (default stdout)")
+    p.add_argument("--png", default=None, metavar="OUT.png",
+                   help="also write a bar chart of the predicted (or measured) time per family, before and after")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("check", help="compare a rewritten model with its original on seeded random inputs")
     p.add_argument("original")

@@ -181,6 +181,7 @@ def optimize_file(
     workers: int = 1,
     progress: Any = None,
     measurer: Any = None,
+    markdown: str | os.PathLike[str] | bool = False,
 ) -> tuple[OptimizeResult, Path, Path]:
     """optimize() a file (or a ModelProto, given `output`) and write the model and its report atomically; nothing is
     written on error.
@@ -203,14 +204,18 @@ def optimize_file(
     tune.driver.TaskResult as trials finish. `measurer` overrides tune.apply.pick_measurer(). When the measurer
     measures real kernels (not the analytical model), the model is planned again with the measured times of its
     tuned groups and the build uses the new plan.
+
+    `markdown` also writes the report as Markdown (report_md.render): True beside the model as OUTPUT.report.md,
+    or at the path given; written with the model and JSON report, all or nothing.
     """
     if output is None and isinstance(model_path, onnx.ModelProto):
         raise OutputError("optimize_file of a ModelProto needs an output path")
     out = Path(output) if output else default_output(model_path)  # type: ignore[arg-type]
     rep_path = Path(report_path) if report_path else out.with_name(out.name + ".report.json")
+    md_path = (out.with_name(out.name + ".report.md") if markdown is True else Path(markdown)) if markdown else None
     if build is not None and build not in BUILD_MODES:
         raise OutputError(f"build={build!r}: choose one of {', '.join(BUILD_MODES)} or None")
-    for p in (out, rep_path):
+    for p in (out, rep_path, *([md_path] if md_path else [])):
         parent = p.parent if str(p.parent) else Path(".")
         if not parent.is_dir():
             raise OutputError(f"{p}: directory {parent} does not exist")
@@ -260,12 +265,19 @@ def optimize_file(
         result.timings["build_s"] = lib.seconds
         result.report["library"] = lib.to_json()
         result.model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
-    saved = False
+    saved = reported = False
     try:
         save_atomic(result.model, out)
         saved = True
         write_text_atomic(report_mod.to_json(result.report), rep_path)
+        reported = True
+        if md_path is not None:
+            from onnx_gtco import report_md
+
+            report_md.write_markdown(result.report, md_path)
     except BaseException:
+        if reported:  # the Markdown failed: the JSON report it was to render goes too
+            rep_path.unlink(missing_ok=True)
         if saved:  # the report failed: no model without its report
             remove_saved(out)
         if created is not None:
