@@ -179,15 +179,31 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from onnx_gtco.runtime.check import compare, format_diffs
+    from onnx_gtco.runtime.check import compare, format_diffs, parse_tolerance
 
-    diffs = compare(_model_arg(args.original), _model_arg(args.rewritten), args.provider, args.rtol, args.atol,
-                    args.samples, args.seed, _dims(args.dim), library=args.library)
+    rtol = parse_tolerance(args.rtol, 1e-4, "rtol")
+    atol = parse_tolerance(args.atol, 1e-5, "atol")
+    if args.load_inputs is not None:
+        unused = [flag for flag, v in (("--samples", args.samples), ("--seed", args.seed), ("--dim", args.dim))
+                  if v is not None]
+        if unused:
+            raise GtcoError(f"--load-inputs gives the inputs, so {' and '.join(unused)} would be unused; drop "
+                            f"{'it' if len(unused) == 1 else 'them'}")
+    samples = 1 if args.samples is None else args.samples
+    seed = 0 if args.seed is None else args.seed
+    if samples < 1:
+        raise GtcoError(f"--samples must be at least 1, got {samples}")
+    if seed < 0:
+        raise GtcoError(f"--seed must be >= 0, got {seed}")
+    diffs = compare(_model_arg(args.original), _model_arg(args.rewritten), args.provider, rtol, atol, samples, seed,
+                    _dims(args.dim or []), library=args.library, inputs=args.load_inputs, save_inputs=args.save_inputs)
     if args.library:
         print("rewritten model run with its custom-op library registered (the plugin's kernels)")
     print(format_diffs(diffs))
+    if args.save_inputs is not None:
+        print(f"wrote      {args.save_inputs} (the inputs used)")
     bad = [d.name for d in diffs if not d.ok]
-    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within rtol={args.rtol:g} atol={args.atol:g}")
+    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within {rtol.describe('rtol')} {atol.describe('atol')}")
     return EXIT_MISMATCH if bad else EXIT_OK
 
 
@@ -304,12 +320,26 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="compare a rewritten model with its original on seeded random inputs")
     p.add_argument("original")
     p.add_argument("rewritten")
-    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--atol", type=float, default=1e-5)
-    p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="value of a symbolic dim")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="ORT execution provider (default cpu)")
+    p.add_argument("--rtol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
+                   help="relative tolerance: a bare number for every output and/or NAME:TOL for one output, e.g. "
+                   "--rtol 1e-3 logits:1e-2; an output passes when |new - ref| <= atol + rtol*|ref| everywhere "
+                   "(default 1e-4)")
+    p.add_argument("--atol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
+                   help="absolute tolerance, given like --rtol, e.g. --atol 1e-5 logits:1e-2 (default 1e-5)")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="number of seeded input sets, seeds SEED..SEED+N-1; at least 1 (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the first input set, >= 0 (default 0)")
+    p.add_argument("--dim", action="append", default=None, metavar="NAME=INT",
+                   help="value of a symbolic input dim (repeatable; default 1)")
+    p.add_argument("--save-inputs", default=None, metavar="FILE.npz",
+                   help="write the inputs used to an .npz, once both models ran on them: one sample keys each "
+                   "array by its input's name, several by sample<K>/<name> (K from 0); --load-inputs reads it "
+                   "back (default: not written)")
+    p.add_argument("--load-inputs", default=None, metavar="FILE.npz",
+                   help="compare on these inputs instead of seeded ones (an .npz as --save-inputs writes it, or "
+                   "one array per input name for a single sample); each input's dtype and rank must be the "
+                   "model's; excludes --samples, --seed and --dim (default: seeded inputs)")
     p.add_argument("--library", action="store_true",
                    help="register the rewritten model's custom-op library (metadata gtco.library), so its kernels "
                    "run instead of the model-local functions; default: the functions run")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,8 +101,30 @@ def test_check_detects_a_wrong_model(model_path: Path, tmp_path: Path, mlp: onnx
     bad.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w, bad.graph.initializer[0].name))
     onnx.save(bad, str(tmp_path / "bad.onnx"))
     assert main(["check", str(model_path), str(tmp_path / "bad.onnx")]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL \(would pass with --atol y:\S+ or --rtol y:\S+\)", out)
+    assert out.splitlines()[-1] == "0 of 1 outputs within rtol=0.0001 atol=1e-05"
     assert main(["check", str(model_path), str(tmp_path / "missing.onnx")]) == 2
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--samples", "0"], "--samples must be at least 1, got 0"),
+                                               (["--samples", "-3"], "--samples must be at least 1, got -3"),
+                                               (["--seed", "-1"], "--seed must be >= 0, got -1")])
+def test_check_refuses_no_samples_and_negative_seeds(model_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     flags: list[str], message: str) -> None:
+    """--samples 0 used to compare nothing and pass; a negative seed was numpy's traceback."""
+    assert main(["check", str(model_path), str(model_path), *flags]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"onnx-gtco: error: {message}\n" and out.out == ""
+
+
+def test_check_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--rtol", "1e-4"), ("--atol", "1e-5"), ("--samples", "1"), ("--seed", "0"),
+                          ("--save-inputs", "not written"), ("--load-inputs", "seeded inputs")):
+        assert re.search(re.escape(flag) + r" .*?\(default:? " + re.escape(default) + r"\)", text), flag
 
 
 def test_check_unknown_provider_is_clear(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import math
 import os
-from dataclasses import dataclass
+import re
+import shlex
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from onnx_gtco.errors import CheckError, GtcoError, first_line
+from onnx_gtco.errors import CheckError, GtcoError, OutputError, first_line
+from onnx_gtco.ir.export import write_bytes_atomic
 from onnx_gtco.ir.load import read_model
 from onnx_gtco.runtime.cuda_ep import load_cuda_libraries, require_cuda_ep
 
@@ -18,13 +26,81 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 @dataclass(frozen=True)
 class OutputDiff:
-    """How far one output of the rewritten model is from the original's."""
+    """How far one output of the rewritten model is from the original's, over every sample: the max, mean and
+    median of the absolute error |new - ref| and of the relative error |new - ref| / max(|ref|, atol), the worst
+    cosine similarity, the tolerances it was judged by, and the smallest tolerances that would pass it.
+
+    need_atol is the smallest atol with which every element passes at the given rtol; need_rtol the smallest rtol
+    at the given atol (inf: none does, the reference is 0 where the error exceeds atol). Both are inf when the
+    rewritten model has a NaN where the original has none (nan_bad)."""
 
     name: str
     max_abs: float
     max_rel: float
     cosine: float
     ok: bool
+    mean_abs: float = float("nan")
+    median_abs: float = float("nan")
+    mean_rel: float = float("nan")
+    median_rel: float = float("nan")
+    atol: float = 1e-5
+    rtol: float = 1e-4
+    need_atol: float = 0.0
+    need_rtol: float = 0.0
+    nan_bad: bool = False
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A tolerance with a default and per-output values (Polygraphy's `--atol 1e-5 logits:1e-2`)."""
+
+    default: float
+    per_output: Mapping[str, float] = field(default_factory=dict)
+
+    def of(self, name: str) -> float:
+        return self.per_output.get(name, self.default)
+
+    def describe(self, flag: str) -> str:
+        """e.g. `atol=1e-05 (logits:0.01)`."""
+        extra = " ".join(f"{n}:{v:g}" for n, v in self.per_output.items())
+        return f"{flag}={self.default:g}" + (f" ({extra})" if extra else "")
+
+
+def _tolerance_value(text: str, entry: str, flag: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not math.isfinite(v) or v < 0:
+        raise CheckError(f"--{flag} {entry!r}: expected a number >= 0, or NAME:NUMBER for one output")
+    return v
+
+
+def parse_tolerance(items: Sequence[str] | None, default: float, flag: str) -> Tolerance:
+    """`--atol`/`--rtol` entries as a Tolerance: a bare number sets the default, `NAME:NUMBER` one output's value
+    (split at the last colon, so output names may hold colons); a later entry overrides an earlier one.
+
+    Raises:
+        CheckError: an entry is not a number >= 0 (or NAME:number), naming the entry.
+    """
+    per: dict[str, float] = {}
+    for it in items or ():
+        name, colon, val = it.rpartition(":")
+        if not colon:
+            default = _tolerance_value(it, it, flag)
+        elif not name:
+            raise CheckError(f"--{flag} {it!r}: the output name before ':' is empty")
+        else:
+            per[name] = _tolerance_value(val, it, flag)
+    return Tolerance(default, per)
+
+
+def _as_tolerance(t: float | Tolerance, flag: str) -> Tolerance:
+    tol = t if isinstance(t, Tolerance) else Tolerance(float(t))
+    for name, v in (("", tol.default), *tol.per_output.items()):
+        if not math.isfinite(v) or v < 0:
+            raise CheckError(f"{flag} {f'{name}:' if name else ''}{v!r} is not a number >= 0")
+    return tol
 
 
 def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, library: bool = False):
@@ -116,69 +192,281 @@ class Deviation:
     within: bool
 
 
+def _errors(r64: np.ndarray, g64: np.ndarray, atol: float) -> tuple[np.ndarray, np.ndarray, bool]:
+    """|got - ref| (0 where either is NaN), that over max(|ref|, atol), and whether `got` has a NaN the reference
+    has not."""
+    nan_bad = bool(np.any(np.isnan(g64) & ~np.isnan(r64)))
+    diff = np.nan_to_num(np.abs(g64 - r64), nan=0.0, posinf=np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = diff / np.fmax(np.abs(r64), atol if atol > 0 else 1e-30)
+    return diff, np.nan_to_num(rel, nan=np.inf, posinf=np.inf), nan_bad
+
+
+def _within(diff: np.ndarray, r64: np.ndarray, atol: float, rtol: float) -> bool:
+    return bool(np.all(diff <= atol + rtol * np.abs(r64)))
+
+
+def _cosine(r64: np.ndarray, g64: np.ndarray) -> float:
+    denom = float(np.linalg.norm(r64) * np.linalg.norm(g64))
+    return float(np.vdot(r64.ravel(), g64.ravel()) / denom) if denom > 0 else float(np.array_equal(r64, g64))
+
+
+def _needed(diff: np.ndarray, r64: np.ndarray, atol: float, rtol: float) -> tuple[float, float]:
+    """The smallest atol that passes every element at `rtol`, and the smallest rtol at `atol` (inf: none does,
+    the reference is 0 or NaN where the error exceeds atol)."""
+    ref = np.abs(r64)
+    with np.errstate(invalid="ignore"):
+        need_atol = float(np.fmax.reduce((diff - rtol * ref).ravel(), initial=0.0))
+    excess = diff - atol
+    over = excess > 0
+    if not over.any():
+        return need_atol, 0.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = excess[over] / ref[over]
+    return need_atol, float(np.nan_to_num(ratio, nan=np.inf, posinf=np.inf).max())
+
+
 def output_error(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float = 0.0) -> Deviation:
     """The deviation of `got` from `ref` (same shape), computed in float64; relative errors divide by
     max(|ref|, atol) (atol 0: by |ref|, zeros counting as 1e-30)."""
     r64, g64 = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    nan_bad = bool(np.any(np.isnan(g64) & ~np.isnan(r64)))
-    diff = np.nan_to_num(np.abs(g64 - r64), nan=0.0)
-    rel = diff / np.maximum(np.abs(r64), atol if atol > 0 else 1e-30)
-    denom = float(np.linalg.norm(r64) * np.linalg.norm(g64))
-    cos = float(np.vdot(r64.ravel(), g64.ravel()) / denom) if denom > 0 else float(np.array_equal(r64, g64))
-    within = not nan_bad and bool(np.all(diff <= atol + rtol * np.abs(r64)))
-    return Deviation(float(diff.max(initial=0.0)), float(rel.max(initial=0.0)), cos, nan_bad, within)
+    diff, rel, nan_bad = _errors(r64, g64, atol)
+    within = not nan_bad and _within(diff, r64, atol, rtol)
+    return Deviation(float(diff.max(initial=0.0)), float(rel.max(initial=0.0)), _cosine(r64, g64), nan_bad, within)
+
+
+SAMPLE_KEY = re.compile(r"sample(\d+)/(.+)", re.S)
+"""Key of an input in a --save-inputs file of several samples: `sample<K>/<input name>`, K from 0. A file of one
+sample keys each array by the input's name alone."""
+
+
+def _model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    inits = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in inits]
+
+
+def inputs_npz(samples: Sequence[Mapping[str, np.ndarray]]) -> bytes:
+    """The bytes of an .npz holding `samples` (one: keys are the input names; more: `sample<K>/<name>`)."""
+    if len(samples) == 1:
+        arrays = dict(samples[0])
+    else:
+        arrays = {f"sample{k}/{n}": a for k, feeds in enumerate(samples) for n, a in feeds.items()}
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:  # np.savez(**arrays) would clash
+        for key, a in arrays.items():                                          # on an input named "file"
+            with zf.open(key + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asarray(a), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    where = f"--load-inputs {os.fspath(path)}"
+    try:
+        z = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CheckError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise CheckError(f"{where}: is a directory") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckError(f"{where}: not an .npz of arrays: {first_line(e)}") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise CheckError(f"{where}: a single .npy array, not an .npz of named inputs")
+    try:
+        with z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckError(f"{where}: cannot read its arrays: {first_line(e)}") from None
+    if not arrays:
+        raise CheckError(f"{where}: holds no arrays")
+    return arrays
+
+
+def _shape_text(vi: onnx.ValueInfoProto) -> str:
+    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+            for d in vi.type.tensor_type.shape.dim]
+    return "[" + ", ".join(dims) + "]"
+
+
+def load_inputs(path: str | os.PathLike[str], model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
+    """The input samples of an .npz (as --save-inputs writes it, or keyed by input name for one sample), checked
+    against the model's inputs.
+
+    Raises:
+        CheckError: the file cannot be read, or a sample lacks an input, has one the model does not take, or one
+            of another dtype, rank or fixed dim than the model's (one line naming the input).
+    """
+    where = f"--load-inputs {os.fspath(path)}"
+    arrays = _read_npz(path)
+    vis = _model_inputs(model)
+    names = [vi.name for vi in vis]
+    listed = ", ".join(names) or "none"
+    keyed_by_sample = any(k not in names and SAMPLE_KEY.fullmatch(k) for k in arrays)
+    if not keyed_by_sample:
+        samples: dict[int, dict[str, np.ndarray]] = {0: arrays}
+    else:
+        samples = {}
+        for key, a in arrays.items():
+            m = SAMPLE_KEY.fullmatch(key)
+            if m is None and key in names:
+                raise CheckError(f"{where}: {key!r} is keyed by the input's name, the other arrays by "
+                                 "sample<K>/<input>; use one form")
+            if m is None:
+                raise CheckError(f"{where}: {key!r} is not an input of the model (its inputs: {listed}), nor "
+                                 "sample<K>/<input>")
+            samples.setdefault(int(m.group(1)), {})[m.group(2)] = a
+        gap = next((k for k in range(len(samples)) if k not in samples), None)
+        if gap is not None:
+            raise CheckError(f"{where}: samples {', '.join(map(str, sorted(samples)))} given, sample{gap} is missing")
+    out = []
+    for k in sorted(samples):
+        feeds = samples[k]
+        tag = f"sample{k}/" if keyed_by_sample else ""
+        for name in feeds:
+            if name not in names:
+                raise CheckError(f"{where}: input {tag + name!r} is not an input of the model (its inputs: {listed})")
+        for vi in vis:
+            if vi.name not in feeds:
+                raise CheckError(f"{where}: input {tag + vi.name!r} is missing (the model's inputs: {listed})")
+            a = feeds[vi.name]
+            tt = vi.type.tensor_type
+            want = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+            if a.dtype != want:
+                raise CheckError(f"{where}: input {tag + vi.name!r} is {a.dtype}, the model takes {want}")
+            if tt.HasField("shape"):
+                dims = list(tt.shape.dim)
+                if a.ndim != len(dims):
+                    raise CheckError(f"{where}: input {tag + vi.name!r} has rank {a.ndim} (shape {list(a.shape)}), "
+                                     f"the model takes rank {len(dims)} {_shape_text(vi)}")
+                for axis, d in enumerate(dims):
+                    if d.HasField("dim_value") and a.shape[axis] != d.dim_value:
+                        raise CheckError(f"{where}: input {tag + vi.name!r} has shape {list(a.shape)}, the model "
+                                         f"takes {_shape_text(vi)}")
+        out.append({vi.name: feeds[vi.name] for vi in vis})
+    return out
 
 
 def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.ModelProto | str | os.PathLike[str],
-            provider: str = "cpu", rtol: float = 1e-4, atol: float = 1e-5, samples: int = 1, seed: int = 0,
-            dims: dict[str, int] | None = None, library: bool = False) -> list[OutputDiff]:
-    """Per-output worst difference over `samples` seeded input sets. An output is ok when every element obeys
+            provider: str = "cpu", rtol: float | Tolerance = 1e-4, atol: float | Tolerance = 1e-5, samples: int = 1,
+            seed: int = 0, dims: dict[str, int] | None = None, library: bool = False, *,
+            inputs: Sequence[Mapping[str, np.ndarray]] | str | os.PathLike[str] | None = None,
+            save_inputs: str | os.PathLike[str] | None = None) -> list[OutputDiff]:
+    """Per-output errors over `samples` seeded input sets. An output is ok when every element obeys
     |new - ref| <= atol + rtol * |ref| (numpy.allclose) and no NaN appears where the original has none.
+
+    rtol and atol are one value for every output or a Tolerance with per-output values (parse_tolerance).
+    `inputs` replaces the seeded inputs (then samples, seed and dims are unused): a list of feeds, or the path of
+    an .npz (load_inputs). `save_inputs` writes the inputs used to that .npz (inputs_npz's keys), atomically and
+    only once both models ran on them.
 
     library=True runs the rewritten model (a file) with its custom-op library registered (plugin.session), so the
     plugin's kernels are what is compared; the default runs its model-local functions.
 
     Raises:
-        CheckError: a model cannot be read or run, or the two models' outputs differ in names.
+        CheckError: a model or the inputs cannot be read or run, the two models' outputs differ in names, a
+            tolerance names an output the models do not have, or samples < 1 or seed < 0.
+        OutputError: save_inputs cannot be written.
     """
+    rt, at = _as_tolerance(rtol, "rtol"), _as_tolerance(atol, "atol")
+    if inputs is None and samples < 1:
+        raise CheckError(f"samples must be at least 1, got {samples}")
+    if inputs is None and seed < 0:
+        raise CheckError(f"seed must be >= 0, got {seed}")
+    if save_inputs is not None:
+        parent = Path(save_inputs).parent
+        if not parent.is_dir():
+            raise OutputError(f"--save-inputs {os.fspath(save_inputs)}: directory {parent} does not exist")
     try:
         orig_model = read_model(original)
         new_model = read_model(rewritten)
     except GtcoError as e:
         raise CheckError(str(e)) from None
-    if [o.name for o in orig_model.graph.output] != [o.name for o in new_model.graph.output]:
-        raise CheckError("the two models have different outputs: "
-                         f"{[o.name for o in orig_model.graph.output]} vs {[o.name for o in new_model.graph.output]}")
+    names = [o.name for o in orig_model.graph.output]
+    if names != [o.name for o in new_model.graph.output]:
+        raise CheckError(f"the two models have different outputs: {names} vs "
+                         f"{[o.name for o in new_model.graph.output]}")
+    for flag, tol in (("rtol", rt), ("atol", at)):
+        unknown = [n for n in tol.per_output if n not in names]
+        if unknown:
+            raise CheckError(f"--{flag} {unknown[0]}:{tol.per_output[unknown[0]]:g}: the models have no output "
+                             f"{unknown[0]!r} (their outputs: {', '.join(names)})")
+    if inputs is None:
+        feeds_list = [make_inputs(orig_model, seed + k, dims) for k in range(samples)]
+    elif isinstance(inputs, (str, os.PathLike)):
+        feeds_list = load_inputs(inputs, orig_model)
+    else:
+        feeds_list = [dict(f) for f in inputs]
     s_orig = _session(original if not isinstance(original, onnx.ModelProto) else orig_model, provider)
     s_new = _session(rewritten if not isinstance(rewritten, onnx.ModelProto) else new_model, provider, library)
-    names = [o.name for o in orig_model.graph.output]
-    worst = {n: [0.0, 0.0, 1.0, True] for n in names}
-    for k in range(samples):
-        feeds = make_inputs(orig_model, seed + k, dims)
+    acc: dict[str, dict] = {n: {"abs": [], "rel": [], "cos": 1.0, "nan": False, "ok": True, "need_atol": 0.0,
+                                "need_rtol": 0.0} for n in names}
+    for feeds in feeds_list:
         try:
             ref = s_orig.run(None, feeds)
             got = s_new.run(None, feeds)
         except Exception as e:  # ORT runtime failures
             raise CheckError(f"onnxruntime failed while running: {first_line(e)}") from None
         for name, r, g in zip(names, ref, got, strict=True):
-            w = worst[name]
+            a, o_atol, o_rtol = acc[name], at.of(name), rt.of(name)
             r64, g64 = np.asarray(r, dtype=np.float64), np.asarray(g, dtype=np.float64)
             if r64.shape != g64.shape:
                 raise CheckError(f"output {name}: shape {g64.shape} != original {r64.shape}")
-            e = output_error(r64, g64, atol, rtol)
-            w[0] = max(w[0], e.max_abs)
-            w[1] = max(w[1], e.max_rel)
-            w[2] = min(w[2], e.cosine)
-            w[3] = bool(w[3]) and e.within
-    return [OutputDiff(n, w[0], w[1], w[2], bool(w[3])) for n, w in worst.items()]
+            diff, rel, nan_bad = _errors(r64, g64, o_atol)
+            need_atol, need_rtol = _needed(diff, r64, o_atol, o_rtol)
+            a["abs"].append(diff.ravel())
+            a["rel"].append(rel.ravel())
+            a["cos"] = min(a["cos"], _cosine(r64, g64))
+            a["nan"] = a["nan"] or nan_bad
+            a["ok"] = a["ok"] and not nan_bad and _within(diff, r64, o_atol, o_rtol)
+            a["need_atol"] = max(a["need_atol"], need_atol)
+            a["need_rtol"] = max(a["need_rtol"], need_rtol)
+    if save_inputs is not None:
+        write_bytes_atomic(inputs_npz(feeds_list), save_inputs)
+    out = []
+    for n in names:
+        a = acc[n]
+        d, r = np.concatenate(a["abs"]), np.concatenate(a["rel"])
+        stats = [float(f(x)) if x.size else 0.0 for x in (d, r) for f in (np.max, np.mean, np.median)]
+        inf = float("inf")
+        out.append(OutputDiff(n, stats[0], stats[3], a["cos"], a["ok"], stats[1], stats[2], stats[4], stats[5],
+                              at.of(n), rt.of(n), inf if a["nan"] else a["need_atol"],
+                              inf if a["nan"] else a["need_rtol"], a["nan"]))
+    return out
+
+
+def round_up(x: float) -> str:
+    """`x` rounded up to two significant digits, e.g. 3.04e-3 -> '3.1e-3', so that a tolerance of that text passes
+    what one of `x` passes."""
+    if x <= 0:
+        return "0"
+    x *= 1 + 1e-9  # margin for the rounding of atol + rtol * |ref|
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    m = math.ceil(x / step)
+    while True:
+        text = re.sub(r"e\+?(-?)0*(\d)", r"e\1\2", f"{m * step:.1e}")
+        if float(text) >= x:
+            return text
+        m += 1
+
+
+def _verdict(d: OutputDiff) -> str:
+    if d.ok:
+        return "ok"
+    if d.nan_bad:
+        return "FAIL (NaN where the original has none: no tolerance passes)"
+    fixes = [f"--{flag} {shlex.quote(f'{d.name}:{round_up(v)}')}"
+             for flag, v in (("atol", d.need_atol), ("rtol", d.need_rtol)) if math.isfinite(v)]
+    if not fixes:
+        return "FAIL (no atol or rtol passes it)"
+    return "FAIL (would pass with " + " or ".join(fixes) + ")"
 
 
 def format_diffs(diffs: list[OutputDiff]) -> str:
-    rows = [f"{'output':<32} {'max_abs':>11} {'max_rel':>11} {'cosine':>10}  result"]
+    """A table of each output's absolute and relative error (max, mean, median over all samples), worst cosine
+    and verdict; a failing output's verdict names the --atol or --rtol that would pass it."""
+    cols = ("max_abs", "mean_abs", "med_abs", "max_rel", "mean_rel", "med_rel")
+    rows = [f"{'output':<32} " + " ".join(f"{c:>10}" for c in cols) + f" {'cosine':>10}  result"]
     for d in diffs:
-        rows.append(f"{d.name[:32]:<32} {d.max_abs:11.3e} {d.max_rel:11.3e} {d.cosine:10.7f}  "
-                    f"{'ok' if d.ok else 'FAIL'}")
+        vals = (d.max_abs, d.mean_abs, d.median_abs, d.max_rel, d.mean_rel, d.median_rel)
+        rows.append(f"{d.name[:32]:<32} " + " ".join(f"{v:10.3e}" for v in vals) + f" {d.cosine:10.7f}  "
+                    f"{_verdict(d)}")
     return "\n".join(rows)
-
-
-
