@@ -6,16 +6,23 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint zoo clean
 
-# The venv is (re)built when missing or when the dependency files change.
-$(STAMP): pyproject.toml requirements-zoo.txt
+BASE   := $(VENV)/.installed-base
+
+# The venv is (re)built when missing or when the dependency files change: onnx-gtco alone for the demo, with its
+# test tools and the model zoo's torch for the tests.
+$(BASE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE) requirements-zoo.txt
 	$(PY) -m pip install --quiet -e '.[test]' -r requirements-zoo.txt
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(VENV)/bin/onnx-gtco demo
 
 test: $(STAMP)

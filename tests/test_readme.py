@@ -23,11 +23,25 @@ def test_quickstart_is_install_demo_test_in_order() -> None:
     assert quickstart() == ["make install", "make demo", "make test"]
 
 
+def _recipe(mk: str, target: str) -> str:
+    m = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)*)", mk, re.M)
+    assert m, f"no rule for {target}"
+    return m.group(1)
+
+
 def test_makefile_targets_set_up_their_own_venv() -> None:
     mk = (ROOT / "Makefile").read_text()
-    for target in ("install", "demo", "test"):
+    for target in ("install", "test"):
         assert re.search(rf"^{target}: \$\(STAMP\)", mk, re.M), f"make {target} does not depend on the venv"
-    assert "-m venv" in mk
+    assert re.search(r"^demo: \$\(BASE\)", mk, re.M), "make demo does not depend on the venv"
+    assert "-m venv" in _recipe(mk, "$(BASE)") and "$(BASE)" in mk.split("$(STAMP):")[1].splitlines()[0]
+
+
+def test_demo_needs_no_torch() -> None:
+    """make demo installs onnx-gtco alone: torch and the zoo are for the tests."""
+    mk = (ROOT / "Makefile").read_text()
+    base = _recipe(mk, "$(BASE)")
+    assert "pip install --quiet -e ." in base and "zoo" not in base and "[test]" not in base
 
 
 def test_ci_runs_the_readme_test_command() -> None:
