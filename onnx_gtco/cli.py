@@ -16,6 +16,22 @@ from onnx_gtco.errors import GtcoError, OutputError, missing_package
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
+DESCRIPTION = """\
+Make transformer models run faster in ONNX Runtime on NVIDIA GPUs. onnx-gtco finds the groups of nodes worth fusing
+(a dynamic-programming search over a cost model), writes a rewritten model with one node per fused group and builds
+a custom-op library with a Tensor Core kernel for each. The rewritten model still runs anywhere: every fused node is
+also a model-local function holding the original nodes."""
+
+EPILOG = """\
+examples:
+  onnx-gtco demo                                     the built-in ViT-tiny, optimized and checked
+  onnx-gtco optimize model.onnx                      model.gtco.onnx, its library and its report
+  onnx-gtco check model.onnx model.gtco.onnx         compare the outputs on seeded inputs
+  onnx-gtco bench model.onnx --rewritten model.gtco.onnx
+  onnx-gtco report model.gtco.onnx.report.json       the report as Markdown
+
+'onnx-gtco COMMAND --help' lists a command's options. Errors are one line and exit 2."""
+
 
 def _config(args: argparse.Namespace) -> GtcoConfig:
     return GtcoConfig.from_env(target=args.target, precision=args.precision, seed=getattr(args, "seed", None),
@@ -60,8 +76,11 @@ def _model_arg(spec: str) -> Any:
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", choices=sorted(TARGETS), default=None, help="GPU target (default sm_90)")
-    p.add_argument("--precision", choices=PRECISIONS, default=None, help="compute precision of fused groups")
+    p.add_argument("--target", choices=sorted(TARGETS), default=None,
+                   help="GPU target to plan and build for (default: the local GPU's arch when nvidia-smi sees one, "
+                   "else sm_90; $GTCO_TARGET)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="compute precision of fused groups, fp32 accumulation always (default fp32; $GTCO_PRECISION)")
 
 
 def _add_dynamic_arg(p: argparse.ArgumentParser) -> None:
@@ -263,16 +282,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from onnx_gtco.models import BUILTIN
     from onnx_gtco.pipeline import __version__
 
-    ap = argparse.ArgumentParser(prog="onnx-gtco", description=__doc__.splitlines()[0] if __doc__ else None)
+    model_help = "an .onnx file, or a built-in model's name: " + ", ".join(BUILTIN)
+    ap = argparse.ArgumentParser(prog="onnx-gtco", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"onnx-gtco {__version__}")
-    ap.add_argument("--debug", action="store_true", help="print tracebacks on errors")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--debug", action="store_true", help="print tracebacks on errors (default: one line)")
+    subs = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("optimize", help="fuse a model; writes MODEL.gtco.onnx and its report")
-    p.add_argument("model")
-    p.add_argument("-o", "--output", default=None, help="output model (default MODEL.gtco.onnx)")
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return subs.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+
+    p = command("optimize", "fuse a model; writes MODEL.gtco.onnx and its report")
+    p.add_argument("model", help=model_help)
+    p.add_argument("-o", "--output", default=None,
+                   help="output model (default MODEL.gtco.onnx beside MODEL; for a built-in name, in this folder)")
     p.add_argument("--report", default=None, help="report path (default OUTPUT.report.json)")
     p.add_argument("--report-md", nargs="?", const="", default=None, metavar="PATH",
                    help="also write the report as Markdown (default path OUTPUT.report.md; onnx-gtco report renders "
@@ -287,39 +313,44 @@ def parser() -> argparse.ArgumentParser:
                    help="build the library with the CPU kernels only, even when nvcc is found")
     p.add_argument("--tune-trials", type=int, default=0, metavar="N",
                    help="tune each kernel task up to N finished trials in the tuning storage (a task that has N "
-                   "already is not measured again); without a GPU measurer the analytical model measures")
+                   "already is not measured again); without a GPU measurer the analytical model measures "
+                   "(default 0: no tuning)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage of the tuning records (default $GTCO_TUNE_STORAGE, else SQLite in the user "
                    "cache); any Optuna RDB URL, e.g. postgresql://user@host/db; browse it with optuna-dashboard URL")
     p.add_argument("--workers", type=int, default=1, metavar="K",
-                   help="tune with K processes sharing the storage (K - 1 tune-worker processes beside this one)")
+                   help="tune with K processes sharing the storage (K - 1 tune-worker processes beside this one; "
+                   "default 1)")
     _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
 
-    p = sub.add_parser("tune-worker", help="run tuning trials of a shared storage's open studies until none is open")
+    p = command("tune-worker", "run tuning trials of a shared storage's open studies until none is open")
     p.add_argument("--storage", required=True, metavar="URL", help="the Optuna storage the studies are in")
-    p.add_argument("--patience", type=int, default=20, help="early stop a task after this many trials without gain")
-    p.add_argument("--task", action="append", default=None, metavar="KEY", help="only this task (repeatable)")
+    p.add_argument("--patience", type=int, default=20,
+                   help="early stop a task after this many trials without gain (default 20)")
+    p.add_argument("--task", action="append", default=None, metavar="KEY",
+                   help="only this task (repeatable; default: every open task)")
     p.set_defaults(func=cmd_tune_worker)
 
-    p = sub.add_parser("inspect", help="print the fusion plan without writing anything")
-    p.add_argument("model")
+    p = command("inspect", "print the fusion plan without writing anything")
+    p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("report", help="render an optimize report (JSON) as Markdown, and a PNG of time per family")
+    p = command("report", "render an optimize report (JSON) as Markdown, and a PNG of time per family")
     p.add_argument("report", help="the JSON report optimize wrote (MODEL.gtco.onnx.report.json)")
     p.add_argument("-o", "--output", default=None, metavar="OUT.md", help="write the Markdown here (default stdout)")
     p.add_argument("--png", default=None, metavar="OUT.png",
-                   help="also write a bar chart of the predicted (or measured) time per family, before and after")
+                   help="also write a bar chart of the predicted (or measured) time per family, before and after "
+                   "(default: no chart)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("check", help="compare a rewritten model with its original on seeded random inputs")
-    p.add_argument("original")
-    p.add_argument("rewritten")
+    p = command("check", "compare a rewritten model with its original on seeded random inputs")
+    p.add_argument("original", help="the original model (" + model_help + ")")
+    p.add_argument("rewritten", help="the rewritten model optimize wrote")
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="ORT execution provider (default cpu)")
     p.add_argument("--rtol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
                    help="relative tolerance: a bare number for every output and/or NAME:TOL for one output, e.g. "
@@ -345,26 +376,30 @@ def parser() -> argparse.ArgumentParser:
                    "run instead of the model-local functions; default: the functions run")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("demo", help="build the built-in ViT-tiny, optimize it, check it, print the report")
-    p.add_argument("--model", default="vit-tiny")
+    p = command("demo", "build a built-in model (ViT-tiny by default), optimize it, check it, print the report")
+    p.add_argument("--model", default="vit-tiny", metavar="NAME",
+                   help="the built-in model to build, optimize and check (default vit-tiny; one of "
+                   f"{', '.join(BUILTIN)})")
     p.add_argument("--out", default="gtco-demo", help="folder for the demo's files (default ./gtco-demo)")
     _add_plan_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="time the model's baselines and ours on the same inputs; table, JSON, PNG")
+    p = command("bench", "time the model's baselines and ours on the same inputs; table, JSON, PNG")
     p.add_argument("model", help="an .onnx file or a built-in model name (vit-tiny, bert-tiny, ...)")
     p.add_argument("--rewritten", default=None, metavar="R",
                    help="time this optimized model as ours (its library beside it); default: optimize MODEL")
     p.add_argument("--torch-program", default=None, metavar="PT2",
                    help="the model's torch.export program (torch.export.save), which the torch-compile baseline "
                    "compiles; it takes MODEL's inputs in order (default: convert MODEL with onnx2torch)")
-    p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda",
+                   help="ORT execution provider of every variant (default cuda)")
     p.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes (a file model's symbolic batch dim is bound to each; default: the model's own "
                    "batch, 1 when it is symbolic)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="what ours is optimized with (default fp16 on cuda, fp32 on cpu)")
-    p.add_argument("--target", choices=sorted(TARGETS), default=None, help="GPU target ours is planned for")
+    p.add_argument("--target", choices=sorted(TARGETS), default=None,
+                   help="GPU target ours is planned for (default: the local GPU's arch, else sm_90)")
     p.add_argument("--baselines", nargs="+", default=None, metavar="NAME",
                    help="among ort-fp32 ort-fp16 ort-transformers-fp16 torch-compile tensorrt, space or comma "
                    "separated (default: all)")
@@ -375,8 +410,10 @@ def parser() -> argparse.ArgumentParser:
                    help="keep only this run's matmul and copy peaks (else the best of every run on this device)")
     p.add_argument("--model-type", default=None,
                    help="model type for ORT's transformer optimizer (default: bert for token ids, vit for images)")
-    p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="size of a symbolic input dim")
-    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=INT",
+                   help="size of a symbolic input dim other than the batch (repeatable; no default: required for "
+                   "each such dim)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     p.add_argument("--out", default=".", help="folder for bench.json, bench.md and bench.png (default .)")
     p.set_defaults(func=cmd_bench)
     return ap
