@@ -55,3 +55,20 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "demo passed" in out
     assert (tmp_path / "vit-tiny.gtco.onnx").exists()
     assert (tmp_path / "vit-tiny.gtco.onnx.report.json").exists()
+
+
+def test_readme_commands_exist_and_parse() -> None:
+    """Every `onnx-gtco ...` line of the README's code blocks and command table names a real command, and each full
+    command line in a bash block parses with the options it shows."""
+    from onnx_gtco.cli import parser
+
+    text = (ROOT / "README.md").read_text()
+    ap = parser()
+    (subs,) = [a for a in ap._actions if a.dest == "cmd"]
+    named = set(re.findall(r"`onnx-gtco ([a-z-]+)", text)) | set(re.findall(r"^onnx-gtco ([a-z-]+)", text, re.M))
+    assert named and named <= set(subs.choices), named - set(subs.choices)
+    lines = [ln.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines() if ln.startswith("onnx-gtco ")]
+    assert lines
+    for line in lines:
+        ap.parse_args(line.split()[1:])  # SystemExit (exit 2) on an option the command does not take
