@@ -13,6 +13,8 @@ from typing import Any
 
 from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
 from onnx_gtco.errors import GtcoError, OutputError, missing_package
+from onnx_gtco.progress import NORMAL, QUIET, VERBOSE, verbosity
+from onnx_gtco.progress import level as progress_level
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -56,7 +58,7 @@ def _say_target(args: argparse.Namespace) -> None:
     from onnx_gtco.config import target_note
 
     note = target_note(getattr(args, "target", None))
-    if note:
+    if note and progress_level() > QUIET:
         print(f"onnx-gtco: note: {note}", file=sys.stderr)
 
 
@@ -89,16 +91,6 @@ def _add_dynamic_arg(p: argparse.ArgumentParser) -> None:
                    "gtco.dynamic metadata, else 1:512); with --tune-trials, tunes shape-generic micro-kernels")
 
 
-def _tune_progress(r: object) -> None:
-    """One line per finished trial on stderr: the task, its trials, its best time and the gain over the first."""
-    from onnx_gtco.tune.driver import TaskResult
-
-    assert isinstance(r, TaskResult)
-    best = f"{r.best_us:9.2f} us" if r.best_us is not None else "       -   "
-    gain = f"x{r.speedup:.2f}" if r.speedup else ""
-    print(f"tune  {r.task.describe():<70.70}  trials {r.trials:4d}  best {best} {gain}", file=sys.stderr)
-
-
 def cmd_tune_worker(args: argparse.Namespace) -> int:
     from onnx_gtco.tune.apply import pick_measurer
     from onnx_gtco.tune.worker import work
@@ -122,7 +114,6 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         result, out, rep = optimize_file(model, output, args.report, _config(args), build=args.build,
                                          tune_trials=args.tune_trials, storage=args.storage, workers=args.workers,
-                                         progress=_tune_progress if args.tune_trials else None,
                                          markdown=True if args.report_md == "" else args.report_md or False)
     except BuildError as e:
         raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
@@ -135,8 +126,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.report_md is not None:
         print(f"markdown   {args.report_md or out.with_name(out.name + '.report.md')}")
     if result.library is not None:
-        print(f"built      {result.library.path} ({'from the cache' if result.library.cached else 'compiled'} in "
-              f"{result.library.seconds:.1f} s)")
+        print(f"built      {result.library.path} ({result.library.how()})")
     return EXIT_OK
 
 
@@ -150,10 +140,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write(report.to_json(result.report))
         return EXIT_OK
     print(report.summary(result.report))
-    print(f"\n{'group':<58} {'family':<12} {'nodes':>5} {'pred us':>9} {'unfused us':>10}")
+    print(f"\n{'group':<58} {'family':<12} {'nodes':>5} {'predicted us':>12} {'unfused us':>10}")
     for g in result.report["groups"]:
-        print(f"{g['name'][:58]:<58} {g['family']:<12} {len(g['nodes']):>5} {g['predicted_us']:>9.2f} "
+        print(f"{g['name'][:58]:<58} {g['family']:<12} {len(g['nodes']):>5} {g['predicted_us']:>12.2f} "
               f"{g['predicted_unfused_us']:>10.2f}")
+    print("(times predicted by the analytical cost model, not measured)")
     for r in result.report["rejected"]:
         print(f"rejected  {r['pattern']:<12} at {r['anchor']}: {r['reason']}")
     return EXIT_OK
@@ -290,6 +281,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"onnx-gtco {__version__}")
     ap.add_argument("--debug", action="store_true", help="print tracebacks on errors (default: one line)")
+    _add_verbosity(ap, top=True)
     subs = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -416,7 +408,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     p.add_argument("--out", default=".", help="folder for bench.json, bench.md and bench.png (default .)")
     p.set_defaults(func=cmd_bench)
+    for p in subs.choices.values():  # also after the command: onnx-gtco optimize -v model.onnx
+        _add_verbosity(p, top=False)
     return ap
+
+
+def _add_verbosity(p: argparse.ArgumentParser, top: bool) -> None:
+    """-q / -v: progress bars on a terminal by default; -q nothing; -v also one line per stage with its seconds.
+    A command's own -q / -v leaves the top-level one alone unless given (default SUPPRESS)."""
+    g = p.add_mutually_exclusive_group()
+    default: dict[str, Any] = {"default": NORMAL} if top else {"default": argparse.SUPPRESS}
+    g.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=QUIET, **default,
+                   help="no progress on stderr (errors and warnings still are)")
+    g.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=VERBOSE, **default,
+                   help="one line per stage with its seconds on stderr, also when stderr is not a terminal")
 
 
 def _quiet_onnxruntime() -> None:
@@ -433,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_onnxruntime()
     try:
         try:
-            return int(args.func(args))
+            with verbosity(args.verbosity):
+                return int(args.func(args))
         except ModuleNotFoundError as e:  # an optional package a feature imports lazily: one line, never a traceback
             if args.debug or not e.name:
                 raise

@@ -12,6 +12,7 @@ from typing import Any
 import onnx
 
 from onnx_gtco import patterns as patterns_mod
+from onnx_gtco import progress
 from onnx_gtco import report as report_mod
 from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
@@ -83,20 +84,26 @@ def plan_model(
     measured kernel time), the DP costs those groups by their measurements. Returns the analytical cost (the
     report's "predicted") and the measured-time lookup (None without measurements) beside the plan. `unfused`: why
     no rule may run on the model (it is planned node by node, and the reason is its one reject)."""
-    view = GraphView(model)
-    if unfused:
-        candidates, rejects = [], [Reject("model", model.graph.name or "graph", unfused)]
-    else:
-        candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
-    cost = cost_fn(view, config)
-    measured = measured_time(view, config, measured_us) if measured_us else None
+    with progress.stage("plan", total=3) as st:
+        view = GraphView(model)
+        if unfused:
+            candidates, rejects = [], [Reject("model", model.graph.name or "graph", unfused)]
+        else:
+            candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
+        st.step(f"{len(candidates)} candidates")
+        cost = cost_fn(view, config)
+        measured = measured_time(view, config, measured_us) if measured_us else None
+        st.step("costs")
 
-    def dp_cost(cand: Candidate) -> float:
-        m = measured(cand) if measured is not None else None
-        return m if m is not None else float(cost(cand))
+        def dp_cost(cand: Candidate) -> float:
+            m = measured(cand) if measured is not None else None
+            return m if m is not None else float(cost(cand))
 
-    plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)
-    rejects = [*rejects, *plan.rejects]  # segments the DP left unfused past its state budget
+        plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)
+        rejects = [*rejects, *plan.rejects]  # segments the DP left unfused past its state budget
+        st.step("DP")
+        st.note = (f"{len(view)} nodes, {len(candidates)} candidates, {len(plan.fused_groups)} fused groups, "
+                   f"{plan.states} DP states")
     return view, candidates, rejects, plan, cost, measured
 
 
@@ -119,26 +126,33 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
     config = config or GtcoConfig.from_env()
     t0 = time.perf_counter()
     unfused = ""
-    try:
-        model = load_model(model_or_path)
-    except OpsetNotConvertedError as e:  # a valid model the rules cannot read: passed through, saying why
-        model, unfused = e.model, f"not optimized: {e}"
-    ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
+    with progress.stage("load", total=4) as st:  # load_model steps it: read, check, opset, fold + shapes
+        try:
+            model = load_model(model_or_path)
+        except OpsetNotConvertedError as e:  # a valid model the rules cannot read: passed through, saying why
+            model, unfused = e.model, f"not optimized: {e}"
+        ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
+        st.note = f"{len(model.graph.node)} nodes" + (" (not optimized)" if unfused else "")
     t1 = time.perf_counter()
     view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us, unfused)
     t2 = time.perf_counter()
-    new_model, names = rewrite(view, plan, config.precision)
-    if ranges:  # the ranges that apply replace any the input model carried
-        kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
-        del new_model.metadata_props[:]
-        new_model.metadata_props.extend(kept)
-    new_model.metadata_props.extend([
-        onnx.StringStringEntryProto(key="gtco.version", value=__version__),
-        onnx.StringStringEntryProto(key="gtco.target", value=config.target),
-        onnx.StringStringEntryProto(key="gtco.precision", value=config.precision),
-        *([onnx.StringStringEntryProto(key=DYNAMIC_METADATA_KEY, value=ranges.to_json()["ranges"])] if ranges else []),
-    ])
-    validate(new_model, model)
+    with progress.stage("rewrite", total=2) as st:
+        new_model, names = rewrite(view, plan, config.precision)
+        st.step("validate")
+        if ranges:  # the ranges that apply replace any the input model carried
+            kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
+            del new_model.metadata_props[:]
+            new_model.metadata_props.extend(kept)
+        dynamic = [onnx.StringStringEntryProto(key=DYNAMIC_METADATA_KEY, value=ranges.to_json()["ranges"])]
+        new_model.metadata_props.extend([
+            onnx.StringStringEntryProto(key="gtco.version", value=__version__),
+            onnx.StringStringEntryProto(key="gtco.target", value=config.target),
+            onnx.StringStringEntryProto(key="gtco.precision", value=config.precision),
+            *(dynamic if ranges else []),
+        ])
+        validate(new_model, model)
+        st.step()
+        st.note = f"{len(view)} -> {len(new_model.graph.node)} nodes"
     t3 = time.perf_counter()
     source = Path(model_or_path).name if not isinstance(model_or_path, onnx.ModelProto) else (
         model_or_path.graph.name or "model")

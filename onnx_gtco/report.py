@@ -119,6 +119,30 @@ def _top(counts: dict[str, int], k: int = 6) -> str:
     return f"{sum(counts.values())} nodes: " + ", ".join(f"{op} x{n}" for op, n in ranked[:k]) + more
 
 
+def speedup(x: float | None) -> str:
+    """`3.7x`, `1.04x`, `15.3x`: a ratio with the digits that mean something; "n/a" without one."""
+    if x is None:
+        return "n/a"
+    return f"{x:.1f}x" if x >= 2 else f"{x:.2f}x"
+
+
+def _time_line(report: dict[str, Any]) -> str:
+    """The summary's time line, saying which times are the cost model's predictions and which are measured: a plan
+    costed with measured kernel times (report["plan_costs"]) mixes both after fusion."""
+    before, after = report["predicted_us_before"], report["predicted_us_after"]
+    measured = [g for g in report["groups"] if g.get("measured_us") is not None]
+    if report.get("measured_us_before") is not None and report.get("measured_us_after") is not None:
+        mb, ma = report["measured_us_before"], report["measured_us_after"]
+        return f"measured   {mb:.1f} us -> {ma:.1f} us ({speedup(mb / ma if ma else None)} measured)"
+    if "plan_costs" in report and measured:
+        ratio = before / after if after else None
+        return (f"planned    {before:.1f} us predicted -> {after:.1f} us with the measured kernel times of "
+                f"{len(measured)} of {len(report['groups'])} groups, the rest predicted ({speedup(ratio)}, "
+                "partly measured)")
+    return (f"predicted  {before:.1f} us -> {after:.1f} us ({speedup(report['predicted_speedup'])} predicted by "
+            "the analytical model, not measured)")
+
+
 def summary(report: dict[str, Any]) -> str:
     """A short human-readable summary (the CLI prints this)."""
     fam = ", ".join(f"{k} x{v}" for k, v in report["families"].items()) or "none"
@@ -129,8 +153,7 @@ def summary(report: dict[str, Any]) -> str:
         f"({report['groups_fused']} fused groups: {fam})",
         f"FLOPs      {report['flops_total'] / 1e9:.3f} G total, "
         f"{100 * report['fused_flop_share']:.1f}% inside fused groups",
-        f"predicted  {report['predicted_us_before']:.1f} us -> {report['predicted_us_after']:.1f} us "
-        f"({report['predicted_speedup']}x, analytical model)",
+        _time_line(report),
         f"unfused    {_top(report['unfused_ops'])}",
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",

@@ -11,6 +11,7 @@ import onnx.version_converter
 from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
+from onnx_gtco import progress
 from onnx_gtco.errors import ModelError, OpsetNotConvertedError, UnsupportedError, first_line
 from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
@@ -170,6 +171,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
         ModelError: unreadable or invalid model, or an opset we cannot convert.
     """
     model = read_model(source)
+    progress.step("check")
     name = str(source) if not isinstance(source, onnx.ModelProto) else "model"
     _refuse_unknown_ops(model, name)
     _refuse_dangling_inputs(model, name)
@@ -185,10 +187,13 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     except onnx.checker.ValidationError as e:
         first = first_line(e)
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
+    progress.step("opset")
     if default_opset(model) is None:  # no ONNX op to fold or fuse
         return _infer_shapes(model, name)
     model = _convert_opset(model, name)
+    progress.step("fold constants, infer shapes")
     model = _folded(model, name)
+    progress.step("order")
     _order_depth_first(model)
     return model
 

@@ -13,11 +13,12 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from onnx_gtco import progress
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
@@ -117,5 +118,14 @@ def compile_instances(instances: Iterable[Instance], cache_dir: str | os.PathLik
         if prev.source != inst.source:
             raise BuildError(f"two different sources are named {inst.name} for {inst.arch}")
     workers = jobs or max(1, min(len(unique), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda i: compile_instance(i, cache_dir), unique.values()))
+    done: dict[tuple[str, str], CompiledInstance] = {}
+    with progress.stage("kernels", total=len(unique), unit="kernel") as st, \
+            ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(compile_instance, inst, cache_dir): key for key, inst in unique.items()}
+        hits = 0
+        for f in as_completed(futures):
+            c = done[futures[f]] = f.result()
+            hits += c.cached
+            st.step(f"{hits} from the cache")
+        st.note = f"compiled {len(done) - hits} of {len(done)} kernels, {hits} from the cache"
+    return [done[k] for k in unique]

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import onnx
 
+from onnx_gtco import progress
 from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
@@ -101,7 +102,9 @@ class LibraryResult:
         nodes: every fused node with its binding or the reason it keeps its function.
         cuda: whether nvcc objects (probe + instances) are linked in.
         emulated: whether the instances are linked in built for the CPU emulation instead.
-        cached: the library came from the cache (no compiler ran).
+        cached: nothing was compiled: the library (or the same file already in out_dir) and every kernel object
+            came from the caches.
+        built: this call compiled the glue and linked the library (it was in neither out_dir nor the cache).
         created: the file was written into out_dir by this call (it was not there already).
         seconds: wall time of build_library.
         log: compiler command lines and their output.
@@ -125,10 +128,27 @@ class LibraryResult:
     kernel_skips: dict[str, str] = field(default_factory=dict)
     emulated: bool = False
     dispatch: dict[str, dict[str, list[tuple[int | None, str, dict[str, int]]]]] = field(default_factory=dict)
+    built: bool = False
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    def what(self) -> str:
+        """What this build did: "from the cache" only when nothing was compiled, else e.g. "compiled 18 of 24
+        kernels, 6 from the cache"."""
+        if self.cached:
+            return "from the cache"
+        if not self.kernels:
+            return "compiled"
+        hits = sum(bool(k["cached"]) for k in self.kernels)
+        kernels = f"compiled {len(self.kernels) - hits} of {len(self.kernels)} kernels, {hits} from the cache"
+        return kernels if self.built else f"{kernels}, the library from the cache"
+
+    def how(self) -> str:
+        """what() and the seconds, for the command line: `from the cache in 0.1 s`, `compiled 18 of 24 kernels, 6
+        from the cache, in 41.2 s`."""
+        return f"{self.what()}{',' if self.kernels and not self.cached else ''} in {self.seconds:.1f} s"
 
     def skipped(self) -> dict[str, str]:
         """Node name -> why it keeps running its function."""
@@ -506,66 +526,73 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     name = f"libgtco-{h.hexdigest()[:12]}.so"
     dest = out / name
 
-    def result(cached: bool, created: bool, log: str) -> LibraryResult:
-        return LibraryResult(dest, op_types, device_types, results, cuda, cached, created, time.monotonic() - start,
-                             log, [c.summary() for c in compiled], kernel_skips, emulated, tables)
+    def result(built: bool, created: bool, log: str) -> LibraryResult:
+        fresh_kernels = any(not c.cached for c in compiled)
+        lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh_kernels, created,
+                            time.monotonic() - start, log, [c.summary() for c in compiled], kernel_skips, emulated,
+                            tables, built=built)
+        st.note = lib.what()
+        return lib
 
-    if dest.is_file():
-        return result(True, False, "")
-    cache = lib_cache_dir()
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        if not os.access(cache, os.W_OK):
-            raise PermissionError(f"{cache} is not writable")
-    except OSError:
-        cache = out  # no per-user cache: build in out_dir (the temp dir and the rename stay atomic)
-    cached = cache / name
-    log_text = ""
-    if not cached.is_file():
+    with progress.stage("library", total=2, unit="step") as st:  # the glue, the link
+        if dest.is_file():
+            return result(False, False, "")
+        cache = lib_cache_dir()
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
-        except OSError as e:
-            raise BuildError(f"cannot build in {cache}: {e.strerror or e}") from None
-        log: list[str] = []
-        try:
-            glue = tmp / "glue.cc"
-            glue.write_text(source)
-            obj = tmp / "glue.o"
-            inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{PLUGINS / 'include'}", f"-I{inc}"]
-            cmd = [cxx, *CXX_FLAGS, *inc_flags, "-c", str(glue), "-o", str(obj)]
+            cache.mkdir(parents=True, exist_ok=True)
+            if not os.access(cache, os.W_OK):
+                raise PermissionError(f"{cache} is not writable")
+        except OSError:
+            cache = out  # no per-user cache: build in out_dir (the temp dir and the rename stay atomic)
+        cached = cache / name
+        log_text = ""
+        if not cached.is_file():
             try:
-                res = run_compile(cmd, glue, timeout_s=600)
-            except BuildError as e:
-                raise BuildError(f"glue of op types {', '.join(op_types) or '(none)'}: {e}") from None
-            log.append(" ".join(cmd) + "\n" + res.stderr)
-            objs = [obj]
-            if cuda:
-                objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
-                link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
-            else:
-                objs += _emulated_objects(tmp, instances, log) if emulated else []
-                link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
-            res = run_compile(link, tmp / name, timeout_s=600)
-            log.append(" ".join(link) + "\n" + res.stderr)
-            log_text = "\n".join(log)
-            os.replace(tmp / name, cached)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        fresh = True
-    else:
-        fresh = False
-    if cached == dest:
-        return result(False, True, log_text)
-    fd, part = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-    os.close(fd)
-    try:
-        shutil.copyfile(cached, part)
-        os.chmod(part, 0o755)
-        os.replace(part, dest)
-    except OSError as e:
-        Path(part).unlink(missing_ok=True)
-        raise BuildError(f"cannot write {dest}: {e.strerror or e}") from None
-    return result(not fresh, True, log_text)
+                tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
+            except OSError as e:
+                raise BuildError(f"cannot build in {cache}: {e.strerror or e}") from None
+            log: list[str] = []
+            try:
+                glue = tmp / "glue.cc"
+                glue.write_text(source)
+                obj = tmp / "glue.o"
+                inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{PLUGINS / 'include'}", f"-I{inc}"]
+                cmd = [cxx, *CXX_FLAGS, *inc_flags, "-c", str(glue), "-o", str(obj)]
+                try:
+                    res = run_compile(cmd, glue, timeout_s=600)
+                except BuildError as e:
+                    raise BuildError(f"glue of op types {', '.join(op_types) or '(none)'}: {e}") from None
+                log.append(" ".join(cmd) + "\n" + res.stderr)
+                st.step("link")
+                objs = [obj]
+                if cuda:
+                    objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
+                    link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
+                else:
+                    objs += _emulated_objects(tmp, instances, log) if emulated else []
+                    link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
+                res = run_compile(link, tmp / name, timeout_s=600)
+                log.append(" ".join(link) + "\n" + res.stderr)
+                st.step()
+                log_text = "\n".join(log)
+                os.replace(tmp / name, cached)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            fresh = True
+        else:
+            fresh = False
+        if cached == dest:
+            return result(fresh, True, log_text)
+        fd, part = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+        os.close(fd)
+        try:
+            shutil.copyfile(cached, part)
+            os.chmod(part, 0o755)
+            os.replace(part, dest)
+        except OSError as e:
+            Path(part).unlink(missing_ok=True)
+            raise BuildError(f"cannot write {dest}: {e.strerror or e}") from None
+        return result(fresh, True, log_text)
 
 
 def library_info(path: str | os.PathLike[str]) -> dict[str, object]:

@@ -14,9 +14,10 @@ from typing import Any
 
 import onnx
 
+from onnx_gtco.progress import detail, stage
 from onnx_gtco.tune.driver import TaskResult, best_configs, tune
 from onnx_gtco.tune.search import STORAGE_ENV, AnalyticalMeasurer, Measurer, storage_url
-from onnx_gtco.tune.tasks import model_tasks
+from onnx_gtco.tune.tasks import Task, model_tasks
 
 Tuned = dict[str, dict[str, dict[str, int]]]
 """node name -> arch -> configuration."""
@@ -70,8 +71,7 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
     arch = getattr(measurer, "arch", arch)  # a GPU measurer tunes for the GPU it has
     url = storage_url(storage)
     tasks, skipped = model_tasks(model, arch)
-    results = tune(tasks, trials=trials, measurer=measurer, storage=url, patience=patience, workers=workers,
-                   progress=progress) if trials > 0 else []
+    results = _tune_shown(tasks, trials, measurer, url, patience, workers, progress) if trials > 0 else []
     best = best_configs(tasks, measurer.device, url)
     tuned: Tuned = {}
     for t in tasks:
@@ -92,6 +92,28 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
               "tasks_found": len(best), "tasks": entries, "untuned": skipped,
               "kernel_time_us": round(predicted, 3) if best else None}
     return report, tuned
+
+
+def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, patience: int, workers: int,
+                progress: Callable[[TaskResult], None] | None) -> list[TaskResult]:
+    """driver.tune in a "tune" stage: its bar counts this process's trials; at -v, one line per task with its
+    trials and its best time, which is "predicted" when the measurer is the analytical model."""
+    with stage("tune", total=len(tasks) * trials, unit="trial") as st:
+        def each(r: TaskResult) -> None:
+            st.step(r.task.describe()[:48])
+            if progress is not None:
+                progress(r)
+
+        results = tune(tasks, trials=trials, measurer=measurer, storage=url, patience=patience, workers=workers,
+                       progress=each)
+        kind = "predicted" if isinstance(measurer, AnalyticalMeasurer) else "measured"
+        for r in results:
+            best = f"best {r.best_us:.2f} us {kind}" if r.best_us is not None else "no valid configuration"
+            gain = f", {r.speedup:.2f}x over its first trial" if r.speedup else ""
+            detail(f"tune     {r.task.describe()}: {r.trials} trials, {best}{gain}")
+        st.note = (f"{len(tasks)} tasks, {sum(r.measured for r in results)} trials run here, times {kind} "
+                   f"({measurer.name} measurer)")
+    return results
 
 
 __all__ = ["Tuned", "measured_costs", "pick_measurer", "redact", "tune_model", "wanted"]

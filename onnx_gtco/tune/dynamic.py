@@ -44,6 +44,7 @@ from onnx_gtco.config import Ranges
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.select import FAMILIES, split_op_type
 from onnx_gtco.plugin.dispatch import bucket_of
+from onnx_gtco.progress import stage
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
 from onnx_gtco.tune.search import Measurer, _space, measure_into, open_storage, optimize_once, storage_url
 from onnx_gtco.tune.tasks import Task, _shapes, fused_node_tasks
@@ -463,7 +464,15 @@ def tune_model(model: onnx.ModelProto, arch: str, ranges: Ranges, trials: int, s
     arch = getattr(measurer, "arch", arch)
     url = storage_url(storage)
     tasks, skipped = dynamic_tasks(model, arch, ranges)
-    results = tune_dynamic(tasks, trials=trials, measurer=measurer, storage=url, progress=progress)
+    with stage("tune", total=len(tasks), unit="task") as st:
+        def each(r: DynamicResult) -> None:
+            st.step(r.task.task.describe()[:48])
+            if progress is not None:
+                progress(r)
+
+        results = tune_dynamic(tasks, trials=trials, measurer=measurer, storage=url, progress=each)
+        st.note = (f"{len(tasks)} shape-generic tasks, {sum(r.measured for r in results)} micro-kernel trials run "
+                   f"({measurer.name} measurer)")
     dispatch: Dispatch = {}
     for r in results:
         if r.table is not None:

@@ -4,6 +4,7 @@ that measures nothing, and the build launching the tuned configuration."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -33,8 +34,10 @@ def test_cli_tunes_and_a_second_run_measures_nothing(tmp_path: Path, monkeypatch
     onnx.save(build("vit-tiny", depth=2), str(src))
     url = f"sqlite:///{tmp_path / 'team.db'}"
     argv = ["optimize", str(src), "--no-build", "--precision", "fp16", "--tune-trials", "4", "--storage", url]
-    assert main(argv) == 0
-    assert "tune  " in capsys.readouterr().err  # progress lines
+    assert main(["-v", *argv]) == 0
+    err = capsys.readouterr().err  # -v: a line per task with its trials and best time, and the stage's line
+    assert re.search(r"^onnx-gtco: tune +.*: [1-4] trials, best \d+\.\d\d us predicted", err, re.M)
+    assert re.search(r"^onnx-gtco: tune +\d+\.\d\d s  \d+ tasks", err, re.M)
     report = json.loads((tmp_path / "vit.gtco.onnx.report.json").read_text())["tuning"]
     assert report["measurer"] == "analytical" and report["arch"] == "sm_90" and report["measured"] > 0
     assert report["tasks_found"] == len(report["tasks"]) > 0
