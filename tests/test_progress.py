@@ -108,7 +108,13 @@ def test_default_run_without_a_terminal_has_no_bars(model_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "onnx_gtco", "optimize", "--cpu", str(model_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "\r" not in res.stderr and res.stderr == ""
+    # only the one line saying which target was chosen (the user named none): no bars, no stage lines
+    assert "\r" not in res.stderr
+    assert [ln for ln in res.stderr.splitlines() if not ln.startswith("onnx-gtco: note: ")] == []
+    assert len(res.stderr.splitlines()) == 1
+    res = subprocess.run([sys.executable, "-m", "onnx_gtco", "-q", "optimize", "--cpu", str(model_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stderr == ""
     res = subprocess.run([sys.executable, "-m", "onnx_gtco", "-v", "optimize", "--cpu", str(model_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "\r" not in res.stderr
