@@ -65,5 +65,13 @@ class OutputError(GtcoError):
     """An output path cannot be written."""
 
 
+class ReportError(GtcoError):
+    """A file given as an onnx-gtco report is missing, not JSON, or not such a report."""
+
+
+class CudaProviderError(GtcoError):
+    """A session asked for onnxruntime's CUDA EP and did not get it (ORT fell back to the CPU)."""
+
+
 class CheckError(GtcoError):
     """Comparing two models could not run (not: the models differ)."""

@@ -11,18 +11,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import ReportError
 from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
+from onnx_gtco.report import speedup
 
 REQUIRED_KEYS = ("model", "target", "precision", "nodes_before", "nodes_after", "groups", "rejected", "not_chosen",
                  "unfused_ops", "fused_flop_share", "predicted_us_before", "predicted_us_after")
 """Top-level keys every report of onnx-gtco optimize has (report.build_report)."""
 GROUP_KEYS = ("name", "family", "nodes", "predicted_us", "predicted_unfused_us")
 UNFUSED_ROW = "(unfused nodes)"
-
-
-class ReportError(GtcoError):
-    """A file given as an onnx-gtco report is missing, not JSON, or not such a report."""
 
 
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -150,10 +147,10 @@ def _header(r: dict[str, Any]) -> list[str]:
     rows: list[list[Any]] = [["nodes", r["nodes_before"], r["nodes_after"], "-"]]
     speed = r.get("predicted_speedup")
     rows.append(["predicted time, µs (analytical model)", _us(r["predicted_us_before"]), _us(r["predicted_us_after"]),
-                 f"{speed:.2f}x" if speed else "-"])
+                 speedup(speed) if speed else "-"])
     mb, ma = r.get("measured_us_before"), r.get("measured_us_after")
     if mb is not None or ma is not None:
-        rows.append(["measured time, µs", _us(mb), _us(ma), f"{mb / ma:.2f}x" if mb and ma else "-"])
+        rows.append(["measured time, µs", _us(mb), _us(ma), speedup(mb / ma) if mb and ma else "-"])
     lines += _table(["", "before", "after", "speedup"], rows)
     if r.get("plan_costs"):
         lines += ["", f"The plan used {r['plan_costs']}"
@@ -319,7 +316,7 @@ def _tuning(r: dict[str, Any]) -> list[str]:
     tasks = t.get("tasks") or []
     if tasks:
         rows = [[x.get("describe", x.get("task")), x.get("weight", "-"), x.get("trials", "-"), _us(x.get("first_us")),
-                 _us(x.get("best_us")), f"{x['speedup_over_first']:.2f}x" if x.get("speedup_over_first") else "-"]
+                 _us(x.get("best_us")), speedup(x["speedup_over_first"]) if x.get("speedup_over_first") else "-"]
                 for x in tasks]
         lines += ["", *_table(["task", "weight", "trials", "first µs", "best µs", "gain"], rows)]
     if t.get("untuned"):

@@ -9,8 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnx_gtco.bench.timing import time_ort
+from onnx_gtco.errors import CudaProviderError
 from onnx_gtco.runtime import cuda_ep
-from onnx_gtco.runtime.cuda_ep import CudaProviderError, load_cuda_libraries, nvidia_lib_dirs, require_cuda_ep
+from onnx_gtco.runtime.cuda_ep import load_cuda_libraries, nvidia_lib_dirs, require_cuda_ep
 
 
 class _Session:

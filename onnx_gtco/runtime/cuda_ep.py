@@ -15,13 +15,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import CudaProviderError
 
 CUDA_EP = "CUDAExecutionProvider"
-
-
-class CudaProviderError(GtcoError):
-    """A session asked for the CUDA EP and did not get it."""
 
 
 def nvidia_lib_dirs() -> list[Path]:
