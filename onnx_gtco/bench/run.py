@@ -195,12 +195,10 @@ def _model_source(spec: str) -> Callable[[int], onnx.ModelProto]:
     from onnx_gtco import models
     from onnx_gtco.ir.load import read_model
 
-    if spec in models.BUILTIN:
-        return lambda batch: models.build(spec, batch=batch, seed=0)
-    path = Path(spec)
-    if not path.is_file():
-        raise GtcoError(f"{spec}: neither a file nor a built-in model ({', '.join(models.BUILTIN)})")
-    model = read_model(path)
+    source = models.resolve(spec)
+    if isinstance(source, str):
+        return lambda batch: models.build(source, batch=batch, seed=0)
+    model = read_model(source)
     return lambda batch: model
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import onnx
 
+from onnx_gtco.errors import GtcoError
 from onnx_gtco.models.bert import bert
 from onnx_gtco.models.vit import vit
 
@@ -45,4 +47,18 @@ def build(name: str, *, batch: int | str = 1, seed: int = 0, **overrides: object
     return builder(batch=batch, seed=seed, **overrides)
 
 
-__all__ = ["BUILTIN", "bert", "build", "vit"]
+def resolve(spec: str) -> Path | str:
+    """What a model argument names: an existing path (a file wins over a built-in model of the same name), else a
+    built-in model's name.
+
+    Raises:
+        GtcoError: neither.
+    """
+    if Path(spec).exists():
+        return Path(spec)
+    if spec in BUILTIN:
+        return spec
+    raise GtcoError(f"{spec}: neither a file nor a built-in model (no such file; built-in: {', '.join(BUILTIN)})")
+
+
+__all__ = ["BUILTIN", "bert", "build", "resolve", "vit"]
