@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_gtco.config import PRECISIONS, TARGETS, GtcoConfig
-from onnx_gtco.errors import GtcoError, OutputError, missing_package
+from onnx_gtco.errors import GtcoError, missing_package
 from onnx_gtco.progress import NORMAL, QUIET, VERBOSE, verbosity
 from onnx_gtco.progress import level as progress_level
 
@@ -63,18 +63,11 @@ def _say_target(args: argparse.Namespace) -> None:
 
 
 def _model_arg(spec: str) -> Any:
-    """A model argument: a file's path, else a built-in model's name (the model built with seeded weights).
-
-    Raises:
-        GtcoError: neither a file nor a built-in name.
-    """
+    """A model argument: a file's path, else a built-in model built with seeded weights (models.resolve)."""
     from onnx_gtco import models
 
-    if Path(spec).exists():
-        return spec
-    if spec in models.BUILTIN:
-        return models.build(spec, seed=0)
-    raise GtcoError(f"{spec}: no such file, nor a built-in model ({', '.join(models.BUILTIN)})")
+    source = models.resolve(spec)
+    return spec if isinstance(source, Path) else models.build(source, seed=0)
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -152,13 +145,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from onnx_gtco import report_md
-    from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
+    from onnx_gtco.ir.export import writable_parent, write_bytes_atomic, write_text_atomic
 
     doc = report_md.load_report(args.report)
     for out in filter(None, (args.output, args.png)):  # before writing either
-        parent = Path(out).parent
-        if not parent.is_dir():
-            raise OutputError(f"{out}: directory {parent} does not exist")
+        writable_parent(out)
     text = report_md.render(doc)
     png = report_md.png_bytes(doc) if args.png else None  # both rendered before anything is written
     if not args.output:
@@ -377,7 +368,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = command("bench", "time the model's baselines and ours on the same inputs; table, JSON, PNG")
-    p.add_argument("model", help="an .onnx file or a built-in model name (vit-tiny, bert-tiny, ...)")
+    p.add_argument("model", help=model_help)
     p.add_argument("--rewritten", default=None, metavar="R",
                    help="time this optimized model as ours (its library beside it); default: optimize MODEL")
     p.add_argument("--torch-program", default=None, metavar="PT2",

@@ -17,7 +17,7 @@ from onnx_gtco import report as report_mod
 from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
 from onnx_gtco.errors import OpsetNotConvertedError, OutputError
-from onnx_gtco.ir.export import remove_saved, save_atomic, validate, write_text_atomic
+from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_parent, write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.rewrite import rewrite
 from onnx_gtco.ir.view import GraphView
@@ -143,12 +143,13 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
             kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
             del new_model.metadata_props[:]
             new_model.metadata_props.extend(kept)
-        dynamic = [onnx.StringStringEntryProto(key=DYNAMIC_METADATA_KEY, value=ranges.to_json()["ranges"])]
+        dynamic = [onnx.StringStringEntryProto(key=DYNAMIC_METADATA_KEY, value=ranges.to_json()["ranges"])
+                   ] if ranges else []
         new_model.metadata_props.extend([
             onnx.StringStringEntryProto(key="gtco.version", value=__version__),
             onnx.StringStringEntryProto(key="gtco.target", value=config.target),
             onnx.StringStringEntryProto(key="gtco.precision", value=config.precision),
-            *(dynamic if ranges else []),
+            *dynamic,
         ])
         validate(new_model, model)
         st.step()
@@ -230,11 +231,7 @@ def optimize_file(
     if build is not None and build not in BUILD_MODES:
         raise OutputError(f"build={build!r}: choose one of {', '.join(BUILD_MODES)} or None")
     for p in (out, rep_path, *([md_path] if md_path else [])):
-        parent = p.parent if str(p.parent) else Path(".")
-        if not parent.is_dir():
-            raise OutputError(f"{p}: directory {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            raise OutputError(f"{p}: directory {parent} is not writable")
+        writable_parent(p)
     if tune_trials < 0:
         raise OutputError(f"tune_trials={tune_trials}: give a number of trials >= 0")
     if workers < 1:

@@ -68,11 +68,6 @@ class Stage:
             self.bar.set_postfix_str(what, refresh=False)
         self.bar.update(n)
 
-    def set_total(self, total: int) -> None:
-        """The number of steps, once it is known."""
-        self.bar.total = total
-        self.bar.refresh()
-
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start

@@ -70,6 +70,21 @@ def _tensor_shell(t: onnx.TensorProto) -> onnx.TensorProto:
     return out
 
 
+def writable_parent(path: str | os.PathLike[str]) -> Path:
+    """The folder `path` is written into, checked to exist and be writable (before any work that would be lost).
+
+    Raises:
+        OutputError: naming the path and the folder.
+    """
+    out = Path(path)
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"{out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"{out}: directory {parent} is not writable")
+    return parent
+
+
 def save_atomic(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
     """Write `model` to `path` so that a reader sees the old file or the whole new one, never a part.
 
@@ -81,11 +96,7 @@ def save_atomic(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
         OutputError: the directory is missing or not writable.
     """
     out = Path(path)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"{out}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise OutputError(f"{out}: directory {parent} is not writable")
+    parent = writable_parent(out)
     try:
         tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     except OSError as e:
@@ -199,9 +210,7 @@ def write_bytes_atomic(data: bytes, path: str | os.PathLike[str]) -> Path:
         OutputError: the directory is missing or not writable, or the write failed (nothing is left behind).
     """
     out = Path(path)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"{out}: directory {parent} does not exist")
+    parent = writable_parent(out)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
     except OSError as e:

@@ -10,14 +10,13 @@ import shlex
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper
 
 from onnx_gtco.errors import CheckError, GtcoError, OutputError, first_line
-from onnx_gtco.ir.export import write_bytes_atomic
+from onnx_gtco.ir.export import writable_parent, write_bytes_atomic
 from onnx_gtco.ir.load import read_model
 from onnx_gtco.runtime.cuda_ep import load_cuda_libraries, require_cuda_ep
 
@@ -372,9 +371,10 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     if inputs is None and seed < 0:
         raise CheckError(f"seed must be >= 0, got {seed}")
     if save_inputs is not None:
-        parent = Path(save_inputs).parent
-        if not parent.is_dir():
-            raise OutputError(f"--save-inputs {os.fspath(save_inputs)}: directory {parent} does not exist")
+        try:
+            writable_parent(save_inputs)
+        except OutputError as e:
+            raise OutputError(f"--save-inputs {e}") from None
     try:
         orig_model = read_model(original)
         new_model = read_model(rewritten)
