@@ -19,11 +19,11 @@ from onnx_gtco.cost.model import cost_fn
 from onnx_gtco.errors import OpsetNotConvertedError, OutputError
 from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_parent, write_text_atomic
 from onnx_gtco.ir.load import load_model
-from onnx_gtco.ir.rewrite import rewrite
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
 from onnx_gtco.plan.types import Candidate, Plan, Reject
+from onnx_gtco.rewrite import rewrite
 
 __version__ = "0.1.0"
 
@@ -57,7 +57,7 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
                   ) -> Callable[[Candidate], float | None]:
     """A fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task key ->
     microseconds on the target GPU), else None."""
-    from onnx_gtco.ir.rewrite import fused_node
+    from onnx_gtco.rewrite import fused_node
     from onnx_gtco.tune.tasks import node_task, template_version
 
     version = template_version()

@@ -1,6 +1,6 @@
 """Which kernel a fused node runs: the Problem its attributes describe, and the instance built for it.
 
-A fused node (ir.rewrite) carries what its kernel needs as attributes: GEMM sizes and epilogue, attention heads
+A fused node (onnx_gtco.rewrite) carries what its kernel needs as attributes: GEMM sizes and epilogue, attention heads
 and layouts, LayerNorm's hidden size, ... `problem_for` turns them into the kernel family's Problem, or says why
 no kernel serves the node (the node then keeps running its model-local function). `select_instance` picks the
 family's first valid configuration for an architecture; the tuner (a later stage) replaces that choice.
@@ -25,6 +25,7 @@ from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.kernels.layernorm import FAMILY as LAYERNORM
 from onnx_gtco.kernels.softmax import FAMILY as SOFTMAX
+from onnx_gtco.opspec import split_op_type
 
 FAMILIES: dict[str, KernelFamily] = {
     "gemm": GEMM, "layernorm": LAYERNORM, "softmax": SOFTMAX, **{f.name: f for f in ATTENTION_FAMILIES},
@@ -152,13 +153,6 @@ def select_instance(problem: Problem, arch: str, config: Mapping[str, int] | Non
     if why is not None:
         return f"{problem.family} config {dict(config)} for {arch}: {why}"
     return family.instantiate(problem, config, arch)
-
-
-def split_op_type(op_type: str) -> tuple[str, str]:
-    """`BmmSoftmax_f16` -> ("bmm_softmax", "f16"): the inverse of onnx_gtco.ir.rewrite.op_type."""
-    head, _, dtype = op_type.rpartition("_")
-    family = "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(head))
-    return family, dtype
 
 
 def node_problem(node: onnx.NodeProto) -> Problem | str:

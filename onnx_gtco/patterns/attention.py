@@ -10,8 +10,7 @@ from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns import _heads
 from onnx_gtco.patterns._scores import Scores, walk_probs, walk_scores
 from onnx_gtco.patterns._util import dim, dims, rank
-from onnx_gtco.patterns.base import Match, is_op
-from onnx_gtco.plan.types import Reject
+from onnx_gtco.patterns.base import Match, Reject, is_op
 
 
 class AttentionPattern:

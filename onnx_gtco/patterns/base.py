@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from onnx_gtco.ir.view import GraphView, Node
-from onnx_gtco.plan.types import Reject
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A match that a rule or the legality checks turned down, and why."""
+
+    pattern: str
+    anchor: str
+    reason: str
 
 
 @dataclass(frozen=True)

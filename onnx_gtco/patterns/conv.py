@@ -9,8 +9,7 @@ from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._act import find_activation
 from onnx_gtco.patterns._epilogue import const_add, residual_add
 from onnx_gtco.patterns._util import dims, sole_reader
-from onnx_gtco.patterns.base import Match, is_op
-from onnx_gtco.plan.types import Reject
+from onnx_gtco.patterns.base import Match, Reject, is_op
 
 MAX_AFFINE = 3  # per-channel Mul/Add steps (bias, FrozenBatchNorm's scale and shift)
 

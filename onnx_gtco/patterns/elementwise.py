@@ -9,8 +9,7 @@ from onnx import TensorProto
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._util import convex
-from onnx_gtco.patterns.base import Match
-from onnx_gtco.plan.types import Reject
+from onnx_gtco.patterns.base import Match, Reject
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 QUANTIZED_TYPES = (TensorProto.INT8, TensorProto.UINT8)  # integer chains of these are data, not shape arithmetic

@@ -7,8 +7,7 @@ from typing import Any
 
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._util import const_scalar, dims, prod, read_only_by, sole_reader, static_value
-from onnx_gtco.patterns.base import Match, is_op, other_input
-from onnx_gtco.plan.types import Reject
+from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
 
 class LayerNormPattern:

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._epilogue import const_add
 from onnx_gtco.patterns._util import dim, dims, prod
-from onnx_gtco.patterns.base import Match, is_op
-from onnx_gtco.plan.types import Reject
+from onnx_gtco.patterns.base import Match, Reject, is_op
 
 MAX_REACH = 2000  # nodes a search for where projections meet may visit
 

@@ -6,8 +6,7 @@ from collections.abc import Iterator
 
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.patterns._util import dims, prod
-from onnx_gtco.patterns.base import Match, is_op
-from onnx_gtco.plan.types import Reject
+from onnx_gtco.patterns.base import Match, Reject, is_op
 
 
 class SoftmaxPattern:

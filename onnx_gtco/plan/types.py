@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from onnx_gtco.patterns.base import Reject
+
 
 def freeze_attrs(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """Attributes as a sorted tuple of pairs, so records stay hashable; lists become tuples."""
@@ -37,15 +39,6 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Reject:
-    """A match that a rule or the legality checks turned down, and why."""
-
-    pattern: str
-    anchor: str
-    reason: str
-
-
-@dataclass(frozen=True)
 class Plan:
     """The DP's answer: groups in execution order (they cover every node exactly once) and predicted cost (us).
 
@@ -62,3 +55,6 @@ class Plan:
     @property
     def fused_groups(self) -> tuple[Candidate, ...]:
         return tuple(g for g in self.groups if g.fused)
+
+
+__all__ = ["Candidate", "Plan", "Reject", "freeze_attrs"]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnx
 
-from onnx_gtco.kernels.select import split_op_type
+from onnx_gtco.opspec import split_op_type
 
 MAX_ROLES = 8  # gtco::kMaxRoles in plugins/ort/gtco_ort.h
 
@@ -41,7 +41,7 @@ class FusedNode:
 
     @property
     def family(self) -> str:
-        """`Layernorm_f32` -> `layernorm`, `BmmSoftmax_f16` -> `bmm_softmax` (inverse of ir.rewrite.op_type)."""
+        """`Layernorm_f32` -> `layernorm`, `BmmSoftmax_f16` -> `bmm_softmax` (inverse of opspec.op_type)."""
         return split_op_type(self.node.op_type)[0]
 
     @property

@@ -10,7 +10,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import ModelError
 from onnx_gtco.ir.load import _infer_shapes
-from onnx_gtco.ir.rewrite import DOMAIN
+from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.plugin.binding import FusedNode, TensorInfo
 
 DTYPE_NAMES = {

@@ -42,7 +42,8 @@ from onnx import helper
 
 from onnx_gtco.config import Ranges
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
-from onnx_gtco.kernels.select import FAMILIES, split_op_type
+from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.progress import stage
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling

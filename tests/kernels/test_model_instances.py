@@ -12,9 +12,10 @@ from kernel_helpers import nvcc_missing
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.compile import compile_instance, compile_instances
 from onnx_gtco.kernels.family import Instance, Problem
-from onnx_gtco.kernels.select import model_instances, node_problem, problem_for, split_op_type
+from onnx_gtco.kernels.select import model_instances, node_problem, problem_for
 from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.models import build
+from onnx_gtco.opspec import split_op_type
 from onnx_gtco.pipeline import optimize
 
 ARCHS = ("sm_80", "sm_90")

@@ -33,7 +33,7 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_gtco import GtcoConfig, GtcoError, optimize
-from onnx_gtco.ir.rewrite import DOMAIN
+from onnx_gtco.opspec import DOMAIN
 
 CHUNKS = 4
 NODE_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "node"

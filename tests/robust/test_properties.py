@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given, settings
 
 from onnx_gtco import GtcoConfig, optimize
-from onnx_gtco.ir.rewrite import DOMAIN
+from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.plugin.library import build_library
 from onnx_gtco.plugin.session import METADATA_KEY, make_session
 

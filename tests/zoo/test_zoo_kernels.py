@@ -11,7 +11,8 @@ import pytest
 
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.compile import compile_instances
-from onnx_gtco.kernels.select import model_instances, split_op_type
+from onnx_gtco.kernels.select import model_instances
+from onnx_gtco.opspec import split_op_type
 from onnx_gtco.pipeline import optimize
 
 pytestmark = [pytest.mark.zoo, pytest.mark.slow, pytest.mark.nvcc,

@@ -15,16 +15,11 @@ import onnx
 from onnx import helper
 
 from onnx_gtco.ir.view import GraphView
+from onnx_gtco.opspec import DOMAIN, op_type
 from onnx_gtco.plan.candidates import FLOAT_TYPES, group_dtype
 from onnx_gtco.plan.types import Candidate, Plan
 
-DOMAIN = "ai.gtco"
 MIN_IR_VERSION = 10  # node/function `overload` needs IR 10
-
-
-def op_type(family: str, dtype: str) -> str:
-    """`attention`, `f16` -> `Attention_f16`: the op type names the kernel family and I/O dtype."""
-    return "".join(p.capitalize() for p in family.split("_")) + "_" + dtype
 
 
 def _attr_value(v: Any) -> Any:

@@ -10,9 +10,10 @@ from onnx import helper
 
 from onnx_gtco.ir.export import save_atomic, validate
 from onnx_gtco.ir.load import load_model
-from onnx_gtco.ir.rewrite import DOMAIN, op_type, rewrite
 from onnx_gtco.ir.view import GraphView
+from onnx_gtco.opspec import DOMAIN, op_type
 from onnx_gtco.plan.types import Candidate, Plan, freeze_attrs
+from onnx_gtco.rewrite import rewrite
 
 
 def _plan(view: GraphView, groups: list[tuple[list[int], str, dict]]) -> Plan:
