@@ -9,54 +9,32 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import Any
 
 import onnx
 from onnx import helper
 
+from onnx_gtco.errors import RewriteError
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.opspec import DOMAIN, op_type
+from onnx_gtco.opspec import DOMAIN, SPECS, op_type
 from onnx_gtco.plan.candidates import FLOAT_TYPES, group_dtype
 from onnx_gtco.plan.types import Candidate, Plan
 
 MIN_IR_VERSION = 10  # node/function `overload` needs IR 10
 
 
-def _attr_value(v: Any) -> Any:
-    if isinstance(v, bool):
-        return int(v)
-    if isinstance(v, (tuple, list)):
-        items = list(v)
-        if all(isinstance(x, (bool, int)) for x in items):
-            return [int(x) for x in items]
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
-            return [float(x) for x in items]
-        return [str(x) for x in items]
-    return v
-
-
-def node_attributes(cand: Candidate, precision: str) -> list[onnx.AttributeProto]:
-    """The fused node's attributes: what the kernel needs, plus the compute precision."""
-    out = [helper.make_attribute("precision", precision)]
-    for key, value in cand.attrs:
-        if value is None:
-            continue
-        v = _attr_value(value)
-        if isinstance(v, list) and not v:
-            continue
-        out.append(helper.make_attribute(key, v))
-    return sorted(out, key=lambda a: a.name)
-
-
 def fused_node(view: GraphView, cand: Candidate, precision: str) -> onnx.NodeProto:
-    """The `ai.gtco` node a fused candidate becomes (its function's overload is set by rewrite)."""
-    inputs = view.external_inputs(cand.nodes)
-    outputs = view.external_outputs(cand.nodes)
+    """The `ai.gtco` node a fused candidate becomes (its function's overload is set by rewrite): inputs and outputs
+    in its family's role order, attributes through the family's encoder (opspec)."""
+    spec = SPECS.get(cand.family)
+    if spec is None:
+        raise RewriteError(f"fused family {cand.family!r} has no opspec.OpSpec")
+    inputs, roles = spec.order(dict(cand.roles), view.external_inputs(cand.nodes))
+    outputs, out_roles = spec.order(dict(cand.outputs), view.external_outputs(cand.nodes), outputs=True)
     dtype = FLOAT_TYPES[group_dtype(view, cand.nodes)]  # type: ignore[index]
     first = view.nodes[min(cand.nodes)].name
-    node = helper.make_node(op_type(cand.family, dtype), list(inputs), list(outputs),
-                            name=f"gtco/{cand.family}/{first}", domain=DOMAIN)
-    node.attribute.extend(node_attributes(cand, precision))
+    node = helper.make_node(op_type(cand.family, dtype), inputs, outputs, name=f"gtco/{cand.family}/{first}",
+                            domain=DOMAIN)
+    node.attribute.extend(spec.encode(dict(cand.attrs), precision, roles, out_roles))
     return node
 
 
@@ -64,7 +42,7 @@ def _function(
     view: GraphView, cand: Candidate, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
     attr_names: Iterable[str], opsets: list[onnx.OperatorSetIdProto],
 ) -> onnx.FunctionProto:
-    rename: dict[str, str] = {t: f"x{i}" for i, t in enumerate(inputs)}
+    rename: dict[str, str] = {t: f"x{i}" for i, t in enumerate(inputs) if t}
     rename.update({t: f"y{i}" for i, t in enumerate(outputs)})
     body: list[onnx.NodeProto] = []
     for k, i in enumerate(sorted(cand.nodes)):

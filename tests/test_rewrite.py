@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
+from onnx_gtco.errors import RewriteError
 from onnx_gtco.ir.export import save_atomic, validate
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
@@ -30,7 +31,7 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarra
 
 def test_groups_become_gtco_nodes_with_functions(mlp: onnx.ModelProto) -> None:
     view = GraphView(load_model(mlp))
-    attrs = {"bias": True, "activation": "none", "dims": (4, "S"), "scale": 0.5}
+    attrs = {"bias": True, "activation": "none", "batch": (4, "S"), "alpha": 0.5}
     new, names = rewrite(view, _plan(view, [([0, 1], "gemm", attrs), ([3, 4], "gemm", attrs)]), "fp16")
     validate(new)
     assert [n.op_type for n in new.graph.node] == ["Gemm_f32", "Relu", "Gemm_f32"]
@@ -42,8 +43,8 @@ def test_groups_become_gtco_nodes_with_functions(mlp: onnx.ModelProto) -> None:
     assert [n.op_type for n in fn.node] == ["MatMul", "Add"]
     assert new.ir_version >= 10
     node_attrs = {a.name: helper.get_attribute_value(a) for a in new.graph.node[0].attribute}
-    assert node_attrs == {"activation": b"none", "bias": 1, "dims": [b"4", b"S"], "precision": b"fp16",
-                          "scale": 0.5}
+    assert node_attrs == {"activation": b"none", "alpha": 0.5, "batch": [b"4", b"S"], "bias": 1,
+                          "precision": b"fp16", "roles": [], "out_roles": []}  # this plan names no roles
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     np.testing.assert_allclose(_run(new, {"x": x})[0], _run(mlp, {"x": x})[0], rtol=1e-6, atol=1e-6)
 
@@ -72,7 +73,7 @@ def test_rewrite_is_byte_deterministic(mlp: onnx.ModelProto) -> None:
     outs = []
     for _ in range(2):
         view = GraphView(load_model(mlp))
-        new, _ = rewrite(view, _plan(view, [([0, 1], "gemm", {"a": 1})]))
+        new, _ = rewrite(view, _plan(view, [([0, 1], "gemm", {"bias": True})]))
         outs.append(new.SerializeToString(deterministic=True))
     assert outs[0] == outs[1]
 
@@ -108,3 +109,9 @@ def test_atomic_writes_get_the_mode_open_would_give(tmp_path, mlp: onnx.ModelPro
     assert [p.stat().st_mode & 0o777 for p in paths] == [0o640] * 3
     assert (tmp_path / "r.json").read_text() == "{}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.png", "m.onnx", "r.json"]
+
+
+def test_an_attribute_outside_the_family_spec_is_refused(mlp: onnx.ModelProto) -> None:
+    view = GraphView(load_model(mlp))
+    with pytest.raises(RewriteError, match="attribute 'heads' is not in its spec"):
+        rewrite(view, _plan(view, [([0, 1], "gemm", {"heads": 2})]))

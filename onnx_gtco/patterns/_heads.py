@@ -84,11 +84,12 @@ def _walk_up(
 
 
 def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dict[str, str], core_rank: int,
-                width: int | None) -> tuple[float, dict[str, str]]:
+                width: int | None) -> tuple[float, dict[str, str], dict[str, str]]:
     """Pull the head split of q, k, v (keys of `ins`, values the core's operands) into `group`.
 
     Each branch keeps the longest prefix whose source has a nameable layout; q, k and v read from one
-    tensor is "qkv_packed". Returns the scale factor absorbed on q and k and the layout per branch.
+    tensor is "qkv_packed". Returns the scale factor absorbed on q and k, the layout per branch and the tensor
+    each branch reads (its source).
     """
     for role in ("q", "k"):
         absorb_up(view, group, [ins[role]], lambda n, _t: scale_step(view, n))
@@ -114,17 +115,18 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
         for node, _, _ in walks[role]:
             found = scalar_operand(view, node)
             factor *= found[1] if found is not None else 1.0
-    return factor, names
+    return factor, names, {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
 
 
-def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> str:
-    """Pull the head merge after PV (Transpose[0,2,1,3] -> Reshape[B,S,H*D]) into `group`; returns its layout.
+def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> tuple[str, str]:
+    """Pull the head merge after PV (Transpose[0,2,1,3] -> Reshape[B,S,H*D]) into `group`; returns its layout
+    and the tensor it writes.
 
     Stops at the longest prefix whose output layout has a name.
     """
     perm: Perm = tuple(range(core_rank))
     taken: list[int] = []
-    best, name = 0, "bhsd"
+    best, name, written = 0, "bhsd", out
     for _ in range(MAX_MERGE):
         node = sole_reader(view, out)
         if not is_op(node, "Transpose", "Reshape") or node is None:
@@ -134,6 +136,6 @@ def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> s
         taken.append(node.id)
         kind = layout(view, out, perm, core_rank, "q")
         if kind != "other":
-            best, name = len(taken), kind
+            best, name, written = len(taken), kind, out
     group.update(taken[:best])
-    return name
+    return name, written

@@ -28,6 +28,10 @@ class Scores:
     mask: bool = False
     bias: bool = False
     nan_guard: bool = False
+    mask_tensor: str = ""  # the additive mask / bias operand, when one Add adds it to the scores
+    bias_tensor: str = ""
+    path: list[str] = field(default_factory=list)  # what else is between QKᵀ and the Softmax (reshapes, a Where,
+                                                   # a second mask or bias Add), from the Softmax up
 
 
 def scalar_operand(view: GraphView, node: Node) -> tuple[str, float] | None:
@@ -88,6 +92,7 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
             break
         if is_op(node, *PATH_OPS):
             nxt = node.inputs[0]
+            s.path.append(node.op_type)
         elif is_op(node, "Add", "Where"):
             ins = node.inputs[1:] if node.op_type == "Where" else node.inputs
             ways = [t for t in ins if leads_to_qk(view, t)]
@@ -98,9 +103,14 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
             nxt = ways[0]
             if node.op_type == "Where":
                 s.mask = True
+                s.path.append("Where")
             else:
-                kind = additive_kind(view, next(t for t in ins if t != nxt))
+                term = next(t for t in ins if t != nxt)
+                kind = additive_kind(view, term)
                 s.mask, s.bias = s.mask or kind == "mask", s.bias or kind == "bias"
+                if getattr(s, f"{kind}_tensor"):
+                    s.path.append(f"Add({kind})")
+                setattr(s, f"{kind}_tensor", term)
         elif is_op(node, "Mul", "Div"):
             found = scalar_operand(view, node)
             if found is None:
@@ -140,6 +150,10 @@ def _pass_through(view: GraphView, s: Scores, tensor: str) -> str:
         node = sole_reader(view, tensor)
         if node is None or not is_op(node, "Cast", "Identity", "Dropout") or len(node.outputs) != 1:
             return tensor
+        if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2]:  # training_mode: must be off
+            mode = view.const_value(node.inputs[2])
+            if mode is None or bool(mode.reshape(-1)[0]):
+                return tensor
         s.nodes.add(node.id)
         tensor = node.outputs[0]
 

@@ -55,25 +55,26 @@ class AttentionPattern:
             return
         pv = walk_probs(view, s)
         attrs = self._attrs(view, s)
-        yield Match(frozenset(s.nodes), "bmm_softmax", attrs)
+        terms = {k: t for k, t in (("mask", s.mask_tensor), ("bias", s.bias_tensor)) if t}
+        yield Match(frozenset(s.nodes), "bmm_softmax", attrs, {"q": s.q, "k": s.k, **terms}, {"probs": s.probs})
         if isinstance(pv, str):
             yield Reject(self.name, sm.name, pv)
             return
         base = s.nodes | {pv.id}
         attrs |= {"v_layout": "bhsd", "out_layout": "bhsd"}
-        yield Match(frozenset(base), "attention", attrs)
+        ins = {"q": s.q, "k": s.k, "v": pv.inputs[1]}
+        yield Match(frozenset(base), "attention", attrs, ins | terms, {"out": pv.outputs[0]})
         group = set(base)
         core = len(dims(view, s.qk.outputs[0]) or (0, 0, 0, 0))
         h, d = attrs["heads"], attrs["head_dim"]
         width = h * d if isinstance(h, int) and isinstance(d, int) else None
-        factor, names = _heads.split_heads(
-            view, group, frozenset(base), {"q": s.q, "k": s.k, "v": pv.inputs[1]}, core, width)
-        out_layout = _heads.merge_heads(view, group, pv.outputs[0], core)
+        factor, names, srcs = _heads.split_heads(view, group, frozenset(base), ins, core, width)
+        out_layout, out = _heads.merge_heads(view, group, pv.outputs[0], core)
         if group == base:
             return
         ext = attrs | {"scale": s.scale * factor, "q_layout": names["q"], "k_layout": names["k"],
                        "v_layout": names["v"], "out_layout": out_layout}
-        yield Match(frozenset(group), "attention", ext)
+        yield Match(frozenset(group), "attention", ext, srcs | terms, {"out": out})
 
     @staticmethod
     def _attrs(view: GraphView, s: Scores) -> dict[str, Any]:
@@ -90,6 +91,7 @@ class AttentionPattern:
             "mask": s.mask,
             "bias": s.bias,
             "nan_guard": s.nan_guard,
+            **({"scores_path": tuple(s.path)} if s.path else {}),
             "batch_dims": tuple(scores[:-3] if len(scores) >= 4 else scores[:-2]),
             "q_layout": "bhsd",
             "k_layout": "bhds",
@@ -111,10 +113,11 @@ class AttentionPattern:
             yield Reject(self.name, node.name, "Attention op without scale and with a symbolic head_dim")
             return
         has_mask = len(node.inputs) > 3 and bool(node.inputs[3])
+        roles = dict(zip(("q", "k", "v", "mask"), node.inputs[:4], strict=False))
         yield Match(frozenset([node.id]), "attention", {
             "heads": heads, "head_dim": head_dim, "seq_q": seq_q, "seq_k": seq_k,
             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),  # type: ignore[arg-type]
             "mask": has_mask or bool(node.attrs.get("is_causal", 0)), "bias": False, "nan_guard": False,
             "causal": bool(node.attrs.get("is_causal", 0)), "batch_dims": (q[0],),
             "q_layout": lay, "k_layout": lay, "v_layout": lay, "out_layout": lay,
-        })
+        }, {k: t for k, t in roles.items() if t}, {"out": node.outputs[0]})

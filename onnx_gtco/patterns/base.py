@@ -20,11 +20,15 @@ class Reject:
 
 @dataclass(frozen=True)
 class Match:
-    """A group a rule proposes: its nodes, the kernel family and what the kernel needs to know."""
+    """A group a rule proposes: its nodes, the kernel family, what the kernel needs to know (attrs, checked
+    against the family's opspec.OpSpec when the group is rewritten) and which tensor plays which of its roles
+    (roles: input role -> tensor, outputs: output role -> tensor; a role left out is absent)."""
 
     nodes: frozenset[int]
     family: str
     attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    roles: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    outputs: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
 
 class Pattern(Protocol):

@@ -9,7 +9,7 @@ from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._act import find_activation
 from onnx_gtco.patterns._epilogue import const_add, residual_add
 from onnx_gtco.patterns._util import dims, prod
-from onnx_gtco.patterns.base import Match, Reject, is_op
+from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
 
 class GemmPattern:
@@ -41,30 +41,45 @@ class GemmPattern:
             return
         group = {mm.id}
         out = mm.outputs[0]
-        attrs |= {"bias": len(mm.inputs) > 2 and bool(mm.inputs[2]), "activation": "none", "residual": False}
-        yield Match(frozenset(group), "gemm", dict(attrs))
+        roles = {"a": mm.inputs[0], "b": mm.inputs[1]}
+        if len(mm.inputs) > 2 and mm.inputs[2]:
+            roles["bias"] = mm.inputs[2]
+        attrs |= {"bias": "bias" in roles, "activation": "none", "residual": False}
+
+        def match() -> Match:
+            return Match(frozenset(group), "gemm", dict(attrs), dict(roles), {"y": out})
+
+        yield match()
         weight = attrs["batch"] == ()  # near misses of a batched GEMM (QKᵀ + mask) are not worth a report
         add, why = const_add(view, out, -1)
         if why and weight:
             yield Reject(self.name, mm.name, why)
         if add is not None:
             group.add(add.id)
+            # one bias role: a Gemm's C and a bias Add are two biases, and a Gemm's beta would scale the Add's
+            # (the kernel takes neither: the node has no bias input then and runs its function)
+            if "bias" in roles or attrs.get("beta", 1.0) != 1.0:
+                roles.pop("bias", None)
+            else:
+                roles["bias"] = other_input(add, out) or ""
             out = add.outputs[0]
             attrs["bias"] = True
-            yield Match(frozenset(group), "gemm", dict(attrs))
+            yield match()
         act = find_activation(view, out)
         if act is not None:
             group |= act[1]
             out = act[2]
             attrs["activation"] = act[0]
-            yield Match(frozenset(group), "gemm", dict(attrs))
+            yield match()
         res, why = residual_add(view, out, group)
         if why and weight:
             yield Reject(self.name, mm.name, why)
         if res is not None:
             group.add(res.id)
+            roles["residual"] = other_input(res, out) or ""
+            out = res.outputs[0]
             attrs["residual"] = True
-            yield Match(frozenset(group), "gemm", dict(attrs))
+            yield match()
 
     @staticmethod
     def _shape_attrs(view: GraphView, mm: Node) -> dict[str, Any] | str:

@@ -35,19 +35,22 @@ class LayerNormPattern:
                 axis = axis - len(shape) if axis >= 0 else axis
                 attrs = {"epsilon": float(node.attrs.get("epsilon", 1e-5)), "axis": axis,
                          "hidden": prod(shape[axis:]) if shape else "?", "decomposed": False, "affine": True}
-                yield from self._with_residual(view, {node.id}, node.inputs[0], attrs)
+                affine = dict(zip(("gamma", "beta"), node.inputs[1:3], strict=False))
+                yield from self._with_residual(view, {node.id}, node.inputs[0], node.outputs[0], attrs, affine)
             elif is_op(node, "ReduceMean"):
                 yield from self._decomposed(view, node)
 
     def _with_residual(
-        self, view: GraphView, ids: set[int], x: str, attrs: dict[str, Any]
+        self, view: GraphView, ids: set[int], x: str, y: str, attrs: dict[str, Any], affine: dict[str, str]
     ) -> Iterator[Match]:
-        yield Match(frozenset(ids), "layernorm", attrs | {"residual": False})
+        affine = {k: v for k, v in affine.items() if v}
+        yield Match(frozenset(ids), "layernorm", attrs | {"residual": False}, {"a": x, **affine}, {"y": y})
         add = view.producer_of(x)
         shape = view.shape(x)
         if is_op(add, "Add") and add is not None and shape is not None \
                 and all(view.shape(t) == shape for t in add.inputs):
-            yield Match(frozenset(ids | {add.id}), "layernorm", attrs | {"residual": True})
+            roles = {"a": add.inputs[0], "b": add.inputs[1], **affine}
+            yield Match(frozenset(ids | {add.id}), "layernorm", attrs | {"residual": True}, roles, {"y": y, "sum": x})
 
     def _decomposed(self, view: GraphView, rm: Node) -> Iterator[Match | Reject]:
         x, mean = rm.inputs[0], rm.outputs[0]
@@ -59,17 +62,18 @@ class LayerNormPattern:
             yield Reject(self.name, rm.name, found)
             return
         ids, eps, out = found
-        affine = False
-        for op in ("Mul", "Add"):
+        operands: dict[str, str] = {}
+        for op, role in (("Mul", "gamma"), ("Add", "beta")):
             nxt = sole_reader(view, out)
             if is_op(nxt, op) and nxt is not None and view.is_constant(other_input(nxt, out) or ""):
                 ids.add(nxt.id)
-                out, affine = nxt.outputs[0], True
+                operands[role] = other_input(nxt, out) or ""
+                out = nxt.outputs[0]
         shape = dims(view, x) or ()
         axes = _axes(view, rm) or (-1,)
         attrs = {"epsilon": eps, "axis": -len(axes), "hidden": prod(shape[-len(axes):]) if shape else "?",
-                 "decomposed": True, "affine": affine}
-        yield from self._with_residual(view, ids, x, attrs)
+                 "decomposed": True, "affine": bool(operands)}
+        yield from self._with_residual(view, ids, x, out, attrs, operands)
 
     @staticmethod
     def _chain(view: GraphView, rm: Node, subs: list[Node]) -> tuple[set[int], float, str] | str:

@@ -7,9 +7,11 @@ from collections.abc import Iterator
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._epilogue import const_add
 from onnx_gtco.patterns._util import dim, dims, prod
-from onnx_gtco.patterns.base import Match, Reject, is_op
+from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
 MAX_REACH = 2000  # nodes a search for where projections meet may visit
+
+MAX_ROLES = 3  # projections the fused op names roles for (opspec: w0..w2); more keep the group's input order
 
 
 class QkvPattern:
@@ -55,10 +57,16 @@ class QkvPattern:
         rows = prod((dims(view, a) or ("?", "?"))[:-1])
         attrs = {"k": dim(view, a, -1), "m": rows, "ns": ns, "n_out": _sum(ns), "bias": False}
         ids = frozenset(mm.id for mm in mms)
-        yield Match(ids, "qkv", dict(attrs))
+        roles = {"a": a, **{f"w{p}": mm.inputs[1] for p, mm in enumerate(mms)}} if len(mms) <= MAX_ROLES else {}
+        outs = {f"y{p}": mm.outputs[0] for p, mm in enumerate(mms)} if roles else {}
+        yield Match(ids, "qkv", dict(attrs), roles, outs)
         biases = [const_add(view, mm.outputs[0], -1)[0] for mm in mms]
         if all(b is not None for b in biases):
-            yield Match(ids | {b.id for b in biases if b is not None}, "qkv", attrs | {"bias": True})
+            if roles:
+                roles = roles | {f"bias{p}": other_input(b, mm.outputs[0]) or ""  # type: ignore[union-attr]
+                                 for p, (b, mm) in enumerate(zip(biases, mms, strict=True))}
+                outs = {f"y{p}": b.outputs[0] for p, b in enumerate(biases)}  # type: ignore[union-attr]
+            yield Match(ids | {b.id for b in biases if b is not None}, "qkv", attrs | {"bias": True}, roles, outs)
         elif any(b is not None for b in biases):
             why = "only some of the MatMuls have a bias Add: fused without biases"
             yield Reject(self.name, mms[0].name, why)

@@ -36,4 +36,4 @@ class SoftmaxPattern:
                 yield Reject(self.name, node.name, f"Softmax axis {axis} is not the last axis")
                 continue
             attrs = {"axis": -1, "rows": prod(shape[:-1]), "cols": shape[-1]}
-            yield Match(frozenset([node.id]), "softmax", attrs)
+            yield Match(frozenset([node.id]), "softmax", attrs, {"x": node.inputs[0]}, {"y": node.outputs[0]})

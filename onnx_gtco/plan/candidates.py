@@ -54,7 +54,8 @@ def check(view: GraphView, m: Match, pattern: str, max_size: int) -> Candidate |
                 return Reject(pattern, anchor, f"tensor {t!r} of node {n.name!r} is {name}: no fused kernel for it")
     if group_dtype(view, m.nodes) is None:
         return Reject(pattern, anchor, "no float16/bfloat16/float32 output: nothing for a float kernel to compute")
-    return Candidate(m.nodes, m.family, pattern, freeze_attrs(m.attrs))
+    return Candidate(m.nodes, m.family, pattern, freeze_attrs(m.attrs), tuple(sorted(m.roles.items())),
+                     tuple(sorted(m.outputs.items())))
 
 
 def collect(

@@ -23,12 +23,16 @@ class Candidate:
             "elementwise"; "unfused" for a single node left as it is.
         pattern: name of the rule that proposed it.
         attrs: what the kernel needs to know (heads, scale, activation, ...), as sorted pairs.
+        roles: input role -> tensor, as sorted pairs (patterns.base.Match.roles).
+        outputs: output role -> tensor, as sorted pairs.
     """
 
     nodes: frozenset[int]
     family: str
     pattern: str
     attrs: tuple[tuple[str, Any], ...] = ()
+    roles: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    outputs: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
     def fused(self) -> bool:

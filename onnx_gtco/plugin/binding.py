@@ -1,9 +1,10 @@
 """How a fused `ai.gtco` node meets its kernel: the roles of its inputs and outputs.
 
 A family's glue in C++ (plugins/ort/<family>_op.h) reads its inputs by *role* (x, residual, gamma, ...). Which node
-input plays which role is decided here, at build time, from the node's model-local function, and written into the
-generated node table (gtco::NodeSpec). A binder that cannot bind a node says why (a string); the node then keeps
-running its function, and the report says so.
+input plays which role the rule decided and the rewrite wrote down (onnx_gtco.opspec: role i is node input i); a
+binder reads it back through the spec, checks what only it knows (the dtypes, layouts and variants its C++ kernel
+takes), and maps the roles onto the C++ role enums for the generated node table (gtco::NodeSpec). A binder that
+cannot bind a node says why (a string); the node then keeps running its function, and the report says so.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnx
 
-from onnx_gtco.opspec import split_op_type
+from onnx_gtco.opspec import FusedOp, decode, split_op_type
 
 MAX_ROLES = 8  # gtco::kMaxRoles in plugins/ort/gtco_ort.h
 
@@ -48,6 +49,11 @@ class FusedNode:
     def dtype(self) -> str:
         return split_op_type(self.node.op_type)[1]
 
+    @property
+    def op(self) -> FusedOp | str:
+        """The node read through its family's spec (opspec.decode), or why it has none."""
+        return decode(self.node.op_type, self.attrs, list(self.node.input), list(self.node.output))
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -59,6 +65,28 @@ class Binding:
     def __post_init__(self) -> None:
         if len(self.inputs) > MAX_ROLES or len(self.outputs) > MAX_ROLES:
             raise ValueError(f"at most {MAX_ROLES} roles per side, got {len(self.inputs)} / {len(self.outputs)}")
+
+
+def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tuple[str, ...],
+               cpp_out: tuple[str, ...], outputs: int = 1) -> Binding | str:
+    """The Binding of a node whose kernel reads the roles `cpp_in` / `cpp_out` (the C++ enums' order).
+
+    `need`: role -> whether the node's attributes say it is there; a role they require that the node lacks (the
+    group computes that operand itself) or one they rule out is an Unbound, as is an input of another dtype than
+    the node's, or more than `outputs` node outputs (an intermediate of the group is read outside it)."""
+    for role, wanted in need.items():
+        if wanted != (role in op.inputs):
+            return (f"{role} is {'not a node input' if wanted else 'a node input its attributes rule out'} "
+                    "(the group computes it, or the kernel does not take this form)")
+    if len(node.node.output) > outputs:
+        return (f"the node has {len(node.node.output)} outputs (an intermediate of the group is read outside it); "
+                f"the kernel writes {outputs}")
+    for role, i in op.inputs.items():
+        got = node.inputs[i].dtype
+        if got and got != node.dtype:
+            return (f"input {role} ({node.node.input[i]!r}) is {got}; the {node.node.op_type} kernel takes "
+                    f"{node.dtype} only")
+    return Binding(tuple(op.inputs.get(r, -1) for r in cpp_in), tuple(op.outputs.get(r, -1) for r in cpp_out))
 
 
 class Binder(Protocol):

@@ -15,7 +15,7 @@ from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.select import model_instances, node_problem, problem_for
 from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.models import build
-from onnx_gtco.opspec import split_op_type
+from onnx_gtco.opspec import decode, op_type, split_op_type
 from onnx_gtco.pipeline import optimize
 
 ARCHS = ("sm_80", "sm_90")
@@ -66,11 +66,16 @@ def test_fp32_precision_keeps_tensor_core_groups_on_their_functions():
     assert isinstance(problem, Problem) and problem.dtype == "f32" and problem.size("hidden") == 192
 
 
+def _problem(family: str, dtype: str, attrs: dict) -> Problem | str:
+    op = decode(op_type(family, dtype), attrs)
+    return op if isinstance(op, str) else problem_for(op)
+
+
 def test_problem_for_reasons_name_the_obstacle():
-    assert "symbolic hidden" in problem_for("layernorm", "f16", {"hidden": "?", "precision": "fp16"})
-    assert "transposed A" in problem_for("gemm", "f16", {"m": 4, "n": 8, "k": 8, "trans_a": 1})
-    assert "no conv kernel" in problem_for("conv", "f16", {})
-    ok = problem_for("gemm", "f32", {"m": 197, "n": 3072, "k": 768, "bias": 1, "activation": b"gelu_erf",
+    assert "symbolic hidden" in _problem("layernorm", "f16", {"hidden": "?", "precision": "fp16"})
+    assert "transposed A" in _problem("gemm", "f16", {"m": 4, "n": 8, "k": 8, "trans_a": 1})
+    assert "no conv kernel" in _problem("conv", "f16", {})
+    ok = _problem("gemm", "f32", {"m": 197, "n": 3072, "k": 768, "bias": 1, "activation": b"gelu_erf",
                                      "precision": b"bf16"})
     assert isinstance(ok, Problem) and ok.dtype == "bf16" and ok.flag("activation") == "gelu_erf"
 

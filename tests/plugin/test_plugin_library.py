@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -141,14 +142,13 @@ def test_wrong_shape_is_an_ort_error_naming_op_and_shapes(small: Built) -> None:
 def test_one_unbindable_node_keeps_its_whole_op_type_on_functions() -> None:
     nodes = fused_nodes(optimize(ln_softmax_model()).model)
     ln = next(n for n in nodes if n.family == "layernorm")
-    fn = onnx.FunctionProto()
-    fn.CopyFrom(ln.function)
-    fn.node.append(onnx.helper.make_node("Relu", [fn.output[0]], ["extra"], name="relu"))
     broken_node = onnx.NodeProto()
     broken_node.CopyFrom(ln.node)
     broken_node.name = "broken"
-    broken = FusedNode(broken_node, fn, ln.attrs, ln.inputs, ln.outputs)
-    assert "Relu 'relu'" in str(LayerNormBinder().bind(broken))
+    f16 = tuple(dataclasses.replace(i, dtype="f16") if k == len(ln.inputs) - 1 else i
+                for k, i in enumerate(ln.inputs))  # its last operand is float16: no f32 kernel takes it
+    broken = FusedNode(broken_node, ln.function, ln.attrs, f16, ln.outputs)
+    assert "is f16; the Layernorm_f32 kernel takes f32 only" in str(LayerNormBinder().bind(broken))
     results, binders = bind_nodes([ln, broken, *[n for n in nodes if n is not ln]])
     by = {r.node: r for r in results}
     assert "Layernorm_f32" not in binders and "Softmax_f32" in binders
