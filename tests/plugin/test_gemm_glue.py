@@ -414,8 +414,8 @@ AB = {"roles": ["a", "b"], "out_roles": ["y"]}
     pytest.param(2, 1, AB | {"activation": "mish"}, "activation 'mish' is not implemented", id="unknown-activation"),
     pytest.param(2, 2, AB | {"activation": "relu"}, "2 outputs", id="exposed-intermediate"),
     pytest.param(2, 1, AB | {"bias": 1}, "bias is not a node input", id="bias-missing"),
-    pytest.param(3, 1, {"roles": ["a", "b", "bias"], "out_roles": ["y"]}, "bias is a node input its attributes rule out",
-                 id="bias-not-declared"),
+    pytest.param(3, 1, {"roles": ["a", "b", "bias"], "out_roles": ["y"]},
+                 "bias is a node input its attributes rule out", id="bias-not-declared"),
     pytest.param(2, 1, {"roles": ["a"], "out_roles": ["y"]}, "b is not a node input", id="b-computed-inside"),
 ])
 def test_gemm_reasons(n_in: int, n_out: int, attrs: dict, reason: str) -> None:
