@@ -58,13 +58,10 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
     """A fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task key ->
     microseconds on the target GPU), else None."""
     from onnx_gtco.rewrite import fused_node
-    from onnx_gtco.tune.tasks import node_task, template_version
+    from onnx_gtco.tune.tasks import node_task, template_version, view_shapes
 
     version = template_version()
-
-    def shape_of(name: str) -> tuple | None:
-        info = view.info(name)
-        return tuple(info.shape) if info is not None and info.shape is not None else None
+    shape_of = view_shapes(view)
 
     def measured(cand: Candidate) -> float | None:
         if not cand.fused:
@@ -239,20 +236,23 @@ def optimize_file(
     result = optimize(model_path, config)
     tuned = dispatch = None
     from onnx_gtco.tune import apply as tuning
+    from onnx_gtco.tune.tasks import view_shapes
 
     if result.dynamic and tuning.wanted(tune_trials, storage):  # symbolic dims: shape-generic tuning instead
         from onnx_gtco.tune import dynamic as shape_generic
 
         result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
-            result.model, (config or GtcoConfig()).target, result.dynamic, tune_trials, storage, measurer=measurer)
+            result.model, (config or GtcoConfig()).target, result.dynamic, tune_trials, storage, measurer=measurer,
+            shape_of=view_shapes(result.view))
     elif tuning.wanted(tune_trials, storage):
         target = (config or GtcoConfig()).target
         report_t, tuned = tuning.tune_model(result.model, target, tune_trials, storage, measurer=measurer,
-                                            workers=workers, progress=progress)
+                                            workers=workers, progress=progress, shape_of=view_shapes(result.view))
         measured = tuning.measured_costs(report_t)
         if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
             result = optimize(model_path, config, measured_us=measured)
-            report_t2, tuned = tuning.tune_model(result.model, target, 0, storage, measurer=measurer)
+            report_t2, tuned = tuning.tune_model(result.model, target, 0, storage, measurer=measurer,
+                                                 shape_of=view_shapes(result.view))
             report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
                         "replanned": True}
         result.report["tuning"] = report_t

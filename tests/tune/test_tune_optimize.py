@@ -132,3 +132,26 @@ def test_measured_kernel_times_replan_the_model(tmp_path: Path) -> None:
     measured = [g for g in rep["groups"] if "measured_us" in g]
     assert measured and all(g["measured_us"] in (0.5, 1e6) and g["predicted_us"] != g["measured_us"]
                             for g in measured)
+
+
+def test_tuning_takes_the_shapes_the_plan_has() -> None:
+    """The plan's view gives the fused nodes the shapes the rewritten model's value_info records: the same tasks
+    and skip reasons, per shape and shape-generic."""
+    from onnx_gtco.config import Ranges
+    from onnx_gtco.tune.dynamic import dynamic_tasks
+    from onnx_gtco.tune.tasks import model_tasks, view_shapes
+
+    def keyed(tasks):
+        return [(t.key, getattr(t, "task", t).weight, getattr(t, "task", t).nodes) for t in tasks]
+
+    config = GtcoConfig(precision="fp16", target="sm_80")
+    for model in (build("vit-tiny", depth=1), build("bert-tiny", batch="batch", seq="seq", depth=1)):
+        result = optimize(model, config)
+        shapes = view_shapes(result.view)
+        for arch in ("sm_80", "sm_90"):
+            (a, why_a), (b, why_b) = model_tasks(result.model, arch), model_tasks(result.model, arch, shapes)
+            assert keyed(a) == keyed(b) and a and why_a == why_b
+            ranges = result.dynamic or Ranges()
+            (a, why_a), (b, why_b) = (dynamic_tasks(result.model, arch, ranges),
+                                      dynamic_tasks(result.model, arch, ranges, shapes))
+            assert keyed(a) == keyed(b) and why_a == why_b and bool(a) == bool(result.dynamic)
