@@ -134,6 +134,49 @@ def test_measured_kernel_times_replan_the_model(tmp_path: Path) -> None:
                             for g in measured)
 
 
+def optimize_file_(src: Path, out: Path, config: GtcoConfig | None, **kw):
+    from onnx_gtco.pipeline import optimize_file
+
+    return optimize_file(src, out, None, config, build=None, **kw)
+
+
+def test_a_replan_loads_and_matches_the_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real measurements plan the model again, from the model and candidates the run loaded and matched already:
+    one load, one reading of the dynamic ranges, one match of the rules; the result is what planning a freshly
+    loaded model with the same measurements gives."""
+    from onnx_gtco import pipeline
+    from onnx_gtco.tune.apply import measured_costs
+
+    calls = {"load_model": 0, "resolve_ranges": 0, "collect": 0}
+
+    def counting(module: object, name: str) -> None:
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    src = tmp_path / "vit.onnx"
+    onnx.save(build("vit-tiny", depth=1), str(src))
+    config = GtcoConfig(precision="fp16")
+    counting(pipeline, "load_model")
+    counting(pipeline, "resolve_ranges")
+    counting(pipeline.cands_mod, "collect")
+    result, _, _ = optimize_file_(src, tmp_path / "out.onnx", config, tune_trials=2,
+                                  storage=f"sqlite:///{tmp_path / 's.db'}", measurer=SlowGemmGpu())
+    assert result.report["tuning"]["replanned"] is True
+    assert calls == {"load_model": 1, "resolve_ranges": 1, "collect": 1}
+
+    first = result.report["tuning"]["tasks_tuned_first_plan"]
+    measured = measured_costs({"measurer": SlowGemmGpu.name, "tasks": first})
+    assert measured
+    fresh = optimize(str(src), config, measured_us=measured)
+    assert fresh.model.SerializeToString() == result.model.SerializeToString()
+    assert fresh.report == {k: v for k, v in result.report.items() if k != "tuning"}
+
+
 def test_tuning_takes_the_shapes_the_plan_has() -> None:
     """The plan's view gives the fused nodes the shapes the rewritten model's value_info records: the same tasks
     and skip reasons, per shape and shape-generic."""
