@@ -280,7 +280,8 @@ def optimize_file(
     tune.driver.TaskResult as trials finish. `measurer` overrides tune.apply.pick_measurer(). When the measurer
     measures real kernels (not the analytical model), the model is planned again with the measured times of its
     tuned groups and the build uses the new plan (replan: the model is loaded once either way). Tuning takes the
-    fused nodes' shapes and the dynamic ranges from the plan.
+    fused nodes' shapes and the dynamic ranges from the plan. `config` defaults to GtcoConfig.from_env(), for
+    planning and tuning alike.
 
     `markdown` also writes the report as Markdown (report_md.render): True beside the model as OUTPUT.report.md,
     or at the path given; written with the model and JSON report, all or nothing.
@@ -298,6 +299,7 @@ def optimize_file(
         raise OutputError(f"tune_trials={tune_trials}: give a number of trials >= 0")
     if workers < 1:
         raise OutputError(f"workers={workers}: give at least 1")
+    config = config or GtcoConfig.from_env()  # the one config of the run: planning, tuning and the build
     result = optimize(model_path, config)
     tuned = dispatch = None
     from onnx_gtco.tune import apply as tuning
@@ -307,16 +309,15 @@ def optimize_file(
         from onnx_gtco.tune import dynamic as shape_generic
 
         result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
-            result.model, (config or GtcoConfig()).target, result.dynamic, tune_trials, storage, measurer=measurer,
+            result.model, config.target, result.dynamic, tune_trials, storage, measurer=measurer,
             shape_of=view_shapes(result.view))
     elif tuning.wanted(tune_trials, storage):
-        target = (config or GtcoConfig()).target
-        report_t, tuned = tuning.tune_model(result.model, target, tune_trials, storage, measurer=measurer,
+        report_t, tuned = tuning.tune_model(result.model, config.target, tune_trials, storage, measurer=measurer,
                                             workers=workers, progress=progress, shape_of=view_shapes(result.view))
         measured = tuning.measured_costs(report_t)
         if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
-            result = replan(result, config or GtcoConfig.from_env(), measured)
-            report_t2, tuned = tuning.tune_model(result.model, target, 0, storage, measurer=measurer,
+            result = replan(result, config, measured)
+            report_t2, tuned = tuning.tune_model(result.model, config.target, 0, storage, measurer=measurer,
                                                  shape_of=view_shapes(result.view))
             report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
                         "replanned": True}

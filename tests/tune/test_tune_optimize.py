@@ -177,6 +177,29 @@ def test_a_replan_loads_and_matches_the_model_once(tmp_path: Path, monkeypatch: 
     assert fresh.report == {k: v for k, v in result.report.items() if k != "tuning"}
 
 
+@pytest.mark.parametrize("name", ["vit-tiny", "bert-tiny-dynamic"])
+def test_tuning_without_a_config_tunes_for_gtco_target(name: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no config, planning and tuning (per shape or shape-generic) both take the target from GTCO_TARGET."""
+    from onnx_gtco.tune.search import AnalyticalMeasurer
+
+    monkeypatch.setenv("GTCO_TARGET", "sm_80")
+    monkeypatch.setenv("GTCO_PRECISION", "fp16")
+    monkeypatch.setenv("GTCO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("GTCO_TUNE_STORAGE", raising=False)
+    src = tmp_path / "m.onnx"
+    model = build("vit-tiny", depth=1) if name == "vit-tiny" else build("bert-tiny", batch="batch", seq="seq",
+                                                                           depth=1)
+    onnx.save(model, str(src))
+    result, _, _ = optimize_file_(src, tmp_path / "out.onnx", None, tune_trials=2,
+                                  storage=f"sqlite:///{tmp_path / 's.db'}", measurer=AnalyticalMeasurer())
+    assert {p.key: p.value for p in result.model.metadata_props}["gtco.target"] == "sm_80"
+    tuning = result.report["dynamic"]["tuning"] if result.dynamic else result.report["tuning"]
+    assert (name == "bert-tiny-dynamic") == bool(result.dynamic)
+    assert tuning["arch"] == "sm_80" and tuning["tasks"]
+    assert all("-sm_80-" in t["task"] for t in tuning["tasks"])
+
+
 def test_tuning_takes_the_shapes_the_plan_has() -> None:
     """The plan's view gives the fused nodes the shapes the rewritten model's value_info records: the same tasks
     and skip reasons, per shape and shape-generic."""
