@@ -1,4 +1,7 @@
-"""optimize(): load -> label/match -> plan -> rewrite -> validate. The only module that knows the order."""
+"""optimize(): load -> label/match -> plan -> rewrite -> validate. The only module that knows the order.
+
+A run loads its model once (load); with tuning that measures real kernels it plans the same loaded model again
+with the measured times (replan), and tuning takes the fused nodes' shapes and the dynamic ranges from the plan."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import onnx
 from onnx_gtco import patterns as patterns_mod
 from onnx_gtco import progress
 from onnx_gtco import report as report_mod
-from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, resolve_ranges
+from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, Ranges, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
 from onnx_gtco.errors import OpsetNotConvertedError, OutputError
 from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_parent, write_text_atomic
@@ -26,6 +29,26 @@ from onnx_gtco.plan.types import Candidate, Plan, Reject
 from onnx_gtco.rewrite import rewrite
 
 __version__ = "0.1.0"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model as a run loaded it, once (load_model: read, check, opset conversion, constant folding, shape
+    inference), with what the run reads from it before planning. Every plan of the run starts from it.
+
+    Attributes:
+        model: load_model's model (never modified afterwards).
+        source: the model's name in the report: the file's name, or the graph's of a ModelProto.
+        ranges: the ranges of its symbolic dims that apply (config.resolve_ranges; empty for a static model).
+        unfused: why no rule may run on it ("" when they may; see plan_model).
+        seconds: how long loading took.
+    """
+
+    model: onnx.ModelProto = field(repr=False)
+    source: str
+    ranges: Ranges
+    unfused: str = ""
+    seconds: float = 0.0
 
 
 @dataclass
@@ -51,6 +74,8 @@ class OptimizeResult:
     warnings: list[str] = field(default_factory=list)
     dynamic: Any = None
     """The tune.dynamic.Ranges of the model's symbolic dims (declared or defaulted; empty for a static model)."""
+    loaded: LoadedModel | None = field(default=None, repr=False)
+    """The loaded model the plan was made for (replan plans it again)."""
 
 
 def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str, float]
@@ -58,13 +83,10 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
     """A fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task key ->
     microseconds on the target GPU), else None."""
     from onnx_gtco.rewrite import fused_node
-    from onnx_gtco.tune.tasks import node_task, template_version
+    from onnx_gtco.tune.tasks import node_task, template_version, view_shapes
 
     version = template_version()
-
-    def shape_of(name: str) -> tuple | None:
-        info = view.info(name)
-        return tuple(info.shape) if info is not None and info.shape is not None else None
+    shape_of = view_shapes(view)
 
     def measured(cand: Candidate) -> float | None:
         if not cand.fused:
@@ -78,16 +100,21 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
 
 
 def plan_model(
-    model: onnx.ModelProto, config: GtcoConfig, measured_us: Mapping[str, float] | None = None, unfused: str = ""
+    model: onnx.ModelProto | GraphView, config: GtcoConfig, measured_us: Mapping[str, float] | None = None,
+    unfused: str = "", matched: tuple[list[Candidate], list[Reject]] | None = None,
 ) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any, Callable[[Candidate], float | None] | None]:
-    """Match the rules, cost the candidates and run the DP on a loaded model. With `measured_us` (tuning task key ->
-    measured kernel time), the DP costs those groups by their measurements. Returns the analytical cost (the
-    report's "predicted") and the measured-time lookup (None without measurements) beside the plan. `unfused`: why
-    no rule may run on the model (it is planned node by node, and the reason is its one reject)."""
+    """Match the rules, cost the candidates and run the DP on a loaded model (or the view of one). With
+    `measured_us` (tuning task key -> measured kernel time), the DP costs those groups by their measurements.
+    Returns the analytical cost (the report's "predicted") and the measured-time lookup (None without
+    measurements) beside the plan. `unfused`: why no rule may run on the model (it is planned node by node, and the
+    reason is its one reject). `matched`: the candidates and rejects an earlier plan of the same view found (the
+    rules are not matched again)."""
     with progress.stage("plan", total=3) as st:
-        view = GraphView(model)
-        if unfused:
-            candidates, rejects = [], [Reject("model", model.graph.name or "graph", unfused)]
+        view = model if isinstance(model, GraphView) else GraphView(model)
+        if matched is not None:
+            candidates, rejects = matched
+        elif unfused:
+            candidates, rejects = [], [Reject("model", view.model.graph.name or "graph", unfused)]
         else:
             candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
         st.step(f"{len(candidates)} candidates")
@@ -107,12 +134,35 @@ def plan_model(
     return view, candidates, rejects, plan, cost, measured
 
 
-def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig | None = None,
-             measured_us: Mapping[str, float] | None = None) -> OptimizeResult:
+def load(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig) -> LoadedModel:
+    """Load a model for a run (the "load" stage): load_model, and the ranges of its symbolic dims for `config`.
+    A valid model in an opset the rules cannot read is passed through (LoadedModel.unfused says why).
+
+    Raises:
+        GtcoError: load_model's errors; a declared dynamic dim the model lacks, or malformed `gtco.dynamic`
+            metadata (resolve_ranges).
+    """
+    t0 = time.perf_counter()
+    unfused = ""
+    with progress.stage("load", total=4) as st:  # load_model steps it: read, check, opset, fold + shapes
+        try:
+            model = load_model(model_or_path)
+        except OpsetNotConvertedError as e:  # a valid model the rules cannot read: passed through, saying why
+            model, unfused = e.model, f"not optimized: {e}"
+        ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
+        st.note = f"{len(model.graph.node)} nodes" + (" (not optimized)" if unfused else "")
+    source = Path(model_or_path).name if not isinstance(model_or_path, onnx.ModelProto) else (
+        model_or_path.graph.name or "model")
+    return LoadedModel(model, source, ranges, unfused, time.perf_counter() - t0)
+
+
+def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto | LoadedModel,
+             config: GtcoConfig | None = None, measured_us: Mapping[str, float] | None = None) -> OptimizeResult:
     """Plan and rewrite a model in memory.
 
     Args:
-        model_or_path: a ModelProto or a path to an .onnx file (external data resolved beside it).
+        model_or_path: a ModelProto or a path to an .onnx file (external data resolved beside it), or a model
+            load() loaded already with this config.
         config: the run's configuration; defaults to GtcoConfig.from_env().
         measured_us: tuning task key -> measured kernel time (us) on the target GPU: the DP plans those groups
             with their measurements (plan_model).
@@ -124,17 +174,30 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
         GtcoError: ModelError / UnsupportedError for bad input, PlanError, RewriteError.
     """
     config = config or GtcoConfig.from_env()
-    t0 = time.perf_counter()
-    unfused = ""
-    with progress.stage("load", total=4) as st:  # load_model steps it: read, check, opset, fold + shapes
-        try:
-            model = load_model(model_or_path)
-        except OpsetNotConvertedError as e:  # a valid model the rules cannot read: passed through, saying why
-            model, unfused = e.model, f"not optimized: {e}"
-        ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
-        st.note = f"{len(model.graph.node)} nodes" + (" (not optimized)" if unfused else "")
+    loaded = model_or_path if isinstance(model_or_path, LoadedModel) else load(model_or_path, config)
+    return _plan_and_rewrite(loaded, config, measured_us)
+
+
+def replan(result: OptimizeResult, config: GtcoConfig, measured_us: Mapping[str, float]) -> OptimizeResult:
+    """`result`'s model planned again with measured kernel times (tuning task key -> us; see plan_model), from the
+    same loaded model, view and matched candidates: nothing is loaded or matched again."""
+    if result.loaded is None:
+        raise ValueError("replan needs an OptimizeResult of optimize()")
+    return _plan_and_rewrite(result.loaded, config, measured_us, earlier=result)
+
+
+def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapping[str, float] | None = None,
+                      earlier: OptimizeResult | None = None) -> OptimizeResult:
+    """optimize() after loading: plan (plan_model; on the view and candidates of the `earlier` plan of the same
+    loaded model when given), rewrite, validate and report."""
+    model, ranges, unfused = loaded.model, loaded.ranges, loaded.unfused
     t1 = time.perf_counter()
-    view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us, unfused)
+    if earlier is None:
+        view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us, unfused)
+    else:  # plan_model put the DP's rejects after the rules' ones
+        matched = earlier.rejects[:len(earlier.rejects) - len(earlier.plan.rejects)]
+        view, candidates, rejects, plan, cost, measured = plan_model(
+            earlier.view, config, measured_us, matched=(earlier.candidates, matched))
     t2 = time.perf_counter()
     with progress.stage("rewrite", total=2) as st:
         new_model, names = rewrite(view, plan, config.precision)
@@ -155,10 +218,8 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
         st.step()
         st.note = f"{len(view)} -> {len(new_model.graph.node)} nodes"
     t3 = time.perf_counter()
-    source = Path(model_or_path).name if not isinstance(model_or_path, onnx.ModelProto) else (
-        model_or_path.graph.name or "model")
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
-                                  source)
+                                  loaded.source)
     if measured is not None:
         measured_groups = 0
         for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):
@@ -170,9 +231,9 @@ def optimize(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: Gt
         rep["planned_us_after"] = round(plan.cost_us, 3)
     if ranges:
         rep["dynamic"] = ranges.to_json()
-    timings = {"load_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
+    timings = {"load_s": loaded.seconds, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
     return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings, dynamic=ranges,
-                          warnings=[unfused] if unfused else [])
+                          warnings=[unfused] if unfused else [], loaded=loaded)
 
 
 def default_output(model_path: str | os.PathLike[str]) -> Path:
@@ -218,7 +279,9 @@ def optimize_file(
     `workers` > 1 runs that many tuning processes on the storage. `progress` is called with each
     tune.driver.TaskResult as trials finish. `measurer` overrides tune.apply.pick_measurer(). When the measurer
     measures real kernels (not the analytical model), the model is planned again with the measured times of its
-    tuned groups and the build uses the new plan.
+    tuned groups and the build uses the new plan (replan: the model is loaded once either way). Tuning takes the
+    fused nodes' shapes and the dynamic ranges from the plan. `config` defaults to GtcoConfig.from_env(), for
+    planning and tuning alike.
 
     `markdown` also writes the report as Markdown (report_md.render): True beside the model as OUTPUT.report.md,
     or at the path given; written with the model and JSON report, all or nothing.
@@ -236,23 +299,26 @@ def optimize_file(
         raise OutputError(f"tune_trials={tune_trials}: give a number of trials >= 0")
     if workers < 1:
         raise OutputError(f"workers={workers}: give at least 1")
+    config = config or GtcoConfig.from_env()  # the one config of the run: planning, tuning and the build
     result = optimize(model_path, config)
     tuned = dispatch = None
     from onnx_gtco.tune import apply as tuning
+    from onnx_gtco.tune.tasks import view_shapes
 
     if result.dynamic and tuning.wanted(tune_trials, storage):  # symbolic dims: shape-generic tuning instead
         from onnx_gtco.tune import dynamic as shape_generic
 
         result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
-            result.model, (config or GtcoConfig()).target, result.dynamic, tune_trials, storage, measurer=measurer)
+            result.model, config.target, result.dynamic, tune_trials, storage, measurer=measurer,
+            shape_of=view_shapes(result.view))
     elif tuning.wanted(tune_trials, storage):
-        target = (config or GtcoConfig()).target
-        report_t, tuned = tuning.tune_model(result.model, target, tune_trials, storage, measurer=measurer,
-                                            workers=workers, progress=progress)
+        report_t, tuned = tuning.tune_model(result.model, config.target, tune_trials, storage, measurer=measurer,
+                                            workers=workers, progress=progress, shape_of=view_shapes(result.view))
         measured = tuning.measured_costs(report_t)
         if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
-            result = optimize(model_path, config, measured_us=measured)
-            report_t2, tuned = tuning.tune_model(result.model, target, 0, storage, measurer=measurer)
+            result = replan(result, config, measured)
+            report_t2, tuned = tuning.tune_model(result.model, config.target, 0, storage, measurer=measurer,
+                                                 shape_of=view_shapes(result.view))
             report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
                         "replanned": True}
         result.report["tuning"] = report_t

@@ -17,7 +17,7 @@ import onnx
 from onnx_gtco.progress import detail, stage
 from onnx_gtco.tune.driver import TaskResult, best_configs, tune
 from onnx_gtco.tune.search import STORAGE_ENV, AnalyticalMeasurer, Measurer, storage_url
-from onnx_gtco.tune.tasks import Task, model_tasks
+from onnx_gtco.tune.tasks import ShapeOf, Task, model_tasks
 
 Tuned = dict[str, dict[str, dict[str, int]]]
 """node name -> arch -> configuration."""
@@ -63,14 +63,16 @@ def pick_measurer() -> Measurer:
 
 def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | None = None,
                measurer: Measurer | None = None, patience: int = 20, workers: int = 1,
-               progress: Callable[[TaskResult], None] | None = None) -> tuple[dict[str, Any], Tuned]:
+               progress: Callable[[TaskResult], None] | None = None, shape_of: ShapeOf | None = None
+               ) -> tuple[dict[str, Any], Tuned]:
     """Tune the model's tasks for `arch` up to `trials` finished trials each (0: only look up), then return the
     report's "tuning" entry and the tuned configuration per node. The measurer defaults to pick_measurer(); a GPU
-    measurer tunes for its GPU's arch instead of `arch`."""
+    measurer tunes for its GPU's arch instead of `arch`. `shape_of` gives the fused nodes' input shapes: the plan's
+    (tasks.view_shapes) where the caller has it, else the model's value_info (tasks.model_shapes)."""
     measurer = measurer or pick_measurer()
     arch = getattr(measurer, "arch", arch)  # a GPU measurer tunes for the GPU it has
     url = storage_url(storage)
-    tasks, skipped = model_tasks(model, arch)
+    tasks, skipped = model_tasks(model, arch, shape_of)
     results = _tune_shown(tasks, trials, measurer, url, patience, workers, progress) if trials > 0 else []
     best = best_configs(tasks, measurer.device, url)
     tuned: Tuned = {}

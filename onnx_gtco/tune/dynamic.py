@@ -48,7 +48,7 @@ from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.progress import stage
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
 from onnx_gtco.tune.search import Measurer, _space, measure_into, open_storage, optimize_once, storage_url
-from onnx_gtco.tune.tasks import Task, _shapes, fused_node_tasks
+from onnx_gtco.tune.tasks import ShapeOf, Task, fused_node_tasks, model_shapes
 
 MAX_CONFIGS = 6         # micro-kernel configurations per task
 RANK_POINTS = 5         # extents of the range at which the analytical model ranks the candidates
@@ -101,23 +101,24 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _extent_factors(node: onnx.NodeProto, family: str, shapes: Mapping[str, tuple]) -> list[Any] | None:
+def _extent_factors(node: onnx.NodeProto, family: str, shape_of: ShapeOf) -> list[Any] | None:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     key = {"gemm": "m", "qkv": "m", "attention": "seq_q", "bmm_softmax": "seq_q", "softmax": "rows"}.get(family)
     if key is not None and key in attrs:
         v = attrs[key]
         return [v] if isinstance(v, int) else _text(v).split("*")
-    shape = shapes.get(node.input[0]) if node.input else None
+    shape = shape_of(node.input[0]) if node.input else None
     return list(shape[:-1]) if shape else None
 
 
-def extent_range(node: onnx.NodeProto, shapes: Mapping[str, tuple], bounds: Mapping[str, tuple[int, int]]
+def extent_range(node: onnx.NodeProto, shape_of: ShapeOf, bounds: Mapping[str, tuple[int, int]]
                  ) -> tuple[int, int, str] | str:
-    """(lo, hi, expression) of a fused node's run-time extent over the dims' ranges, or why it has none."""
+    """(lo, hi, expression) of a fused node's run-time extent over the dims' ranges, or why it has none.
+    `shape_of` gives the shape of the node's inputs (tasks.ShapeOf)."""
     family, _ = split_op_type(node.op_type)
     if extent_name(family) is None:
         return f"{family} kernels do not dispatch on a run-time size"
-    factors = _extent_factors(node, family, shapes)
+    factors = _extent_factors(node, family, shape_of)
     if factors is None:
         return "the extent's shape is unknown"
     lo = hi = 1
@@ -137,18 +138,20 @@ def extent_range(node: onnx.NodeProto, shapes: Mapping[str, tuple], bounds: Mapp
     return lo, hi, "*".join(names)
 
 
-def dynamic_tasks(model: onnx.ModelProto, arch: str, ranges: Ranges) -> tuple[list[DynamicTask], dict[str, str]]:
+def dynamic_tasks(model: onnx.ModelProto, arch: str, ranges: Ranges, shape_of: ShapeOf | None = None
+                  ) -> tuple[list[DynamicTask], dict[str, str]]:
     """The DynamicTasks of a rewritten model's fused nodes for `arch` (heaviest first) and why the other fused
-    nodes have none."""
-    shapes = _shapes(model)
+    nodes have none. `shape_of` gives the nodes' input shapes: the plan's (tasks.view_shapes) where the caller has
+    it, else the model's value_info (tasks.model_shapes)."""
+    shape_of = shape_of or model_shapes(model)
     bounds = ranges.bounds()
     found: dict[tuple[str, int, int], DynamicTask] = {}
     skipped: dict[str, str] = {}
-    for node, task in fused_node_tasks(model, arch):
+    for node, task in fused_node_tasks(model, arch, shape_of):
         if isinstance(task, str):
             skipped[node.name] = task
             continue
-        rng = extent_range(node, shapes, bounds)
+        rng = extent_range(node, shape_of, bounds)
         if isinstance(rng, str):
             skipped[node.name] = rng
             continue
@@ -455,16 +458,17 @@ Dispatch = dict[str, dict[str, tuple[tuple[int, dict[str, int]], ...]]]
 
 
 def tune_model(model: onnx.ModelProto, arch: str, ranges: Ranges, trials: int, storage: str | None = None,
-               measurer: Measurer | None = None, progress: Callable[[DynamicResult], None] | None = None
-               ) -> tuple[dict[str, Any], Dispatch]:
+               measurer: Measurer | None = None, progress: Callable[[DynamicResult], None] | None = None,
+               shape_of: ShapeOf | None = None) -> tuple[dict[str, Any], Dispatch]:
     """Shape-generic tuning of a rewritten model's dynamic nodes for `arch` (a GPU measurer tunes for its own
-    GPU's arch): the report's dynamic tuning entry and the dispatch tables per node."""
+    GPU's arch) over `ranges` (the plan's: OptimizeResult.dynamic): the report's dynamic tuning entry and the
+    dispatch tables per node. `shape_of` as for dynamic_tasks."""
     from onnx_gtco.tune.apply import pick_measurer, redact
 
     measurer = measurer or pick_measurer()
     arch = getattr(measurer, "arch", arch)
     url = storage_url(storage)
-    tasks, skipped = dynamic_tasks(model, arch, ranges)
+    tasks, skipped = dynamic_tasks(model, arch, ranges, shape_of)
     with stage("tune", total=len(tasks), unit="task") as st:
         def each(r: DynamicResult) -> None:
             st.step(r.task.task.describe()[:48])

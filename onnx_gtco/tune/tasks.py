@@ -14,12 +14,19 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import onnx
 
 from onnx_gtco.kernels.compile import headers_digest
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import node_problem
+
+if TYPE_CHECKING:
+    from onnx_gtco.ir.view import GraphView
+
+ShapeOf = Callable[[str], tuple | None]
+"""A tensor's shape by name: ints, strings for symbolic dims ("" for an unknown one); None when unknown."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +63,7 @@ def template_version() -> str:
     return headers_digest()[:12]
 
 
-def node_task(node: onnx.NodeProto, shape_of: Callable[[str], tuple | None], arch: str, version: str
-              ) -> Task | str:
+def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str) -> Task | str:
     """The task of one fused node (weight 1), or why it has none. `shape_of` gives a tensor's shape (ints, or
     strings for symbolic dims; None when unknown): the run-time rows of a row-wise node come from its first
     input, a symbolic dim counting as 1."""
@@ -84,20 +90,42 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
     return out
 
 
-def fused_node_tasks(model: onnx.ModelProto, arch: str) -> Iterator[tuple[onnx.NodeProto, Task | str]]:
-    """Each fused node of a rewritten model with its task for `arch` (weight 1), or why it has none."""
-    shapes = _shapes(model)
+def model_shapes(model: onnx.ModelProto) -> ShapeOf:
+    """The shapes a model's value_info, inputs, outputs and initializers record (a rewritten model read back)."""
+    return _shapes(model).get
+
+
+def view_shapes(view: GraphView) -> ShapeOf:
+    """The shapes of the plan's view (the loaded model's shape inference), as model_shapes gives them from the
+    rewritten model: its value_info is the loaded model's, less the tensors inside fused groups."""
+
+    def shape_of(name: str) -> tuple | None:
+        info = view.info(name)
+        if info is None or info.shape is None:
+            return None
+        return tuple("" if d is None else d for d in info.shape)
+
+    return shape_of
+
+
+def fused_node_tasks(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None = None
+                     ) -> Iterator[tuple[onnx.NodeProto, Task | str]]:
+    """Each fused node of a rewritten model with its task for `arch` (weight 1), or why it has none. `shape_of`
+    (default: model_shapes(model)) gives the shapes of the nodes' inputs."""
+    shape_of = shape_of or model_shapes(model)
     version = template_version()
     for node in model.graph.node:
         if node.domain == "ai.gtco":
-            yield node, node_task(node, shapes.get, arch, version)
+            yield node, node_task(node, shape_of, arch, version)
 
 
-def model_tasks(model: onnx.ModelProto, arch: str) -> tuple[list[Task], dict[str, str]]:
-    """The tasks of a rewritten model's fused nodes for `arch`, heaviest first, and why the others have none."""
+def model_tasks(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None = None
+                ) -> tuple[list[Task], dict[str, str]]:
+    """The tasks of a rewritten model's fused nodes for `arch`, heaviest first, and why the others have none.
+    `shape_of` as for fused_node_tasks."""
     found: dict[str, Task] = {}
     skipped: dict[str, str] = {}
-    for node, task in fused_node_tasks(model, arch):
+    for node, task in fused_node_tasks(model, arch, shape_of):
         if isinstance(task, str):
             skipped[node.name] = task
             continue
@@ -118,4 +146,5 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
     return sorted(out.values(), key=lambda t: (-t.weight, t.key))
 
 
-__all__ = ["Task", "merge", "model_tasks", "node_task", "template_version"]
+__all__ = ["ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks", "node_task",
+           "template_version", "view_shapes"]

@@ -132,3 +132,92 @@ def test_measured_kernel_times_replan_the_model(tmp_path: Path) -> None:
     measured = [g for g in rep["groups"] if "measured_us" in g]
     assert measured and all(g["measured_us"] in (0.5, 1e6) and g["predicted_us"] != g["measured_us"]
                             for g in measured)
+
+
+def optimize_file_(src: Path, out: Path, config: GtcoConfig | None, **kw):
+    from onnx_gtco.pipeline import optimize_file
+
+    return optimize_file(src, out, None, config, build=None, **kw)
+
+
+def test_a_replan_loads_and_matches_the_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real measurements plan the model again, from the model and candidates the run loaded and matched already:
+    one load, one reading of the dynamic ranges, one match of the rules; the result is what planning a freshly
+    loaded model with the same measurements gives."""
+    from onnx_gtco import pipeline
+    from onnx_gtco.tune.apply import measured_costs
+
+    calls = {"load_model": 0, "resolve_ranges": 0, "collect": 0}
+
+    def counting(module: object, name: str) -> None:
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    src = tmp_path / "vit.onnx"
+    onnx.save(build("vit-tiny", depth=1), str(src))
+    config = GtcoConfig(precision="fp16")
+    counting(pipeline, "load_model")
+    counting(pipeline, "resolve_ranges")
+    counting(pipeline.cands_mod, "collect")
+    result, _, _ = optimize_file_(src, tmp_path / "out.onnx", config, tune_trials=2,
+                                  storage=f"sqlite:///{tmp_path / 's.db'}", measurer=SlowGemmGpu())
+    assert result.report["tuning"]["replanned"] is True
+    assert calls == {"load_model": 1, "resolve_ranges": 1, "collect": 1}
+
+    first = result.report["tuning"]["tasks_tuned_first_plan"]
+    measured = measured_costs({"measurer": SlowGemmGpu.name, "tasks": first})
+    assert measured
+    fresh = optimize(str(src), config, measured_us=measured)
+    assert fresh.model.SerializeToString() == result.model.SerializeToString()
+    assert fresh.report == {k: v for k, v in result.report.items() if k != "tuning"}
+
+
+@pytest.mark.parametrize("name", ["vit-tiny", "bert-tiny-dynamic"])
+def test_tuning_without_a_config_tunes_for_gtco_target(name: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no config, planning and tuning (per shape or shape-generic) both take the target from GTCO_TARGET."""
+    from onnx_gtco.tune.search import AnalyticalMeasurer
+
+    monkeypatch.setenv("GTCO_TARGET", "sm_80")
+    monkeypatch.setenv("GTCO_PRECISION", "fp16")
+    monkeypatch.setenv("GTCO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("GTCO_TUNE_STORAGE", raising=False)
+    src = tmp_path / "m.onnx"
+    model = build("vit-tiny", depth=1) if name == "vit-tiny" else build("bert-tiny", batch="batch", seq="seq",
+                                                                           depth=1)
+    onnx.save(model, str(src))
+    result, _, _ = optimize_file_(src, tmp_path / "out.onnx", None, tune_trials=2,
+                                  storage=f"sqlite:///{tmp_path / 's.db'}", measurer=AnalyticalMeasurer())
+    assert {p.key: p.value for p in result.model.metadata_props}["gtco.target"] == "sm_80"
+    tuning = result.report["dynamic"]["tuning"] if result.dynamic else result.report["tuning"]
+    assert (name == "bert-tiny-dynamic") == bool(result.dynamic)
+    assert tuning["arch"] == "sm_80" and tuning["tasks"]
+    assert all("-sm_80-" in t["task"] for t in tuning["tasks"])
+
+
+def test_tuning_takes_the_shapes_the_plan_has() -> None:
+    """The plan's view gives the fused nodes the shapes the rewritten model's value_info records: the same tasks
+    and skip reasons, per shape and shape-generic."""
+    from onnx_gtco.config import Ranges
+    from onnx_gtco.tune.dynamic import dynamic_tasks
+    from onnx_gtco.tune.tasks import model_tasks, view_shapes
+
+    def keyed(tasks):
+        return [(t.key, getattr(t, "task", t).weight, getattr(t, "task", t).nodes) for t in tasks]
+
+    config = GtcoConfig(precision="fp16", target="sm_80")
+    for model in (build("vit-tiny", depth=1), build("bert-tiny", batch="batch", seq="seq", depth=1)):
+        result = optimize(model, config)
+        shapes = view_shapes(result.view)
+        for arch in ("sm_80", "sm_90"):
+            (a, why_a), (b, why_b) = model_tasks(result.model, arch), model_tasks(result.model, arch, shapes)
+            assert keyed(a) == keyed(b) and a and why_a == why_b
+            ranges = result.dynamic or Ranges()
+            (a, why_a), (b, why_b) = (dynamic_tasks(result.model, arch, ranges),
+                                      dynamic_tasks(result.model, arch, ranges, shapes))
+            assert keyed(a) == keyed(b) and why_a == why_b and bool(a) == bool(result.dynamic)
