@@ -148,7 +148,7 @@ def _gtco(ctx: Context) -> tuple[Timed, str]:
     from onnx_gtco.config import GtcoConfig
     from onnx_gtco.ir.export import save_atomic
     from onnx_gtco.pipeline import optimize_file
-    from onnx_gtco.plugin.session import make_session
+    from onnx_gtco.runtime.session import make_session
 
     if ctx.rewritten is not None:
         timed = ctx.time(lambda cg: make_session(ctx.rewritten, ep_list(ctx.provider, cg), library="auto",
