@@ -189,7 +189,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
     progress.step("opset")
     if default_opset(model) is None:  # no ONNX op to fold or fuse
-        return _infer_shapes(model, name)
+        return infer_shapes(model, name)
     model = _convert_opset(model, name)
     progress.step("fold constants, infer shapes")
     model = _folded(model, name)
@@ -212,22 +212,22 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     folded = model
     try:
         for _ in range(2):
-            folded = _infer_shapes(folded, name)
+            folded = infer_shapes(folded, name)
             folded = _fold_constants(folded)
     except (ModelError, _FoldError):
-        return _infer_shapes(model, name)
+        return infer_shapes(model, name)
     if [o.name for o in folded.graph.output] != [o.name for o in model.graph.output]:
-        return _infer_shapes(model, name)
+        return infer_shapes(model, name)
     try:
-        return _infer_shapes(folded, name, strict=True)
+        return infer_shapes(folded, name, strict=True)
     except ModelError as e:
         folded_error = str(e)
     try:
-        _infer_shapes(model, name, strict=True)
+        infer_shapes(model, name, strict=True)
     except ModelError as e:
         if str(e) == folded_error:
-            return _infer_shapes(folded, name)
-    return _infer_shapes(model, name)
+            return infer_shapes(folded, name)
+    return infer_shapes(model, name)
 
 
 def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
@@ -251,7 +251,7 @@ def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 _INFER_VALUE_LIMIT = 4096
 
 
-def _infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
+def infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
     """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model.
 
     `strict`: the model is checked (onnx.checker, weights aside) and an error inferring any node fails (onnx
@@ -291,6 +291,10 @@ def _infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> on
     del out.graph.output[:]
     out.graph.output.extend(inferred.graph.output)
     return out
+
+
+_infer_shapes = infer_shapes
+"""Deprecated name of infer_shapes, kept while plugin.nodes still imports it."""
 
 
 def _keep_dim_names(inferred: onnx.ModelProto) -> onnx.ModelProto:

@@ -3,7 +3,7 @@
 
 Problem sizes: "batch", "M", "N", "K", "b_batched" (1: one B per batch entry, 0: one B shared by the batch, a
 weight GEMM). Flags: "trans_b" (B is [N, K]), "bias" (bias [N]), "activation" (a name of
-onnx_gtco.patterns._act.REFERENCE, or "none"), "residual" (residual like y), "alpha" (the scale, a run-time
+onnx_gtco.patterns.activation.REFERENCE, or "none"), "residual" (residual like y), "alpha" (the scale, a run-time
 argument; absent = 1), "out_dtype" ("f32": y and the residual are fp32, the output cast fused into the epilogue;
 absent = the input dtype).
 
@@ -37,7 +37,7 @@ from onnx_gtco.kernels.family import (
     np_dtype,
     to_storage,
 )
-from onnx_gtco.patterns._act import REFERENCE
+from onnx_gtco.patterns.activation import REFERENCE
 
 # Activation name -> gtco::Act enumerator in gemm.cuh.
 ACTIVATIONS: dict[str, str] = {

@@ -47,8 +47,8 @@ from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.progress import stage
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
-from onnx_gtco.tune.search import Measurer, _space, measure_into, open_storage, optimize_once, storage_url
-from onnx_gtco.tune.tasks import Task, _shapes, fused_node_tasks
+from onnx_gtco.tune.search import Measurer, measure_into, open_storage, optimize_once, search_space, storage_url
+from onnx_gtco.tune.tasks import Task, fused_node_tasks, tensor_shapes
 
 MAX_CONFIGS = 6         # micro-kernel configurations per task
 RANK_POINTS = 5         # extents of the range at which the analytical model ranks the candidates
@@ -140,7 +140,7 @@ def extent_range(node: onnx.NodeProto, shapes: Mapping[str, tuple], bounds: Mapp
 def dynamic_tasks(model: onnx.ModelProto, arch: str, ranges: Ranges) -> tuple[list[DynamicTask], dict[str, str]]:
     """The DynamicTasks of a rewritten model's fused nodes for `arch` (heaviest first) and why the other fused
     nodes have none."""
-    shapes = _shapes(model)
+    shapes = tensor_shapes(model)
     bounds = ranges.bounds()
     found: dict[tuple[str, int, int], DynamicTask] = {}
     skipped: dict[str, str] = {}
@@ -182,7 +182,7 @@ def candidates(dt: DynamicTask, limit: int = MAX_CONFIGS) -> list[dict[str, int]
     """The task's micro-kernel configurations: the analytical model's best few at extents spread over the range
     (largest first), valid over the whole range, at most `limit`."""
     family = FAMILIES[dt.task.problem.family]
-    keys = list(_space(dt.task))
+    keys = list(search_space(dt.task))
     out: list[dict[str, int]] = []
     for n in reversed(spread(dt.lo, dt.hi, RANK_POINTS)):
         p = dt.problem_at(n)
@@ -325,7 +325,7 @@ def microkernel_study_name(dt: DynamicTask, device: str) -> str:
 
 def _record(study: optuna.Study, dt: DynamicTask, config: dict[str, int], n: int, measurer: Measurer) -> None:
     study.enqueue_trial(config, user_attrs={"extent": int(n)})
-    space = _space(dt.task)
+    space = search_space(dt.task)
 
     def objective(trial: optuna.Trial) -> float:
         cfg = {k: trial.suggest_categorical(k, v) for k, v in space.items()}

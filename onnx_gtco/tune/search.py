@@ -119,7 +119,9 @@ class AnalyticalMeasurer:
         return {"measurer": self.name, "gpu": "none (analytical model)", "driver": "", "toolchain": ""}
 
 
-def _space(task: Task) -> dict[str, list[int]]:
+def search_space(task: Task) -> dict[str, list[int]]:
+    """Parameter -> the values a trial may suggest: the family's tunable space plus its optional parameters (VEC
+    both ways around its default, the others fixed at theirs)."""
     family = FAMILIES.get(task.problem.family)
     if family is None:
         raise ValueError(f"no kernel family {task.problem.family!r} to tune")
@@ -132,7 +134,7 @@ def _space(task: Task) -> dict[str, list[int]]:
 def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, int]]:
     """The family's valid configurations ranked by the analytical model, best first."""
     family = FAMILIES[task.problem.family]
-    keys = list(_space(task))
+    keys = list(search_space(task))
     configs = [{k: c[k] for k in keys if k in c} for c in family.configs(task.problem, task.arch)]
     ranked = sorted(configs, key=lambda c: estimate_us(task.problem, c, task.arch))
     return ranked[:n]
@@ -196,7 +198,7 @@ def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str =
         numbers.append(trial.number)
         if worker:
             trial.set_user_attr("worker", worker)
-        config = {k: trial.suggest_categorical(k, v) for k, v in _space(task).items()}
+        config = {k: trial.suggest_categorical(k, v) for k, v in search_space(task).items()}
         why = FAMILIES[task.problem.family].check(task.problem, config, task.arch)
         if why is not None:
             for k, v in measurer.environment().items():
@@ -227,4 +229,5 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 
 __all__ = ["ERROR_KINDS", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer", "analytical_guesses",
-           "best", "finished", "open_storage", "run_trial", "storage_url", "study_for", "study_name", "times"]
+           "best", "finished", "open_storage", "run_trial", "search_space", "storage_url", "study_for", "study_name",
+           "times"]

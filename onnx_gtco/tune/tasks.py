@@ -73,7 +73,9 @@ def node_task(node: onnx.NodeProto, shape_of: Callable[[str], tuple | None], arc
     return Task(problem, arch, version, 1, (node.name,))
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Tensor name -> its shape as the model declares it (ints, dim names for symbolic dims): the graph's inputs,
+    value_info, outputs and initializers."""
     out: dict[str, tuple] = {}
     for vi in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         t = vi.type.tensor_type
@@ -86,7 +88,7 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
 
 def fused_node_tasks(model: onnx.ModelProto, arch: str) -> Iterator[tuple[onnx.NodeProto, Task | str]]:
     """Each fused node of a rewritten model with its task for `arch` (weight 1), or why it has none."""
-    shapes = _shapes(model)
+    shapes = tensor_shapes(model)
     version = template_version()
     for node in model.graph.node:
         if node.domain == "ai.gtco":
@@ -118,4 +120,4 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
     return sorted(out.values(), key=lambda t: (-t.weight, t.key))
 
 
-__all__ = ["Task", "merge", "model_tasks", "node_task", "template_version"]
+__all__ = ["Task", "fused_node_tasks", "merge", "model_tasks", "node_task", "template_version", "tensor_shapes"]
