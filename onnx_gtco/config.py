@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Target:
-    """Published peak numbers of one GPU, used by the analytical cost model.
+    """Published peak numbers and resources of one GPU: the hardware facts of the planner's cost model
+    (cost.model) and the tuner's analytical model of one kernel (tune.analytical) alike.
 
     Attributes:
         name: short name, e.g. "sm_80".
@@ -32,6 +33,8 @@ class Target:
         dram_gbps: DRAM bandwidth, GB/s.
         launch_us: cost of one kernel launch and its tail, microseconds.
         smem_kib: shared memory a block may use, KiB.
+        sms: streaming multiprocessors.
+        max_threads_per_sm: threads resident on one SM at once.
     """
 
     name: str
@@ -42,12 +45,14 @@ class Target:
     dram_gbps: float
     launch_us: float
     smem_kib: int
+    sms: int
+    max_threads_per_sm: int
 
 
 # A100-SXM4-80GB and H100-SXM5 data-sheet numbers (dense, no sparsity).
 TARGETS: dict[str, Target] = {
-    "sm_80": Target("sm_80", "A100-SXM4-80GB", 312.0, 156.0, 19.5, 2039.0, 3.0, 163),
-    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227),
+    "sm_80": Target("sm_80", "A100-SXM4-80GB", 312.0, 156.0, 19.5, 2039.0, 3.0, 163, 108, 2048),
+    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227, 132, 2048),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16")

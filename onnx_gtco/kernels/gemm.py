@@ -149,6 +149,8 @@ class GemmFamily(KernelFamily):
     # ---------------------------------------------------------------------------------------------------------
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU."""
+        if arch not in ARCHS:
+            return []  # check rejects every configuration for it
         big = [
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 4},
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3},
@@ -166,7 +168,7 @@ class GemmFamily(KernelFamily):
             tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
         except KeyError:
             tiles = 0
-        sms = 132 if arch == "sm_90" else 108
+        sms = TARGETS[arch].sms
         order = big + small if tiles >= sms else small + big
         try:
             vec = int(problem.size("K") % 8 == 0 and problem.size("N") % 8 == 0)
