@@ -14,7 +14,6 @@ URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -23,14 +22,15 @@ from typing import Any, Protocol
 
 import optuna
 
+from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
 from onnx_gtco.tune.tasks import Task
 
-STORAGE_ENV = "GTCO_TUNE_STORAGE"
-DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement sleeps (tests of workers only)
+STORAGE_ENV = TUNE_STORAGE_ENV
+DELAY_ENV = TUNE_DELAY_ENV  # seconds each analytical measurement sleeps (tests of workers only)
 SEEDS = 3          # analytical guesses enqueued per study
 HEARTBEAT_S = 2    # a running trial proves its worker alive this often
 ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "timeout")
@@ -40,8 +40,9 @@ def storage_url(explicit: str | None = None) -> str:
     """The tuning storage: `explicit`, else $GTCO_TUNE_STORAGE, else SQLite in the user cache."""
     if explicit:
         return explicit
-    if os.environ.get(STORAGE_ENV):
-        return os.environ[STORAGE_ENV]
+    from_env = tune_storage_env()
+    if from_env:
+        return from_env
     path = cache_root() / "tuning.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
@@ -110,7 +111,7 @@ class AnalyticalMeasurer:
 
     def measure(self, task: Task, config: Mapping[str, int]) -> Measurement:
         self.calls += 1
-        delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+        delay = tune_test_delay_s()
         if delay > 0:  # test hook: a measurement that takes time, so tests can kill a worker mid-trial
             time.sleep(delay)
         return Measurement(estimate_us(task.problem, config, task.arch), 0.0, runs=1)
