@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
 from onnx_gtco import progress
-from onnx_gtco.errors import ModelError, OpsetNotConvertedError, UnsupportedError, first_line
+from onnx_gtco.errors import FoldError, ModelError, OpsetNotConvertedError, UnsupportedError, first_line
 from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
 MIN_OPSET = 13
@@ -214,7 +214,7 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         for _ in range(2):
             folded = infer_shapes(folded, name)
             folded = _fold_constants(folded)
-    except (ModelError, _FoldError):
+    except (ModelError, FoldError):
         return infer_shapes(model, name)
     if [o.name for o in folded.graph.output] != [o.name for o in model.graph.output]:
         return infer_shapes(model, name)
@@ -419,15 +419,11 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     return converted
 
 
-class _FoldError(Exception):
-    """onnx-graphsurgeon failed folding a model (the caller keeps it unfolded)."""
-
-
 def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     """Fold constant subgraphs (shape arithmetic of static shapes) with onnx-graphsurgeon, then drop dead nodes.
 
     Raises:
-        _FoldError: onnx-graphsurgeon failed on the model.
+        FoldError: onnx-graphsurgeon failed on the model.
     """
     import onnx_graphsurgeon as gs
 
@@ -437,7 +433,7 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
         graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
         folded = gs.export_onnx(graph, do_type_check=False)
     except Exception as e:  # it raises what its passes raise (UnboundLocalError on absent optional values, ...)
-        raise _FoldError(f"{type(e).__name__}: {e}") from e
+        raise FoldError(f"{type(e).__name__}: {e}") from e
     folded.ir_version = model.ir_version
     del folded.functions[:]
     folded.functions.extend(functions)

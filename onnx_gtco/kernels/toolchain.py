@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onnx_gtco.config import SANITIZE_ENV, cache_base, compiler_environ, compiler_override, sanitizer_env
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import BuildError
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -72,10 +72,6 @@ def _is_host_compiler(tool: str) -> bool:
 
 
 _ERROR_LINES = 6
-
-
-class BuildError(GtcoError):
-    """A compiler is missing, failed, or timed out."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from onnx_gtco.config import ORT_INCLUDE_ENV, ort_include_override
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.errors import HeaderError
 from onnx_gtco.kernels.toolchain import cache_root
 
 ENV = ORT_INCLUDE_ENV
@@ -37,10 +37,6 @@ _DEB_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
 _SOURCES = "deb http://deb.debian.org/debian trixie main\n"
 _TIMEOUT_S = 120.0
 _INNER = Path("usr/include/onnxruntime")
-
-
-class HeaderError(GtcoError):
-    """The ONNX Runtime headers could not be found or fetched."""
 
 
 def ort_include_dir() -> Path:

@@ -3,6 +3,7 @@ below the plugin); these names stay importable from here for the modules that st
 
 from __future__ import annotations
 
-from onnx_gtco.runtime.session import METADATA_KEY, LibraryError, library_path, make_session
+from onnx_gtco.errors import LibraryError
+from onnx_gtco.runtime.session import METADATA_KEY, library_path, make_session
 
 __all__ = ["METADATA_KEY", "LibraryError", "library_path", "make_session"]

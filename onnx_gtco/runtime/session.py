@@ -18,14 +18,10 @@ from typing import Any, Literal
 
 import onnx
 
-from onnx_gtco.errors import GtcoError, first_line
+from onnx_gtco.errors import LibraryError, first_line
 from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries
 
 METADATA_KEY = "gtco.library"
-
-
-class LibraryError(GtcoError):
-    """The model's custom-op library is missing or cannot be loaded."""
 
 
 def library_path(path: str | os.PathLike[str]) -> Path | None:
