@@ -99,7 +99,7 @@ def cmd_tune_worker(args: argparse.Namespace) -> int:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from onnx_gtco import report
-    from onnx_gtco.kernels.toolchain import BuildError
+    from onnx_gtco.errors import BuildError
     from onnx_gtco.pipeline import optimize_file
 
     model = _model_arg(args.model)

@@ -1,5 +1,6 @@
-"""One frozen configuration, built once at the edge (CLI or API caller), the GPU targets we plan for, and the ranges
-of a model's symbolic dims (`--dynamic`, the `gtco.dynamic` metadata)."""
+"""One frozen configuration, built once at the edge (CLI or API caller), the GPU targets we plan for, the ranges
+of a model's symbolic dims (`--dynamic`, the `gtco.dynamic` metadata), and every read of the environment: no other
+module reads os.environ (tests/test_layers.py checks it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onnx_gtco.errors import GtcoError
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Target:
-    """Published peak numbers of one GPU, used by the analytical cost model.
+    """Published peak numbers and resources of one GPU: the hardware facts of the planner's cost model
+    (cost.model) and the tuner's analytical model of one kernel (tune.analytical) alike.
 
     Attributes:
         name: short name, e.g. "sm_80".
@@ -32,6 +35,8 @@ class Target:
         dram_gbps: DRAM bandwidth, GB/s.
         launch_us: cost of one kernel launch and its tail, microseconds.
         smem_kib: shared memory a block may use, KiB.
+        sms: streaming multiprocessors.
+        max_threads_per_sm: threads resident on one SM at once.
     """
 
     name: str
@@ -42,12 +47,14 @@ class Target:
     dram_gbps: float
     launch_us: float
     smem_kib: int
+    sms: int
+    max_threads_per_sm: int
 
 
 # A100-SXM4-80GB and H100-SXM5 data-sheet numbers (dense, no sparsity).
 TARGETS: dict[str, Target] = {
-    "sm_80": Target("sm_80", "A100-SXM4-80GB", 312.0, 156.0, 19.5, 2039.0, 3.0, 163),
-    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227),
+    "sm_80": Target("sm_80", "A100-SXM4-80GB", 312.0, 156.0, 19.5, 2039.0, 3.0, 163, 108, 2048),
+    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227, 132, 2048),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -100,6 +107,61 @@ def target_note(explicit: str | None) -> str | None:
     if explicit is not None or "GTCO_TARGET" in os.environ:
         return None
     return default_target()[1]
+
+# --- the environment: the variables other modules act on, each read by one function here ---------------------------
+
+CACHE_DIR_ENV = "GTCO_CACHE_DIR"
+SANITIZE_ENV = "GTCO_SANITIZE"
+TUNE_STORAGE_ENV = "GTCO_TUNE_STORAGE"
+TUNE_DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement sleeps (tests of workers only)
+ORT_INCLUDE_ENV = "ORT_INCLUDE_DIR"
+
+
+def cache_base() -> Path:
+    """The user cache folder: `$GTCO_CACHE_DIR`, else `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`
+    (kernels.toolchain.cache_root adds the sanitizer's subfolder)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "onnx-gtco"
+
+
+def sanitizer_env() -> str:
+    """$GTCO_SANITIZE, stripped; "" when unset (kernels.toolchain.sanitizer checks the name)."""
+    return os.environ.get(SANITIZE_ENV, "").strip()
+
+
+def compiler_override(env: str) -> str | None:
+    """The compiler the variable `env` ("NVCC", "CXX") names in place of the one on PATH; None when unset or empty."""
+    return os.environ.get(env) or None
+
+
+def compiler_environ() -> dict[str, str] | None:
+    """The environment for a compiler run under a sanitizer: this process's without LD_PRELOAD (the sanitizer's
+    runtime, preloaded for the tests, crashes nvcc); None (inherit it unchanged) when LD_PRELOAD is unset or empty."""
+    if not os.environ.get("LD_PRELOAD"):
+        return None
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
+def tune_storage_env() -> str | None:
+    """$GTCO_TUNE_STORAGE, the tuning storage's URL when no --storage is given; None when unset or empty."""
+    return os.environ.get(TUNE_STORAGE_ENV) or None
+
+
+def tune_test_delay_s() -> float:
+    """$GTCO_TUNE_TEST_DELAY_S: seconds each analytical measurement sleeps (a test hook), 0 when unset or empty.
+
+    Raises:
+        ValueError: the value is not a number.
+    """
+    return float(os.environ.get(TUNE_DELAY_ENV, "0") or 0)
+
+
+def ort_include_override() -> str | None:
+    """$ORT_INCLUDE_DIR, a folder with the ONNX Runtime C/C++ API headers in place of the downloaded ones; None when
+    unset or empty."""
+    return os.environ.get(ORT_INCLUDE_ENV) or None
+
 
 DynamicRanges = tuple[tuple[str, int, int], ...]
 """Declared ranges of symbolic dims: (dim name, lo, hi) per dim, sorted by name."""

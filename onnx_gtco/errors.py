@@ -1,4 +1,5 @@
-"""Errors, one class per stage. Messages name the problem and, where there is one, the fix."""
+"""Errors, one class per stage, and every other exception class of the package (tests/test_layers.py checks that
+none is defined elsewhere). Messages name the problem and, where there is one, the fix."""
 
 from __future__ import annotations
 
@@ -75,3 +76,35 @@ class CudaProviderError(GtcoError):
 
 class CheckError(GtcoError):
     """Comparing two models could not run (not: the models differ)."""
+
+
+class BuildError(GtcoError):
+    """A compiler is missing, failed, or timed out."""
+
+
+class EmulationError(BuildError):
+    """The emulated kernel faulted (a gtco-emu error), returned a GTCO_E* code, or timed out."""
+
+
+class HeaderError(GtcoError):
+    """The ONNX Runtime headers could not be found or fetched."""
+
+
+class LibraryError(GtcoError):
+    """The model's custom-op library is missing or cannot be loaded."""
+
+
+# Signals that one module raises and catches itself: they never reach a caller, so they are no GtcoError.
+
+class FoldError(Exception):
+    """onnx-graphsurgeon failed folding a model's constants (ir.load keeps the model unfolded)."""
+
+
+class SearchBudgetError(Exception):
+    """The fusion search of one segment passed its state budget (plan.dp searches it again with forced moves, else
+    leaves it unfused)."""
+
+
+class VariantSkipped(Exception):
+    """A benchmark variant cannot run here for a reason that is not a failure (not installed, wrong provider):
+    bench.variants reports it as skipped."""

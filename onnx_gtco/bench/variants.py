@@ -19,16 +19,12 @@ import onnx
 
 from onnx_gtco.bench.stats import Accuracy, accuracy
 from onnx_gtco.bench.timing import CPU_EP, CUDA_EP, Timed, ep_list, session_options, time_callable, time_ort
-from onnx_gtco.errors import first_line, install_hint
+from onnx_gtco.errors import VariantSkipped, first_line, install_hint
 
 OURS = "gtco"
 BASELINES = ("ort-fp32", "ort-fp16", "ort-transformers-fp16", "torch-compile", "tensorrt")
 """Every baseline `--baselines` can select, in the order they are run and reported."""
 TRT_EP = "TensorrtExecutionProvider"
-
-
-class Skip(Exception):
-    """The variant cannot run here for a reason that is not a failure (not installed, wrong provider)."""
 
 
 @dataclass
@@ -148,7 +144,7 @@ def _gtco(ctx: Context) -> tuple[Timed, str]:
     from onnx_gtco.config import GtcoConfig
     from onnx_gtco.ir.export import save_atomic
     from onnx_gtco.pipeline import optimize_file
-    from onnx_gtco.plugin.session import make_session
+    from onnx_gtco.runtime.session import make_session
 
     if ctx.rewritten is not None:
         timed = ctx.time(lambda cg: make_session(ctx.rewritten, ep_list(ctx.provider, cg), library="auto",
@@ -191,16 +187,16 @@ def _torch_module(ctx: Context, device: str) -> tuple[Any, str]:
 
 def _torch_compile(ctx: Context) -> tuple[Timed, str]:
     if importlib.util.find_spec("torch") is None:
-        raise Skip(f"torch is not installed ({install_hint('torch')})")
+        raise VariantSkipped(f"torch is not installed ({install_hint('torch')})")
     if ctx.torch_program is None and importlib.util.find_spec("onnx2torch") is None:  # before importing torch
-        raise Skip("torch.compile needs the model's torch module: pass --torch-program (the model's "
-                   "torch.export.save file), or install onnx2torch to convert the ONNX model "
-                   f"({install_hint('onnx2torch')})")
+        raise VariantSkipped("torch.compile needs the model's torch module: pass --torch-program (the model's "
+                             "torch.export.save file), or install onnx2torch to convert the ONNX model "
+                             f"({install_hint('onnx2torch')})")
     import torch
 
     device = "cuda" if ctx.provider == "cuda" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise Skip("torch sees no CUDA device")
+        raise VariantSkipped("torch sees no CUDA device")
     module, source = _torch_module(ctx, device)
     compiled = torch.compile(module, mode="max-autotune")
     args = [torch.from_numpy(x).to(device) for x in ctx.feeds.values()]  # the graph inputs, in their order
@@ -228,7 +224,7 @@ def _tensorrt(ctx: Context) -> tuple[Timed, str]:
     import onnxruntime as ort
 
     if ctx.provider != "cuda":
-        raise Skip("TensorRT runs on NVIDIA GPUs only (--provider cuda)")
+        raise VariantSkipped("TensorRT runs on NVIDIA GPUs only (--provider cuda)")
     half = ctx.precision in ("fp16", "bf16")
     if TRT_EP in ort.get_available_providers():
         cache = ctx.workdir / "trt-cache"
@@ -243,8 +239,8 @@ def _tensorrt(ctx: Context) -> tuple[Timed, str]:
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        raise Skip("neither ORT's TensorRT EP (onnxruntime-gpu with TensorRT) nor the tensorrt package is installed "
-                   f"({install_hint('tensorrt')})") from None
+        raise VariantSkipped("neither ORT's TensorRT EP (onnxruntime-gpu with TensorRT) nor the tensorrt package is "
+                             f"installed ({install_hint('tensorrt')})") from None
     return _tensorrt_package(ctx, half)
 
 
@@ -256,7 +252,8 @@ def _tensorrt_package(ctx: Context, half: bool) -> tuple[Timed, str]:
     try:
         import torch
     except ImportError:
-        raise Skip("the tensorrt package is installed but its runner needs torch for the device buffers") from None
+        raise VariantSkipped("the tensorrt package is installed but its runner needs torch for the device "
+                             "buffers") from None
     logger = trt.Logger(trt.Logger.ERROR)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
@@ -301,7 +298,7 @@ def run_variant(name: str, ctx: Context) -> Result:
     own problems: they become a "skipped" or "failed" Result with the reason."""
     try:
         timed, note = _RUNNERS[name](ctx)
-    except Skip as e:
+    except VariantSkipped as e:
         return Result(name, "skipped", str(e))
     except Exception as e:  # any library's failure to build or run this variant is reported, not raised
         return Result(name, "failed", first_line(e))

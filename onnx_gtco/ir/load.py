@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError, Message
 from onnx import helper
 
 from onnx_gtco import progress
-from onnx_gtco.errors import ModelError, OpsetNotConvertedError, UnsupportedError, first_line
+from onnx_gtco.errors import FoldError, ModelError, OpsetNotConvertedError, UnsupportedError, first_line
 from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
 MIN_OPSET = 13
@@ -189,7 +189,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
         raise ModelError(f"{name}: invalid ONNX model: {first}") from None
     progress.step("opset")
     if default_opset(model) is None:  # no ONNX op to fold or fuse
-        return _infer_shapes(model, name)
+        return infer_shapes(model, name)
     model = _convert_opset(model, name)
     progress.step("fold constants, infer shapes")
     model = _folded(model, name)
@@ -212,22 +212,22 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     folded = model
     try:
         for _ in range(2):
-            folded = _infer_shapes(folded, name)
+            folded = infer_shapes(folded, name)
             folded = _fold_constants(folded)
-    except (ModelError, _FoldError):
-        return _infer_shapes(model, name)
+    except (ModelError, FoldError):
+        return infer_shapes(model, name)
     if [o.name for o in folded.graph.output] != [o.name for o in model.graph.output]:
-        return _infer_shapes(model, name)
+        return infer_shapes(model, name)
     try:
-        return _infer_shapes(folded, name, strict=True)
+        return infer_shapes(folded, name, strict=True)
     except ModelError as e:
         folded_error = str(e)
     try:
-        _infer_shapes(model, name, strict=True)
+        infer_shapes(model, name, strict=True)
     except ModelError as e:
         if str(e) == folded_error:
-            return _infer_shapes(folded, name)
-    return _infer_shapes(model, name)
+            return infer_shapes(folded, name)
+    return infer_shapes(model, name)
 
 
 def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
@@ -251,7 +251,7 @@ def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 _INFER_VALUE_LIMIT = 4096
 
 
-def _infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
+def infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
     """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model.
 
     `strict`: the model is checked (onnx.checker, weights aside) and an error inferring any node fails (onnx
@@ -291,6 +291,9 @@ def _infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> on
     del out.graph.output[:]
     out.graph.output.extend(inferred.graph.output)
     return out
+
+
+"""Deprecated name of infer_shapes, kept while plugin.nodes still imports it."""
 
 
 def _keep_dim_names(inferred: onnx.ModelProto) -> onnx.ModelProto:
@@ -415,15 +418,11 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     return converted
 
 
-class _FoldError(Exception):
-    """onnx-graphsurgeon failed folding a model (the caller keeps it unfolded)."""
-
-
 def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     """Fold constant subgraphs (shape arithmetic of static shapes) with onnx-graphsurgeon, then drop dead nodes.
 
     Raises:
-        _FoldError: onnx-graphsurgeon failed on the model.
+        FoldError: onnx-graphsurgeon failed on the model.
     """
     import onnx_graphsurgeon as gs
 
@@ -433,7 +432,7 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
         graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
         folded = gs.export_onnx(graph, do_type_check=False)
     except Exception as e:  # it raises what its passes raise (UnboundLocalError on absent optional values, ...)
-        raise _FoldError(f"{type(e).__name__}: {e}") from e
+        raise FoldError(f"{type(e).__name__}: {e}") from e
     folded.ir_version = model.ir_version
     del folded.functions[:]
     folded.functions.extend(functions)

@@ -237,8 +237,10 @@ class _AttentionBase(KernelFamily):
         keys = list(self.space)
         valid = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*self.space.values())]
         valid = [c for c in valid if self.check(problem, c, arch) is None]
+        if not valid:  # an invalid problem, or an arch without kernels
+            return []
         b, h, sq, sk, _ = _dims(problem) if self._check_problem(problem) is None else (1, 1, 1, 1, 1)
-        sms = 132 if arch == "sm_90" else 108
+        sms = TARGETS[arch].sms
 
         def rank(c: dict[str, int]) -> tuple[float, ...]:
             q_tiles, k_tiles = math.ceil(sq / c["BQ"]), math.ceil(sk / c["BKV"])

@@ -19,10 +19,11 @@ from functools import lru_cache
 from pathlib import Path
 
 from onnx_gtco import progress
+from onnx_gtco.errors import BuildError
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
-from onnx_gtco.kernels.toolchain import BuildError, cache_root, nvcc_compile
+from onnx_gtco.kernels.toolchain import cache_root, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 

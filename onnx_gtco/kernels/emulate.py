@@ -14,15 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx_gtco.errors import EmulationError
 from onnx_gtco.kernels.family import Field, Instance
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, BuildError, find_cxx, run_compile
+from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx, run_compile
 
 INCLUDE_DIR = PLUGINS_DIR / "include"
 RUN_TIMEOUT_S = 300.0
-
-
-class EmulationError(BuildError):
-    """The emulated kernel faulted (a gtco-emu error), returned a GTCO_E* code, or timed out."""
 
 
 def build_emulated(instance: Instance, out_dir: str | os.PathLike[str], extra: Sequence[str] = ("-O2",)) -> Path:

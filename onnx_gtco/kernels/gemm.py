@@ -3,7 +3,7 @@
 
 Problem sizes: "batch", "M", "N", "K", "b_batched" (1: one B per batch entry, 0: one B shared by the batch, a
 weight GEMM). Flags: "trans_b" (B is [N, K]), "bias" (bias [N]), "activation" (a name of
-onnx_gtco.patterns._act.REFERENCE, or "none"), "residual" (residual like y), "alpha" (the scale, a run-time
+onnx_gtco.patterns.activation.REFERENCE, or "none"), "residual" (residual like y), "alpha" (the scale, a run-time
 argument; absent = 1), "out_dtype" ("f32": y and the residual are fp32, the output cast fused into the epilogue;
 absent = the input dtype).
 
@@ -37,7 +37,7 @@ from onnx_gtco.kernels.family import (
     np_dtype,
     to_storage,
 )
-from onnx_gtco.patterns._act import REFERENCE
+from onnx_gtco.patterns.activation import REFERENCE
 
 # Activation name -> gtco::Act enumerator in gemm.cuh.
 ACTIVATIONS: dict[str, str] = {
@@ -149,6 +149,8 @@ class GemmFamily(KernelFamily):
     # ---------------------------------------------------------------------------------------------------------
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU."""
+        if arch not in ARCHS:
+            return []  # check rejects every configuration for it
         big = [
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 4},
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3},
@@ -166,7 +168,7 @@ class GemmFamily(KernelFamily):
             tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
         except KeyError:
             tiles = 0
-        sms = 132 if arch == "sm_90" else 108
+        sms = TARGETS[arch].sms
         order = big + small if tiles >= sms else small + big
         try:
             vec = int(problem.size("K") % 8 == 0 and problem.size("N") % 8 == 0)

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.config import SANITIZE_ENV, cache_base, compiler_environ, compiler_override, sanitizer_env
+from onnx_gtco.errors import BuildError
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -32,15 +33,11 @@ def cache_root() -> Path:
     `$XDG_CACHE_HOME/onnx-gtco`, else `~/.cache/onnx-gtco`; with $GTCO_SANITIZE set, its `sanitize-<name>`
     subfolder, so that sanitized builds and plain ones never share a cache entry (nor a library file name's hash
     in it)."""
-    if os.environ.get("GTCO_CACHE_DIR"):
-        root = Path(os.environ["GTCO_CACHE_DIR"])
-    else:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "onnx-gtco"
+    root = cache_base()
     name = sanitizer()
     return root / f"sanitize-{name}" if name else root
 
 
-SANITIZE_ENV = "GTCO_SANITIZE"
 _SANITIZERS = {
     "address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g"),
 }
@@ -52,7 +49,7 @@ def sanitizer() -> str:
     Raises:
         BuildError: any other value.
     """
-    name = os.environ.get(SANITIZE_ENV, "").strip()
+    name = sanitizer_env()
     if name and name not in _SANITIZERS:
         raise BuildError(f"{SANITIZE_ENV}={name!r}: choose one of {', '.join(sorted(_SANITIZERS))} or leave it unset")
     return name
@@ -70,15 +67,11 @@ def sanitize_flags() -> tuple[str, ...]:
 
 def _is_host_compiler(tool: str) -> bool:
     name = Path(tool).name
-    cxx = os.environ.get("CXX")
+    cxx = compiler_override("CXX")
     return name.endswith(("g++", "c++", "clang++")) or (bool(cxx) and name == Path(cxx).name)
 
 
 _ERROR_LINES = 6
-
-
-class BuildError(GtcoError):
-    """A compiler is missing, failed, or timed out."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +85,7 @@ class CompileResult:
 
 
 def _find(env: str, default: str, hint: str) -> str:
-    override = os.environ.get(env)
+    override = compiler_override(env)
     if override:
         found = shutil.which(override)
         if found is None:
@@ -146,9 +139,7 @@ def run_compile(command: Sequence[str], source: str | os.PathLike[str],
     extra = sanitize_flags() if _is_host_compiler(cmd[0]) else ()
     cmd = (cmd[0], *extra, *cmd[1:])
     start = time.monotonic()
-    env = None
-    if sanitizer() and os.environ.get("LD_PRELOAD"):  # the sanitizer runtime preloaded for the tests: not into the
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # compilers (nvcc crashes under it)
+    env = compiler_environ() if sanitizer() else None  # the tests' preloaded sanitizer runtime: not in compilers
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
     except subprocess.TimeoutExpired:

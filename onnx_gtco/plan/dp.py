@@ -21,12 +21,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from onnx_gtco.errors import PlanError
+from onnx_gtco.errors import PlanError, SearchBudgetError
 from onnx_gtco.plan.types import Candidate, Plan, Reject
-
-
-class _OverBudget(Exception):
-    """The search of one segment passed its state budget."""
 
 
 class Dag(Protocol):
@@ -106,7 +102,7 @@ def plan(
         return sorted(found)
 
     def solve(full: int, force: bool) -> dict[int, tuple[float, int]]:
-        """best[state] = (least cost, chosen ending) for `full` and every state it reaches; _OverBudget past
+        """best[state] = (least cost, chosen ending) for `full` and every state it reaches; SearchBudgetError past
         max_states."""
         best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
         pending: dict[int, list[int]] = {}
@@ -123,7 +119,7 @@ def plan(
                 if todo:
                     stack.extend(todo)
                     if len(best) + len(pending) > max_states:
-                        raise _OverBudget
+                        raise SearchBudgetError
                     continue
             value, choice = math.inf, -1
             for k in trans:
@@ -146,9 +142,9 @@ def plan(
         try:
             try:
                 best = solve(full, force=False)
-            except _OverBudget:
+            except SearchBudgetError:
                 best = solve(full, force=True)
-        except _OverBudget:
+        except SearchBudgetError:
             # Past the budget even with forced moves: every node of the segment runs alone, in topological order.
             rejects.append(Reject("dp", names[lo], f"fusion search passed {max_states} states on nodes {lo}..{hi - 1} "
                                                    f"({names[lo]} .. {names[hi - 1]}); that segment is left unfused"))

@@ -23,10 +23,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from onnx_gtco.errors import GtcoError
+from onnx_gtco.config import ORT_INCLUDE_ENV, ort_include_override
+from onnx_gtco.errors import HeaderError
 from onnx_gtco.kernels.toolchain import cache_root
 
-ENV = "ORT_INCLUDE_DIR"
+ENV = ORT_INCLUDE_ENV
 HEADER = "onnxruntime_cxx_api.h"
 PACKAGE = "libonnxruntime-dev"
 VERSION = "1.21.0+dfsg-1"
@@ -38,10 +39,6 @@ _TIMEOUT_S = 120.0
 _INNER = Path("usr/include/onnxruntime")
 
 
-class HeaderError(GtcoError):
-    """The ONNX Runtime headers could not be found or fetched."""
-
-
 def ort_include_dir() -> Path:
     """A directory with onnxruntime_cxx_api.h (see the module docstring).
 
@@ -49,7 +46,7 @@ def ort_include_dir() -> Path:
         HeaderError: $ORT_INCLUDE_DIR lacks the header, or the download / unpacking failed (the message names the
             step and how to work around it).
     """
-    override = os.environ.get(ENV)
+    override = ort_include_override()
     if override:
         d = Path(override)
         if not (d / HEADER).is_file():

@@ -9,7 +9,7 @@ import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import ModelError
-from onnx_gtco.ir.load import _infer_shapes
+from onnx_gtco.ir.load import infer_shapes
 from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.plugin.binding import FusedNode, TensorInfo
 
@@ -51,7 +51,7 @@ def fused_nodes(model: onnx.ModelProto) -> list[FusedNode]:
     fused = [n for n in model.graph.node if n.domain == DOMAIN]
     if not fused:
         return []
-    inferred = _infer_shapes(model, model.graph.name or "model")
+    inferred = infer_shapes(model, model.graph.name or "model")
     types: dict[str, onnx.TypeProto.Tensor] = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         if vi.type.HasField("tensor_type"):

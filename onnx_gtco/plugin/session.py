@@ -1,89 +1,9 @@
-"""Open an optimized model in ONNX Runtime, with or without its custom-op library.
-
-The rewritten model names its library in the metadata entry `gtco.library` (a file name, resolved beside the
-model). Registering it hides the model-local functions of the op types it registers (facts §4/5), so by default
-("auto") the library is registered only for sessions that can use its CUDA kernels (CUDAExecutionProvider requested
-and available, facts §5 option 4), and then with the session config entry gtco.register=cuda: only the op types
-with CUDA kernels are registered, the others keep running their functions on the GPU rather than a CPU kernel.
-Every other session runs the functions. library=True registers every op type for any providers (the CPU kernels
-then run: that is how `onnx-gtco check --library` tests them); False never registers it.
-"""
+"""Moved to onnx_gtco.runtime.session (opening a model in ONNX Runtime is the runtime's part, and the runtime sits
+below the plugin); these names stay importable from here for the modules that still use this path."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Literal
+from onnx_gtco.errors import LibraryError
+from onnx_gtco.runtime.session import METADATA_KEY, library_path, make_session
 
-import onnx
-
-from onnx_gtco.errors import GtcoError, first_line
-from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries
-
-METADATA_KEY = "gtco.library"
-
-
-class LibraryError(GtcoError):
-    """The model's custom-op library is missing or cannot be loaded."""
-
-
-def library_path(path: str | os.PathLike[str]) -> Path | None:
-    """The library the model at `path` names in its metadata (resolved beside it), or None when it names none."""
-    model = onnx.load_model(str(path), load_external_data=False)
-    name = next((m.value for m in model.metadata_props if m.key == METADATA_KEY), None)
-    if not name:
-        return None
-    return Path(path).resolve().parent / name
-
-
-def _provider_names(providers: Sequence[Any]) -> list[str]:
-    return [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
-
-
-def _wants_library(library: bool | str, providers: Sequence[Any], available: Sequence[str]) -> bool:
-    if library is True or library is False:
-        return library
-    if library != "auto":
-        raise ValueError(f"library={library!r}: choose True, False or 'auto'")
-    return CUDA_EP in _provider_names(providers) and CUDA_EP in available
-
-
-def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None = None, *,
-                 library: bool | Literal["auto"] = "auto", sess_options: Any = None) -> Any:
-    """An onnxruntime.InferenceSession of the optimized model at `path`.
-
-    Args:
-        path: the .onnx file.
-        providers: ORT providers; default: the available ones among CUDA and CPU, CUDA first.
-        library: True: register the model's library; False: never; "auto": only for a CUDA EP session.
-        sess_options: an onnxruntime.SessionOptions to extend (default a new one).
-
-    Raises:
-        LibraryError: the library is wanted but the metadata names none, or the file is missing or fails to load.
-    """
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    if providers is None:
-        providers = [p for p in (CUDA_EP, "CPUExecutionProvider") if p in available]
-    if CUDA_EP in _provider_names(providers):
-        load_cuda_libraries()
-    so = sess_options if sess_options is not None else ort.SessionOptions()
-    if _wants_library(library, providers, available):
-        so.add_session_config_entry("gtco.register", "1" if library is True else "cuda")
-        lib = library_path(path)
-        if lib is None:
-            if library is True:
-                raise LibraryError(f"{path}: the model names no custom-op library (metadata {METADATA_KEY!r}); "
-                                   "optimize it without --no-build")
-        elif not lib.is_file():
-            raise LibraryError(f"{path}: its custom-op library {lib} (metadata {METADATA_KEY!r}) does not exist; "
-                               "keep the library beside the model, rebuild it with onnx-gtco optimize, or pass "
-                               "library=False to run the model-local functions")
-        else:
-            try:
-                so.register_custom_ops_library(str(lib))
-            except Exception as e:  # ORT raises its own types
-                raise LibraryError(f"{lib}: onnxruntime cannot load the library: {first_line(e)}") from None
-    return ort.InferenceSession(str(path), so, providers=list(providers))
+__all__ = ["METADATA_KEY", "LibraryError", "library_path", "make_session"]

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnx_gtco.errors import CheckError, GtcoError, OutputError, first_line
+from onnx_gtco.errors import CheckError, GtcoError, LibraryError, OutputError, first_line
 from onnx_gtco.ir.export import writable_parent, write_bytes_atomic
 from onnx_gtco.ir.load import read_model
 from onnx_gtco.runtime.cuda_ep import load_cuda_libraries, require_cuda_ep
@@ -116,7 +116,7 @@ def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, lib
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if library:
-        from onnx_gtco.plugin.session import LibraryError, make_session
+        from onnx_gtco.runtime.session import make_session
 
         if isinstance(model, onnx.ModelProto):
             raise CheckError("checking with the library needs the rewritten model as a file (the library is "
@@ -357,7 +357,7 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     an .npz (load_inputs). `save_inputs` writes the inputs used to that .npz (inputs_npz's keys), atomically and
     only once both models ran on them.
 
-    library=True runs the rewritten model (a file) with its custom-op library registered (plugin.session), so the
+    library=True runs the rewritten model (a file) with its custom-op library registered (runtime.session), so the
     plugin's kernels are what is compared; the default runs its model-local functions.
 
     Raises:

@@ -24,22 +24,24 @@ from dataclasses import dataclass
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.family import Problem
 
-SMS = {"sm_80": 108, "sm_90": 132}
-MAX_THREADS_PER_SM = 2048
+# The hardware facts (SMs, threads per SM, peaks, bandwidth, shared memory) are config.TARGETS'. LAUNCH_US is this
+# model's own per-kernel term, the same for every target (Target.launch_us is the planner's): it only shifts every
+# configuration of a problem alike.
 LAUNCH_US = 3.0
 FILL_FLOOR = 0.05  # a row-wise kernel's time stops dropping with fewer busy slots than this share: latency-bound
 _BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 
 def _resident(smem_bytes: int, threads: int, arch: str) -> int:
-    by_smem = (TARGETS[arch].smem_kib * 1024) // max(smem_bytes, 1)
-    return max(1, min(by_smem, MAX_THREADS_PER_SM // max(threads, 1), 32))
+    t = TARGETS[arch]
+    by_smem = (t.smem_kib * 1024) // max(smem_bytes, 1)
+    return max(1, min(by_smem, t.max_threads_per_sm // max(threads, 1), 32))
 
 
 def _tiled_us(arch: str, blocks: int, threads: int, smem: int, flops_per_block: float, bytes_per_block: float,
               stages: int, reuse: float, vec: bool) -> float:
     t = TARGETS[arch]
-    sms = SMS[arch]
+    sms = t.sms
     resident = _resident(smem, threads, arch)
     waves = math.ceil(blocks / (sms * resident))
     concurrent = min(blocks, sms * resident)
@@ -59,8 +61,8 @@ def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
     return (c["BQ"] + kv_tiles) * (p.size("head_dim") + 8) * 2
 
 
-def _rowwise_resident(c: Mapping[str, int]) -> int:
-    return max(1, min(MAX_THREADS_PER_SM // (c["THREADS"] * c["ROWS"]), 32))
+def _rowwise_resident(c: Mapping[str, int], arch: str) -> int:
+    return max(1, min(TARGETS[arch].max_threads_per_sm // (c["THREADS"] * c["ROWS"]), 32))
 
 
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
@@ -101,8 +103,8 @@ def _rowwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
     elem = _BYTES[p.dtype]
     threads, vec, rows_per_block = c["THREADS"], c["VEC"], c["ROWS"]
     blocks = math.ceil(rows / rows_per_block)
-    sms = SMS[arch]
-    resident = _rowwise_resident(c)
+    sms = TARGETS[arch].sms
+    resident = _rowwise_resident(c, arch)
     waves = math.ceil(blocks / (sms * resident))
     fill = blocks / (waves * sms * resident)
     width = min(1.0, vec * elem / 16) ** 0.5  # 16-byte accesses reach the bandwidth; narrower ones fall short
@@ -117,11 +119,12 @@ def _elementwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
     streams = len(p.flag("inputs", ())) + len(p.flag("outputs", ()))
     threads, vec = c["THREADS"], c["VEC"]
     blocks = math.ceil(n / (threads * vec))
-    sms = SMS[arch]
-    waves = math.ceil(blocks / (sms * max(1, MAX_THREADS_PER_SM // threads)))
-    fill = blocks / (waves * sms * max(1, MAX_THREADS_PER_SM // threads))
+    t = TARGETS[arch]
+    sms, per_sm = t.sms, max(1, t.max_threads_per_sm // threads)
+    waves = math.ceil(blocks / (sms * per_sm))
+    fill = blocks / (waves * sms * per_sm)
     width = min(1.0, vec * _BYTES[p.dtype] / 16) ** 0.5
-    return streams * n * _BYTES[p.dtype] / (TARGETS[arch].dram_gbps * 1e3) / (width * max(fill, 0.05)) + LAUNCH_US
+    return streams * n * _BYTES[p.dtype] / (t.dram_gbps * 1e3) / (width * max(fill, 0.05)) + LAUNCH_US
 
 
 _MODELS = {"gemm": _gemm, "attention": _attention, "bmm_softmax": _attention, "layernorm": _rowwise,
@@ -156,7 +159,7 @@ def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
     Raises:
         ValueError: the family has no run-time extent (elementwise).
     """
-    sms = SMS[arch]
+    sms = TARGETS[arch].sms
     c = config
     if problem.family == "gemm":
         slots = sms * _resident(_gemm_smem(c), c["WM"] * c["WN"] * 32, arch)
@@ -165,7 +168,7 @@ def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
         slots = sms * _resident(_attention_smem(problem, c), c["WARPS"] * 32, arch)
         return Tiling(c["BQ"], problem.size("batch") * problem.size("heads"), slots, slots, sms)
     if problem.family in ("layernorm", "softmax"):
-        slots = sms * _rowwise_resident(c)
+        slots = sms * _rowwise_resident(c, arch)
         return Tiling(c["ROWS"], 1, slots, FILL_FLOOR * slots, 0.0)
     raise ValueError(f"{problem.family} kernels have no tiling over a run-time extent")
 
@@ -179,4 +182,4 @@ def estimate_us(problem: Problem, config: Mapping[str, int], arch: str) -> float
     return float(model(problem, config, arch))
 
 
-__all__ = ["FILL_FLOOR", "SMS", "Tiling", "estimate_us", "tiling"]
+__all__ = ["FILL_FLOOR", "Tiling", "estimate_us", "tiling"]

@@ -7,16 +7,16 @@ exists; a plain `optimize` on a machine that never tuned opens nothing.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import onnx
 
+from onnx_gtco.config import tune_storage_env
 from onnx_gtco.progress import detail, stage
 from onnx_gtco.tune.driver import TaskResult, best_configs, tune
-from onnx_gtco.tune.search import STORAGE_ENV, AnalyticalMeasurer, Measurer, storage_url
+from onnx_gtco.tune.search import AnalyticalMeasurer, Measurer, storage_url
 from onnx_gtco.tune.tasks import ShapeOf, Task, model_tasks
 
 Tuned = dict[str, dict[str, dict[str, int]]]
@@ -31,7 +31,7 @@ def _default_db() -> Path:
 
 def wanted(trials: int, storage: str | None) -> bool:
     """Whether optimize should open the tuning storage at all."""
-    return trials > 0 or bool(storage) or bool(os.environ.get(STORAGE_ENV)) or _default_db().is_file()
+    return trials > 0 or bool(storage) or bool(tune_storage_env()) or _default_db().is_file()
 
 
 def redact(url: str) -> str:

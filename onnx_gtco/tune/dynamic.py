@@ -47,7 +47,7 @@ from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.progress import stage
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
-from onnx_gtco.tune.search import Measurer, _space, measure_into, open_storage, optimize_once, storage_url
+from onnx_gtco.tune.search import Measurer, measure_into, open_storage, optimize_once, search_space, storage_url
 from onnx_gtco.tune.tasks import ShapeOf, Task, fused_node_tasks, model_shapes
 
 MAX_CONFIGS = 6         # micro-kernel configurations per task
@@ -185,7 +185,7 @@ def candidates(dt: DynamicTask, limit: int = MAX_CONFIGS) -> list[dict[str, int]
     """The task's micro-kernel configurations: the analytical model's best few at extents spread over the range
     (largest first), valid over the whole range, at most `limit`."""
     family = FAMILIES[dt.task.problem.family]
-    keys = list(_space(dt.task))
+    keys = list(search_space(dt.task))
     out: list[dict[str, int]] = []
     for n in reversed(spread(dt.lo, dt.hi, RANK_POINTS)):
         p = dt.problem_at(n)
@@ -328,7 +328,7 @@ def microkernel_study_name(dt: DynamicTask, device: str) -> str:
 
 def _record(study: optuna.Study, dt: DynamicTask, config: dict[str, int], n: int, measurer: Measurer) -> None:
     study.enqueue_trial(config, user_attrs={"extent": int(n)})
-    space = _space(dt.task)
+    space = search_space(dt.task)
 
     def objective(trial: optuna.Trial) -> float:
         cfg = {k: trial.suggest_categorical(k, v) for k, v in space.items()}

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx_gtco.errors import BuildError
 from onnx_gtco.kernels.compile import compile_instance
 from onnx_gtco.kernels.family import Instance, c_args, entry_point, from_storage, np_dtype, rel_error
 from onnx_gtco.kernels.select import FAMILIES
-from onnx_gtco.kernels.toolchain import BuildError, cache_root, find_nvcc
+from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
 from onnx_gtco.tune.search import Measurement
 from onnx_gtco.tune.tasks import Task
 

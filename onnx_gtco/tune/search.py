@@ -14,7 +14,6 @@ URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -23,14 +22,15 @@ from typing import Any, Protocol
 
 import optuna
 
+from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
 from onnx_gtco.tune.tasks import Task
 
-STORAGE_ENV = "GTCO_TUNE_STORAGE"
-DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement sleeps (tests of workers only)
+STORAGE_ENV = TUNE_STORAGE_ENV
+DELAY_ENV = TUNE_DELAY_ENV  # seconds each analytical measurement sleeps (tests of workers only)
 SEEDS = 3          # analytical guesses enqueued per study
 HEARTBEAT_S = 2    # a running trial proves its worker alive this often
 ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "timeout")
@@ -40,8 +40,9 @@ def storage_url(explicit: str | None = None) -> str:
     """The tuning storage: `explicit`, else $GTCO_TUNE_STORAGE, else SQLite in the user cache."""
     if explicit:
         return explicit
-    if os.environ.get(STORAGE_ENV):
-        return os.environ[STORAGE_ENV]
+    from_env = tune_storage_env()
+    if from_env:
+        return from_env
     path = cache_root() / "tuning.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
@@ -110,7 +111,7 @@ class AnalyticalMeasurer:
 
     def measure(self, task: Task, config: Mapping[str, int]) -> Measurement:
         self.calls += 1
-        delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+        delay = tune_test_delay_s()
         if delay > 0:  # test hook: a measurement that takes time, so tests can kill a worker mid-trial
             time.sleep(delay)
         return Measurement(estimate_us(task.problem, config, task.arch), 0.0, runs=1)
@@ -119,7 +120,9 @@ class AnalyticalMeasurer:
         return {"measurer": self.name, "gpu": "none (analytical model)", "driver": "", "toolchain": ""}
 
 
-def _space(task: Task) -> dict[str, list[int]]:
+def search_space(task: Task) -> dict[str, list[int]]:
+    """Parameter -> the values a trial may suggest: the family's tunable space plus its optional parameters (VEC
+    both ways around its default, the others fixed at theirs)."""
     family = FAMILIES.get(task.problem.family)
     if family is None:
         raise ValueError(f"no kernel family {task.problem.family!r} to tune")
@@ -132,7 +135,7 @@ def _space(task: Task) -> dict[str, list[int]]:
 def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, int]]:
     """The family's valid configurations ranked by the analytical model, best first."""
     family = FAMILIES[task.problem.family]
-    keys = list(_space(task))
+    keys = list(search_space(task))
     configs = [{k: c[k] for k in keys if k in c} for c in family.configs(task.problem, task.arch)]
     ranked = sorted(configs, key=lambda c: estimate_us(task.problem, c, task.arch))
     return ranked[:n]
@@ -196,7 +199,7 @@ def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str =
         numbers.append(trial.number)
         if worker:
             trial.set_user_attr("worker", worker)
-        config = {k: trial.suggest_categorical(k, v) for k, v in _space(task).items()}
+        config = {k: trial.suggest_categorical(k, v) for k, v in search_space(task).items()}
         why = FAMILIES[task.problem.family].check(task.problem, config, task.arch)
         if why is not None:
             for k, v in measurer.environment().items():
@@ -227,4 +230,5 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 
 __all__ = ["ERROR_KINDS", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer", "analytical_guesses",
-           "best", "finished", "open_storage", "run_trial", "storage_url", "study_for", "study_name", "times"]
+           "best", "finished", "open_storage", "run_trial", "search_space", "storage_url", "study_for", "study_name",
+           "times"]

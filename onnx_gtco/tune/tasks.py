@@ -79,7 +79,9 @@ def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str) 
     return Task(problem, arch, version, 1, (node.name,))
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Tensor name -> its shape as the model declares it (ints, dim names for symbolic dims): the graph's inputs,
+    value_info, outputs and initializers."""
     out: dict[str, tuple] = {}
     for vi in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         t = vi.type.tensor_type
@@ -92,7 +94,7 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
 
 def model_shapes(model: onnx.ModelProto) -> ShapeOf:
     """The shapes a model's value_info, inputs, outputs and initializers record (a rewritten model read back)."""
-    return _shapes(model).get
+    return tensor_shapes(model).get
 
 
 def view_shapes(view: GraphView) -> ShapeOf:
@@ -147,4 +149,4 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
 
 
 __all__ = ["ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks", "node_task",
-           "template_version", "view_shapes"]
+           "template_version", "tensor_shapes", "view_shapes"]

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import optimize
 from onnx_gtco.plugin.library import LibraryResult, build_library
-from onnx_gtco.plugin.session import METADATA_KEY
+from onnx_gtco.runtime.session import METADATA_KEY
 
 
 @dataclass

@@ -32,7 +32,7 @@ from onnx_gtco import optimize
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.models import build
 from onnx_gtco.plugin.library import LibraryResult, build_library, library_info
-from onnx_gtco.plugin.session import METADATA_KEY, make_session
+from onnx_gtco.runtime.session import METADATA_KEY, make_session
 
 MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels)
     "vit": (lambda: build("vit-tiny", depth=1, image=64, seed=0), {"Layernorm_f16", "Gemm_f16", "Attention_f16"}),

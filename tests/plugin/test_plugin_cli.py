@@ -15,7 +15,7 @@ from onnx_gtco.cli import main
 from onnx_gtco.errors import OutputError
 from onnx_gtco.pipeline import optimize_file
 from onnx_gtco.plugin.headers import ort_include_dir
-from onnx_gtco.plugin.session import METADATA_KEY
+from onnx_gtco.runtime.session import METADATA_KEY
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
 from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.library import bind_nodes, build_library, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
-from onnx_gtco.plugin.session import LibraryError, make_session
 from onnx_gtco.runtime.check import compare, make_inputs
+from onnx_gtco.runtime.session import LibraryError, make_session
 
 CPU = ["CPUExecutionProvider"]
 
@@ -310,7 +310,7 @@ def test_register_modes(small: Built, tmp_path: Path) -> None:
 
 
 def test_auto_registers_only_for_available_cuda() -> None:
-    from onnx_gtco.plugin.session import _wants_library
+    from onnx_gtco.runtime.session import _wants_library
 
     cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
     assert _wants_library("auto", [cuda, cpu], [cuda, cpu])

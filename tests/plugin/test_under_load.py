@@ -20,8 +20,8 @@ import pytest
 from plugin_helpers import Built, build_model
 
 from onnx_gtco.models import build
-from onnx_gtco.plugin.session import make_session
 from onnx_gtco.runtime.check import make_inputs
+from onnx_gtco.runtime.session import make_session
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.plugin.library import build_library
-from onnx_gtco.plugin.session import METADATA_KEY, make_session
+from onnx_gtco.runtime.session import METADATA_KEY, make_session
 
 FUNCTION_TOL = (1e-4, 1e-5)
 KERNEL_TOL = (1e-3, 1e-4)
