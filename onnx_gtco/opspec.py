@@ -228,7 +228,7 @@ def _roles(known: tuple[str, ...] | None, names: Any, tensors: Sequence[str]) ->
     """role -> index of the leading tensors the node's `roles` / `out_roles` attribute names."""
     if known is None or names is None:
         return {}
-    return {r: i for i, rs in enumerate(_text(names)) for r in rs.split("+")
+    return {r: i for i, rs in enumerate(_text(list(names))) for r in rs.split("+")
             if r in known and i < len(tensors) and tensors[i]}
 
 

@@ -1,9 +1,12 @@
 """Fusion rules: the registry the planner runs, in order (for identical node sets the first rule wins).
 
-Families a rule proposes, and the attrs each candidate carries (ints where static, else the dim's name):
+Families a rule proposes, and the attrs each candidate carries (ints where static, else the dim's name); each
+family's roles, attribute kinds and defaults are its onnx_gtco.opspec.OpSpec, and a Match also says which tensor
+plays which role:
 
     attention    heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, batch_dims,
-                 q_layout, k_layout, v_layout, out_layout (ONNX Attention op: also causal)
+                 q_layout, k_layout, v_layout, out_layout (ONNX Attention op: also causal; scores_path when
+                 more than a scale, a mask and a bias lie between QKᵀ and the Softmax)
     bmm_softmax  as attention, without v_layout / out_layout
     qkv          m, k, ns, n_out, bias
     gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set)

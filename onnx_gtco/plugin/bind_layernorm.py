@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_gtco.opspec import SPECS, FusedOp
-from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles
+from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
 
 IN_ROLES, OUT_ROLES = SPECS["layernorm"].roles, SPECS["layernorm"].outputs
 DTYPES = ("f32", "f16", "bf16")
@@ -32,11 +32,9 @@ class LayerNormBinder:
     cpp_struct: str = "gtco::LayerNorm"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = node.op
+        op = read(node, self.family, DTYPES)
         if isinstance(op, str):
             return op
-        if op.dtype not in DTYPES:
-            return f"dtype {op.dtype}: the kernel takes {', '.join(DTYPES)}"
         need = {"a": True, "b": op["residual"]}
         if not op["affine"]:
             need |= {"gamma": False, "beta": False}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onnx_gtco.opspec import SPECS
-from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles
+from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
 
 IN_ROLES, OUT_ROLES = SPECS["softmax"].roles, SPECS["softmax"].outputs   # gtco::Softmax::InRole / OutRole
 DTYPES = ("f32", "f16", "bf16")
@@ -19,11 +19,9 @@ class SoftmaxBinder:
     cpp_struct: str = "gtco::Softmax"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = node.op
+        op = read(node, self.family, DTYPES)
         if isinstance(op, str):
             return op
-        if op.dtype not in DTYPES:
-            return f"dtype {op.dtype}: the kernel takes {', '.join(DTYPES)}"
         if op["axis"] != -1:
             return f"Softmax axis {op['axis']} is not the last axis"
         return bind_roles(node, op, {"x": True}, IN_ROLES, OUT_ROLES)  # type: ignore[arg-type]

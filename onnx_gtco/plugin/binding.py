@@ -67,6 +67,16 @@ class Binding:
             raise ValueError(f"at most {MAX_ROLES} roles per side, got {len(self.inputs)} / {len(self.outputs)}")
 
 
+def read(node: FusedNode, family: str, dtypes: tuple[str, ...]) -> FusedOp | str:
+    """The node through its spec (FusedNode.op) when it is of `family` and one of `dtypes`, else why not."""
+    op = node.op
+    if isinstance(op, str):
+        return op
+    if op.family != family:
+        return f"node {node.node.name!r} is of family {op.family!r}, not {family!r}"
+    return op if op.dtype in dtypes else f"dtype {op.dtype!r}: the kernel takes {', '.join(dtypes)}"
+
+
 def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tuple[str, ...],
                cpp_out: tuple[str, ...], outputs: int = 1) -> Binding | str:
     """The Binding of a node whose kernel reads the roles `cpp_in` / `cpp_out` (the C++ enums' order).
