@@ -59,11 +59,10 @@ class OpSpec:
 
     Attributes:
         family: the pattern family, the op type's stem (`gemm` -> `Gemm_f16`).
-        roles: input roles in node-input order (the first `required` always present), None: no roles.
-        outputs: output roles in node-output order (the first always present), None: no roles.
+        roles: input roles in node-input order, None: no roles (the inputs keep the group's order).
+        outputs: output roles in node-output order, None: no roles.
         attrs: the attributes a rule may set, with their kinds and defaults.
         dtypes: the I/O dtypes a kernel of the family takes.
-        required: how many leading roles every node has.
     """
 
     family: str
@@ -71,7 +70,6 @@ class OpSpec:
     outputs: tuple[str, ...] | None
     attrs: tuple[Attr, ...]
     dtypes: tuple[str, ...] = FLOAT_DTYPES
-    required: int = 1
     _by_name: dict[str, Attr] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,9 +80,8 @@ class OpSpec:
               ) -> tuple[list[str], list[str]]:
         """The node's inputs (or outputs) and the roles of the leading ones: each present role's tensor in role
         order (a tensor playing several roles once, its roles joined by "+"), then the other `external` tensors in
-        their order. A role without a tensor, or whose tensor the group
-        computes itself (not one of `external`), is absent (the family's kernel then refuses the node where it
-        needs that operand)."""
+        their order. A role without a tensor, or whose tensor the group computes itself (not one of `external`), is
+        absent (the family's kernel then refuses the node where it needs that operand)."""
         roles = self.outputs if outputs else self.roles
         if roles is None:
             return list(external), []
@@ -163,23 +160,23 @@ _ATTENTION = (Attr("heads", DIM), Attr("head_dim", DIM), Attr("seq_q", DIM), Att
               Attr("scale", FLOAT), Attr("mask", BOOL, False), Attr("bias", BOOL, False),
               Attr("nan_guard", BOOL, False), Attr("batch_dims", DIMS, ()), Attr("q_layout", STR, "bhsd"),
               Attr("k_layout", STR, "bhds"), Attr("causal", BOOL, False), Attr("scores_path", STRS, ()))
+QKV_PROJECTIONS = 3  # the projections a qkv op names roles for (C++ gtco::Qkv::kMaxProj)
 _EPILOGUE = (Attr("bias", BOOL, False), Attr("activation", STR, "none"), Attr("residual", BOOL, False))
 
 SPECS: dict[str, OpSpec] = {s.family: s for s in (
     # softmax(scale * q kᵀ + mask + bias) v; scores_path: ops between QKᵀ and the Softmax other than the scale and
     # the additive terms (a reshape, a Where mask), which a kernel reading [B, H, Sq, Sk] scores cannot take
     OpSpec("attention", ("q", "k", "v", "mask", "bias"), ("out",),
-           (*_ATTENTION, Attr("v_layout", STR, "bhsd"), Attr("out_layout", STR, "bhsd")), required=3),
-    OpSpec("bmm_softmax", ("q", "k", "mask", "bias"), ("probs",), _ATTENTION, required=2),
-    # y_p = a @ w_p (+ bias_p), p < len(ns)
-    OpSpec("qkv", ("a", "w0", "w1", "w2", "bias0", "bias1", "bias2"), ("y0", "y1", "y2"),
-           (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False)),
-           required=3),
+           (*_ATTENTION, Attr("v_layout", STR, "bhsd"), Attr("out_layout", STR, "bhsd"))),
+    OpSpec("bmm_softmax", ("q", "k", "mask", "bias"), ("probs",), _ATTENTION),
+    # y_p = a @ w_p (+ bias_p), p < len(ns) <= QKV_PROJECTIONS
+    OpSpec("qkv", ("a", *(f"w{p}" for p in range(QKV_PROJECTIONS)), *(f"bias{p}" for p in range(QKV_PROJECTIONS))),
+           tuple(f"y{p}" for p in range(QKV_PROJECTIONS)),
+           (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False))),
     # y = act(alpha * a @ op(b) + beta * bias) + residual
     OpSpec("gemm", ("a", "b", "bias", "residual"), ("y",),
            (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
-            Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE),
-           required=2),
+            Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE)),
     OpSpec("conv", None, None, (Attr("kernel", INTS), Attr("stride", INTS), Attr("pads", INTS),
                                 Attr("dilations", INTS), Attr("groups", INT, 1), *_EPILOGUE,
                                 Attr("affine", BOOL, False), Attr("post_activation", STR, "none"))),

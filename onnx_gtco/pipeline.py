@@ -326,7 +326,7 @@ def optimize_file(
     if build is not None:
         from onnx_gtco.kernels.toolchain import BuildError, find_nvcc
         from onnx_gtco.plugin.library import build_library
-        from onnx_gtco.plugin.session import METADATA_KEY
+        from onnx_gtco.runtime.session import METADATA_KEY
 
         cuda = build == "cuda"
         if build == "auto":

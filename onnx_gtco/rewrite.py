@@ -42,7 +42,7 @@ def _function(
     view: GraphView, cand: Candidate, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
     attr_names: Iterable[str], opsets: list[onnx.OperatorSetIdProto],
 ) -> onnx.FunctionProto:
-    rename: dict[str, str] = {t: f"x{i}" for i, t in enumerate(inputs) if t}
+    rename: dict[str, str] = {t: f"x{i}" for i, t in enumerate(inputs)}
     rename.update({t: f"y{i}" for i, t in enumerate(outputs)})
     body: list[onnx.NodeProto] = []
     for k, i in enumerate(sorted(cand.nodes)):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from onnx_gtco.errors import RewriteError
-from onnx_gtco.opspec import SPECS, decode
+from onnx_gtco.opspec import QKV_PROJECTIONS, SPECS, decode
 from onnx_gtco.plugin.bind_attention import CPP_IN
 
 ORT = Path(__file__).resolve().parents[1] / "plugins" / "ort"
@@ -32,6 +32,11 @@ def test_cpp_role_enums_follow_the_spec(family: str, header: str, struct: str) -
     spec = SPECS[family]
     assert tuple(_enum(header, struct, "InRole")) == spec.roles
     assert tuple(_enum(header, struct, "OutRole")) == spec.outputs
+
+
+def test_qkv_projection_count_is_the_kernels() -> None:
+    found = re.search(r"static constexpr int kMaxProj = (\d+);", (ORT / "gemm_op.h").read_text())
+    assert found is not None and int(found.group(1)) == QKV_PROJECTIONS
 
 
 def test_attention_enum_covers_both_families() -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.opspec import QKV_PROJECTIONS
 from onnx_gtco.patterns._epilogue import const_add
 from onnx_gtco.patterns._util import dim, dims, prod
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
 MAX_REACH = 2000  # nodes a search for where projections meet may visit
-
-MAX_ROLES = 3  # projections the fused op names roles for (opspec: w0..w2); more keep the group's input order
 
 
 class QkvPattern:
@@ -57,7 +56,7 @@ class QkvPattern:
         rows = prod((dims(view, a) or ("?", "?"))[:-1])
         attrs = {"k": dim(view, a, -1), "m": rows, "ns": ns, "n_out": _sum(ns), "bias": False}
         ids = frozenset(mm.id for mm in mms)
-        roles = {"a": a, **{f"w{p}": mm.inputs[1] for p, mm in enumerate(mms)}} if len(mms) <= MAX_ROLES else {}
+        roles = {"a": a, **{f"w{p}": mm.inputs[1] for p, mm in enumerate(mms)}} if len(mms) <= QKV_PROJECTIONS else {}
         outs = {f"y{p}": mm.outputs[0] for p, mm in enumerate(mms)} if roles else {}
         yield Match(ids, "qkv", dict(attrs), roles, outs)
         biases = [const_add(view, mm.outputs[0], -1)[0] for mm in mms]

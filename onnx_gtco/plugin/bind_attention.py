@@ -19,11 +19,10 @@ import onnx
 
 from onnx_gtco.kernels.attention import layout_shape
 from onnx_gtco.opspec import FusedOp
-from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles
+from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
 
 IN_ROLES = CPP_IN = ("q", "k", "v", "mask", "bias")  # IN_Q, IN_K, IN_V, IN_MASK, IN_BIAS in attention_op.h
 CPP_OUT = {"attention": ("out",), "bmm_softmax": ("probs",)}
-DTYPES = ("f32", "f16", "bf16")
 IN_LAYOUTS = ("bhsd", "bshd", "bshd_merged", "qkv_packed")
 LAYOUTS = {"q": IN_LAYOUTS, "k": (*IN_LAYOUTS, "bhds"), "v": IN_LAYOUTS, "out": ("bhsd", "bshd", "bshd_merged")}
 PROBE = 5  # the size tried for a symbolic batch or sequence dim when checking an input's shape against its layout
@@ -76,11 +75,12 @@ class AttentionBinder:
         return "gtco::Attention" if self.family == "attention" else "gtco::BmmSoftmax"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = node.op
-        why = op if isinstance(op, str) else self._why(node, op)
+        op = read(node, self.family)
+        if isinstance(op, str):
+            return op
+        why = self._why(node, op)
         if why is not None:
             return why
-        assert not isinstance(op, str)
         need = {"q": True, "k": True, "mask": op["mask"] and not op["causal"], "bias": op["bias"]}
         if self.family == "attention":
             need["v"] = True
@@ -88,10 +88,6 @@ class AttentionBinder:
         return bound if isinstance(bound, str) else self._shapes(node, op) or bound
 
     def _why(self, node: FusedNode, op: FusedOp) -> str | None:
-        if op.family != self.family:
-            return f"node {node.node.name!r} is of family {op.family!r}, not {self.family!r}"
-        if op.dtype not in DTYPES:
-            return f"dtype {op.dtype}: the kernel takes {', '.join(DTYPES)}"
         h, d = op.int("heads"), op.int("head_dim")
         if not (h and h > 0 and d and d > 0):
             return f"heads={op['heads']!r} and head_dim={op['head_dim']!r} must be known ints"

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onnx_gtco.opspec import SPECS, FusedOp
-from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles
+from onnx_gtco.opspec import QKV_PROJECTIONS, SPECS
+from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
 
 HEADER = "gemm_op.h"
-DTYPES = ("f32", "f16", "bf16")                      # gtco::DType
 ACTIVATIONS = ("none", "relu", "gelu_erf", "gelu_tanh", "silu", "quick_gelu", "sigmoid", "tanh", "relu6")
 """Activations gtco::ref::parse_act knows (plugins/cpu/gemm_ref.h)."""
 
 GEMM_IN, GEMM_OUT = SPECS["gemm"].roles, SPECS["gemm"].outputs       # gtco::Gemm::InRole / OutRole
 QKV_IN, QKV_OUT = SPECS["qkv"].roles, SPECS["qkv"].outputs          # gtco::Qkv::InRole / OutRole
-QKV_MAX_PROJ = 3                                                     # gtco::Qkv::kMaxProj
 
 
 @dataclass(frozen=True)
@@ -33,21 +31,15 @@ class GemmBinder:
     cpp_struct: str = "gtco::Gemm"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = node.op
-        why = op if isinstance(op, str) else self._why(op)
-        if why is None:
-            assert not isinstance(op, str)
+        op = read(node, self.family)
+        if isinstance(op, str):
+            why: Binding | str = op
+        elif op["activation"] not in ACTIVATIONS:
+            why = f"activation {op['activation']!r} is not implemented by the C++ GEMM epilogue"
+        else:
             why = bind_roles(node, op, {"a": True, "b": True, "bias": op["bias"], "residual": op["residual"]},
                              GEMM_IN, GEMM_OUT)  # type: ignore[arg-type]
         return f"{node.node.op_type} node {node.node.name!r}: {why}" if isinstance(why, str) else why
-
-    @staticmethod
-    def _why(op: FusedOp) -> str | None:
-        if op.dtype not in DTYPES:
-            return f"dtype {op.dtype!r}: the C++ GEMM takes {', '.join(DTYPES)}"
-        if op["activation"] not in ACTIVATIONS:
-            return f"activation {op['activation']!r} is not implemented by the C++ GEMM epilogue"
-        return None
 
 
 @dataclass(frozen=True)
@@ -59,17 +51,15 @@ class QkvBinder:
     cpp_struct: str = "gtco::Qkv"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = node.op
+        op = read(node, self.family)
         if isinstance(op, str):
             why: Binding | str = op
-        elif op.dtype not in DTYPES:
-            why = f"dtype {op.dtype!r}: the C++ QKV GEMM takes {', '.join(DTYPES)}"
-        elif not 0 < len(op["ns"]) <= QKV_MAX_PROJ:
-            why = f"{len(op['ns'])} projections; the C++ QKV GEMM takes at most {QKV_MAX_PROJ}"
+        elif not 0 < len(op["ns"]) <= QKV_PROJECTIONS:
+            why = f"{len(op['ns'])} projections; the C++ QKV GEMM takes at most {QKV_PROJECTIONS}"
         else:
             n = len(op["ns"])
-            need = {"a": True} | {f"w{p}": p < n for p in range(QKV_MAX_PROJ)}
-            need |= {f"bias{p}": op["bias"] and p < n for p in range(QKV_MAX_PROJ)}
+            need = {"a": True} | {f"w{p}": p < n for p in range(QKV_PROJECTIONS)}
+            need |= {f"bias{p}": op["bias"] and p < n for p in range(QKV_PROJECTIONS)}
             why = bind_roles(node, op, need, QKV_IN, QKV_OUT, outputs=n)  # type: ignore[arg-type]
         return f"{node.node.op_type} node {node.node.name!r}: {why}" if isinstance(why, str) else why
 

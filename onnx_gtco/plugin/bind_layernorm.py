@@ -16,7 +16,6 @@ from onnx_gtco.opspec import SPECS, FusedOp
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
 
 IN_ROLES, OUT_ROLES = SPECS["layernorm"].roles, SPECS["layernorm"].outputs
-DTYPES = ("f32", "f16", "bf16")
 
 
 def _numel(shape: tuple[int | str, ...] | None) -> int | None:
@@ -32,7 +31,7 @@ class LayerNormBinder:
     cpp_struct: str = "gtco::LayerNorm"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = read(node, self.family, DTYPES)
+        op = read(node, self.family)
         if isinstance(op, str):
             return op
         need = {"a": True, "b": op["residual"]}

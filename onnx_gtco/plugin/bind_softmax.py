@@ -9,7 +9,6 @@ from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
 
 IN_ROLES, OUT_ROLES = SPECS["softmax"].roles, SPECS["softmax"].outputs   # gtco::Softmax::InRole / OutRole
-DTYPES = ("f32", "f16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -19,7 +18,7 @@ class SoftmaxBinder:
     cpp_struct: str = "gtco::Softmax"
 
     def bind(self, node: FusedNode) -> Binding | str:
-        op = read(node, self.family, DTYPES)
+        op = read(node, self.family)
         if isinstance(op, str):
             return op
         if op["axis"] != -1:

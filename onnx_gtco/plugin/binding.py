@@ -67,14 +67,16 @@ class Binding:
             raise ValueError(f"at most {MAX_ROLES} roles per side, got {len(self.inputs)} / {len(self.outputs)}")
 
 
-def read(node: FusedNode, family: str, dtypes: tuple[str, ...]) -> FusedOp | str:
-    """The node through its spec (FusedNode.op) when it is of `family` and one of `dtypes`, else why not."""
+def read(node: FusedNode, family: str) -> FusedOp | str:
+    """The node through its spec (FusedNode.op) when it is of `family` and of one of the spec's dtypes, else why
+    not."""
     op = node.op
     if isinstance(op, str):
         return op
     if op.family != family:
         return f"node {node.node.name!r} is of family {op.family!r}, not {family!r}"
-    return op if op.dtype in dtypes else f"dtype {op.dtype!r}: the kernel takes {', '.join(dtypes)}"
+    dtypes = op.spec.dtypes
+    return op if op.dtype in dtypes else f"dtype {op.dtype!r}: the {family} kernel takes {', '.join(dtypes)}"
 
 
 def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tuple[str, ...],
