@@ -1,5 +1,10 @@
 """Elementwise kernel family (plugins/include/gtco/elementwise.cuh): a chain or tree of elementwise ONNX ops,
-generated as one fp32 expression per element, with numpy broadcasting of the inputs over a flattened index.
+computed as one fp32 expression per element, with numpy broadcasting of the inputs over a flattened index.
+
+Only the program is generated (plugins/include/gtco/elementwise.cu.j2): its storage type, its iteration shape
+collapsed (`collapse`) and each operand's strides over it, and its body, one C expression per instruction. The loop,
+the broadcast indexing, the vector and scalar paths and the launch are the header's (gtco::ew::Elementwise, and
+gtco::ref::ew::run for the host function of the ORT glue).
 
 A program (`Program`, hashable) is what the group computes:
 
@@ -22,9 +27,9 @@ Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flag
 Config: THREADS per block (64..512), VEC consecutive elements per thread (one load / store of at most 16 bytes of
 the outputs, of the inputs that have the full shape and of inputs contiguous along an innermost dim that is a
 multiple of VEC (a bias [N]); one load per VEC elements of inputs broadcast along that dim (a per-row scale, a
-scalar); other broadcast inputs are gathered per element; a ragged tail runs scalar). Vector-loaded inputs and the
-outputs must be aligned to VEC elements for the vector path; when one is not, the entry point launches the
-kernel with every element on the scalar path (correct, slower).
+scalar); other broadcast inputs are gathered per element; a ragged tail runs scalar: gtco::ew::access).
+Vector-loaded inputs and the outputs must be aligned to VEC elements for the vector path; when one is not, the
+entry point launches the kernel with every element on the scalar path (correct, slower).
 """
 
 from __future__ import annotations
@@ -49,10 +54,12 @@ from onnx_gtco.kernels.family import (
     to_storage,
 )
 from onnx_gtco.kernels.layernorm import C_TYPES, ITEM_BYTES, arch_tag
+from onnx_gtco.kernels.render import macro
 
 MAX_IN, MAX_OUT, MAX_RANK = 8, 4, 6
 KINDS = {"float": None, "bool": "uint8_t", "i32": "int32_t", "i64": "int64_t"}
 KIND_NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64}
+TEMPLATE = "include/gtco/elementwise.cu.j2"  # under plugins/
 # op -> number of operands (None: two or more)
 ARITY = {"Add": 2, "Sub": 2, "Mul": 2, "Div": 2, "Pow": 2, "Sqrt": 1, "Reciprocal": 1, "Neg": 1, "Abs": 1,
          "Exp": 1, "Log": 1, "Tanh": 1, "Erf": 1, "Sigmoid": 1, "Relu": 1, "LeakyRelu": 1, "Gelu": 1, "Max": 2,
@@ -179,24 +186,6 @@ def collapse(shape: Sequence[int], in_shapes: Sequence[Sequence[int]]) -> tuple[
     return D, S
 
 
-def _index_expr(D: Sequence[int], st: Sequence[int], e: str) -> str:
-    """The C expression of an input's element offset at flat output index `e`."""
-    if all(s == 0 for s in st):
-        return "0"
-    terms = []
-    pos = [int(np.prod(D[j + 1:], dtype=np.int64)) for j in range(len(D))]
-    if list(st) == pos:
-        return e
-    for j, s in enumerate(st):
-        if s == 0:
-            continue
-        t = e if pos[j] == 1 else f"({e} / {pos[j]}u)"
-        if j > 0:
-            t = f"({t} % {D[j]}u)"
-        terms.append(t if s == 1 else f"{t} * {s}u")
-    return " + ".join(terms)
-
-
 def _lit(v: float) -> str:
     v = float(np.float32(v))
     if math.isnan(v):
@@ -256,6 +245,25 @@ def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any, ns: str = "gt
     raise ValueError(f"elementwise: unsupported op {op!r}")
 
 
+def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
+    """What elementwise.cu.j2 writes of a program: its storage type, iteration shape and collapsed dims, operands
+    (element type, strides over those dims), one fp32 expression per instruction (op math in namespace `ns`), the
+    outputs, and the instructions listed for a comment."""
+    instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
+    shape = iteration_shape(problem)
+    dims, strides = collapse(shape, [s for s, _ in inputs])
+
+    def value(r: Ref) -> str:
+        return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
+
+    return {"storage": storage, "shape": shape, "dims": dims,
+            "inputs": [{"type": KINDS[k] or "T", "strides": st} for (_, k), st in zip(inputs, strides, strict=True)],
+            "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
+            "outputs": [value(r) for r in outputs],
+            "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
+                                 for j, (op, refs, a) in enumerate(instrs))}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the family
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,183 +309,33 @@ class ElementwiseFamily(KernelFamily):
             raise ValueError(f"elementwise: {why}")
         threads, vec = int(config["THREADS"]), int(config["VEC"])
         instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
-        shape = iteration_shape(problem)
-        n = int(np.prod(shape, dtype=np.int64))
+        n = int(np.prod(iteration_shape(problem), dtype=np.int64))
         digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()[:8]
         ops = [op.lower() for op, _, _ in instrs if op != "Identity"]
         tag = "_".join(ops[:6]) + (f"_{len(ops) - 6}more" if len(ops) > 6 else "") or "copy"
         name = f"elementwise_{arch_tag(arch)}_{problem.dtype}_{tag}_n{n}_t{threads}_v{vec}_{digest}"
-        symbol = f"gtco_{name}"
-        T = C_TYPES[problem.dtype]
-        idx_t = "uint32_t" if n < 2**31 else "uint64_t"
-        D, S = collapse(shape, [s for s, _ in inputs])
-        nin, nout = len(inputs), len(outputs)
-        pos = [int(np.prod(D[j + 1:], dtype=np.int64)) for j in range(len(D))]
-        full = [k == "float" and list(st) == pos for (_, k), st in zip(inputs, S, strict=True)]
-        # how the vector path reads each input for its VEC consecutive elements (base is a multiple of VEC):
-        #   "vec": one 16-byte-at-most load at the element offset of base: inputs with the full shape, and inputs
-        #          walking the innermost dim contiguously (a bias [N]) when that dim is a multiple of VEC;
-        #   "one": one load: inputs broadcast over the innermost dim (a per-row scale, a scalar) when the VEC
-        #          elements lie in one innermost row (or the input is broadcast everywhere);
-        #   "gather": one load per element.
-        inner_ok = bool(D) and D[-1] % vec == 0
-        access = []
-        for i, ((_, k), st) in enumerate(zip(inputs, S, strict=True)):
-            if full[i] or (inner_ok and k == "float" and st[-1] == 1):
-                access.append("vec")
-            elif all(v == 0 for v in st) or (inner_ok and st[-1] == 0):
-                access.append("one")
-            else:
-                access.append("gather")
-        # only the vector path needs aligned pointers (it never runs when N < VEC)
-        vector_path = vec > 1 and n >= vec
-        aligned = [vector_path and a == "vec" for a in access]
-
-        def ctype(i: int) -> str:
-            return KINDS[inputs[i][1]] or "T"
-
-        # the program, once, as a device function on registers
-        body = []
-        for j, (op, refs, attr) in enumerate(instrs):
-            args = [f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1]) for r in refs]
-            body.append(f"    const float t{j} = {_expr(op, args, refs, attr)};")
-        for k, r in enumerate(outputs):
-            body.append(f"    y[{k}] = {f'x[{r[1]}]' if r[0] == 'x' else f't{r[1]}'};")
-
-        def loads(e: str, indent: str) -> list[str]:
-            return [f"{indent}x[{i}] = gtco::to_f32(in{i}[{_index_expr(D, S[i], e)}]);" for i in range(nin)]
-
-        vec_loads = []
-        for i in range(nin):
-            if access[i] == "vec":
-                vec_loads.append(f"        gtco::load_vec_at<T, VEC>(xv[{i}], in{i} + {_index_expr(D, S[i], 'base')});")
-            elif access[i] == "one":
-                vec_loads.append(f"        const float x{i}_all = gtco::to_f32(in{i}[{_index_expr(D, S[i], 'base')}]);")
-        lines = [
-            f"// {name}: generated by onnx_gtco.kernels.elementwise",
-            f"// iteration shape {tuple(shape)} collapsed to {tuple(D)}; input strides {[tuple(s) for s in S]}",
-            "// program: " + "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
-                                       for j, (op, refs, a) in enumerate(instrs)),
-            '#include "gtco/elementwise.cuh"',
-            "",
-            f"namespace {name}_impl {{  // named, so instances can share one translation unit",
-            f"using T = {T};",
-            f"using idx_t = {idx_t};",
-            f"constexpr int THREADS = {threads};",
-            f"constexpr int VEC = {vec};",
-            f"constexpr idx_t N = {n}u;",
-            "",
-            f"GTCO_DEVICE void body(const float (&x)[{nin}], float (&y)[{nout}]) {{",
-            *body,
-            "}",
-            "",
-            f"__global__ void __launch_bounds__(THREADS) {name}_kernel(GtcoElementwiseArgs a, bool vec_ok) {{",
-            *[f"    const {ctype(i)}* __restrict__ in{i} = static_cast<const {ctype(i)}*>(a.in[{i}]);"
-              for i in range(nin)],
-            *[f"    T* __restrict__ out{k} = static_cast<T*>(a.out[{k}]);" for k in range(nout)],
-            "    const idx_t base = (static_cast<idx_t>(blockIdx.x) * THREADS + threadIdx.x) * VEC;",
-            "    if (base >= N) return;",
-            f"    float x[{nin}], y[{nout}];",
-        ]
-        if vec > 1:
-            lines += [
-                "    if (vec_ok && base + VEC <= N) {",
-                f"        float yv[{nout}][VEC];",
-            ]
-            if "vec" in access:
-                lines.append(f"        float xv[{nin}][VEC];")
-            lines += vec_loads
-            lines += [
-                "        GTCO_UNROLL",
-                "        for (int k = 0; k < VEC; ++k) {",
-            ]
-            if "gather" in access:
-                lines.append("            const idx_t e = base + k;")
-            for i in range(nin):
-                if access[i] == "vec":
-                    lines.append(f"            x[{i}] = xv[{i}][k];")
-                elif access[i] == "one":
-                    lines.append(f"            x[{i}] = x{i}_all;")
-                else:
-                    lines.append(f"            x[{i}] = gtco::to_f32(in{i}[{_index_expr(D, S[i], 'e')}]);")
-            lines += [
-                "            body(x, y);",
-                *[f"            yv[{k}][k] = y[{k}];" for k in range(nout)],
-                "        }",
-                *[f"        gtco::store_vec_at<T, VEC>(out{k} + base, yv[{k}]);" for k in range(nout)],
-                "        return;",
-                "    }",
-            ]
-        lines += [
-            "    for (idx_t e = base; e < N && e < base + VEC; ++e) {",
-            *loads("e", "        "),
-            "        body(x, y);",
-            *[f"        out{k}[e] = gtco::from_f32<T>(y[{k}]);" for k in range(nout)],
-            "    }",
-            "}",
-            f"}}  // namespace {name}_impl",
-            "",
-            f"GTCO_EXPORT int {symbol}(const GtcoElementwiseArgs* args, void* stream) {{",
-            f"    using namespace {name}_impl;",
-            "    if (args == nullptr || args->n != static_cast<int64_t>(N)) return GTCO_EBADSHAPE;",
-            *[f"    if (args->in[{i}] == nullptr) return GTCO_EBADSHAPE;" for i in range(nin)],
-            *[f"    if (args->out[{k}] == nullptr) return GTCO_EBADSHAPE;" for k in range(nout)],
-            "    // the vector path needs its pointers aligned to VEC elements; else every element runs scalar",
-            "    const bool vec_ok = " + " && ".join(
-                ["true"] + [f"gtco::aligned_to(args->in[{i}], sizeof(T) * VEC)" for i in range(nin) if aligned[i]]
-                + ([f"gtco::aligned_to(args->out[{k}], sizeof(T) * VEC)" for k in range(nout)] if vector_path
-                   else [])) + ";",
-            "    const unsigned blocks = static_cast<unsigned>((static_cast<uint64_t>(N) + THREADS * VEC - 1) / "
-            "(THREADS * VEC));",
-            f"    auto kernel = &{name}_kernel;",
-            "    return GTCO_LAUNCH(kernel, dim3(blocks), dim3(THREADS), stream, *args, vec_ok);",
-            "}",
-            "",
-        ]
-        return Instance(name, symbol, "\n".join(lines), problem, dict(config), arch, 0)
+        source = macro(TEMPLATE, "instance", name=name, symbol=f"gtco_{name}", threads=threads, vec=vec,
+                       **_program(problem, C_TYPES[problem.dtype], "gtco::ew"))
+        return Instance(name, f"gtco_{name}", source, problem, dict(config), arch, 0)
 
     def host_function(self, problem: Problem) -> tuple[str, str]:
         """The symbol and C++ source of `problem` as a plain host function (plugins/cpu/elementwise_ref.h).
 
         The custom-op library's CPU-EP kernel of an Elementwise node: the program differs per node, so the glue
-        carries one of these per distinct program. Same fp32 expression and numpy-broadcast index arithmetic as
-        the device instance, one element at a time over [begin, end) (the caller splits the range over threads),
-        no CUDA. Signature `gtco::ref::ew::HostFn`: `void f(const GtcoElementwiseArgs*, uint64_t begin,
-        uint64_t end)`; `static`, so that glues of several models never share a symbol."""
+        carries one of these per distinct program. Same fp32 expression and numpy-broadcast index arithmetic
+        (gtco/broadcast.h) as the device instance, one element at a time over [begin, end) (the caller splits the
+        range over threads), no CUDA. Signature `gtco::ref::ew::HostFn`: `void f(const GtcoElementwiseArgs*,
+        uint64_t begin, uint64_t end)`; `static`, so that glues of several models never share a symbol."""
         why = _validate(problem) if problem.family == self.name else f"problem is for family {problem.family!r}"
         if why is None and problem.dtype not in DTYPES:
             why = f"dtype {problem.dtype!r} is not one of {DTYPES}"
         if why is not None:
             raise ValueError(f"elementwise: {why}")
         instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
-        shape = iteration_shape(problem)
         digest = hashlib.sha1(repr((problem.dtype, problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()
         symbol = f"gtco_elementwise_host_{problem.dtype}_{digest[:12]}"
         storage = {"f32": "float", "f16": "gtco::ref::ew::f16", "bf16": "gtco::ref::ew::bf16"}[problem.dtype]
-        D, S = collapse(shape, [s for s, _ in inputs])
-        ns = "gtco::ref::ew"
-        lines = [
-            f"// {symbol}: host function of an elementwise program (onnx_gtco.kernels.elementwise), "
-            f"iteration shape {tuple(shape)}",
-            "// program: " + "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
-                                       for j, (op, refs, a) in enumerate(instrs)),
-            f"static void {symbol}(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {{",
-            f"    using T = {storage};",
-        ]
-        for i, (_, kind) in enumerate(inputs):
-            ct = KINDS[kind] or "T"
-            lines.append(f"    const {ct}* in{i} = static_cast<const {ct}*>(a->in[{i}]);")
-        lines += [f"    T* out{k} = static_cast<T*>(a->out[{k}]);" for k in range(len(outputs))]
-        lines.append("    for (uint64_t e = begin; e < end; ++e) {")
-        for i in range(len(inputs)):
-            lines.append(f"        const float x{i} = {ns}::to_f32(in{i}[{_index_expr(D, S[i], 'e')}]);")
-        for j, (op, refs, attr) in enumerate(instrs):
-            args = [f"x{r[1]}" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1]) for r in refs]
-            lines.append(f"        const float t{j} = {_expr(op, args, refs, attr, ns)};")
-        for k, r in enumerate(outputs):
-            lines.append(f"        out{k}[e] = {ns}::from_f32<T>({'x' if r[0] == 'x' else 't'}{r[1]});")
-        lines += ["    }", "}", ""]
-        return symbol, "\n".join(lines)
+        return symbol, macro(TEMPLATE, "host_function", symbol=symbol, **_program(problem, storage, "gtco::ref::ew"))
 
     def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
         nin, nout = len(problem.flag("inputs")), len(problem.flag("outputs"))

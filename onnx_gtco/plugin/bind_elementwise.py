@@ -7,10 +7,10 @@ reads (a tensor a view op reshapes inside the group is read twice, under two sha
 Scalar constant inputs (initializers and Constant outputs of one element) are folded into the program; larger
 constants are ordinary operands.
 
-Unlike the other families the program is not a fixed kernel with attributes: the glue gets, per node, a descriptor
-(`gtco::ElementwiseNode`: the shapes and dtypes of every node input and output as built, the number of elements)
-and a host function of the program (ElementwiseFamily.host_function, shared by the nodes of one program) for the
-CPU-EP kernel; that is what `glue` writes and what NodeSpec::node_data points to.
+Unlike the other families the program is not a fixed kernel with attributes, so the glue carries per node what
+`glue` writes from plugins/include/gtco/elementwise.cu.j2: the program's host function (the CPU-EP kernel, shared
+by the nodes of one program) and the node's `gtco::ElementwiseNode` (NodeSpec::node_data: the shapes and dtypes
+of every node input and output as built, the element count, the host function).
 """
 
 from __future__ import annotations
@@ -20,27 +20,23 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
-from onnx_gtco.kernels.elementwise import FAMILY, MAX_IN, MAX_OUT, Program, program_from_onnx
+from onnx_gtco.kernels.elementwise import FAMILY, KINDS, MAX_IN, MAX_OUT, TEMPLATE, Program, program_from_onnx
 from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.render import macro
 from onnx_gtco.kernels.select import kernel_dtype
 from onnx_gtco.plugin.binding import Binding, FusedNode, TensorInfo
+from onnx_gtco.plugin.nodes import DTYPE_NAMES
 
 DTYPES = ("f32", "f16", "bf16")
-_KINDS = {"bool": "bool", "i32": "i32", "i64": "i64"}  # non-float input dtypes -> program input kind
-_ONNX_TYPES = {"f32": "FLOAT", "f16": "FLOAT16", "bf16": "BFLOAT16", "f64": "DOUBLE", "i64": "INT64",
-               "i32": "INT32", "i8": "INT8", "u8": "UINT8", "bool": "BOOL"}
+_ONNX_TYPES = {name: TensorProto.DataType.Name(t) for t, name in DTYPE_NAMES.items()}  # "f16" -> "FLOAT16"
 
 
 def _static(info: TensorInfo) -> tuple[int, ...] | None:
     if info.shape is None or not all(isinstance(d, int) for d in info.shape):
         return None
     return tuple(int(d) for d in info.shape)
-
-
-def _folded(info: TensorInfo) -> bool:
-    """A scalar constant: program_from_onnx inlines its value, so no kernel operand reads it."""
-    return info.value is not None and np.asarray(info.value).size == 1
 
 
 def node_program(node: FusedNode) -> Program | str:
@@ -63,15 +59,15 @@ def node_program(node: FusedNode) -> Program | str:
             return f"input {info.name!r} has an unknown element type"
         if info.value is not None:
             constants[formal] = np.asarray(info.value)
-        if _folded(info):
-            continue
+            if constants[formal].size == 1:
+                continue  # a scalar constant: program_from_onnx inlines its value, so no kernel operand reads it
         if info.dtype in DTYPES:
             if info.dtype != node.dtype:
                 return (f"input {info.name!r} is {info.dtype}; the {node.node.op_type} kernel reads float inputs as "
                         f"{node.dtype}")
             kind = "float"
-        elif info.dtype in _KINDS:
-            kind = _KINDS[info.dtype]
+        elif info.dtype in KINDS:  # bool, i32, i64: read as such
+            kind = info.dtype
         else:
             kind = ""  # read only by a view op as its shape / axes (a constant), or refused below when computed on
         inputs.append((formal, shape, kind))
@@ -150,22 +146,13 @@ class ElementwiseBinder:
         # the host function computes in fp32 on the node's own storage type, whatever its precision attribute
         symbol, source = FAMILY.host_function(program.problem(node.dtype))
         shapes = [_static(i) for i in (*node.inputs, *node.outputs)]
-        assert all(s is not None for s in shapes)
-        ranks = [len(s) for s in shapes if s is not None]
-        dims = [d for s in shapes if s is not None for d in s] or [0]
-        types = [f"ONNX_TENSOR_ELEMENT_DATA_TYPE_{_ONNX_TYPES.get(i.dtype, 'UNDEFINED')}" for i in node.inputs]
-        n = math.prod(program.shape)
-        tag = hashlib.sha1(node.node.name.encode()).hexdigest()[:12]
-        name = f"gtco_elementwise_node_{tag}"
-        desc = "\n".join([
-            f"// node {node.node.name!r}: shapes and dtypes as built",
-            f"static const int64_t {name}_dims[] = {{{', '.join(map(str, dims))}}};",
-            f"static const int {name}_ranks[] = {{{', '.join(map(str, ranks))}}};",
-            f"static const ONNXTensorElementDataType {name}_types[] = {{{', '.join(types)}}};",
-            f"static const gtco::ElementwiseNode {name} = {{&{symbol}, {n}, {name}_types, {name}_ranks, "
-            f"{name}_dims}};",
-            ""])
-        return (source, desc), f"&{name}"
+        assert all(s is not None for s in shapes)  # bind refuses nodes with a symbolic or unknown shape
+        name = f"gtco_elementwise_node_{hashlib.sha1(node.node.name.encode()).hexdigest()[:12]}"
+        descriptor = macro(TEMPLATE, "node", name=name, node=node.node.name, run=symbol, n=math.prod(program.shape),
+                           types=[_ONNX_TYPES.get(i.dtype, "UNDEFINED") for i in node.inputs],
+                           ranks=[len(s) for s in shapes if s is not None],
+                           dims=[d for s in shapes if s is not None for d in s] or [0])
+        return (source, descriptor), f"&{name}"
 
 
 __all__ = ["ElementwiseBinder", "node_problem", "node_program"]

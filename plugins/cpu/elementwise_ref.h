@@ -1,16 +1,20 @@
 // CPU reference of the Elementwise family (op types Elementwise_f32 / _f16 / _bf16): plain C++, no ORT, no CUDA.
 //
 // The program differs per node, so there is no one reference function: onnx_gtco/kernels/elementwise.py
-// (ElementwiseFamily.host_function) writes one host function per program into the generated glue, with the same
-// fp32 expression and numpy-broadcast index arithmetic as the device instance, and this header holds what those
-// functions share: the storage types and their fp32 conversions, and the math of the supported ONNX ops, the same
-// formulas as gtco::ew in gtco/elementwise.cuh (host libm instead of CUDA's, so results agree to rounding).
+// (ElementwiseFamily.host_function, from plugins/include/gtco/elementwise.cu.j2) writes one host function per
+// program into the generated glue: the program as a struct (its storage type, collapsed iteration shape and
+// operands as in gtco/broadcast.h, and its fp32 body) and a function running it over a range of elements with
+// gtco::ref::ew::run. This header holds what those functions share: that loop, with the same numpy-broadcast
+// index arithmetic as the device instance (gtco/broadcast.h), the storage types and their fp32 conversions, and the
+// math of the supported ONNX ops, the same formulas as gtco::ew in gtco/elementwise.cuh (host libm instead of
+// CUDA's, so results agree to rounding).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "gtco/args.h"
+#include "gtco/broadcast.h"
 #include "gtco/half_bits.h"
 
 namespace gtco {
@@ -76,6 +80,26 @@ inline float lor(float a, float b) { return (a != 0.0f || b != 0.0f) ? 1.0f : 0.
 inline float lxor(float a, float b) { return ((a != 0.0f) != (b != 0.0f)) ? 1.0f : 0.0f; }
 inline float round_f16(float x) { return f16_bits_to_f32(f32_to_f16_bits(x)); }
 inline float round_bf16(float x) { return to_f32(bf16{f32_to_bf16_bits(x)}); }
+
+// Program's body (gtco::ew::Elementwise in gtco/elementwise.cuh describes Program) over elements [begin, end) of
+// its iteration shape, one at a time: the generated host function of a program calls this.
+template <class Program>
+void run(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {
+    using T = typename Program::T;
+    using Shape = typename Program::Shape;
+    using Inputs = typename Program::Inputs;
+    constexpr int nin = Inputs::size;
+    float x[nin], y[Program::NOUT];
+    for (uint64_t e = begin; e < end; ++e) {
+        gtco::ew::for_each<nin>([&](auto i) {
+            using In = typename gtco::ew::input_at<decltype(i)::value, Inputs>::type;
+            const auto* in = static_cast<const typename In::type*>(a->in[decltype(i)::value]);
+            x[decltype(i)::value] = to_f32(in[In::template offset<Shape>(e)]);
+        });
+        Program::body(x, y);
+        for (int o = 0; o < Program::NOUT; ++o) static_cast<T*>(a->out[o])[e] = from_f32<T>(y[o]);
+    }
+}
 
 }  // namespace ew
 }  // namespace ref

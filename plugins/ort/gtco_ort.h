@@ -1,8 +1,8 @@
 // ORT side of the custom-op library: the op/kernel templates every family's glue shares.
 //
-// Built with g++ only (nvcc cannot compile the ORT C++ headers), C++17, -fvisibility=hidden, ORT_API_MANUAL_INIT:
-// the library never links libonnxruntime; RegisterCustomOps (register.inc) calls Ort::InitApi with the API the
-// loading runtime hands over.
+// Built with g++ only (nvcc cannot compile the ORT C++ headers), C++17 or later (the generated glue is C++20),
+// -fvisibility=hidden, ORT_API_MANUAL_INIT: the library never links libonnxruntime; RegisterCustomOps (register.inc)
+// calls Ort::InitApi with the API the loading runtime hands over.
 //
 // One fused op type (e.g. Layernorm_f32) is one FusedOp<Family, dtype, cuda> object per execution provider. Its
 // schema is one variadic input of any type and one variadic output of the op's dtype, because nodes of the same op
@@ -121,7 +121,9 @@ struct DispatchEntry {
     const char* name[kArchSlots];
 };
 
-// One fused node of the model the library was built for (generated table, see library.py).
+// One fused node of the model the library was built for: the table kNodes, generated from plugins/ort/glue.cc.j2
+// with designated initializers (.op_type = ..., .in = ...), so a field moved here fails the glue's build instead
+// of shifting the values after it; a field left out takes its default below.
 struct NodeSpec {
     const char* op_type;
     const char* node;                    // node name in the model

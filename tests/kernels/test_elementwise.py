@@ -202,19 +202,27 @@ def make_inputs(prog, prob, seed, ranges):
     return ins
 
 
-def run(emu, prob, cfg, ins, source_edit=None):
+def run(emu, prob, cfg, ins, header_edit=None):
     """Run the instance on `ins`; outputs start as NaN, so an element the kernel never writes fails the test.
 
     `emu` is the emu fixture: the instances the tests below name are built together in one library (one g++ run
-    instead of one per instance); an edited instance is built on its own.
+    instead of one per instance). `header_edit` (header, old, new) builds the instance on its own against copies of
+    gtco/elementwise.cuh and gtco/broadcast.h (the loop and the indexing every instance shares), one of them edited.
     """
     tmp, batch_lib, batched = emu
     inst = FAMILY.instantiate(prob, cfg, "sm_80")
-    if source_edit is not None:
-        edited = source_edit(inst.source)
-        assert edited != inst.source, "the edit did not apply"
-        inst = dataclasses.replace(inst, source=edited)
-        lib = build_emulated(inst, tmp, ("-O1",))
+    if header_edit is not None:
+        header, old, new = header_edit
+        edited = tmp / f"edited_{len(list(tmp.glob('edited_*')))}"
+        (edited / "gtco").mkdir(parents=True)
+        for name in ("elementwise.cuh", "broadcast.h"):
+            text = (INCLUDE / "gtco" / name).read_text()
+            if name == header:
+                assert old in text, "the edit did not apply"
+                text = text.replace(old, new)
+            (edited / "gtco" / name).write_text(text)
+        # quoted includes look in -iquote folders before -I ones: the instance includes the edited copies
+        lib = build_emulated(inst, tmp, ("-O1", f"-iquote{edited}"))
     else:
         lib = batch_lib if inst.name in batched else build_emulated(inst, tmp, ("-O1",))
     arrays = dict(ins)
@@ -300,9 +308,14 @@ ACCESS = [
 def test_broadcast_access_paths(emu, shape, cfg, access):
     """Per-row statistics and [N] parameters read through the vector path's three access kinds."""
     prog, prob, ref, ranges = build(normalize(shape), "f16")
-    src = FAMILY.instantiate(prob, cfg, "sm_80").source
-    assert ("gtco::load_vec_at<T, VEC>(xv[3]" in src) == (access == "vec")
-    assert ("x1_all" in src) == (access == "vec")
+    # how the instance reads gamma (x3) and mean (x1) is decided at compile time (gtco::ew::access): check it there
+    inst = FAMILY.instantiate(prob, cfg, "sm_80")
+    kernel = f"{inst.name}_impl::Kernel"
+    src = emu[0] / f"{inst.name}.access.cc"
+    src.write_text(inst.source + (
+        f"static_assert(({kernel}::access_of<3> == gtco::ew::Access::vec) == {str(access == 'vec').lower()});\n"
+        f"static_assert(({kernel}::access_of<1> == gtco::ew::Access::one) == {str(access == 'vec').lower()});\n"))
+    cxx_build(src, src.with_suffix(".o"), include_dirs=[INCLUDE], defines=["GTCO_EMULATE"], extra=("-c",))
     ins = make_inputs(prog, prob, 11, ranges)
     got = run(emu, prob, cfg, ins)["y0"]
     assert_close(got, ref(onnx_values(prog, prob, ins))["y"], "f16", str(shape))
@@ -354,9 +367,11 @@ def test_broken_instances_are_caught(emu):
     want = ref(onnx_values(prog, prob, ins))["y"]
     good = run(emu, prob, cfg, ins)["y0"]
     assert rel_error(good, want) < TOL["f16"]
-    shifted = run(emu, prob, cfg, ins, source_edit=lambda s: s.replace("% 100u", "% 100u + 1"))["y0"]
+    # the bias [100] is the one operand indexed with a modulus ((e % 100) * 1): one element off
+    shifted = run(emu, prob, cfg, ins, header_edit=("broadcast.h", "t = t % static_cast<I>(Dim);",
+                                                     "t = t % static_cast<I>(Dim) + 1;"))["y0"]
     assert rel_error(shifted, want) > 10 * TOL["f16"]
-    short = run(emu, prob, cfg, ins, source_edit=lambda s: s.replace("e < N &&", "e + 1 < N &&"))["y0"]
+    short = run(emu, prob, cfg, ins, header_edit=("elementwise.cuh", "e < N &&", "e + 1 < N &&"))["y0"]
     assert np.isnan(short).sum() == 1 and rel_error(short, want) == float("inf")  # the unwritten element
     v = onnx_values(prog, prob, ins)
     no_bias = ref({"x": v["x"], "b": np.zeros_like(v["b"])})["y"]  # a reference that forgot the bias
@@ -403,9 +418,10 @@ def test_misaligned_pointers_fall_back_to_scalar(tmp_path):
     of faulting or being refused."""
     _, prob, _, _ = build(gelu_erf_bias((1, 37, 100)), "f16")
     inst = FAMILY.instantiate(prob, {"THREADS": 64, "VEC": 8}, "sm_80")
-    assert "gtco::load_vec_at<T, VEC>(xv[0]" in inst.source and "vec_ok" in inst.source
+    kernel = f"{inst.name}_impl::Kernel"  # x (input 0) takes the vector path when its pointer is aligned
     src = tmp_path / "misaligned.cu"
     src.write_text(inst.source + f"#define NX {37 * 100}\n#define NB 100\n#define SYMBOL {inst.symbol}\n"
+                   + f"static_assert({kernel}::access_of<0> == gtco::ew::Access::vec && {kernel}::vector_path);\n"
                    + MISALIGNED_DRIVER)
     cxx_build(src, tmp_path / "misaligned", include_dirs=[INCLUDE], defines=["GTCO_EMULATE"])
     assert run_exe(tmp_path / "misaligned").stdout.strip() == "ok"

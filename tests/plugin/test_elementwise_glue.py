@@ -173,7 +173,9 @@ def test_binding_roles_and_glue(cpu_libs) -> None:
     assert names == ["x", "bias"] and binding.outputs == (0,)
     blocks, host = ElementwiseBinder().glue(node, binding)
     assert host.startswith("&gtco_elementwise_node_") and "static void gtco_elementwise_host_f32_" in blocks[0]
-    assert "erff(" in blocks[0] and "(e % 16u)" in blocks[0]  # the bias broadcasts along the innermost dim
+    # x [2, 3, 16] walks the iteration shape collapsed to (6, 16); the bias broadcasts along its outer dim
+    assert "erff(" in blocks[0] and "Shape<6, 16>" in blocks[0]
+    assert "In<T, 16, 1>,  // x[0]" in blocks[0] and "In<T, 0, 1>  // x[1]" in blocks[0]
     two, _ = cpu_libs["two_outputs"]
     (node,) = fused_nodes(two)
     binding = ElementwiseBinder().bind(node)

@@ -1,17 +1,20 @@
 // Elementwise family: one thread computes VEC consecutive elements of a generated fp32 expression program.
 //
-// The instance (.cu written by onnx_gtco/kernels/elementwise.py) holds the program itself: a device function
-// `body(const float (&x)[NIN], float (&y)[NOUT])`, the broadcast index of every input as constant arithmetic on
-// the flattened output index, and the kernel (its `vec_ok` argument, false when a vector-loaded pointer is not
-// aligned to VEC elements, sends every element down the scalar path). This header holds what every instance
-// shares, and what the other row-wise families (layernorm.cuh, softmax.cuh) reuse: the 16/32-bit <-> fp32
-// conversions, vector loads and stores of VEC elements (one 16-byte access at most), and the math of the
-// supported ONNX ops.
+// The instance (.cu written by onnx_gtco/kernels/elementwise.py from plugins/include/gtco/elementwise.cu.j2) holds
+// only what differs per program: a struct with the storage type T, the collapsed iteration shape and the operands
+// as types (gtco/broadcast.h) and the program body, `body(const float (&x)[NIN], float (&y)[NOUT])`; a
+// __global__ wrapper calling Elementwise<Program, THREADS, VEC>::thread; and the entry point calling its launch.
+// This header holds the rest: the loop over the VEC elements of a thread (a vector path with one access of at most
+// 16 bytes per operand where its layout allows, and a scalar path for the ragged tail and misaligned pointers),
+// the broadcast index of every operand (gtco/broadcast.h), the checks and the launch; and what the other row-wise
+// families (layernorm.cuh, softmax.cuh) reuse: the 16/32-bit <-> fp32 conversions, vector loads and stores of VEC
+// elements, and the math of the supported ONNX ops.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "gtco/broadcast.h"
 #include "gtco/launch.cuh"
 
 namespace gtco {
@@ -138,6 +141,132 @@ GTCO_DEVICE float lor(float a, float b) { return (a != 0.0f || b != 0.0f) ? 1.0f
 GTCO_DEVICE float lxor(float a, float b) { return ((a != 0.0f) != (b != 0.0f)) ? 1.0f : 0.0f; }
 GTCO_DEVICE float round_f16(float x) { return to_f32(__float2half_rn(x)); }
 GTCO_DEVICE float round_bf16(float x) { return to_f32(__float2bfloat16_rn(x)); }
+
+}  // namespace ew
+
+// ---- the instance: Program's body over the iteration shape --------------------------------------------------
+namespace ew {
+
+// How the vector path reads an operand for the VEC consecutive elements of a thread (their first index is a multiple
+// of VEC): `vec`, one access of at most 16 bytes at the first element's offset (operands of the kernel's storage
+// type with the iteration shape, or walking the innermost dim contiguously when that dim is a multiple of VEC: a
+// bias [N]); `one`, one load for all VEC (operands broadcast along the innermost dim when VEC divides it, so the
+// VEC elements lie in one row: a per-row scale; or broadcast everywhere); `gather`, one load per element.
+enum class Access { vec, one, gather };
+
+template <class Sh, class Op, typename T, int VEC>
+GTCO_HD constexpr Access access() {
+    constexpr bool storage = std::is_same<typename Op::type, T>::value;
+    constexpr bool inner = Sh::rank > 0 && Sh::dim(Sh::rank - 1) % VEC == 0;
+    constexpr uint64_t last = Sh::rank > 0 ? Op::stride(Sh::rank - 1) : 0;
+    if (storage && (Op::template dense<Sh>() || (inner && last == 1))) return Access::vec;
+    if (Op::scalar() || (inner && last == 0)) return Access::one;
+    return Access::gather;
+}
+
+// Program: T (storage of the outputs and of the float operands), Shape, Inputs (gtco/broadcast.h), NOUT and
+// `static void body(const float (&x)[NIN], float (&y)[NOUT])`.
+template <class Program, int THREADS, int VEC>
+struct Elementwise {
+    using T = typename Program::T;
+    using Sh = typename Program::Shape;
+    using Ins = typename Program::Inputs;
+    static constexpr int NIN = Ins::size;
+    static constexpr int NOUT = Program::NOUT;
+    static constexpr uint64_t N = Sh::n;
+    using idx_t = typename std::conditional<(N < (uint64_t{1} << 31)), uint32_t, uint64_t>::type;
+    template <int I>
+    using Op = typename input_at<I, Ins>::type;
+    template <int I>
+    using E = typename Op<I>::type;
+    template <int I>
+    static constexpr Access access_of = access<Sh, Op<I>, T, VEC>();
+    // only the vector path needs aligned pointers, and it never runs when N < VEC
+    static constexpr bool vector_path = VEC > 1 && N >= static_cast<uint64_t>(VEC);
+    // bit i: the vector path reads input i with vector loads
+    template <int... I>
+    static constexpr uint32_t vec_loaded(std::integer_sequence<int, I...>) {
+        return (0u | ... | (access_of<I> == Access::vec ? 1u << I : 0u));
+    }
+    static constexpr uint32_t kVecLoaded = vector_path ? vec_loaded(std::make_integer_sequence<int, NIN>{}) : 0u;
+    static_assert(NIN >= 1 && NIN <= GTCO_EW_MAX_IN && NOUT >= 1 && NOUT <= GTCO_EW_MAX_OUT, "operand counts");
+    static_assert(sizeof(T) * VEC <= 16, "one vector access is at most 16 bytes");
+
+    template <int I>
+    GTCO_DEVICE static float load(const void* const __restrict__ (&in)[NIN], idx_t e) {
+        return to_f32(static_cast<const E<I>*>(in[I])[Op<I>::template offset<Sh>(e)]);
+    }
+
+    // the thread's VEC elements; vec_ok: every pointer the vector path reads or writes is aligned to VEC elements
+    GTCO_DEVICE static void thread(const GtcoElementwiseArgs& a, bool vec_ok) {
+        const void* __restrict__ in[NIN];
+        T* __restrict__ out[NOUT];
+        GTCO_UNROLL
+        for (int i = 0; i < NIN; ++i) in[i] = a.in[i];
+        GTCO_UNROLL
+        for (int o = 0; o < NOUT; ++o) out[o] = static_cast<T*>(a.out[o]);
+        const idx_t base = (static_cast<idx_t>(blockIdx.x) * THREADS + threadIdx.x) * VEC;
+        if (base >= N) return;
+        float x[NIN], y[NOUT];
+        if constexpr (VEC > 1) {
+            if (vec_ok && base + VEC <= N) {
+                float xv[NIN][VEC], yv[NOUT][VEC];
+                for_each<NIN>([&](auto i) {
+                    constexpr int I = decltype(i)::value;
+                    if constexpr (access_of<I> == Access::vec) {
+                        load_vec_at<T, VEC>(xv[I], static_cast<const T*>(in[I]) + Op<I>::template offset<Sh>(base));
+                    } else if constexpr (access_of<I> == Access::one) {
+                        xv[I][0] = load<I>(in, base);
+                    }
+                });
+                GTCO_UNROLL
+                for (int k = 0; k < VEC; ++k) {
+                    const idx_t e = base + k;
+                    for_each<NIN>([&](auto i) {
+                        constexpr int I = decltype(i)::value;
+                        if constexpr (access_of<I> == Access::vec) {
+                            x[I] = xv[I][k];
+                        } else if constexpr (access_of<I> == Access::one) {
+                            x[I] = xv[I][0];
+                        } else {
+                            x[I] = load<I>(in, e);
+                        }
+                    });
+                    Program::body(x, y);
+                    GTCO_UNROLL
+                    for (int o = 0; o < NOUT; ++o) yv[o][k] = y[o];
+                }
+                GTCO_UNROLL
+                for (int o = 0; o < NOUT; ++o) store_vec_at<T, VEC>(out[o] + base, yv[o]);
+                return;
+            }
+        }
+        for (idx_t e = base; e < N && e < base + VEC; ++e) {
+            for_each<NIN>([&](auto i) { x[decltype(i)::value] = load<decltype(i)::value>(in, e); });
+            Program::body(x, y);
+            GTCO_UNROLL
+            for (int o = 0; o < NOUT; ++o) out[o][e] = from_f32<T>(y[o]);
+        }
+    }
+
+    // The entry point: GTCO_EBADSHAPE unless args has the instance's element count and every operand it reads and
+    // writes; launches `kernel` (the instance's __global__ wrapper of thread) over ceil(N / (THREADS * VEC))
+    // blocks, on the scalar path everywhere when a pointer of the vector path is not aligned to VEC elements.
+    static int launch(void (*kernel)(GtcoElementwiseArgs, bool), const GtcoElementwiseArgs* args, void* stream) {
+        if (args == nullptr || args->n != static_cast<int64_t>(N)) return GTCO_EBADSHAPE;
+        bool vec_ok = true;
+        for (int i = 0; i < NIN; ++i)
+            if (args->in[i] == nullptr) return GTCO_EBADSHAPE;
+        for (int o = 0; o < NOUT; ++o) {
+            if (args->out[o] == nullptr) return GTCO_EBADSHAPE;
+            vec_ok = vec_ok && (!vector_path || aligned_to(args->out[o], sizeof(T) * VEC));
+        }
+        for (int i = 0; i < NIN; ++i)
+            vec_ok = vec_ok && (!(kVecLoaded >> i & 1u) || aligned_to(args->in[i], sizeof(T) * VEC));
+        const unsigned blocks = static_cast<unsigned>((N + THREADS * VEC - 1) / (THREADS * VEC));
+        return GTCO_LAUNCH(kernel, dim3(blocks), dim3(THREADS), stream, *args, vec_ok);
+    }
+};
 
 }  // namespace ew
 }  // namespace gtco

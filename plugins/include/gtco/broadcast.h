@@ -1,0 +1,123 @@
+// Numpy broadcasting over a flattened index, at compile time: what the Elementwise family's device instances
+// (gtco/elementwise.cuh) and the host functions of the ORT glue (plugins/cpu/elementwise_ref.h) share. Plain C++17,
+// no CUDA, so that the g++-built glue includes it as well as nvcc and the emulation.
+//
+// The generated program describes its iteration space and operands as types (onnx_gtco/kernels/elementwise.py
+// collapses the iteration shape first: dims of 1 dropped, neighbours every operand walks alike merged):
+//     Shape<D0, D1, ...>           the collapsed iteration dims, outermost first (none: one element)
+//     In<E, S0, S1, ...>           an operand of element type E with element strides S over those dims (0: the
+//                                  operand is broadcast along that dim)
+//     Inputs<In<...>, In<...>>     the program's operands, kernel input i being the i-th
+// and In<...>::offset<Shape>(e) is the operand's element offset at flat output index e: a sum of terms
+// (e / pos_j % D_j) * S_j with every divisor and modulus a constant, e itself when the operand has the iteration
+// shape, 0 when it is broadcast everywhere.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#if defined(__CUDACC__)
+#define GTCO_HD __host__ __device__ __forceinline__
+#else
+#define GTCO_HD inline
+#endif
+
+namespace gtco {
+namespace ew {
+
+template <uint64_t... D>
+struct Shape {
+    static constexpr int rank = sizeof...(D);
+    static constexpr uint64_t n = (uint64_t{1} * ... * D);  // elements (1 for rank 0)
+    GTCO_HD static constexpr uint64_t dim(int j) {
+        constexpr uint64_t d[] = {D..., 1};
+        return d[j];
+    }
+    // elements of one step along dim j: the product of the dims after it
+    GTCO_HD static constexpr uint64_t pos(int j) {
+        uint64_t p = 1;
+        for (int k = j + 1; k < rank; ++k) p *= dim(k);
+        return p;
+    }
+};
+
+template <typename E, uint64_t... S>
+struct In {
+    using type = E;
+    static constexpr int rank = sizeof...(S);
+    GTCO_HD static constexpr uint64_t stride(int j) {
+        constexpr uint64_t s[] = {S..., 0};
+        return s[j];
+    }
+    // broadcast along every dim: one element
+    GTCO_HD static constexpr bool scalar() {
+        for (int j = 0; j < rank; ++j)
+            if (stride(j) != 0) return false;
+        return true;
+    }
+    // the iteration shape itself, dense: offset(e) = e
+    template <class Sh>
+    GTCO_HD static constexpr bool dense() {
+        for (int j = 0; j < rank; ++j)
+            if (stride(j) != Sh::pos(j)) return false;
+        return true;
+    }
+
+    template <class Sh, typename I>
+    GTCO_HD static I offset(I e) {
+        static_assert(rank == Sh::rank, "an operand has one stride per collapsed dim");
+        if constexpr (scalar()) {
+            return 0;
+        } else if constexpr (dense<Sh>()) {
+            return e;
+        } else {
+            return terms<Sh>(e, std::make_integer_sequence<int, rank>{});
+        }
+    }
+
+  private:
+    // (e / pos_j % D_j) * S_j, without the division by 1, the modulus of the outermost dim (e < n) or the
+    // multiplication by 1
+    template <uint64_t Pos, uint64_t Dim, uint64_t Stride, bool Outer, typename I>
+    GTCO_HD static I term(I e) {
+        if constexpr (Stride == 0) {
+            return 0;
+        } else {
+            I t = Pos == 1 ? e : e / static_cast<I>(Pos);
+            if constexpr (!Outer) t = t % static_cast<I>(Dim);
+            return Stride == 1 ? t : t * static_cast<I>(Stride);
+        }
+    }
+    template <class Sh, typename I, int... J>
+    GTCO_HD static I terms(I e, std::integer_sequence<int, J...>) {
+        return (term<Sh::pos(J), Sh::dim(J), stride(J), J == 0>(e) + ...);
+    }
+};
+
+template <class... Ins>
+struct Inputs {
+    static constexpr int size = sizeof...(Ins);
+};
+
+template <int I, class L>
+struct input_at;
+template <int I, class First, class... Rest>
+struct input_at<I, Inputs<First, Rest...>> : input_at<I - 1, Inputs<Rest...>> {};
+template <class First, class... Rest>
+struct input_at<0, Inputs<First, Rest...>> {
+    using type = First;
+};
+
+// f(std::integral_constant<int, I>{}) for I = 0 .. N-1, in order
+template <int N, class F, int... I>
+GTCO_HD void for_each(F&& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+GTCO_HD void for_each(F&& f) {
+    for_each<N>(static_cast<F&&>(f), std::make_integer_sequence<int, N>{});
+}
+
+}  // namespace ew
+}  // namespace gtco
