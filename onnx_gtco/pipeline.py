@@ -217,9 +217,12 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
         validate(new_model, model)
         st.step()
         st.note = f"{len(view)} -> {len(new_model.graph.node)} nodes"
+    from onnx_gtco.plugin.coverage import model_coverage
+
+    device = model_coverage(new_model)  # which fused nodes get device kernels: the binders' answer, nothing compiled
     t3 = time.perf_counter()
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
-                                  loaded.source)
+                                  loaded.source, device)
     if measured is not None:
         measured_groups = 0
         for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):
