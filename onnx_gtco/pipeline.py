@@ -118,12 +118,16 @@ def plan_model(
         else:
             candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
         st.step(f"{len(candidates)} candidates")
-        cost = cost_fn(view, config)
+        from onnx_gtco.plugin.coverage import candidate_coverage
+
+        coverage = candidate_coverage(view, config.precision)
+        has_kernel = lambda cand: coverage(cand).on(config.target)  # noqa: E731
+        cost = cost_fn(view, config, has_kernel)  # a group without a device kernel costs its nodes unfused
         measured = measured_time(view, config, measured_us) if measured_us else None
         st.step("costs")
 
         def dp_cost(cand: Candidate) -> float:
-            m = measured(cand) if measured is not None else None
+            m = measured(cand) if measured is not None and has_kernel(cand) else None
             return m if m is not None else float(cost(cand))
 
         plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)

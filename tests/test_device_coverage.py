@@ -72,19 +72,20 @@ def test_model_coverage_is_what_binding_and_device_selection_say(vit, monkeypatc
         assert all(not c.archs and "fp16 or bf16" in c.reason for c in families[family]), families[family]
 
 
-@pytest.mark.parametrize(("elem", "precision", "gemm", "ln"), [
-    (TensorProto.FLOAT16, "fp16", ARCH_SLOTS, ARCH_SLOTS),
-    (TensorProto.FLOAT, "fp32", (), ARCH_SLOTS),
-    (TensorProto.FLOAT, "fp16", (), ()),  # f16 compute on f32 tensors: no device kernel reads them
+@pytest.mark.parametrize(("elem", "precision", "families"), [
+    (TensorProto.FLOAT16, "fp16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+    # no f32 GEMM kernel: the GEMM keeps its function, and its bias + Relu get an elementwise kernel of their own
+    (TensorProto.FLOAT, "fp32", {"gemm": (), "elementwise": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+    (TensorProto.FLOAT, "fp16", {"gemm": (), "layernorm": ()}),  # f16 compute on f32 tensors: no kernel reads them
 ])
-def test_candidate_coverage_agrees_with_the_rewritten_node(elem: int, precision: str, gemm: tuple, ln: tuple,
+def test_candidate_coverage_agrees_with_the_rewritten_node(elem: int, precision: str, families: dict,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     result = optimize(mlp(elem), GtcoConfig(precision=precision))
     _no_subprocess(monkeypatch)
     truth = model_coverage(result.model).nodes
     ask = candidate_coverage(result.view, precision)
     names = [g["name"] for g in result.report["groups"]]
-    assert {n.split("/")[1]: truth[n].archs for n in names} == {"gemm": gemm, "layernorm": ln}
+    assert {n.split("/")[1]: truth[n].archs for n in names} == families
     for cand, name in zip(result.plan.fused_groups, names, strict=True):
         assert ask(cand) == truth[name], name
     if precision == "fp16" and elem == TensorProto.FLOAT:

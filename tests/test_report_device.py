@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
-from onnx_gtco import models, report, report_md
+from onnx_gtco import GtcoConfig, models, optimize, report, report_md
 from onnx_gtco.cli import main
 from onnx_gtco.ir.export import save_atomic
 from onnx_gtco.plugin.device import ARCH_SLOTS
@@ -91,3 +93,52 @@ def test_markdown_has_the_device_section(tmp_path: Path, capsys: pytest.CaptureF
         assert f"| {arch} | {n} | {len(rep['groups'])} |" in section
     for w in rep["device"]["without"]:
         assert f"| {w['family']} | {w['reason']} | {w['nodes']} |" in section
+
+
+def test_nodes_without_device_kernels_count_unfused_in_the_prediction(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _, rep, text = _optimize(tmp_path, capsys)
+    kernelless = [g for g in rep["groups"] if g["device_reason"] is not None]
+    assert kernelless  # fp32 GEMM and attention, the conv
+    for g in kernelless:  # no fictional kernel: a group that keeps its function costs what its nodes cost
+        assert g["predicted_us"] == g["predicted_unfused_us"], g["name"]
+    for g in rep["groups"]:
+        if g["device_reason"] is None:
+            assert g["predicted_us"] <= g["predicted_unfused_us"], g["name"]
+    # after fusion: the groups' predicted times plus the nodes left unfused (their share of the time before)
+    outside = rep["predicted_us_before"] - sum(g["predicted_unfused_us"] for g in rep["groups"])
+    assert rep["predicted_us_after"] == pytest.approx(sum(g["predicted_us"] for g in rep["groups"]) + outside,
+                                                      abs=0.01)
+    fused = len(rep["groups"])
+    n = rep["device"]["with_kernels"]["sm_90"]
+    assert (f"sm_90: {n} of {fused} fused nodes have device kernels (the target: the other {fused - n} count at "
+            "their unfused cost in the predicted time)") in text
+
+
+def test_no_device_kernel_predicts_no_speedup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """fp16 compute on the fp32 tensors of an fp32 export: no fused node has a device kernel, so fusing them is
+    predicted to gain nothing (it was 3.7x when the fused nodes were costed as kernels that do not exist)."""
+    _, rep, text = _optimize(tmp_path, capsys, "--precision", "fp16")
+    assert rep["groups"] and all(g["device_kernels"] == [] for g in rep["groups"])
+    assert rep["predicted_us_after"] >= rep["predicted_us_before"] - 0.001
+    assert rep["predicted_speedup"] <= 1.0
+    assert "(1.00x predicted by the analytical model" in text
+
+
+def test_conv_without_a_kernel_is_no_faster_fused(tmp_path: Path) -> None:
+    """A model whose only fusable group is a conv (no plugin kernel for that family): fused, named with its
+    reason, and predicted no faster than unfused."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], [w, b])
+    result = optimize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), GtcoConfig())
+    rep = result.report
+    assert [g["family"] for g in rep["groups"]] == ["conv"]
+    assert rep["device"]["without"] == [{"family": "conv", "reason": "no plugin kernel for family 'conv' yet",
+                                         "nodes": 1}]
+    assert rep["predicted_us_after"] >= rep["predicted_us_before"] - 0.001
+    assert "conv x1 keep their functions: no plugin kernel for family 'conv' yet" in report.summary(rep)
