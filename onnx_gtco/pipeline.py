@@ -121,7 +121,10 @@ def plan_model(
         from onnx_gtco.plugin.coverage import candidate_coverage
 
         coverage = candidate_coverage(view, config.precision)
-        has_kernel = lambda cand: coverage(cand).on(config.target)  # noqa: E731
+
+        def has_kernel(cand: Candidate) -> bool:
+            return coverage(cand).on(config.target)
+
         cost = cost_fn(view, config, has_kernel)  # a group without a device kernel costs its nodes unfused
         measured = measured_time(view, config, measured_us) if measured_us else None
         st.step("costs")
