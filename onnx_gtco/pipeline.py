@@ -280,8 +280,8 @@ def optimize_file(
     tune.driver.TaskResult as trials finish. `measurer` overrides tune.apply.pick_measurer(). When the measurer
     measures real kernels (not the analytical model), the model is planned again with the measured times of its
     tuned groups and the build uses the new plan (replan: the model is loaded once either way). Tuning takes the
-    fused nodes' shapes and the dynamic ranges from the plan. `config` defaults to GtcoConfig.from_env(), for
-    planning and tuning alike.
+    fused nodes' shapes and the dynamic ranges from the plan, and so does the build. `config` defaults to
+    GtcoConfig.from_env(), for planning and tuning alike.
 
     `markdown` also writes the report as Markdown (report_md.render): True beside the model as OUTPUT.report.md,
     or at the path given; written with the model and JSON report, all or nothing.
@@ -336,7 +336,8 @@ def optimize_file(
             except BuildError as e:
                 result.warnings.append(f"{e}: the library has the CPU kernels only")
         out_dir = out.parent if str(out.parent) else Path(".")
-        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch)
+        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch,
+                            ranges=result.dynamic.bounds() if result.dynamic else {}, planned=result.view.info)
         created = lib.path if lib.created else None
         result.library = lib
         result.timings["build_s"] = lib.seconds
