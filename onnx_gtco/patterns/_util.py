@@ -227,9 +227,14 @@ def const_close(view: GraphView, tensor: str, expected: float) -> bool:
 def const_scalar(view: GraphView, tensor: str) -> float | None:
     """A tensor holding exactly one value known before run time (constant or static shape arithmetic)."""
     val = static_value(view, tensor)
-    if val is None or val.size != 1 or val.dtype.kind not in "fiu":
+    if val is None or val.size != 1 or not (val.dtype.kind in "fiu" or is_bfloat16(val.dtype)):
         return None
     return float(val.reshape(-1)[0])
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """numpy reads bfloat16 tensors as ml_dtypes' bfloat16, whose kind is "V" (not "f"), so kind checks miss it."""
+    return dtype.kind == "V" and dtype.name == "bfloat16"
 
 
 def absorb_up(
