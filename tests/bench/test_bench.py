@@ -336,8 +336,7 @@ def test_cuda_bench_times_every_installed_baseline(tmp_path: Path) -> None:
 
 def test_ours_is_timed_on_exactly_the_file_optimize_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The "gtco" variant times the model file optimize_file wrote, optimized with the bench's precision, and no
-    other. optimize cannot convert an fp32 model to fp16 tensors yet, so for --precision fp16 bench gives it the
-    original converted by ORT's float16 converter (keep_io_types), the conversion its ort-fp16 baseline times."""
+    other: the fp32 original goes to optimize, which converts it to fp16 itself (no conversion of ours in bench)."""
     import onnx_gtco.pipeline
     import onnx_gtco.runtime.session
 
@@ -346,7 +345,8 @@ def test_ours_is_timed_on_exactly_the_file_optimize_wrote(tmp_path: Path, monkey
 
     def recording_optimize(src, out, report, config, **kw):
         result = optimize_file(src, out, report, config, **kw)
-        seen.update(src=Path(src), written=Path(result[1]), precision=config.precision)
+        seen.update(src=Path(src), written=Path(result[1]), precision=config.precision,
+                    src_dtypes={t.data_type for t in onnx.load(str(src)).graph.initializer})
         return result
 
     def recording_session(path, *args, **kw):
@@ -362,7 +362,8 @@ def test_ours_is_timed_on_exactly_the_file_optimize_wrote(tmp_path: Path, monkey
                  "--runs", "5", "--warmup", "1", "--quick", "--out", str(out)]) == 0
     assert seen["timed"] == seen["written"]  # the file optimize wrote, not a copy or a conversion of it
     assert seen["precision"] == "fp16"
-    assert seen["src"].name == "model.fp16.onnx"  # today: bench converts before optimize (see the docstring)
+    # the fp32 original: optimize converts it, bench does not
+    assert onnx.TensorProto.FLOAT in seen["src_dtypes"] and onnx.TensorProto.FLOAT16 not in seen["src_dtypes"]
     gtco = json.loads((out / "bench.json").read_text())["batches"][0]["variants"][-1]
     assert gtco["name"] == "gtco" and gtco["status"] == "ok", gtco
-    assert gtco["note"].startswith("fp16 from model.fp16.onnx")
+    assert gtco["note"].startswith(f"fp16 from {seen['src'].name}")
