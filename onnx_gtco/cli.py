@@ -180,10 +180,9 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from onnx_gtco.runtime.check import compare, format_diffs, parse_tolerance
+    from onnx_gtco.runtime.check import compare, format_diffs, resolve_tolerances
 
-    rtol = parse_tolerance(args.rtol, 1e-4, "rtol")
-    atol = parse_tolerance(args.atol, 1e-5, "atol")
+    rtol, atol, source = resolve_tolerances(args.rtol, args.atol, _model_arg(args.rewritten))
     if args.load_inputs is not None:
         unused = [flag for flag, v in (("--samples", args.samples), ("--seed", args.seed), ("--dim", args.dim))
                   if v is not None]
@@ -204,7 +203,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.save_inputs is not None:
         print(f"wrote      {args.save_inputs} (the inputs used)")
     bad = [d.name for d in diffs if not d.ok]
-    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within {rtol.describe('rtol')} {atol.describe('atol')}")
+    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within {rtol.describe('rtol')} {atol.describe('atol')} "
+          f"({source})")
     return EXIT_MISMATCH if bad else EXIT_OK
 
 
@@ -214,7 +214,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from onnx_gtco import models, report
     from onnx_gtco.ir.export import save_atomic
     from onnx_gtco.pipeline import optimize_file
-    from onnx_gtco.runtime.check import compare, format_diffs
+    from onnx_gtco.runtime.check import compare, format_diffs, resolve_tolerances
 
     if args.model not in models.BUILTIN:
         raise GtcoError(f"demo --model {args.model}: not a built-in model; choose one of {', '.join(models.BUILTIN)}")
@@ -229,9 +229,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(report.summary(result.report))
     print(f"wrote      {out}\nreport     {rep}\n")
     ok = True
+    rtol, atol, source = resolve_tolerances(None, None, out)
     for library, what in ((False, "function fallback: no library"), (True, "the custom-op library's CPU kernels")):
-        diffs = compare(src, out, "cpu", 1e-4, 1e-5, 1, 0, library=library)
-        print(f"check: rewritten vs original on the CPU EP ({what}, seeded random inputs)")
+        diffs = compare(src, out, "cpu", rtol, atol, 1, 0, library=library)
+        print(f"check: rewritten vs original on the CPU EP ({what}, seeded random inputs), "
+              f"{rtol.describe('rtol')} {atol.describe('atol')} ({source})")
         print(format_diffs(diffs) + "\n")
         ok = ok and all(d.ok for d in diffs)
     print("demo " + ("passed" if ok else "FAILED") + f": {len(onnx.load(str(out)).functions)} local functions "
@@ -338,9 +340,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
                    help="relative tolerance: a bare number for every output and/or NAME:TOL for one output, e.g. "
                    "--rtol 1e-3 logits:1e-2; an output passes when |new - ref| <= atol + rtol*|ref| everywhere "
-                   "(default 1e-4)")
+                   "(default by the rewritten model's gtco.precision: fp32 1e-4, fp16 1e-2, bf16 8e-2)")
     p.add_argument("--atol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
-                   help="absolute tolerance, given like --rtol, e.g. --atol 1e-5 logits:1e-2 (default 1e-5)")
+                   help="absolute tolerance, given like --rtol, e.g. --atol 1e-5 logits:1e-2 (default by the "
+                   "rewritten model's gtco.precision: fp32 1e-5, fp16 3e-3, bf16 2.4e-2)")
     p.add_argument("--samples", type=int, default=None, metavar="N",
                    help="number of seeded input sets, seeds SEED..SEED+N-1; at least 1 (default 1)")
     p.add_argument("--seed", type=int, default=None, help="seed of the first input set, >= 0 (default 0)")

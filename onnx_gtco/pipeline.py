@@ -26,6 +26,7 @@ from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
 from onnx_gtco.plan.types import Candidate, Plan, Reject
+from onnx_gtco.precision import HALF_TYPES, Conversion, convert
 from onnx_gtco.rewrite import rewrite
 
 __version__ = "0.1.0"
@@ -76,6 +77,20 @@ class OptimizeResult:
     """The tune.dynamic.Ranges of the model's symbolic dims (declared or defaulted; empty for a static model)."""
     loaded: LoadedModel | None = field(default=None, repr=False)
     """The loaded model the plan was made for (replan plans it again)."""
+    conversion: Conversion | None = field(default=None, repr=False)
+    """How the rewritten model was converted to the half precision (None for fp32)."""
+
+    def planned(self) -> Callable[[str], Any]:
+        """Each tensor of the written model as the plan knows it (ir.view.TensorInfo, or None): the view's, in the
+        dtypes and names of the precision conversion."""
+        return self.conversion.info(self.view.info) if self.conversion is not None else self.view.info
+
+    def shape_of(self) -> Callable[[str], tuple | None]:
+        """The shapes of the written model's tensors from the plan (tune.tasks.view_shapes of the view)."""
+        from onnx_gtco.tune.tasks import view_shapes
+
+        shapes = view_shapes(self.view)
+        return self.conversion.shape_of(shapes) if self.conversion is not None else shapes
 
 
 def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str, float]
@@ -206,8 +221,18 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
         view, candidates, rejects, plan, cost, measured = plan_model(
             earlier.view, config, measured_us, matched=(earlier.candidates, matched))
     t2 = time.perf_counter()
-    with progress.stage("rewrite", total=2) as st:
+    with progress.stage("rewrite", total=3) as st:
         new_model, names = rewrite(view, plan, config.precision)
+        st.step("precision")
+        conversion = None
+        if config.precision in HALF_TYPES:  # planned on fp32; the fused nodes now compute on half tensors
+
+            def dtype_of(t: str) -> int | None:
+                info = view.info(t)
+                return info.dtype if info is not None else None
+
+            conversion = convert(new_model, config.precision, dtype_of)
+            new_model = conversion.model
         st.step("validate")
         if ranges:  # the ranges that apply replace any the input model carried
             kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
@@ -239,11 +264,13 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
                 measured_groups += 1
         rep["plan_costs"] = f"measured kernel times for {measured_groups} groups, the analytical model elsewhere"
         rep["planned_us_after"] = round(plan.cost_us, 3)
+    if conversion is not None:
+        rep["conversion"] = conversion.to_json()
     if ranges:
         rep["dynamic"] = ranges.to_json()
     timings = {"load_s": loaded.seconds, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
     return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings, dynamic=ranges,
-                          warnings=[unfused] if unfused else [], loaded=loaded)
+                          warnings=[unfused] if unfused else [], loaded=loaded, conversion=conversion)
 
 
 def default_output(model_path: str | os.PathLike[str]) -> Path:
@@ -290,8 +317,8 @@ def optimize_file(
     tune.driver.TaskResult as trials finish. `measurer` overrides tune.apply.pick_measurer(). When the measurer
     measures real kernels (not the analytical model), the model is planned again with the measured times of its
     tuned groups and the build uses the new plan (replan: the model is loaded once either way). Tuning takes the
-    fused nodes' shapes and the dynamic ranges from the plan. `config` defaults to GtcoConfig.from_env(), for
-    planning and tuning alike.
+    fused nodes' shapes and the dynamic ranges from the plan, and so does the build. `config` defaults to
+    GtcoConfig.from_env(), for planning and tuning alike.
 
     `markdown` also writes the report as Markdown (report_md.render): True beside the model as OUTPUT.report.md,
     or at the path given; written with the model and JSON report, all or nothing.
@@ -313,22 +340,21 @@ def optimize_file(
     result = optimize(model_path, config)
     tuned = dispatch = None
     from onnx_gtco.tune import apply as tuning
-    from onnx_gtco.tune.tasks import view_shapes
 
     if result.dynamic and tuning.wanted(tune_trials, storage):  # symbolic dims: shape-generic tuning instead
         from onnx_gtco.tune import dynamic as shape_generic
 
         result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
             result.model, config.target, result.dynamic, tune_trials, storage, measurer=measurer,
-            shape_of=view_shapes(result.view))
+            shape_of=result.shape_of())
     elif tuning.wanted(tune_trials, storage):
         report_t, tuned = tuning.tune_model(result.model, config.target, tune_trials, storage, measurer=measurer,
-                                            workers=workers, progress=progress, shape_of=view_shapes(result.view))
+                                            workers=workers, progress=progress, shape_of=result.shape_of())
         measured = tuning.measured_costs(report_t)
         if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
             result = replan(result, config, measured)
             report_t2, tuned = tuning.tune_model(result.model, config.target, 0, storage, measurer=measurer,
-                                                 shape_of=view_shapes(result.view))
+                                                 shape_of=result.shape_of())
             report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
                         "replanned": True}
         result.report["tuning"] = report_t
@@ -346,7 +372,8 @@ def optimize_file(
             except BuildError as e:
                 result.warnings.append(f"{e}: the library has the CPU kernels only")
         out_dir = out.parent if str(out.parent) else Path(".")
-        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch)
+        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch,
+                            ranges=result.dynamic.bounds() if result.dynamic else {}, planned=result.planned())
         created = lib.path if lib.created else None
         result.library = lib
         result.timings["build_s"] = lib.seconds

@@ -27,6 +27,8 @@ from onnx_gtco.runtime.check import (
     round_up,
 )
 
+FP32_WHY = "for precision fp32: the rewritten model has no gtco.precision metadata"  # the test models have none
+
 
 def two_outputs(w_noise: float = 0.0, c_noise: float = 0.0) -> onnx.ModelProto:
     """x [4, 8] -> MatMul(w) -> logits, x + c -> hidden; the noise perturbs w and c (seeded) for a 'rewritten'
@@ -112,16 +114,19 @@ def test_per_output_tolerances_apply_to_their_output_only(pair: tuple[Path, Path
     rows = _rows(capsys.readouterr().out)
     assert rows["logits"].endswith("ok") and "FAIL" in rows["hidden"]
     assert main(["check", a, b, "--atol", "1e-3", "logits:1e-1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "2 of 2 outputs within rtol=0.0001 atol=0.001 (logits:0.1)"
+    assert capsys.readouterr().out.splitlines()[-1] == ("2 of 2 outputs within rtol=0.0001 atol=0.001 (logits:0.1) "
+                                                        f"(atol given, rtol default {FP32_WHY})")
     assert main(["check", a, b, "--rtol", "logits:1", "--atol", "1e-3"]) == 0  # repeated flags accumulate too
-    assert capsys.readouterr().out.splitlines()[-1] == "2 of 2 outputs within rtol=0.0001 (logits:1) atol=0.001"
+    assert capsys.readouterr().out.splitlines()[-1] == ("2 of 2 outputs within rtol=0.0001 (logits:1) atol=0.001 "
+                                                        f"(atol given, rtol default {FP32_WHY})")
 
 
 def test_the_defaults_are_unchanged(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     diffs = compare(pair[0], pair[1])
     assert [(d.atol, d.rtol) for d in diffs] == [(1e-5, 1e-4)] * 2
     assert main(["check", str(pair[0]), str(pair[1])]) == 1
-    assert capsys.readouterr().out.splitlines()[-1] == "0 of 2 outputs within rtol=0.0001 atol=1e-05"
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == f"0 of 2 outputs within rtol=0.0001 atol=1e-05 (defaults {FP32_WHY})"
 
 
 def test_compare_takes_plain_floats_positionally(pair: tuple[Path, Path]) -> None:

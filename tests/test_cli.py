@@ -103,7 +103,8 @@ def test_check_detects_a_wrong_model(model_path: Path, tmp_path: Path, mlp: onnx
     assert main(["check", str(model_path), str(tmp_path / "bad.onnx")]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL \(would pass with --atol y:\S+ or --rtol y:\S+\)", out)
-    assert out.splitlines()[-1] == "0 of 1 outputs within rtol=0.0001 atol=1e-05"
+    assert out.splitlines()[-1] == ("0 of 1 outputs within rtol=0.0001 atol=1e-05 (defaults for precision fp32: the "
+                                    "rewritten model has no gtco.precision metadata)")
     assert main(["check", str(model_path), str(tmp_path / "missing.onnx")]) == 2
 
 
@@ -122,8 +123,10 @@ def test_check_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["check", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for flag, default in (("--rtol", "1e-4"), ("--atol", "1e-5"), ("--samples", "1"), ("--seed", "0"),
-                          ("--save-inputs", "not written"), ("--load-inputs", "seeded inputs")):
+    by_precision = "by the rewritten model's gtco.precision: "
+    for flag, default in (("--rtol", by_precision + "fp32 1e-4, fp16 1e-2, bf16 8e-2"),
+                          ("--atol", by_precision + "fp32 1e-5, fp16 3e-3, bf16 2.4e-2"), ("--samples", "1"),
+                          ("--seed", "0"), ("--save-inputs", "not written"), ("--load-inputs", "seeded inputs")):
         assert re.search(re.escape(flag) + r" .*?\(default:? " + re.escape(default) + r"\)", text), flag
 
 

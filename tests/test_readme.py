@@ -53,6 +53,7 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "demo passed" in out
+    assert out.count("rtol=0.0001 atol=1e-05 (defaults for precision fp32)") == 2  # check's defaults, said
     assert (tmp_path / "vit-tiny.gtco.onnx").exists()
     assert (tmp_path / "vit-tiny.gtco.onnx.report.json").exists()
 

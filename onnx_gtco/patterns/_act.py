@@ -5,6 +5,10 @@ subgraph; each of its prefixes ending in one node is evaluated on sample points 
 reference functions below (GELU erf/tanh forms, ReLU, SiLU, QuickGELU, ...). So `x*0.5*(1+erf(x/1.4142))`,
 `0.5*x*(1+erf(x*0.7071))` and the `Gelu` op are all "gelu_erf", and `x*x*x` or `Pow(x, 3)` in the tanh form
 are both "gelu_tanh".
+
+The comparison allows for the type the subgraph computes in (patterns._util.tolerance): in fp16 or bf16 its
+constants are rounded (sqrt(2) is 1.4140625), so it is compared with the type's rounding error, and where that
+admits two references (GELU's erf and tanh forms differ by 5e-4) the nearer one names it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView, Node
-from onnx_gtco.patterns._util import read_only_by
+from onnx_gtco.patterns._util import coarsest, read_only_by, tensor_dtype, tolerance
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -136,10 +140,23 @@ def _identify(view: GraphView, x: str, nodes: list[Node]) -> str | None:
                 return None
             env[n.outputs[0]] = np.broadcast_to(np.asarray(val, dtype=np.float64), _SAMPLES.shape)
         y = env[nodes[-1].outputs[0]]
+        tol = tolerance(compute_dtype(view, x, nodes))
+        best: tuple[float, str] | None = None
         for name, ref in REFERENCE.items():
-            if np.allclose(y, ref(_SAMPLES), rtol=1e-5, atol=1e-5):
-                return name
-    return None
+            r = ref(_SAMPLES)
+            if not np.allclose(y, r, rtol=tol, atol=tol):
+                continue
+            err = float(np.max(np.abs(y - r) / (tol + tol * np.abs(r))))
+            if best is None or err < best[0]:
+                best = (err, name)
+    return None if best is None else best[1]
+
+
+def compute_dtype(view: GraphView, x: str, nodes: list[Node]) -> int:
+    """The least precise float type among x, the tensors the nodes read and write: a constant rounded to fp16 or
+    an fp16 intermediate limits the whole activation to fp16's precision."""
+    tensors = {x} | {t for n in nodes for t in (*n.inputs, *n.outputs) if t}
+    return coarsest(tensor_dtype(view, t) for t in tensors)
 
 
 def _const(view: GraphView, t: str) -> np.ndarray | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnx_gtco.ir.view import GraphView, Node
-from onnx_gtco.patterns._util import const_scalar, sole_reader
+from onnx_gtco.patterns._util import const_close, const_scalar, sole_reader
 from onnx_gtco.patterns.base import is_op
 
 PATH_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity")  # reshape scores, keep values
@@ -167,7 +167,7 @@ def walk_probs(view: GraphView, s: Scores) -> Node | str:
         where = next((u for u in users if is_op(u, "Where")), None)
         if isnan and where and where.inputs[0] == isnan.outputs[0] and where.inputs[2] == probs \
                 and view.consumers_of(isnan.outputs[0]) == (where,) \
-                and const_scalar(view, where.inputs[1]) == 0.0:
+                and const_close(view, where.inputs[1], 0.0):
             s.nodes |= {isnan.id, where.id}
             s.nan_guard = True
             probs = _pass_through(view, s, where.outputs[0])

@@ -1,11 +1,12 @@
-"""Helpers the fusion rules share: readers of a tensor, dims as attrs, static values of small subgraphs."""
+"""Helpers the fusion rules share: readers of a tensor, dims as attrs, static values of small subgraphs, and the
+tolerance a constant is compared with."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
@@ -166,12 +167,74 @@ def _apply(op: str, node: Node, args: list[np.ndarray | None]) -> np.ndarray | N
     return None
 
 
+# --- comparing constants with the values a rule expects ----------------------------------------------------
+
+# Machine epsilon of each ONNX float type: the gap between 1 and the next value of the type, i.e. one ulp at 1.
+# A constant rounded to the type is off by at most half an ulp of its value (relative, eps / 2).
+EPS: dict[int, float] = {
+    TensorProto.DOUBLE: 2.0**-52, TensorProto.FLOAT: 2.0**-23, TensorProto.FLOAT16: 2.0**-10,
+    TensorProto.BFLOAT16: 2.0**-7,
+}
+# never looser than this: fp32 exports write decimals such as 0.7071 or 1.4142 for 1/sqrt(2) and sqrt(2) (off by
+# 1e-5 relative), which fp32's own rounding error (6e-8) would reject
+FLOOR = 1e-5
+_INTEGER_TYPES = frozenset((
+    TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8, TensorProto.UINT16,
+    TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL,
+))
+
+
+def tolerance(dtype: int) -> float:
+    """Relative tolerance for a value of ONNX element type `dtype` (an unknown type counts as float): the type's
+    rounding error, half an ulp at 1 (fp16 4.9e-4, bf16 3.9e-3), at least FLOOR (so 1e-5 for fp32); 0 for integers.
+
+    A constant rounded to the type is off by at most this much, relative. An activation evaluated from constants
+    so rounded stays within it of the exact function too (GELU moves by less than 0.3 times a relative change of
+    its constant): fp16's sqrt(2) = 1.4140625 moves GELU by 2.8e-5 times 1 + |GELU|, while 1.42 (1.419921875,
+    6 ulps off) moves it by 1.1e-3 times that, past fp16's 4.9e-4.
+    """
+    if dtype in _INTEGER_TYPES:
+        return 0.0
+    return max(FLOOR, EPS.get(dtype, EPS[TensorProto.FLOAT]) / 2)
+
+
+def coarsest(dtypes: Iterable[int]) -> int:
+    """The float type with the largest tolerance among `dtypes` (FLOAT when none is a float type)."""
+    floats = [d for d in dtypes if d in EPS]
+    return max(floats, key=EPS.__getitem__, default=TensorProto.FLOAT)
+
+
+def tensor_dtype(view: GraphView, tensor: str) -> int:
+    """The ONNX element type of `tensor`: from its type info, else from its static value; 0 when unknown."""
+    info = view.info(tensor)
+    if info is not None and info.dtype:
+        return info.dtype
+    val = static_value(view, tensor)
+    return 0 if val is None else helper.np_dtype_to_tensor_dtype(val.dtype)
+
+
+def close(value: float, expected: float, dtype: int) -> bool:
+    """`value`, held in ONNX type `dtype`, is `expected` within the type's relative tolerance (0 stays exact)."""
+    return abs(value - expected) <= tolerance(dtype) * abs(expected)
+
+
+def const_close(view: GraphView, tensor: str, expected: float) -> bool:
+    """`tensor` holds one value known before run time, and it is `expected` within its type's tolerance."""
+    val = const_scalar(view, tensor)
+    return val is not None and close(val, expected, tensor_dtype(view, tensor))
+
+
 def const_scalar(view: GraphView, tensor: str) -> float | None:
     """A tensor holding exactly one value known before run time (constant or static shape arithmetic)."""
     val = static_value(view, tensor)
-    if val is None or val.size != 1 or val.dtype.kind not in "fiu":
+    if val is None or val.size != 1 or not (val.dtype.kind in "fiu" or is_bfloat16(val.dtype)):
         return None
     return float(val.reshape(-1)[0])
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """numpy reads bfloat16 tensors as ml_dtypes' bfloat16, whose kind is "V" (not "f"), so kind checks miss it."""
+    return dtype.kind == "V" and dtype.name == "bfloat16"
 
 
 def absorb_up(

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from onnx_gtco.ir.view import GraphView, Node
-from onnx_gtco.patterns._util import const_scalar, dims, prod, read_only_by, sole_reader, static_value
+from onnx_gtco.patterns._util import const_close, const_scalar, dims, prod, read_only_by, sole_reader, static_value
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
 
@@ -125,7 +125,7 @@ def _why(view: GraphView, tensor: str, reason: str) -> str:
 def _squares(view: GraphView, node: Node, d: str) -> bool:
     """`node` computes d ** 2 (Pow by 2 or Mul by itself)."""
     if is_op(node, "Pow") and node.inputs[0] == d:
-        return const_scalar(view, node.inputs[1]) == 2.0
+        return const_close(view, node.inputs[1], 2.0)
     return is_op(node, "Mul") and node.inputs == (d, d)
 
 

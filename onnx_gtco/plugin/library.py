@@ -2,15 +2,15 @@
 
 `build_library(model, out_dir, cuda=..., emulated=...)`:
 
-1. `fused_nodes(model)`; each node's family binder (binders.py) maps its operands onto the C++ roles or says why it
-   cannot. Registration is per op type (a registered op type hides the model-local function of *every* node of
-   that name, facts §4/5): an op type is registered only when every one of its nodes binds; otherwise all its
-   nodes keep their functions and the report says why.
-2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80 and sm_90 for CUDA, the
-   sm_80 one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one.
-   Dynamic shapes (plugin.dispatch): every bound node checks the declared ranges (`gtco.dynamic` metadata) of its
-   symbolic input dims on each call, and a node whose run-time extent is symbolic gets a dispatch table per arch
-   (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
+1. `fused_nodes(model)` (with the plan's types when the caller has them: optimize_file); each node's family binder
+   (binders.py) maps its operands onto the C++ roles or says why it cannot. Registration is per op type (a registered
+   op type hides the model-local function of *every* node of that name, facts §4/5): an op type is registered only
+   when every one of its nodes binds; otherwise all its nodes keep their functions and the report says why.
+2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80 and sm_90 for CUDA, the sm_80
+   one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one. Dynamic
+   shapes (plugin.dispatch): every bound node checks the declared ranges (the plan's, else the `gtco.dynamic`
+   metadata) of its symbolic input dims on each call, and a node whose run-time extent is symbolic gets a dispatch
+   table per arch (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
 3. One glue `.cc`, plugins/ort/glue.cc.j2 filled with plain data (generate_glue): includes plugins/ort/gtco_ort.h
    and the used families' headers, the per-node code or data of binders with a `glue` hook (the Elementwise
    family's host functions and node descriptors), the NodeSpec table `kNodes` (roles, the instances' entry points
@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +46,7 @@ import onnx
 from onnx_gtco import progress
 from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
+from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
@@ -409,7 +410,8 @@ def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
 
 def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cuda: bool,
                   emulated: bool = False, tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None,
-                  dispatch: Dispatch | None = None) -> LibraryResult:
+                  dispatch: Dispatch | None = None, ranges: Mapping[str, tuple[int, int]] | None = None,
+                  planned: Callable[[str], PlanTensor | None] | None = None) -> LibraryResult:
     """Build (or take from the cache) the model's custom-op library into out_dir (see the module docstring).
 
     Args:
@@ -421,7 +423,10 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         dispatch: node name -> arch -> the dispatch table [(max_extent, config)] of a node whose run-time extent
             is symbolic (onnx_gtco.tune.dynamic); such nodes missing from it get the analytical default table
             (plugin.dispatch), whatever `tuned` says for them. Every distinct instance of the tables is built.
-            The ranges checked at run time come from the model's `gtco.dynamic` metadata.
+        ranges: the ranges of the model's symbolic dims ({dim: (lo, hi)}) that each node checks at run time; by
+            default read from the model's `gtco.dynamic` metadata. optimize_file passes the plan's.
+        planned: each tensor's type as the plan knew it (plugin.nodes.fused_nodes); by default the fused nodes'
+            types come from shape inference over `model`. optimize_file passes the plan's view.
 
     Raises:
         BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable, a
@@ -433,11 +438,12 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     out = Path(out_dir)
     if not out.is_dir():
         raise BuildError(f"library output directory {out} does not exist")
-    try:
-        ranges = model_ranges(model)
-    except GtcoError as e:
-        raise BuildError(str(e)) from None
-    nodes = fused_nodes(model)
+    if ranges is None:
+        try:
+            ranges = model_ranges(model)
+        except GtcoError as e:
+            raise BuildError(str(e)) from None
+    nodes = fused_nodes(model, planned)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
     device, kernel_skips = select_device(nodes, results, archs, tuned) if archs else ({}, {})

@@ -11,6 +11,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import ModelError
 from onnx_gtco.ir.load import infer_shapes
+from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.plugin.binding import FusedNode, TensorInfo
 
@@ -40,10 +41,15 @@ def _attr(a: onnx.AttributeProto) -> Any:
     return v
 
 
-def fused_nodes(model: onnx.ModelProto) -> list[FusedNode]:
+def fused_nodes(model: onnx.ModelProto, planned: Callable[[str], PlanTensor | None] | None = None
+                ) -> list[FusedNode]:
     """Every node of domain ai.gtco in graph order, with its model-local function (matched by domain, op type and
-    overload), attributes, and input / output TensorInfo (dtype and shape from shape inference; the value of
-    inputs that are initializers or Constant outputs).
+    overload), attributes, and input / output TensorInfo (dtype and shape; the value of inputs that are
+    initializers or Constant outputs).
+
+    `planned` gives each tensor's type as the plan knew it (pipeline: the plan's `GraphView.info`, over the loaded
+    model's shape inference, whose names the rewrite keeps for every fused node's inputs and outputs); without it
+    the types come from shape inference over `model`.
 
     Raises:
         ModelError: a fused node has no matching function, or shape inference fails.
@@ -52,15 +58,23 @@ def fused_nodes(model: onnx.ModelProto) -> list[FusedNode]:
     fused = [n for n in model.graph.node if n.domain == DOMAIN]
     if not fused:
         return []
-    inferred = infer_shapes(model, model.graph.name or "model")
-    types: dict[str, onnx.TypeProto.Tensor] = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        if vi.type.HasField("tensor_type"):
-            types[vi.name] = vi.type.tensor_type
+    types: dict[str, tuple[str, tuple[int | str, ...] | None]] = {}  # tensor -> (dtype, shape)
+    if planned is None:
+        inferred = infer_shapes(model, model.graph.name or "model")
+        for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+            if vi.type.HasField("tensor_type"):
+                tt = vi.type.tensor_type
+                types[vi.name] = _dtype(tt.elem_type), _shape(tt)
+    else:
+        for n in fused:
+            for t in (*n.input, *n.output):
+                known = planned(t) if t else None
+                if known is not None and known.dtype:
+                    types[t] = _dtype(known.dtype), None if known.shape is None else tuple(
+                        "?" if d is None else d for d in known.shape)
     values: dict[str, np.ndarray] = {}
     for t in model.graph.initializer:
-        types.setdefault(t.name, onnx.TypeProto.Tensor(elem_type=t.data_type, shape=onnx.TensorShapeProto(
-            dim=[onnx.TensorShapeProto.Dimension(dim_value=d) for d in t.dims])))
+        types.setdefault(t.name, (_dtype(t.data_type), tuple(int(d) for d in t.dims)))
         if not external_data_helper.uses_external_data(t):  # weights left on disk are never read to bind a node
             values[t.name] = numpy_helper.to_array(t)
     for n in model.graph.node:
@@ -70,9 +84,8 @@ def fused_nodes(model: onnx.ModelProto) -> list[FusedNode]:
                     values[n.output[0]] = numpy_helper.to_array(a.t)
 
     def info(name: str) -> TensorInfo:
-        tt = types.get(name)
-        return TensorInfo(name, _dtype(tt.elem_type) if tt is not None else "",
-                          _shape(tt) if tt is not None else None, values.get(name))
+        dtype, shape = types.get(name, ("", None))
+        return TensorInfo(name, dtype, shape, values.get(name))
 
     out = []
     for n in fused:

@@ -65,6 +65,51 @@ class Tolerance:
         return f"{flag}={self.default:g}" + (f" ({extra})" if extra else "")
 
 
+PRECISION_KEY = "gtco.precision"
+"""Metadata key of the precision optimize computed the fused nodes in (pipeline writes it)."""
+
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    # (rtol, atol) of check when --rtol / --atol are not given, by the rewritten model's precision; the reference is
+    # the original (fp32) model run on the same inputs.
+    # fp32: the fused kernels only reorder fp32 sums.
+    "fp32": (1e-4, 1e-5),
+    # fp16 rounds every stored weight and activation to 4.9e-4 relative, and a transformer adds those errors up over
+    # its layers. Converted to fp16 (ORT's converter) and optimized, the built-in ViT-tiny, DeiT-S and BERT-tiny
+    # differ from their fp32 originals on 8 seeded inputs by at most 9.1e-4, 1.4e-3 and 7.9e-4 beyond rtol 1e-2
+    # (the README's --atol 1e-3 fails DeiT-S); atol 3e-3, about 3 fp16 ulps at 1, leaves them a margin of 2.2 and
+    # more. A GELU whose sqrt(2) is 2% off needs 8.8e-3 (ViT-tiny) and 1.5e-2 (DeiT-S) and fails; in 2-layer
+    # BERT-tiny it needs 1.6e-3 and only a 5% error (3.9e-3) fails (tests/test_check_precision.py).
+    "fp16": (1e-2, 3e-3),
+    # bf16 keeps 8 significant bits to fp16's 11: 8 times fp16's rounding error, so 8 times fp16's tolerances
+    # (ORT's CPU EP runs no bf16 model, so these are that scaling, not a measurement).
+    "bf16": (8e-2, 2.4e-2),
+}
+
+
+def model_precision(model: onnx.ModelProto) -> str | None:
+    """The `gtco.precision` metadata of a model optimize wrote, or None."""
+    return next((p.value for p in model.metadata_props if p.key == PRECISION_KEY), None)
+
+
+def default_tolerances(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[float, float, str]:
+    """check's default (rtol, atol) for a rewritten model, and why: "defaults for precision fp16" from its
+    gtco.precision metadata; fp32's when it has none or one check does not know (the reason says so).
+
+    Raises:
+        CheckError: the model cannot be read.
+    """
+    try:
+        proto = model if isinstance(model, onnx.ModelProto) else read_model(model)
+    except GtcoError as e:
+        raise CheckError(str(e)) from None
+    precision = model_precision(proto)
+    if precision in DEFAULT_TOLERANCES:
+        return (*DEFAULT_TOLERANCES[precision], f"defaults for precision {precision}")
+    rtol, atol = DEFAULT_TOLERANCES["fp32"]
+    why = "no gtco.precision metadata" if precision is None else f"unknown gtco.precision {precision!r}"
+    return rtol, atol, f"defaults for precision fp32: the rewritten model has {why}"
+
+
 def _tolerance_value(text: str, entry: str, flag: str) -> float:
     try:
         v = float(text)
@@ -92,6 +137,30 @@ def parse_tolerance(items: Sequence[str] | None, default: float, flag: str) -> T
         else:
             per[name] = _tolerance_value(val, it, flag)
     return Tolerance(default, per)
+
+
+def resolve_tolerances(rtol: Sequence[str] | None, atol: Sequence[str] | None,
+                       rewritten: onnx.ModelProto | str | os.PathLike[str]) -> tuple[Tolerance, Tolerance, str]:
+    """check's tolerances from its --rtol / --atol entries (parse_tolerance), and where they come from: a flag
+    without a bare number takes its default from the rewritten model's precision (default_tolerances), keeping
+    any NAME:TOL it has. The text says which: "given", "defaults for precision fp16", or "rtol given, atol default
+    for precision fp16".
+
+    Raises:
+        CheckError: a malformed entry (before the model is read), or the model cannot be read.
+    """
+    given = {flag: any(":" not in it for it in items or ()) for flag, items in (("rtol", rtol), ("atol", atol))}
+    parsed = {flag: parse_tolerance(items, 0.0, flag) for flag, items in (("rtol", rtol), ("atol", atol))}
+    if all(given.values()):
+        return parsed["rtol"], parsed["atol"], "given"
+    d_rtol, d_atol, why = default_tolerances(rewritten)
+    defaults = {"rtol": d_rtol, "atol": d_atol}
+    out = {flag: tol if given[flag] else Tolerance(defaults[flag], tol.per_output) for flag, tol in parsed.items()}
+    if any(given.values()):
+        mine = next(flag for flag, g in given.items() if g)
+        other = next(flag for flag, g in given.items() if not g)
+        why = f"{mine} given, {other} {why.replace('defaults', 'default', 1)}"
+    return out["rtol"], out["atol"], why
 
 
 def _as_tolerance(t: float | Tolerance, flag: str) -> Tolerance:

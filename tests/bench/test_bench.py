@@ -332,3 +332,38 @@ def test_cuda_bench_times_every_installed_baseline(tmp_path: Path) -> None:
         assert by[name]["cosine"] > 0.999 and by[name]["runs"] >= 100
     assert doc["batches"][0]["roofline"]["floor_ms"] > 0
     assert BenchOptions(model="bert-tiny").gtco_precision == "fp16"
+
+
+def test_ours_is_timed_on_exactly_the_file_optimize_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "gtco" variant times the model file optimize_file wrote, optimized with the bench's precision, and no
+    other: the fp32 original goes to optimize, which converts it to fp16 itself (no conversion of ours in bench)."""
+    import onnx_gtco.pipeline
+    import onnx_gtco.runtime.session
+
+    seen: dict[str, object] = {}
+    optimize_file, make_session = onnx_gtco.pipeline.optimize_file, onnx_gtco.runtime.session.make_session
+
+    def recording_optimize(src, out, report, config, **kw):
+        result = optimize_file(src, out, report, config, **kw)
+        seen.update(src=Path(src), written=Path(result[1]), precision=config.precision,
+                    src_dtypes={t.data_type for t in onnx.load(str(src)).graph.initializer})
+        return result
+
+    def recording_session(path, *args, **kw):
+        seen.setdefault("timed", Path(path))
+        return make_session(path, *args, **kw)
+
+    monkeypatch.setattr(onnx_gtco.pipeline, "optimize_file", recording_optimize)
+    monkeypatch.setattr(onnx_gtco.runtime.session, "make_session", recording_session)
+    src = tmp_path / "bert.onnx"
+    onnx.save(models.build("bert-tiny", depth=1), str(src))
+    out = tmp_path / "out"
+    assert main(["bench", str(src), "--provider", "cpu", "--precision", "fp16", "--baselines", "ort-fp32",
+                 "--runs", "5", "--warmup", "1", "--quick", "--out", str(out)]) == 0
+    assert seen["timed"] == seen["written"]  # the file optimize wrote, not a copy or a conversion of it
+    assert seen["precision"] == "fp16"
+    # the fp32 original: optimize converts it, bench does not
+    assert onnx.TensorProto.FLOAT in seen["src_dtypes"] and onnx.TensorProto.FLOAT16 not in seen["src_dtypes"]
+    gtco = json.loads((out / "bench.json").read_text())["batches"][0]["variants"][-1]
+    assert gtco["name"] == "gtco" and gtco["status"] == "ok", gtco
+    assert gtco["note"].startswith(f"fp16 from {seen['src'].name}")
