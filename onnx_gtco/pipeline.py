@@ -251,7 +251,8 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
         st.note = f"{len(view)} -> {len(new_model.graph.node)} nodes"
     from onnx_gtco.plugin.coverage import model_coverage
 
-    device = model_coverage(new_model)  # which fused nodes get device kernels: the binders' answer, nothing compiled
+    planned = conversion.info(view.info) if conversion is not None else view.info
+    device = model_coverage(new_model, planned=planned)  # which fused nodes get kernels: the binders', not compiled
     t3 = time.perf_counter()
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
                                   loaded.source, device)

@@ -24,12 +24,14 @@ from onnx import external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.opspec import DOMAIN
+from onnx_gtco.ir.view import TensorInfo as PlanTensor
+from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
 from onnx_gtco.plan.types import Candidate
 from onnx_gtco.plugin.binding import FusedNode, TensorInfo
 from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances
 from onnx_gtco.plugin.library import bind_node, bind_nodes, select_device
 from onnx_gtco.plugin.nodes import DTYPE_NAMES, fused_nodes, make_fused_node
+from onnx_gtco.precision import DTYPE_TAG, HALF_TYPES, to_half
 from onnx_gtco.rewrite import fused_node
 
 
@@ -64,13 +66,15 @@ class ModelCoverage:
     error: str | None = None
 
 
-def model_coverage(model: onnx.ModelProto, archs: Sequence[str] = ARCH_SLOTS) -> ModelCoverage:
+def model_coverage(model: onnx.ModelProto, archs: Sequence[str] = ARCH_SLOTS,
+                   planned: Callable[[str], PlanTensor | None] | None = None) -> ModelCoverage:
     """Every fused node of `model` with its Coverage in a CUDA build for `archs` (what build_library(model, out,
-    cuda=True) registers for the CUDA EP), without compiling. A model whose fused nodes cannot be read (a node
-    without its function, shape inference failing: plugin.nodes.fused_nodes) has `error` set instead."""
+    cuda=True) registers for the CUDA EP), without compiling. `planned`: the tensors' types as the plan knows them
+    (plugin.nodes.fused_nodes). A model whose fused nodes cannot be read (a node without its function, shape
+    inference failing) has `error` set instead."""
     slots = tuple(archs)
     try:
-        nodes = fused_nodes(model)
+        nodes = fused_nodes(model, planned)
     except GtcoError as e:
         return ModelCoverage(slots, {}, str(e))
     results, _ = bind_nodes(nodes)
@@ -82,8 +86,18 @@ def model_coverage(model: onnx.ModelProto, archs: Sequence[str] = ARCH_SLOTS) ->
 def candidate_node(view: GraphView, cand: Candidate, precision: str) -> FusedNode:
     """The FusedNode a fused candidate becomes: its `ai.gtco` node (rewrite.fused_node), a function holding its
     nodes under the names the rewrite gives them (x<i> inputs, y<j> outputs, t<k> the rest), and what the loaded
-    model's shape inference and constants say of its inputs and outputs."""
+    model's shape inference and constants say of its inputs and outputs. In a half precision, as the conversion
+    makes it (onnx_gtco.precision): the half op type, and the fp32 tensors its kernel reads and writes in the half
+    type."""
     node = fused_node(view, cand, precision)
+    half = HALF_TYPES.get(precision)
+    family, dtype = split_op_type(node.op_type)
+    converts = half is not None and dtype == "f32"
+    if converts:
+        node.op_type = op_type(family, DTYPE_TAG[half])
+        op = decode_node(node)
+        read = set(op.inputs.values()) if not isinstance(op, str) and op.inputs else set(range(len(node.input)))
+        halves = {t for i, t in enumerate(node.input) if i in read} | set(node.output)
     rename = {t: f"x{i}" for i, t in enumerate(node.input)}
     rename.update({t: f"y{i}" for i, t in enumerate(node.output)})
     body = []
@@ -102,7 +116,15 @@ def candidate_node(view: GraphView, cand: Candidate, precision: str) -> FusedNod
                                     [f"y{i}" for i in range(len(node.output))], body,
                                     opset_imports=list(view.model.opset_import))
     inits = {t.name: t for t in view.model.graph.initializer}
-    return make_fused_node(node, function, lambda t: _info(view, inits, t))
+
+    def info(t: str) -> TensorInfo:
+        got = _info(view, inits, t)
+        if not converts or t not in halves or got.dtype != "f32":
+            return got
+        value = None if got.value is None else to_half(got.value, half)  # type: ignore[arg-type]
+        return TensorInfo(t, DTYPE_TAG[half], got.shape, value)  # type: ignore[index]
+
+    return make_fused_node(node, function, info)
 
 
 def _info(view: GraphView, inits: dict[str, onnx.TensorProto], tensor: str) -> TensorInfo:
