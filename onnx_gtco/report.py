@@ -198,6 +198,9 @@ def summary(report: dict[str, Any]) -> str:
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",
     ]
+    conv = report.get("conversion")
+    if conv:
+        lines.append(conversion_line(conv))
     if report.get("device"):
         lines += device_lines(report["device"], report["target"])
     dyn = report.get("dynamic")
@@ -214,6 +217,15 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"kernels    {len(lib['kernels'])} instances for {archs}, 0 spills, at most {regs} registers "
                          "(ptxas report: library.kernels)")
     return "\n".join(lines)
+
+
+def conversion_line(conv: dict[str, Any]) -> str:
+    """The summary's line on the half-precision conversion (onnx_gtco.precision): what reads and writes half
+    tensors now, the casts added, and the op types kept in fp32."""
+    kept = ", ".join(f"{k['op_type']} x{k['count']}" for k in conv["kept_fp32"])
+    return (f"converted  {conv['precision']}: {conv['fused_nodes']} fused and {conv['converted_nodes']} other nodes on "
+            f"half tensors, {conv['casts_added']} casts added" + (f"; fp32 kept: {kept} (reasons in the report)"
+                                                                    if kept else ""))
 
 
 def device_lines(device: dict[str, Any], target: str = "", most: int = 4) -> list[str]:

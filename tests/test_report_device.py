@@ -61,13 +61,16 @@ def test_fp32_vit_reports_the_device_kernels_it_has(tmp_path: Path, capsys: pyte
     assert len(device_block) == len(ARCH_SLOTS) + len(dev["without"]) <= 8
 
 
-def test_fp16_on_fp32_tensors_has_no_device_kernel_and_says_why(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_fp16_conversion_gives_device_kernels_and_names_the_rest(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An fp32 export at --precision fp16 is converted: every fused node but the families without a kernel (conv)
+    has device kernels, and the terminal says so."""
     _, rep, text = _optimize(tmp_path, capsys, "--precision", "fp16")
     fused = len(rep["groups"])
-    assert rep["device"]["with_kernels"] == {a: 0 for a in ARCH_SLOTS}
-    assert f"sm_90: 0 of {fused} fused nodes have device kernels" in text
-    assert "give the model f16 tensors" in text
+    convs = sum(g["family"] == "conv" for g in rep["groups"])
+    assert convs and rep["device"]["with_kernels"] == {a: fused - convs for a in ARCH_SLOTS}
+    assert f"sm_90: {fused - convs} of {fused} fused nodes have device kernels" in text
+    assert "conv x1 keep their functions: no plugin kernel for family 'conv' yet" in text
 
 
 def test_summary_keeps_to_a_few_lines_with_many_reasons() -> None:
@@ -116,13 +119,13 @@ def test_nodes_without_device_kernels_count_unfused_in_the_prediction(tmp_path: 
 
 
 def test_no_device_kernel_predicts_no_speedup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """fp16 compute on the fp32 tensors of an fp32 export: no fused node has a device kernel, so fusing them is
-    predicted to gain nothing (it was 3.7x when the fused nodes were costed as kernels that do not exist)."""
-    _, rep, text = _optimize(tmp_path, capsys, "--precision", "fp16")
-    assert rep["groups"] and all(g["device_kernels"] == [] for g in rep["groups"])
-    assert rep["predicted_us_after"] >= rep["predicted_us_before"] - 0.001
-    assert rep["predicted_speedup"] <= 1.0
-    assert "(1.00x predicted by the analytical model" in text
+    """Every fused group without a device kernel is predicted at its unfused cost (at fp32 the Tensor Core
+    families have no kernel today: it was 3.7x when such groups were costed as kernels that do not exist)."""
+    _, rep, _ = _optimize(tmp_path, capsys)
+    without = [g for g in rep["groups"] if g["device_kernels"] == []]
+    assert without
+    for g in without:
+        assert g["predicted_us"] == g["predicted_unfused_us"], g["name"]
 
 
 def test_conv_without_a_kernel_is_no_faster_fused(tmp_path: Path) -> None:
