@@ -133,12 +133,19 @@ def plan_model(
         else:
             candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
         st.step(f"{len(candidates)} candidates")
-        cost = cost_fn(view, config)
+        from onnx_gtco.plugin.coverage import candidate_coverage
+
+        coverage = candidate_coverage(view, config.precision)
+
+        def has_kernel(cand: Candidate) -> bool:
+            return coverage(cand).on(config.target)
+
+        cost = cost_fn(view, config, has_kernel)  # a group without a device kernel costs its nodes unfused
         measured = measured_time(view, config, measured_us) if measured_us else None
         st.step("costs")
 
         def dp_cost(cand: Candidate) -> float:
-            m = measured(cand) if measured is not None else None
+            m = measured(cand) if measured is not None and has_kernel(cand) else None
             return m if m is not None else float(cost(cand))
 
         plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)
@@ -242,9 +249,13 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
         validate(new_model, model)
         st.step()
         st.note = f"{len(view)} -> {len(new_model.graph.node)} nodes"
+    from onnx_gtco.plugin.coverage import model_coverage
+
+    planned = conversion.info(view.info) if conversion is not None else view.info
+    device = model_coverage(new_model, planned=planned)  # which fused nodes get kernels: the binders', not compiled
     t3 = time.perf_counter()
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
-                                  loaded.source)
+                                  loaded.source, device)
     if measured is not None:
         measured_groups = 0
         for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):

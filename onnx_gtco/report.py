@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onnx_gtco.config import GtcoConfig
-from onnx_gtco.cost.model import estimate, node_flops
+from onnx_gtco.cost.model import estimate, node_flops, unfused_cost
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan.types import Candidate, Plan, Reject
+
+if TYPE_CHECKING:
+    from onnx_gtco.plugin.coverage import ModelCoverage
 
 _RANK = [Label.OPAQUE, Label.ELEMENTWISE, Label.INJECTIVE, Label.REDUCTION, Label.COMPLEX]
 
@@ -37,12 +40,22 @@ def build_report(
     config: GtcoConfig,
     nodes_after: int,
     source: str,
+    device: ModelCoverage | None = None,
 ) -> dict[str, Any]:
-    """Report as a JSON-ready dict. Deterministic: no timestamps or timings (the caller adds those apart)."""
+    """Report as a JSON-ready dict. Deterministic: no timestamps or timings (the caller adds those apart).
+
+    `device`: which fused nodes have device kernels (plugin.coverage.model_coverage of the rewritten model): each
+    group gets `device_kernels` (the arch slots it has one for) and `device_reason` (why it has none), and the
+    report a `device` entry (device_summary). A group without a device kernel on the config's target runs its
+    function: its predicted time, and its share of the predicted time after fusion, are its nodes' unfused cost."""
     groups = []
+    kernelless: dict[Candidate, float] = {}  # fused groups with no device kernel on the target: their unfused cost
     for cand, name in zip(plan.fused_groups, node_names, strict=True):
-        unfused = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in cand.nodes)
+        unfused = unfused_cost(cost, cand)
         est = estimate(view, cand)
+        kernels = device.nodes.get(name) if device is not None and device.error is None else None
+        if kernels is not None and not kernels.on(config.target):
+            kernelless[cand] = unfused
         groups.append({
             "name": name,
             "family": cand.family,
@@ -53,8 +66,10 @@ def build_report(
             "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in cand.attrs},
             "flops": _flops(view, cand.nodes),
             "dram_bytes": est.dram_bytes,
-            "predicted_us": round(cost(cand), 4),
+            "predicted_us": round(kernelless.get(cand, cost(cand)), 4),
             "predicted_unfused_us": round(unfused, 4),
+            **({"device_kernels": list(kernels.archs), "device_reason": kernels.reason} if kernels is not None
+               else {}),
         })
     chosen = {g.nodes for g in plan.fused_groups}
     owner = {i: name for g, name in zip(plan.fused_groups, node_names, strict=True) for i in g.nodes}
@@ -73,6 +88,10 @@ def build_report(
     total_flops = _flops(view, frozenset(range(len(view))))
     fused_flops = sum(g["flops"] for g in groups)
     before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
+    after = plan.cost_us
+    if device is not None and len(plan.costs) == len(plan.groups):
+        # what the DP charged each group, except a fused one without a device kernel on the target: its nodes, unfused
+        after = sum(kernelless.get(g, c) for g, c in zip(plan.groups, plan.costs, strict=True))
     return {
         "model": source,
         "target": config.target,
@@ -85,8 +104,8 @@ def build_report(
         "flops_fused": fused_flops,
         "fused_flop_share": round(fused_flops / total_flops, 6) if total_flops else 0.0,
         "predicted_us_before": round(before, 3),
-        "predicted_us_after": round(plan.cost_us, 3),
-        "predicted_speedup": round(before / plan.cost_us, 4) if plan.cost_us else None,
+        "predicted_us_after": round(after, 3),
+        "predicted_speedup": round(before / after, 4) if after else None,
         "measured_us_before": None,
         "measured_us_after": None,
         "dp_states": plan.states,
@@ -96,7 +115,28 @@ def build_report(
         "groups": groups,
         "rejected": [{"pattern": r.pattern, "anchor": r.anchor, "reason": r.reason} for r in rejects],
         "not_chosen": not_chosen,
+        **({"device": device_summary(groups, device)} if device is not None else {}),
     }
+
+
+def device_summary(groups: list[dict[str, Any]], device: ModelCoverage) -> dict[str, Any]:
+    """The report's `device` entry: per arch slot, how many fused nodes have device kernels, and the nodes without
+    one grouped by family and reason (most nodes first); `error` instead when the nodes could not be read."""
+    out: dict[str, Any] = {
+        "decided_by": "the plugin's binders and kernel selection, without compiling: what a CUDA build registers",
+        "arch_slots": list(device.archs),
+        "fused_nodes": len(groups),
+    }
+    if device.error is not None:
+        return {**out, "error": device.error}
+    without: dict[tuple[str, str], int] = {}
+    for g in groups:
+        if g.get("device_reason") is not None:
+            key = (g["family"], g["device_reason"])
+            without[key] = without.get(key, 0) + 1
+    return {**out, "with_kernels": {a: sum(a in g.get("device_kernels", ()) for g in groups) for a in device.archs},
+            "without": [{"family": f, "reason": why, "nodes": n}
+                        for (f, why), n in sorted(without.items(), key=lambda kv: (-kv[1], kv[0]))]}
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -158,6 +198,11 @@ def summary(report: dict[str, Any]) -> str:
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",
     ]
+    conv = report.get("conversion")
+    if conv:
+        lines.append(conversion_line(conv))
+    if report.get("device"):
+        lines += device_lines(report["device"], report["target"])
     dyn = report.get("dynamic")
     if dyn:
         lines.append("dynamic    " + dynamic_line(dyn, report.get("library")))
@@ -172,6 +217,38 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"kernels    {len(lib['kernels'])} instances for {archs}, 0 spills, at most {regs} registers "
                          "(ptxas report: library.kernels)")
     return "\n".join(lines)
+
+
+def conversion_line(conv: dict[str, Any]) -> str:
+    """The summary's line on the half-precision conversion (onnx_gtco.precision): what reads and writes half
+    tensors now, the casts added, and the op types kept in fp32."""
+    kept = ", ".join(f"{k['op_type']} x{k['count']}" for k in conv["kept_fp32"])
+    return (f"converted  {conv['precision']}: {conv['fused_nodes']} fused and {conv['converted_nodes']} other nodes on "
+            f"half tensors, {conv['casts_added']} casts added" + (f"; fp32 kept: {kept} (reasons in the report)"
+                                                                    if kept else ""))
+
+
+def device_lines(device: dict[str, Any], target: str = "", most: int = 4) -> list[str]:
+    """The summary's lines on device kernels: one per arch slot ("sm_90: 25 of 87 fused nodes have device
+    kernels", the `target`'s saying that the others count unfused in the predicted time), then the families whose
+    nodes keep their functions with the reason, at most `most` lines."""
+    if device.get("error"):
+        return [f"device     which fused nodes have device kernels is unknown: {device['error']}"]
+    fused = device["fused_nodes"]
+    lines = []
+    for i, (arch, n) in enumerate(device["with_kernels"].items()):
+        note = (f" (the target: the other {fused - n} count at their unfused cost in the predicted time)"
+                if arch == target and n < fused else "")
+        lines.append(f"{'device' if i == 0 else '':<10} {arch}: {n} of {fused} fused nodes have device kernels{note}")
+    without = device.get("without") or []
+    for i, w in enumerate(without[:most]):
+        lines.append(f"{'functions' if i == 0 else '':<10} {w['family']} x{w['nodes']} keep their functions: "
+                     f"{w['reason']}")
+    if len(without) > most:
+        rest = sum(w["nodes"] for w in without[most:])
+        lines.append(f"{'':<10} {rest} more fused nodes keep their functions for {len(without) - most} other "
+                     "reasons (the report's device.without)")
+    return lines
 
 
 def dynamic_line(dyn: dict[str, Any], library: dict[str, Any] | None = None) -> str:

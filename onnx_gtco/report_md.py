@@ -255,6 +255,23 @@ def _reasons(reasons: dict[str, str]) -> list[str]:
                                                 sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))], "lrl")
 
 
+def _device(r: dict[str, Any]) -> list[str]:
+    d = r.get("device")
+    if not d:
+        return []
+    lines = ["", "## Device kernels", "",
+             f"Which fused nodes have device kernels is decided by {d.get('decided_by', 'the plugin')}.", ""]
+    if d.get("error"):
+        return [*lines, f"Unknown for this model: {d['error']}"]
+    lines += _table(["arch", "fused nodes with device kernels", "fused nodes"],
+                    [[a, n, d["fused_nodes"]] for a, n in d["with_kernels"].items()], "lrr")
+    if d.get("without"):
+        lines += ["", "Fused nodes without a device kernel run their model-local functions:", ""]
+        lines += _table(["family", "reason", "nodes"], [[w["family"], w["reason"], w["nodes"]] for w in d["without"]],
+                        "llr")
+    return lines
+
+
 def _library(r: dict[str, Any]) -> list[str]:
     lines = ["", "## Custom-op library and device kernels", ""]
     lib = r.get("library")
@@ -364,8 +381,8 @@ def _measured(r: dict[str, Any]) -> list[str]:
 def render(report: dict[str, Any]) -> str:
     """The report as GitHub Markdown."""
     check_report(report)
-    lines = [*_header(report), *_families(report), *_unfused(report), *_library(report), *_tuning(report),
-             *_dynamic(report), *_measured(report)]
+    lines = [*_header(report), *_families(report), *_unfused(report), *_device(report), *_library(report),
+             *_tuning(report), *_dynamic(report), *_measured(report)]
     out: list[str] = []
     for line in lines:  # no runs of blank lines
         if line == "" and out and out[-1] == "":

@@ -20,6 +20,7 @@ from onnx_gtco.pipeline import optimize
 from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, build_library, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.precision import MOVES_DATA, convert, to_half
+from onnx_gtco.report import summary
 
 TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2}
 """‖err‖ / ‖ref‖ against the fp32 original (issue acceptance)."""
@@ -84,6 +85,8 @@ def test_io_dtypes_kept_weights_halved(converted):
             if t in weights and weights[t].data_type in (TensorProto.FLOAT, *HALF.values()) and weights[t].dims:
                 assert weights[t].data_type == HALF[precision], (n.name, t)
     assert result.report["conversion"]["fused_nodes"] == len(fused)
+    line = next(x for x in summary(result.report).splitlines() if x.startswith("converted"))
+    assert f"{precision}: {len(fused)} fused and" in line
 
 
 def test_functions_match_fp32_original(converted):

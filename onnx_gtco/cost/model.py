@@ -10,6 +10,7 @@ that only compute shapes (small integer tensors), and metadata-only ops (Reshape
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,13 +129,32 @@ def estimate(view: GraphView, cand: Candidate) -> Estimate:
     return Estimate(mm, other, dram, 1)
 
 
-def cost_fn(view: GraphView, config: GtcoConfig):
-    """The DP's cost callable: predicted microseconds of a candidate on the configured target."""
+FUNCTION_TIE = 1e-9
+"""The share of its unfused cost, per node, that a fused group without a device kernel is cheaper in the DP (cost_fn):
+a tie-break far below the model's precision."""
+
+
+def unfused_cost(cost: Callable[[Candidate], float], cand: Candidate) -> float:
+    """What the nodes of `cand` cost unfused, each alone (`cost` of a single-node unfused candidate), summed."""
+    return sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in sorted(cand.nodes))
+
+
+def cost_fn(view: GraphView, config: GtcoConfig, has_kernel: Callable[[Candidate], bool] | None = None
+            ) -> Callable[[Candidate], float]:
+    """The DP's cost callable: predicted microseconds of a candidate on the configured target.
+
+    `has_kernel`: whether a fused candidate gets a device kernel on the target (the caller asks the kernel families;
+    None: every one does). One that gets none runs its model-local function, the nodes it holds, so it costs what
+    they cost unfused (unfused_cost), less FUNCTION_TIE of that per node it holds: of covers the model predicts
+    equal, the DP keeps the one with the fewest, largest fused nodes, which record the groups as a kernel would run
+    them (the report says why they have none and counts them unfused)."""
     hw, precision = config.hw, config.precision
 
     def cost(cand: Candidate) -> float:
         if cand.fused and len(cand.nodes) > config.max_group_size:
             return math.inf
+        if cand.fused and has_kernel is not None and not has_kernel(cand):
+            return unfused_cost(cost, cand) * (1.0 - FUNCTION_TIE * len(cand.nodes))
         # unfused nodes keep the model's own precision
         return estimate(view, cand).time_us(hw, precision if cand.fused else "fp32")
 

@@ -52,7 +52,8 @@ def plan(
             docstring) runs unfused, with a Reject naming it in `Plan.rejects`.
 
     Returns:
-        The Plan: groups in execution order, total predicted cost, number of states explored, segments left unfused.
+        The Plan: groups in execution order, total predicted cost, number of states explored, segments left unfused,
+        the cost of each group.
 
     Raises:
         PlanError: no finite-cost cover exists, or a candidate names a node outside the graph.
@@ -133,12 +134,14 @@ def plan(
 
     names = [getattr(node, "name", "") or f"#{i}" for i, node in enumerate(getattr(dag, "nodes", range(n)))]
     groups: list[Candidate] = []
+    charged: list[float] = []
     rejects: list[Reject] = []
     total = 0.0
     states = 0
     for lo, hi in segments(n, cands):
         full = ((1 << hi) - 1) & ~((1 << lo) - 1)
         seg: list[Candidate] = []
+        seg_costs: list[float] = []
         try:
             try:
                 best = solve(full, force=False)
@@ -151,6 +154,7 @@ def plan(
             alone = [min((k for k in by_node[i] if masks[k] == 1 << i), key=lambda k: (costs[k], k))
                      for i in range(lo, hi)]
             seg = [cands[k] for k in alone]
+            seg_costs = [costs[k] for k in alone]
             seg_total = sum(costs[k] for k in alone)
             states += max_states
         else:
@@ -159,14 +163,17 @@ def plan(
             while state:
                 _, k = best[state]
                 seg.append(cands[k])
+                seg_costs.append(costs[k])
                 state &= ~masks[k]
             seg.reverse()
+            seg_costs.reverse()
             states += len(best) - (1 if lo else 0)  # the empty state is shared by every segment
         if seg_total == math.inf:
             raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
         total += seg_total
         groups.extend(seg)
-    return Plan(tuple(groups), total, states=states, rejects=tuple(rejects))
+        charged.extend(seg_costs)
+    return Plan(tuple(groups), total, states=states, rejects=tuple(rejects), costs=tuple(charged))
 
 
 def segments(n: int, candidates: Sequence[Candidate]) -> list[tuple[int, int]]:

@@ -49,12 +49,14 @@ class Plan:
     Attributes:
         states: memoized states the search explored.
         rejects: segments the search left unfused because they passed the state budget, and why.
+        costs: the cost the search charged each group (same order as `groups`; empty when not recorded).
     """
 
     groups: tuple[Candidate, ...]
     cost_us: float
     states: int = field(default=0, compare=False)
     rejects: tuple[Reject, ...] = field(default=(), compare=False)
+    costs: tuple[float, ...] = field(default=(), compare=False)
 
     @property
     def fused_groups(self) -> tuple[Candidate, ...]:

@@ -168,6 +168,19 @@ def lib_cache_dir() -> Path:
     return cache_root() / "libs"
 
 
+def bind_node(n: FusedNode, unique: bool = True) -> Binding | str:
+    """One node's Binding by its family's binder, or why it has none. `unique`: whether its name is non-empty and
+    unique in its model (bind_nodes checks that across the nodes; the kernel finds its node by name)."""
+    binder = binder_for(n.family)
+    if binder is None:
+        return f"no plugin kernel for family {n.family!r} yet"
+    if n.dtype not in _DTYPES:
+        return f"dtype {n.dtype!r} has no kernel"
+    if not unique:
+        return f"node name {n.node.name!r} is empty or not unique (the kernel finds its node by name)"
+    return binder.bind(n)
+
+
 def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, Binder]]:
     """Bind every node; an op type is kept only when all its nodes bind (else every node of it gets a reason)."""
     results: list[NodeResult] = []
@@ -176,20 +189,12 @@ def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, 
     for n in nodes:
         seen[n.node.name] = seen.get(n.node.name, 0) + 1
     for n in nodes:
+        res = bind_node(n, unique=bool(n.node.name) and seen[n.node.name] == 1)
         binder = binder_for(n.family)
-        res: Binding | str
-        if binder is None:
-            res = f"no plugin kernel for family {n.family!r} yet"
-        elif n.dtype not in _DTYPES:
-            res = f"dtype {n.dtype!r} has no kernel"
-        elif not n.node.name or seen[n.node.name] > 1:
-            res = f"node name {n.node.name!r} is empty or not unique (the kernel finds its node by name)"
+        if isinstance(res, str) or binder is None:
+            results.append(NodeResult(n.node.name, n.node.op_type, None, str(res)))
         else:
-            res = binder.bind(n)
             binders[n.node.op_type] = binder
-        if isinstance(res, str):
-            results.append(NodeResult(n.node.name, n.node.op_type, None, res))
-        else:
             results.append(NodeResult(n.node.name, n.node.op_type, res, None))
     failed = {r.op_type: r for r in results if r.reason is not None}
     out = []
@@ -548,5 +553,5 @@ def library_info(path: str | os.PathLike[str]) -> dict[str, object]:
     return dict(json.loads(f().decode()))
 
 
-__all__ = ["BuildError", "Dispatch", "LibraryResult", "NodeResult", "bind_nodes", "build_library",
+__all__ = ["BuildError", "Dispatch", "LibraryResult", "NodeResult", "bind_node", "bind_nodes", "build_library",
            "dynamic_nodes", "generate_glue", "library_info", "select_device"]

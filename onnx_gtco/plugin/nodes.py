@@ -93,7 +93,14 @@ def fused_nodes(model: onnx.ModelProto, planned: Callable[[str], PlanTensor | No
         if fn is None:
             raise ModelError(f"fused node {n.name!r} ({n.op_type}, overload {n.overload!r}) has no model-local "
                              "function")
-        out.append(FusedNode(node=n, function=fn, attrs={a.name: _attr(a) for a in n.attribute},
-                             inputs=tuple(info(t) if t else TensorInfo("", "", None) for t in n.input),
-                             outputs=tuple(info(t) for t in n.output)))
+        out.append(make_fused_node(n, fn, info))
     return out
+
+
+def make_fused_node(node: onnx.NodeProto, function: onnx.FunctionProto,
+                    info: Callable[[str], TensorInfo]) -> FusedNode:
+    """The FusedNode of `node` with its `function`, its attributes decoded and `info` of each named input and
+    output (an absent optional input has an empty TensorInfo)."""
+    return FusedNode(node=node, function=function, attrs={a.name: _attr(a) for a in node.attribute},
+                     inputs=tuple(info(t) if t else TensorInfo("", "", None) for t in node.input),
+                     outputs=tuple(info(t) for t in node.output))

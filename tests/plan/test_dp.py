@@ -126,6 +126,7 @@ def test_dp_equals_brute_force(seed: int) -> None:
     check_valid(n, succ, result.groups)
     assert result.cost_us == pytest.approx(sum(cost(g) for g in result.groups))
     assert result.cost_us == pytest.approx(brute_force(n, succ, cands, cost))
+    assert result.costs == tuple(cost(g) for g in result.groups)  # what the search charged each group
 
 
 def test_dp_never_uses_an_infinite_group() -> None:
@@ -193,7 +194,8 @@ def test_segment_past_the_budget_runs_unfused_and_says_so() -> None:
     cands += [Candidate(frozenset([0, 15]), "fam", "span"), Candidate(frozenset([16, 17]), "fam", "chain")]
     result = plan(dag, cands, _pair_cost, max_states=100)
     assert [g.nodes for g in result.groups] == [frozenset([i]) for i in range(16)] + [frozenset([16, 17])]
-    assert result.cost_us == 17.5
+    assert result.cost_us == 17.5 == sum(result.costs)
+    assert result.costs == tuple(_pair_cost(g) for g in result.groups)
     assert [(r.pattern, r.anchor) for r in result.rejects] == [("dp", "#0")]
     assert "passed 100 states on nodes 0..15" in result.rejects[0].reason
     assert "left unfused" in result.rejects[0].reason

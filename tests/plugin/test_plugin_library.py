@@ -7,13 +7,20 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from plugin_helpers import Built, build_model, decomposed_ln_model, ln_softmax_model
+from plugin_helpers import (
+    Built,
+    build_model,
+    decomposed_ln_model,
+    ln_softmax_model,
+    plan_as_if_every_group_had_a_kernel,
+)
 
 from onnx_gtco import optimize
 from onnx_gtco.cli import main
@@ -27,6 +34,13 @@ from onnx_gtco.plugin.library import bind_nodes, build_library, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.runtime.check import compare, make_inputs
 from onnx_gtco.runtime.session import LibraryError, make_session
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plan_fp32_attention_as_a_kernel() -> Iterator[None]:
+    """These tests need fp32 models whose attention is fused (plugin_helpers.plan_as_if_every_group_had_a_kernel)."""
+    with plan_as_if_every_group_had_a_kernel():
+        yield
 
 CPU = ["CPUExecutionProvider"]
 

@@ -25,10 +25,14 @@ def test_optimize_and_check(zoo_case: tuple[str, str], zoo_onnx: pathlib.Path, t
     assert main(["optimize", str(zoo_onnx), "-o", str(out)]) == 0, capsys.readouterr().err
     report = json.loads(out.with_name(out.name + ".report.json").read_text())
 
-    # every softmax that survives loading (dead branches are dropped) sits inside an attention group
+    # every softmax that survives loading (dead branches are dropped) sits inside an attention group, or, where the
+    # attention group would have no device kernel (fp32 attention has none yet) and so costs its nodes unfused, in
+    # a group that has one
     in_attention = sum(g["ops"].count("Softmax") for g in report["groups"] if g["family"] in ATTENTION)
-    elsewhere = [g["name"] for g in report["groups"] if g["family"] not in ATTENTION and "Softmax" in g["ops"]]
-    assert in_attention > 0
+    elsewhere = [g["name"] for g in report["groups"] if g["family"] not in ATTENTION and "Softmax" in g["ops"]
+                 and g["device_reason"] is not None]
+    attention_candidates = in_attention + sum(x["family"] in ATTENTION for x in report["not_chosen"])
+    assert attention_candidates > 0
     assert "Softmax" not in report["unfused_ops"], report["unfused_ops"]
     assert not elsewhere
     assert report["fused_flop_share"] >= MIN_FLOP_SHARE
@@ -45,7 +49,7 @@ def test_optimize_and_check(zoo_case: tuple[str, str], zoo_onnx: pathlib.Path, t
     assert {"Gemm_f32", "Layernorm_f32"} <= set(library["op_types"]), library
     # Swin's shifted-window mask is added through a reshape of the scores, which the attention glue does not take:
     # its attention nodes keep their functions (the report says so)
-    if name != "swin-t":
+    if name != "swin-t" and in_attention:
         assert "Attention_f32" in library["op_types"], library
     for with_library in ([], ["--library"]):
         capsys.readouterr()

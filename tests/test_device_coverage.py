@@ -1,0 +1,103 @@
+"""Which fused nodes get device kernels (plugin.coverage), decided without compiling: on a rewritten model it is what
+the library builder's binders and device selection say, and a candidate group asked before the rewrite gets the
+same answer as its node after it."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_gtco import GtcoConfig, optimize
+from onnx_gtco.models import build
+from onnx_gtco.plugin.coverage import Coverage, candidate_coverage, model_coverage
+from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances
+from onnx_gtco.plugin.library import bind_nodes
+from onnx_gtco.plugin.nodes import fused_nodes
+
+
+def mlp(elem: int = TensorProto.FLOAT16) -> onnx.ModelProto:
+    """x @ w + b -> Relu -> LayerNormalization: one GEMM group and one LayerNorm group."""
+    dt = helper.tensor_dtype_to_np_dtype(elem)
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 128)).astype(dt), "w"),
+             numpy_helper.from_array(rng.standard_normal(128).astype(dt), "b"),
+             numpy_helper.from_array(np.ones(128, dt), "g"), numpy_helper.from_array(np.zeros(128, dt), "be")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+             helper.make_node("LayerNormalization", ["r", "g", "be"], ["y"], name="ln", axis=-1)]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", elem, [16, 64])],
+                              [helper.make_tensor_value_info("y", elem, [16, 128])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def vit():
+    return optimize(build("vit-tiny", seed=0), GtcoConfig(target="sm_90"))
+
+
+def _no_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"coverage ran a process: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def test_model_coverage_is_what_binding_and_device_selection_say(vit, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_subprocess(monkeypatch)  # no compiler, no nvcc: a property of the nodes and the kernel families
+    cov = model_coverage(vit.model)
+    assert cov.archs == ARCH_SLOTS and cov.error is None
+    got = cov.nodes
+    nodes = fused_nodes(vit.model)
+    results, _ = bind_nodes(nodes)
+    assert set(got) == {r.node for r in results} == {g["name"] for g in vit.report["groups"]}
+    by_name = {n.node.name: n for n in nodes}
+    for r in results:
+        own = r.reason or device_instances(by_name[r.node], r.binding, ARCH_SLOTS)
+        if isinstance(own, str):
+            assert got[r.node].archs == () and got[r.node].reason
+        else:  # a node with instances of its own keeps them unless a sibling of its op type has none
+            assert got[r.node].archs in ((), ARCH_SLOTS)
+    families = {}
+    for n in nodes:
+        families.setdefault(n.family, set()).add(got[n.node.name])
+    assert families["layernorm"] == {Coverage(ARCH_SLOTS)}
+    assert families["conv"] == {Coverage((), "no plugin kernel for family 'conv' yet")}
+    for family in ("gemm", "attention"):  # today's Tensor Core families take no f32
+        assert all(not c.archs and "fp16 or bf16" in c.reason for c in families[family]), families[family]
+
+
+@pytest.mark.parametrize(("elem", "precision", "families"), [
+    (TensorProto.FLOAT16, "fp16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+    # no f32 GEMM kernel: the GEMM keeps its function, and its bias + Relu get an elementwise kernel of their own
+    (TensorProto.FLOAT, "fp32", {"gemm": (), "elementwise": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+    # an fp32 model at fp16 is converted (onnx_gtco.precision): its fused nodes read f16 tensors, as kernels do
+    (TensorProto.FLOAT, "fp16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+    (TensorProto.FLOAT, "bf16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+])
+def test_candidate_coverage_agrees_with_the_rewritten_node(elem: int, precision: str, families: dict,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    result = optimize(mlp(elem), GtcoConfig(precision=precision))
+    _no_subprocess(monkeypatch)
+    truth = model_coverage(result.model).nodes
+    ask = candidate_coverage(result.view, precision)
+    names = [g["name"] for g in result.report["groups"]]
+    assert {n.split("/")[1]: truth[n].archs for n in names} == families
+    for cand, name in zip(result.plan.fused_groups, names, strict=True):
+        assert ask(cand) == truth[name], name
+    if precision != "fp32" and elem == TensorProto.FLOAT:  # the rewritten model the truth comes from is converted
+        assert all(n.op_type.endswith("_" + {"fp16": "f16", "bf16": "bf16"}[precision])
+                   for n in result.model.graph.node if n.domain == "ai.gtco")
+
+
+def test_candidate_coverage_of_every_vit_group_matches(vit) -> None:
+    truth = model_coverage(vit.model).nodes
+    ask = candidate_coverage(vit.view, "fp32")
+    for cand, g in zip(vit.plan.fused_groups, vit.report["groups"], strict=True):
+        assert ask(cand) == truth[g["name"]], g["name"]
+    assert not ask(next(c for c in vit.plan.groups if not c.fused)).archs
