@@ -6,8 +6,10 @@ them into the kernel family's Problem, or says why
 no kernel serves the node (the node then keeps running its model-local function). `select_instance` picks the
 family's first valid configuration for an architecture; the tuner (a later stage) replaces that choice.
 
-Kernel dtype: the node's compute precision when it is fp16 / bf16, else the node's own I/O dtype. The Tensor Core
-families (gemm, attention, bmm_softmax) have no fp32 kernel, so an fp32 node with fp32 precision gets a reason.
+Kernel dtype: the node's compute precision when it is fp16 / bf16, else the node's own I/O dtype. Every family has
+fp32 kernels: with precision fp32 the Tensor Core families compute in TF32 (gemm and qkv: mma.m16n8k8 on operands
+rounded by cvt.rna to 10 mantissa bits, fp32 accumulation and I/O; what ORT's CUDA EP does for fp32 by default with
+use_tf32), the others (LayerNorm, softmax, elementwise) in plain fp32. `_KERNEL_DTYPES` lists what each family takes.
 """
 
 from __future__ import annotations
@@ -33,14 +35,18 @@ FAMILIES: dict[str, KernelFamily] = {
 """Kernel families by name (the elementwise family is generated per group and selected by its own binder)."""
 
 _PRECISION_DTYPE = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
-_TENSOR_CORE = {"gemm", "attention", "bmm_softmax"}
+_KERNEL_DTYPES: dict[str, tuple[str, ...]] = {
+    # f32 on a Tensor Core family is TF32 (gemm.cuh)
+    "gemm": ("f16", "bf16", "f32"), "attention": ("f16", "bf16"), "bmm_softmax": ("f16", "bf16"),
+}
+"""Families that do not take every kernel dtype, and those they take (the others take f16, bf16 and f32)."""
 
 
 def kernel_dtype(family: str, io_dtype: str, precision: str) -> str | None:
     """The dtype the kernel computes in, or None when no kernel of `family` takes it."""
     want = _PRECISION_DTYPE.get(precision, io_dtype)
     dtype = want if want != "f32" else io_dtype
-    if family in _TENSOR_CORE and dtype not in ("f16", "bf16"):
+    if dtype not in _KERNEL_DTYPES.get(family, (dtype,)):
         return None
     return dtype
 
@@ -60,7 +66,8 @@ def problem_for(op: FusedOp) -> Problem | str:
         return f"no {family} kernel family (the node runs its function)"
     dtype = kernel_dtype(kernel_family, op.dtype, precision)
     if dtype is None:
-        return (f"{family} runs on Tensor Cores in fp16 or bf16; this node is {op.dtype} with precision {precision} "
+        takes = ", ".join(_KERNEL_DTYPES[kernel_family])
+        return (f"{family} kernels take {takes}; this node is {op.dtype} with precision {precision} "
                 f"(optimize with --precision fp16 or bf16)")
     if kernel_family == "gemm":
         return _gemm(dtype, op)
