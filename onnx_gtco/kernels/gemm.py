@@ -40,6 +40,7 @@ from onnx_gtco.kernels.family import (
     Problem,
     from_storage,
     np_dtype,
+    tf32_round,
     to_storage,
 )
 from onnx_gtco.patterns.activation import REFERENCE
@@ -70,15 +71,6 @@ def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
     a_stage = bm * (bk + a_pad)
     b_stage = bn * (bk + b_pad) if trans_b else bk * (bn + b_pad)
     return stages * (a_stage + b_stage) * (4 if tf32 else 2)
-
-
-def tf32_round(x: np.ndarray) -> np.ndarray:
-    """fp32 values rounded to TF32 as cvt.rna.tf32.f32 does: 10 mantissa bits, to nearest, ties away from zero
-    (float32 result; infinities and NaN pass through)."""
-    x = np.ascontiguousarray(x, np.float32)
-    bits = x.view(np.uint32)
-    out = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
-    return np.where(np.isfinite(x), out, x)
 
 
 def _flags(problem: Problem) -> tuple[bool, bool, str, bool]:
