@@ -17,6 +17,9 @@ Layouts (arrays as the kernel reads them; the batch dims flattened to one):
   q, k and v; bhds [B, H, D, S] (Kᵀ, k only: gathered element by element, the slower path).
 Inputs: "q", "k", "v" (or "qkv"), "mask", "bias"; outputs: attention "out", bmm_softmax "probs" [B, H, Sq, Sk].
 
+dtype f16 / bf16: mma.m16n8k16; f32: TF32 (mma.m16n8k8 on operands rounded by cvt.rna, fp32 softmax and I/O), whose
+reference multiplies the TF32-rounded q, k and v (P is rounded too in the kernel, not in the reference).
+
 Fully masked rows (every score -inf) come out as zeros, not NaN; finite (-10000 style) masks behave like ONNX
 Softmax. The reference follows the same rule.
 """
@@ -41,6 +44,7 @@ from onnx_gtco.kernels.family import (
     Problem,
     from_storage,
     np_dtype,
+    tf32_round,
     to_storage,
 )
 
@@ -56,7 +60,7 @@ S tile plus the Q fragments of the whole head dim. Fitted to ptxas -v (CUDA 13.0
 config of the space x head dims 32/64/80/128 x {mask+bias with gathered Kᵀ, mask, plain}: nothing at or under 112
 spills or has a stack frame; at 128 (attention d128 with BKV 128, bmm_softmax BQ 128 on 4 warps with BKV 128, or
 BKV 64 with d128) ptxas reaches 255 registers and spills."""
-_CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
+_CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 
 _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("mask", "ptr"), ("bias", "ptr"),
@@ -71,6 +75,15 @@ _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("m_bmod", "i32"), ("bias_bmod", "i32"),
     ("scale", "f32"),
 )
+
+
+def row_pad(dtype: str) -> int:
+    """Padding of the Q, K and V shared rows (attention.cuh row_pad<T>): 8 elements, 4 for f32."""
+    return 4 if dtype == "f32" else PAD
+
+
+def elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "f32" else 2
 
 
 def _dims(p: Problem) -> tuple[int, int, int, int, int]:
@@ -183,7 +196,7 @@ class _AttentionBase(KernelFamily):
         if problem.family != self.name:
             return f"problem is for family {problem.family!r}, not {self.name!r}"
         if problem.dtype not in _CTYPE:
-            return f"dtype {problem.dtype}: the mma path takes f16 or bf16 (fp32 groups run cast to 16 bits)"
+            return f"dtype {problem.dtype}: the kernels take f16, bf16 or f32 (TF32)"
         try:
             b, h, sq, sk, d = _dims(problem)
         except KeyError as e:
@@ -314,12 +327,15 @@ class _AttentionBase(KernelFamily):
 
     # ---- numerics ----------------------------------------------------------------------------------------------
     def _qkv64(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """q, k (and v) as float64 [b, h, s, d]; f32 ones rounded to TF32 first, as the kernels' mma reads them."""
         b, h, sq, sk, d = _dims(problem)
         lay = _layouts(problem)
         names = ("q", "k", "v") if "v" in lay else ("q", "k")
         out = []
         for which, name in enumerate(names):
             src = inputs["qkv"] if lay[name] == "qkv_packed" else inputs[name]
+            if problem.dtype == "f32":
+                src = tf32_round(src)
             seq = sq if name == "q" else sk
             out.append(to_bhsd(from_storage(src, problem.dtype), lay[name], b, h, seq, d, which))
         return out
@@ -371,12 +387,16 @@ class AttentionFamily(_AttentionBase):
 
     def _smem(self, problem: Problem, config: Config) -> int:
         d, bq, bkv, st = problem.size("head_dim"), config["BQ"], config["BKV"], config["STAGES"]
-        k_elems = d * (bkv + PAD) if _layouts(problem)["k"] == "bhds" else bkv * (d + PAD)
-        return 2 * (bq * (d + PAD) + st * (k_elems + bkv * (d + PAD)))
+        rs, size = d + row_pad(problem.dtype), elem_bytes(problem.dtype)
+        k_elems = d * (bkv + PAD) if _layouts(problem)["k"] == "bhds" else bkv * rs
+        return size * (bq * rs + st * (k_elems + bkv * rs))
 
     def _acc_regs(self, problem: Problem, config: Config) -> int:
-        mt = config["BQ"] // (16 * config["WARPS"])
-        return mt * (problem.size("head_dim") // 2 + config["BKV"] // 2)  # O: D/8 n-tiles x 4, S: BKV/8 x 4
+        mt, d = config["BQ"] // (16 * config["WARPS"]), problem.size("head_dim")
+        # O: D/8 n-tiles x 4, S: BKV/8 x 4; f32 (TF32) keeps one register per Q element of its A fragments (twice
+        # f16's), of which ptxas holds about a quarter live: fitted to ptxas (d64 with 2 m-tiles and d128 with one
+        # stay under 255 registers with no spill, d80 with 2 m-tiles is left out)
+        return mt * (d // 2 + config["BKV"] // 2 + (d // 8 if problem.dtype == "f32" else 0))
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         if why := self.check(problem, config, arch):
@@ -412,13 +432,18 @@ class BmmSoftmaxFamily(_AttentionBase):
 
     def _smem(self, problem: Problem, config: Config) -> int:
         d, bq, bkv, st = problem.size("head_dim"), config["BQ"], config["BKV"], config["STAGES"]
-        k_elems = d * (bkv + PAD) if _layouts(problem)["k"] == "bhds" else bkv * (d + PAD)
-        return 2 * (bq * (d + PAD) + st * k_elems)
+        rs, size = d + row_pad(problem.dtype), elem_bytes(problem.dtype)
+        k_elems = d * (bkv + PAD) if _layouts(problem)["k"] == "bhds" else bkv * rs
+        return size * (bq * rs + st * k_elems)
 
     def _acc_regs(self, problem: Problem, config: Config) -> int:
-        mt = config["BQ"] // (16 * config["WARPS"])
-        # one S tile (BKV/8 n-tiles x 4 per m-tile, whatever seq_k is) and the Q A-fragments of D/16 k-steps x 4
-        return mt * (config["BKV"] // 2 + problem.size("head_dim") // 4)
+        mt, d = config["BQ"] // (16 * config["WARPS"]), problem.size("head_dim")
+        # one S tile (BKV/8 n-tiles x 4 per m-tile, whatever seq_k is) and the Q A-fragments of D/16 k-steps x 4;
+        # f32 (TF32) holds D/8 x 4 of those (one tf32 element per register) and, fitted to ptxas, half as much again
+        # per S register (d64 with a 128-key tile spills 8 bytes at the f16 weights)
+        if problem.dtype == "f32":
+            return mt * (3 * config["BKV"] // 4 + d // 2)
+        return mt * (config["BKV"] // 2 + d // 4)
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         if why := self.check(problem, config, arch):

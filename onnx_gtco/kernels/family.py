@@ -180,6 +180,15 @@ def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
+def tf32_round(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to TF32 as cvt.rna.tf32.f32 does: 10 mantissa bits, to nearest, ties away from zero
+    (float32 result; infinities and NaN pass through)."""
+    x = np.ascontiguousarray(x, np.float32)
+    bits = x.view(np.uint32)
+    out = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), out, x)
+
+
 def from_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     """The kernel's storage -> float64 values."""
     if dtype == "bf16":

@@ -1,6 +1,10 @@
 """The GEMM / batched-GEMM family: ``y = act(alpha * A @ B + bias) + residual`` on Tensor Cores
 (plugins/include/gtco/gemm.cuh).
 
+dtype "f16" / "bf16": mma.m16n8k16 on 16-bit operands. dtype "f32": TF32, mma.m16n8k8 on operands rounded from fp32
+by cvt.rna (10 mantissa bits), fp32 I/O and accumulation; `reference` is then the fp64 product of the
+TF32-rounded operands (`tf32_round`), which is what the kernel computes up to fp32 summation.
+
 Problem sizes: "batch", "M", "N", "K", "b_batched" (1: one B per batch entry, 0: one B shared by the batch, a
 weight GEMM). Flags: "trans_b" (B is [N, K]), "bias" (bias [N]), "activation" (a name of
 onnx_gtco.patterns.activation.REFERENCE, or "none"), "residual" (residual like y), "alpha" (the scale, a run-time
@@ -12,7 +16,8 @@ Arrays of a run: "a" [batch, M, K]; "b" [batch, K, N] / [K, N] (or [.., N, K] wi
 launcher), so one built instance serves every shape with the same flags.
 
 Config "VEC" (optional, default 1) picks the global->shared copy: 1 is the cp.async pipeline with 16-byte chunks,
-which needs K % 8 == 0 and N % 8 == 0 (`check` rejects other shapes with that reason); 0 is the slower fallback
+which needs K and N multiples of a chunk, 8 elements (f16 / bf16) or 4 (f32) (`check` rejects other shapes with
+that reason); 0 is the slower fallback
 with element-wise predicated loads for any K and N (attention's QKᵀ and PV with 197 tokens). `configs` offers
 VEC = 1 where it applies and VEC = 0 otherwise.
 """
@@ -35,6 +40,7 @@ from onnx_gtco.kernels.family import (
     Problem,
     from_storage,
     np_dtype,
+    tf32_round,
     to_storage,
 )
 from onnx_gtco.patterns.activation import REFERENCE
@@ -44,19 +50,27 @@ ACTIVATIONS: dict[str, str] = {
     "none": "kNone", "relu": "kRelu", "gelu_erf": "kGeluErf", "gelu_tanh": "kGeluTanh", "silu": "kSilu",
     "quick_gelu": "kQuickGelu", "sigmoid": "kSigmoid", "tanh": "kTanh", "relu6": "kRelu6",
 }
-_CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
-_PAD = 8                  # elements of padding per shared-memory row (GemmTile::kPad)
+_CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 _STATIC_SMEM_MAX = 48 * 1024
 MAX_ACC_PER_THREAD = 128  # fp32 accumulators per thread: a 64x64 warp tile; larger ones cannot stay in registers
 MAX_THREADS = 1024
 
 
-def smem_bytes(config: Config, trans_b: bool) -> int:
-    """Shared memory of one block: STAGES ring slots of the A tile and the B tile, rows padded by 8 elements."""
+def chunk_elems(dtype: str) -> int:
+    """Elements of one 16-byte cp.async chunk (GemmTile::kChunk): K and N of a VEC=1 instance are multiples of it."""
+    return 4 if dtype == "f32" else 8
+
+
+def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
+    """Shared memory of one block: STAGES ring slots of the A tile and the B tile, rows padded as GemmTile pads
+    them (8 elements for 16-bit types; fp32: 4 floats for k-contiguous rows, 8 for the rows of a [K, N] B)."""
     bm, bn, bk, stages = config["BM"], config["BN"], config["BK"], config["STAGES"]
-    a_stage = bm * (bk + _PAD)
-    b_stage = bn * (bk + _PAD) if trans_b else bk * (bn + _PAD)
-    return stages * (a_stage + b_stage) * 2
+    tf32 = dtype == "f32"
+    a_pad = 4 if tf32 else 8
+    b_pad = 4 if tf32 and trans_b else 8
+    a_stage = bm * (bk + a_pad)
+    b_stage = bn * (bk + b_pad) if trans_b else bk * (bn + b_pad)
+    return stages * (a_stage + b_stage) * (4 if tf32 else 2)
 
 
 def _flags(problem: Problem) -> tuple[bool, bool, str, bool]:
@@ -103,7 +117,7 @@ class GemmFamily(KernelFamily):
         if arch not in ARCHS:
             return f"arch {arch!r}: choose one of {ARCHS}"
         if problem.dtype not in _CTYPE:
-            return f"dtype {problem.dtype}: the GEMM kernels take f16 or bf16 (Tensor Core mma.m16n8k16)"
+            return f"dtype {problem.dtype}: the GEMM kernels take f16, bf16 or f32 (TF32)"
         missing = [k for k in self.space if k not in config and k not in self.optional]
         if missing:
             return f"config lacks {', '.join(missing)}"
@@ -122,9 +136,10 @@ class GemmFamily(KernelFamily):
             return f"activation {act!r} is not fused by the GEMM epilogue (have: {', '.join(ACTIVATIONS)})"
         if min(batch, m, n, k) < 1:
             return f"sizes must be positive (batch={batch}, M={m}, N={n}, K={k})"
-        if config["VEC"] and (k % 8 or n % 8):
-            return (f"K={k}, N={n}: VEC=1 (cp.async with 16-byte chunks of 8 elements) needs K % 8 == 0 and "
-                    f"N % 8 == 0; use VEC=0 (element-wise loads)")
+        ch = chunk_elems(problem.dtype)
+        if config["VEC"] and (k % ch or n % ch):
+            return (f"K={k}, N={n}: VEC=1 (cp.async with 16-byte chunks of {ch} elements) needs K % {ch} == 0 and "
+                    f"N % {ch} == 0; use VEC=0 (element-wise loads)")
         if batch > 65535:
             return f"batch={batch} exceeds the grid's z limit 65535"
         bm, bn, bk, wm, wn = config["BM"], config["BN"], config["BK"], config["WM"], config["WN"]
@@ -140,7 +155,7 @@ class GemmFamily(KernelFamily):
         if acc > MAX_ACC_PER_THREAD:
             return (f"warp tile {bm // wm}x{bn // wn} needs {acc} fp32 accumulators per thread "
                     f"(> {MAX_ACC_PER_THREAD}: would spill registers)")
-        smem = smem_bytes(config, trans_b)
+        smem = smem_bytes(config, trans_b, problem.dtype)
         limit = TARGETS[arch].smem_kib * 1024
         if smem > limit:
             return f"shared memory {smem} B ({smem / 1024:g} KiB) exceeds the {arch} limit of {limit // 1024} KiB"
@@ -171,7 +186,8 @@ class GemmFamily(KernelFamily):
         sms = TARGETS[arch].sms
         order = big + small if tiles >= sms else small + big
         try:
-            vec = int(problem.size("K") % 8 == 0 and problem.size("N") % 8 == 0)
+            ch = chunk_elems(problem.dtype)
+            vec = int(problem.size("K") % ch == 0 and problem.size("N") % ch == 0)
         except KeyError:
             vec = 1
         order = [{**c, "VEC": vec} for c in order]
@@ -222,7 +238,7 @@ class GemmFamily(KernelFamily):
             f"}}\n")
         return Instance(name=name, symbol=symbol, source=source, problem=problem,
                         config={**self.optional, **config}, arch=arch,
-                        smem_bytes=smem_bytes(config, trans_b))
+                        smem_bytes=smem_bytes(config, trans_b, problem.dtype))
 
     # ---------------------------------------------------------------------------------------------------------
     def input_shapes(self, problem: Problem) -> dict[str, tuple[int, ...]]:
@@ -265,6 +281,8 @@ class GemmFamily(KernelFamily):
         dt = problem.dtype
         a = from_storage(np.asarray(inputs["a"]), dt)
         b = from_storage(np.asarray(inputs["b"]), dt)
+        if dt == "f32":  # the Tensor Core multiplies TF32 operands
+            a, b = (tf32_round(x).astype(np.float64) for x in (a, b))
         if trans_b:
             b = np.swapaxes(b, -1, -2)
         y = float(np.float32(problem.flag("alpha", 1.0))) * np.matmul(a, b)  # [batch, M, K] @ [K, N] or [batch, K, N]

@@ -6,8 +6,11 @@ them into the kernel family's Problem, or says why
 no kernel serves the node (the node then keeps running its model-local function). `select_instance` picks the
 family's first valid configuration for an architecture; the tuner (a later stage) replaces that choice.
 
-Kernel dtype: the node's compute precision when it is fp16 / bf16, else the node's own I/O dtype. The Tensor Core
-families (gemm, attention, bmm_softmax) have no fp32 kernel, so an fp32 node with fp32 precision gets a reason.
+Kernel dtype: the node's compute precision when it is fp16 / bf16, else the node's own I/O dtype. Every family has
+fp32 kernels: with precision fp32 the Tensor Core families (gemm and qkv, attention, bmm_softmax) compute in TF32
+(mma.m16n8k8 on operands rounded by cvt.rna to 10 mantissa bits; fp32 accumulation, softmax statistics and I/O:
+what ORT's CUDA EP does for fp32 by default with use_tf32), the others (LayerNorm, softmax, elementwise) in plain
+fp32.
 """
 
 from __future__ import annotations
@@ -33,16 +36,14 @@ FAMILIES: dict[str, KernelFamily] = {
 """Kernel families by name (the elementwise family is generated per group and selected by its own binder)."""
 
 _PRECISION_DTYPE = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
-_TENSOR_CORE = {"gemm", "attention", "bmm_softmax"}
 
 
-def kernel_dtype(family: str, io_dtype: str, precision: str) -> str | None:
-    """The dtype the kernel computes in, or None when no kernel of `family` takes it."""
+def kernel_dtype(family: str, io_dtype: str, precision: str) -> str:
+    """The dtype a kernel of `family` computes in: the precision when it is fp16 / bf16, else the node's I/O dtype
+    (every family takes f16, bf16 and f32; f32 on the Tensor Core families is TF32)."""
+    del family  # every family takes the same dtypes
     want = _PRECISION_DTYPE.get(precision, io_dtype)
-    dtype = want if want != "f32" else io_dtype
-    if family in _TENSOR_CORE and dtype not in ("f16", "bf16"):
-        return None
-    return dtype
+    return want if want != "f32" else io_dtype
 
 
 def _batch(dims: Sequence[Any]) -> int | None:
@@ -59,9 +60,6 @@ def problem_for(op: FusedOp) -> Problem | str:
     if kernel_family not in FAMILIES:
         return f"no {family} kernel family (the node runs its function)"
     dtype = kernel_dtype(kernel_family, op.dtype, precision)
-    if dtype is None:
-        return (f"{family} runs on Tensor Cores in fp16 or bf16; this node is {op.dtype} with precision {precision} "
-                f"(optimize with --precision fp16 or bf16)")
     if kernel_family == "gemm":
         return _gemm(dtype, op)
     if kernel_family in ("attention", "bmm_softmax"):

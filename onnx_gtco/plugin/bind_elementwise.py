@@ -104,7 +104,6 @@ def node_problem(node: FusedNode, program: Program | None = None) -> Problem | s
     precision = node.attrs.get("precision", "fp32")
     precision = precision.decode() if isinstance(precision, bytes) else str(precision)
     dtype = kernel_dtype("elementwise", node.dtype, precision)
-    assert dtype is not None
     problem = got.problem(dtype)
     # the smallest config: the program's own checks (rank, sizes, operands), not a launch shape
     why = FAMILY.check(problem, {"THREADS": 256, "VEC": 1}, "sm_80")

@@ -8,10 +8,11 @@ node agree. One
 instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90 for 9.x. An emulated build
 (plugins/emu) has one device, an sm_80.
 
-A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, fp32
-on a Tensor Core family, a causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32
-model optimized with --precision fp16 keeps fp32 tensors between its nodes, and the device kernels read and write
-their own dtype only (no casts are fused in yet).
+A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, a
+causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32 model optimized with
+--precision fp16 keeps fp32 tensors between its nodes, and the device kernels read and write their own dtype only
+(no casts are fused in yet). An fp32 model optimized with --precision fp32 gets fp32 instances of every family (TF32
+on the Tensor Core ones).
 """
 
 from __future__ import annotations

@@ -106,6 +106,9 @@ inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) {
     return b;
 }
 
+inline float __uint_as_float(unsigned u) { return gtco::emu::bits_f32(u); }
+inline unsigned __float_as_uint(float f) { return gtco::emu::f32_bits(f); }
+
 // ---------------------------------------------------------------------------------------------------------------
 // Runtime: per-thread context, barriers, block-local shared memory, launch
 // ---------------------------------------------------------------------------------------------------------------
@@ -450,6 +453,56 @@ void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c
     for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
+// cvt.rna.tf32.f32 (PTX ISA, "cvt"): fp32 rounded to 10 mantissa bits, to nearest with ties away from zero (add
+// half an ulp of tf32 to the magnitude, truncate); the 13 low bits of the result are zero. A carry into the
+// exponent is the correct rounding (up to infinity past the largest tf32). Infinities stay; NaN is canonical.
+inline uint32_t round_tf32(uint32_t u) {
+    if ((u & 0x7f800000u) == 0x7f800000u) return (u & 0x007fffffu) ? 0x7fffffffu : u;
+    return (u + 0x1000u) & 0xffffe000u;
+}
+
+// PTX ISA, "Matrix Fragments for mma.m16n8k8" (.tf32 A and B, one element per register; .f32 C/D as m16n8k16).
+inline Coord a_coord_tf32(int lane, int i) {  // a0..a3 of the 16x8 A
+    return {(lane >> 2) + (i & 1) * 8, lane % 4 + (i >> 1) * 4};
+}
+inline Coord b_coord_tf32(int lane, int i) {  // b0, b1 of the 8x8 B (row = k, col = n)
+    return {lane % 4 + i * 4, lane >> 2};
+}
+
+// D = A * B + C with tf32 A and B. The Tensor Core reads the 19 high bits of each operand register (sign, exponent,
+// 10 mantissa bits): the low 13 bits are dropped here, so a kernel that skips the cvt.rna rounding computes with
+// truncated operands, as the hardware would. Products of two tf32 values are exact in fp32; they are summed in
+// fp32, k ascending, then C is added (the hardware's order differs: compare with a tolerance).
+inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+    uint32_t words[10];
+    for (int i = 0; i < 4; ++i) words[i] = a[i];
+    words[4] = b[0];
+    words[5] = b[1];
+    for (int i = 0; i < 4; ++i) words[6 + i] = f32_bits(c[i]);
+    const auto* buf = exchange(kMma, words, 10);
+    auto elem = [](uint32_t reg) { return bits_f32(reg & 0xffffe000u); };
+    float A[16][8], B[8][8];
+    for (int l = 0; l < 32; ++l) {
+        for (int i = 0; i < 4; ++i) {
+            const Coord p = a_coord_tf32(l, i);
+            A[p.row][p.col] = elem(buf[l][i]);
+        }
+        for (int i = 0; i < 2; ++i) {
+            const Coord p = b_coord_tf32(l, i);
+            B[p.row][p.col] = elem(buf[l][4 + i]);
+        }
+    }
+    const int lane = ctx().lane;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const Coord p = c_coord(lane, i);
+        float acc = 0.0f;
+        for (int k = 0; k < 8; ++k) acc += A[p.row][k] * B[k][p.col];
+        out[i] = acc + bits_f32(buf[lane][6 + i]);
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
 }  // namespace gtco::emu
 
 inline void __syncthreads() { gtco::emu::ctx().block->bar.wait("deadlock in __syncthreads (did every thread reach it?)"); }
@@ -484,6 +537,11 @@ inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32
 inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
     emu::mma_m16n8k16<true>(d, a, b, c);
 }
+
+inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    emu::mma_m16n8k8_tf32(d, a, b, c);
+}
+inline uint32_t round_tf32(uint32_t f32_bits) { return emu::round_tf32(f32_bits); }
 
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) { emu::ldmatrix<4, false>(r, smem_row); }
 inline void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) { emu::ldmatrix<2, false>(r, smem_row); }

@@ -108,6 +108,39 @@ __global__ void __launch_bounds__(WM * WN * 32)
     }
 }
 
+// tf32_tile: D[M][N] (fp32) = A[M][K] @ B[K][N], fp32 row-major in global memory, one warp per 16x8 tile of D and
+// mma.m16n8k8 .tf32 over K in steps of 8 (M % 16 == 0, N % 8 == 0, K % 8 == 0). The fragments are read straight
+// from global memory in the PTX ISA layout ("Matrix Fragments for mma.m16n8k8", .tf32), so the result checks the
+// emulated mma's fragment layout. ROUND: operands go through round_tf32 (cvt.rna); else their raw fp32 bits.
+template <bool ROUND>
+__global__ void tf32_tile(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ D, int M,
+                          int N, int K) {
+    const int lane = static_cast<int>(gtco::lane_id()), g = lane / 4, tig = lane % 4;
+    const int m0 = static_cast<int>(blockIdx.y) * 16, n0 = static_cast<int>(blockIdx.x) * 8;
+    auto op = [](float x) { return ROUND ? gtco::to_tf32(x) : __float_as_uint(x); };
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        uint32_t a[4], b[2];
+        a[0] = op(A[(m0 + g) * K + k0 + tig]);
+        a[1] = op(A[(m0 + g + 8) * K + k0 + tig]);
+        a[2] = op(A[(m0 + g) * K + k0 + tig + 4]);
+        a[3] = op(A[(m0 + g + 8) * K + k0 + tig + 4]);
+        b[0] = op(B[(k0 + tig) * N + n0 + g]);
+        b[1] = op(B[(k0 + tig + 4) * N + n0 + g]);
+#if GTCO_TEST_PERMUTE == 1
+        const uint32_t t = a[1];
+        a[1] = a[2];
+        a[2] = t;
+#elif GTCO_TEST_PERMUTE == 2
+        const uint32_t t = b[0];
+        b[0] = b[1];
+        b[1] = t;
+#endif
+        gtco::mma_m16n8k8_tf32(acc, a, b);
+    }
+    for (int i = 0; i < 4; ++i) D[(m0 + g + (i / 2) * 8) * N + n0 + 2 * tig + (i & 1)] = acc[i];
+}
+
 // Per lane: warp_max, warp_sum, quad_max, quad_sum of the warp's 32 inputs.
 __global__ void reduce_test(const float* __restrict__ x, float* __restrict__ out) {
     const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
@@ -207,6 +240,26 @@ void run_gemm(int M, int N, int K, const char* a_path, const char* b_path, const
     release(dd);
 }
 
+void run_tf32(bool round, int M, int N, int K, char** paths) {
+    const std::vector<char> a = read_file(paths[0]), b = read_file(paths[1]);
+    if (M % 16 || N % 8 || K % 8 || a.size() != sizeof(float) * M * K || b.size() != sizeof(float) * K * N) {
+        std::fprintf(stderr, "tf32: M %% 16, N %% 8, K %% 8 must be 0 and the inputs M x K, K x N floats\n");
+        std::exit(2);
+    }
+    float* da = to_device<float>(a);
+    float* db = to_device<float>(b);
+    float* dd = to_device<float>(std::vector<char>(sizeof(float) * M * N, 0));
+    const dim3 grid(N / 8, M / 16);
+    run(round ? tf32_tile<true> : tf32_tile<false>, grid, dim3(32), static_cast<const float*>(da),
+        static_cast<const float*>(db), dd, M, N, K);
+    std::vector<float> d(static_cast<size_t>(M) * N);
+    from_device(d.data(), dd, sizeof(float) * d.size());
+    write_file(paths[2], d.data(), sizeof(float) * d.size());
+    release(da);
+    release(db);
+    release(dd);
+}
+
 template <typename T>
 void dispatch_gemm(const char* config, int M, int N, int K, char** paths) {
     if (!std::strcmp(config, "w1")) return run_gemm<T, 1, 1, false>(M, N, K, paths[0], paths[1], paths[2]);
@@ -248,6 +301,20 @@ void run_convert(const char* in_path, const char* out_path) {
     write_file(out_path, out.data(), sizeof(uint16_t) * out.size());
 }
 
+#ifdef GTCO_EMULATE
+// float32 bits -> their tf32 rounding (round_tf32, the emulated cvt.rna.tf32.f32).
+void run_round_tf32(const char* in_path, const char* out_path) {
+    const std::vector<char> x = read_file(in_path);
+    std::vector<uint32_t> out(x.size() / 4);
+    for (size_t i = 0; i < out.size(); ++i) {
+        uint32_t u;
+        std::memcpy(&u, x.data() + 4 * i, 4);
+        out[i] = gtco::round_tf32(u);
+    }
+    write_file(out_path, out.data(), sizeof(uint32_t) * out.size());
+}
+#endif
+
 }  // namespace gtco_test
 
 int main(int argc, char** argv) {
@@ -259,12 +326,21 @@ int main(int argc, char** argv) {
         else return std::fprintf(stderr, "dtype must be f16 or bf16\n"), 2;
         return 0;
     }
+    if (argc == 9 && !std::strcmp(argv[1], "tf32")) {
+        run_tf32(!std::strcmp(argv[2], "round"), std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), argv + 6);
+        return 0;
+    }
+#ifdef GTCO_EMULATE
+    if (argc == 4 && !std::strcmp(argv[1], "round_tf32")) return run_round_tf32(argv[2], argv[3]), 0;
+#endif
     if (argc == 4 && !std::strcmp(argv[1], "reduce")) return run_reduce(argv[2], argv[3]), 0;
     if (argc == 4 && !std::strcmp(argv[1], "convert")) return run_convert(argv[2], argv[3]), 0;
     std::fprintf(stderr,
                  "usage: %s gemm f16|bf16 w1|w4|w1nk|w4nk M N K a.bin b.bin d.bin\n"
+                 "       %s tf32 round|raw M N K a.bin b.bin d.bin\n"
+                 "       %s round_tf32 x.bin out.bin   (emulation only)\n"
                  "       %s reduce x.bin out.bin\n"
                  "       %s convert x.bin out.bin\n",
-                 argv[0], argv[0], argv[0]);
+                 argv[0], argv[0], argv[0], argv[0], argv[0]);
     return 2;
 }

@@ -31,6 +31,10 @@ ATTN, BMM = AttentionFamily(), BmmSoftmaxFamily()
 # the output alone gives ‖err‖/‖ref‖ ≈ 2^-8/√3 ≈ 2.3e-3 against an fp64 reference, with P's rounding about the same
 # again, so 2e-3 is out of reach for any bf16 kernel; 8e-3 still fails a missing rescale or a swapped fragment.
 TOL = {"f16": 2e-3, "bf16": 8e-3}
+# f32 (TF32) against the reference of the TF32-rounded q, k, v: bmm_softmax differs by fp32 arithmetic only; attention
+# also rounds P to TF32 before P V (~1.5e-4 measured), which the reference does not.
+TOL_TF32 = {"attention": 4e-4, "bmm_softmax": 1e-5}
+TOL_F32_EXACT = 2e-3  # f32 (TF32) against the fp64 reference of the unrounded fp32 inputs
 
 
 def cfg(bq: int, bkv: int, warps: int, stages: int) -> dict[str, int]:
@@ -173,7 +177,7 @@ VIT = dict(batch=1, heads=12, seq_q=197, head_dim=64, mask=False)
 
 
 @pytest.mark.parametrize(("family", "dtype", "config", "kw", "arch", "reason"), [
-    (ATTN, "f32", cfg(64, 32, 4, 2), VIT, "sm_90", "takes f16 or bf16"),
+    (BMM, "f32", cfg(128, 64, 4, 2), {**VIT, "head_dim": 128}, "sm_90", "224 fp32 accumulator registers"),
     (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "head_dim": 96}, "sm_90", "head_dim 96 not supported"),
     (ATTN, "f16", cfg(64, 32, 8, 2), VIT, "sm_90", "whole 16-row m-tiles"),
     (ATTN, "f16", cfg(64, 48, 4, 2), VIT, "sm_90", "BKV=48 not in the space"),
@@ -287,3 +291,99 @@ def test_check_budget_is_honest_at_its_edge(tmp_path, family, arch):
     assert len(kernels) == len(insts)
     for k in kernels:
         assert not k.spills and k.stack_frame_bytes == 0, k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# f32: TF32 Q Kᵀ and P V, fp32 softmax and I/O
+# ---------------------------------------------------------------------------------------------------------------
+F32_CASES = [
+    (ATTN, cfg(64, 32, 4, 2), dict(batch=2, heads=2, seq_q=49, seq_k=70, head_dim=64, mask=True)),
+    (ATTN, cfg(64, 64, 4, 3), dict(batch=1, heads=2, seq_q=37, head_dim=80, bias=True, k_layout="bhds",
+                                   out_layout="bshd_merged")),
+    (ATTN, cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=30, head_dim=32, q_layout="qkv_packed",
+                                   k_layout="qkv_packed", v_layout="qkv_packed", out_layout="bshd_merged")),
+    (BMM, cfg(64, 32, 4, 2), dict(batch=2, heads=2, seq_q=49, seq_k=70, head_dim=64, mask=True, k_layout="bhds")),
+    (BMM, cfg(64, 64, 4, 3), dict(batch=1, heads=2, seq_q=40, head_dim=128, bias=True, q_layout="bshd_merged",
+                                  k_layout="bshd_merged")),
+]
+NO_TF32_ROUND = "#define GTCO_ATTN_TEST_NO_TF32_ROUND 1\n"
+
+
+def exact_reference(family, problem: Problem, inputs: dict) -> dict:
+    """The fp64 reference of the unrounded fp32 inputs (the f16 path of the reference does not round to TF32)."""
+    return family.reference(dataclasses.replace(problem, dtype="f16"),
+                            {k: np.asarray(v, np.float64) for k, v in inputs.items()})
+
+
+def _f32_id(case) -> str:
+    family, c, p = case
+    return f"{family.name}-" + _id(("f32", c, p))
+
+
+@pytest.mark.parametrize("case", F32_CASES, ids=_f32_id)
+def test_f32_matches_reference_in_tf32(emu, case):
+    """Within TOL_TF32 of the TF32-rounded reference and TOL_F32_EXACT of the unrounded one, and measurably off the
+    unrounded one (a kernel multiplying in full fp32 would be ~1e-7 from it)."""
+    family, config, kw = case
+    problem = make_problem(family.name, "f32", **kw)
+    got, ref, inputs = emu(family, problem, config)
+    exact = exact_reference(family, problem, inputs)
+    for name in ref:
+        assert got[name].dtype == np.float64 and not np.isnan(got[name]).any()
+        err, err_exact = rel_error(got[name], ref[name]), rel_error(got[name], exact[name])
+        assert err < TOL_TF32[family.name] and 2e-5 < err_exact < TOL_F32_EXACT, (err, err_exact)
+
+
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_f32_missing_tf32_rounding_is_caught(emu, family):
+    """Raw fp32 operands (the mma reads them truncated to 19 bits) land well outside the TF32 tolerance."""
+    _, config, kw = next(c for c in F32_CASES if c[0] is family)
+    problem = make_problem(family.name, "f32", **kw)
+    good, ref, _ = emu(family, problem, config)
+    bad, _, _ = emu(family, problem, config, prefix=NO_TF32_ROUND)
+    name = next(iter(ref))
+    err, err_bad = rel_error(good[name], ref[name]), rel_error(bad[name], ref[name])
+    assert err_bad > TOL_TF32[family.name] and err_bad > 3 * err, (err, err_bad)
+
+
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_f32_is_not_computed_in_f16(emu, family):
+    """q x 2^20, k x 2^-20 (the same scores) and v x 2^20: operands fp16 cannot hold (q and v overflow it, k falls
+    into its subnormals) keep the TF32 accuracy."""
+    _, config, kw = next(c for c in F32_CASES if c[0] is family)
+    problem = make_problem(family.name, "f32", **kw)
+    inputs = family.random_inputs(problem, seed=11)
+    for name, scale in (("q", 2.0**20), ("k", 2.0**-20), ("v", 2.0**20)):
+        if name in inputs:
+            inputs[name] = (inputs[name] * np.float32(scale)).astype(np.float32)
+    got, ref, _ = emu(family, problem, config, inputs=inputs)
+    exact = exact_reference(family, problem, inputs)
+    for name in ref:
+        assert np.isfinite(got[name]).all()
+        assert rel_error(got[name], ref[name]) < TOL_TF32[family.name]
+        assert rel_error(got[name], exact[name]) < TOL_F32_EXACT
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(inputs["q"].astype(np.float16)).all()
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_f32_heaviest_configs_do_not_spill(tmp_path, family, arch):
+    """For each head dim, the f32 config check() accepts with the most accumulator registers, with the heaviest
+    flags (mask + bias, gathered Kᵀ), compiles without spills or a stack frame (one nvcc per family and arch)."""
+    keys = list(family.space)
+    insts: list[Instance] = []
+    for d in (32, 64, 80, 128):
+        problem = make_problem(family.name, "f32", batch=1, heads=4, seq_q=197, head_dim=d, mask=True, bias=True,
+                               k_layout="bhds")
+        valid = [c for c in (dict(zip(keys, v, strict=True)) for v in itertools.product(*family.space.values()))
+                 if family.check(problem, c, arch) is None]
+        insts.append(family.instantiate(problem, max(valid, key=lambda c: family._acc_regs(problem, c)), arch))
+    src = tmp_path / f"{family.name}_f32_{arch}.cu"
+    src.write_text("\n".join(i.source for i in insts))
+    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600).stderr)
+    assert len(kernels) == len(insts)
+    for k in kernels:
+        assert 0 < k.registers <= 255 and not k.spills and k.stack_frame_bytes == 0, k

@@ -13,12 +13,14 @@ from kernel_helpers import nvcc_missing
 
 from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes
+from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes, tf32_round
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
 
 TOL = 2e-3           # ||y - ref|| / ||ref||, ref in fp64 from the same rounded inputs, rounded to the output dtype
-RAW_TOL = {"f16": 2e-3, "bf16": 4e-3}  # against the unrounded fp64 reference (bf16 output rounding is ~1.5e-3)
+RAW_TOL = {"f16": 2e-3, "bf16": 4e-3,  # against the unrounded fp64 reference (bf16 output rounding is ~1.5e-3)
+           "f32": 1e-5}  # TF32: the reference multiplies the TF32-rounded operands, so only fp32 summation differs
+TF32_TOL = 2e-3      # TF32 against the fp64 product of the unrounded fp32 operands (measured ~2.3e-4 at K = 64)
 JOBS = 2             # parallel builds (the CI machine has 2 cores)
 EMU_FLAGS = ("-O1",)  # compiles faster than -O2; the emulation's time goes to thread synchronisation anyway
 
@@ -41,10 +43,14 @@ GRID = [
     ("e2-bf16", E2, "bf16", {"trans_b": False, "bias": False, "activation": "none", "residual": True}, SHAPES_A),
     ("e3-f16", E3, "f16", {"trans_b": False, "bias": True, "activation": "silu", "residual": False}, SHAPES_A),
     ("e3-bf16", E3, "bf16", {"trans_b": True, "bias": True, "activation": "gelu_erf", "residual": True}, SHAPES_B),
+    # f32 (TF32): A and [N, K] B through ldmatrix on 4-float rows, [K, N] B through 32-bit shared loads
+    ("e1-f32", E1, "f32", {"trans_b": False, "bias": True, "activation": "gelu_erf", "residual": True}, SHAPES_A),
+    ("e3-f32", E3, "f32", {"trans_b": True, "bias": True, "activation": "silu", "residual": False}, SHAPES_B),
 ]
 ODD_NI = [
     ("e4-f16", E4, "f16", {"trans_b": True, "bias": True, "activation": "none", "residual": True}),
     ("e4-bf16", E4, "bf16", {"trans_b": False, "bias": False, "activation": "relu", "residual": False}),
+    ("e4-f32", E4, "f32", {"trans_b": True, "bias": True, "activation": "none", "residual": True}),
 ]
 OTHER_ACTS = ["quick_gelu", "sigmoid", "tanh", "relu6"]
 # VEC=0 (element-wise loads): K and N that are not multiples of 8, as in attention's QKᵀ / PV with 197 tokens.
@@ -53,9 +59,12 @@ SCALAR = [
                                                       "residual": False}, (2, 45, 37, 29, True)),
     ("sc-bf16", {**E1, "VEC": 0}, "bf16", {"trans_b": False, "bias": True, "activation": "relu",
                                            "residual": True}, (2, 45, 29, 37, True)),
+    ("sc-f32", {**E1, "VEC": 0}, "f32", {"trans_b": False, "bias": True, "activation": "none",
+                                         "residual": True}, (2, 45, 29, 37, True)),
 ]
 FULL = {"trans_b": False, "bias": True, "activation": "gelu_erf", "residual": True}
 FAULTS = {"bias_twice": "GTCO_GEMM_TEST_FAULT=1", "wait_too_few": "GTCO_GEMM_TEST_FAULT=2"}
+TF32_FAULTS = {"no_tf32_rounding": "GTCO_GEMM_TEST_FAULT=3"}
 
 
 def problem(dtype: str, shape: tuple[int, int, int, int, bool], flags: dict) -> Problem:
@@ -79,6 +88,8 @@ def _all_builds() -> dict[tuple, tuple[Instance, tuple[str, ...]]]:
         builds[("scalar", key)] = (instance(config, dtype, flags), ())
     for fault, define in FAULTS.items():
         builds[("fault", fault)] = (instance(E1, "f16", FULL), (*EMU_FLAGS, f"-D{define}"))
+    for fault, define in TF32_FAULTS.items():
+        builds[("fault", fault)] = (instance(E1, "f32", FULL), (*EMU_FLAGS, f"-D{define}"))
     return builds
 
 
@@ -145,7 +156,7 @@ def test_other_activations(libs, act):
 @pytest.mark.parametrize(("key", "config", "dtype", "flags", "shape"), SCALAR, ids=[s[0] for s in SCALAR])
 def test_scalar_fallback_any_k_n(libs, key, config, dtype, flags, shape):
     inst, lib = libs[("scalar", key)]
-    assert inst.name.endswith(("_sc_tb", "_sc_bias_relu_res"))
+    assert inst.name.endswith(("_sc_tb", "_sc_bias_relu_res", "_sc_bias_res"))
     prob = problem(dtype, shape, flags)
     got, inputs = run(inst, lib, prob, seed=9)
     assert_close(got, prob, inputs)
@@ -239,13 +250,17 @@ def test_check_rejects_misaligned_k_for_cp_async_and_accepts_the_fallback():
     assert FAMILY.check(prob, {**E1, "VEC": 0}, "sm_80") is None
     with pytest.raises(ValueError, match="K % 8"):
         FAMILY.instantiate(prob, E1, "sm_80")
+    # an fp32 chunk is 4 floats: K = 100 streams through cp.async, K = 102 does not
+    assert FAMILY.check(gemm_problem("f32", 1, 197, 768, 100), E1, "sm_80") is None
+    why = FAMILY.check(gemm_problem("f32", 1, 197, 768, 102), E1, "sm_80")
+    assert why is not None and "K % 4" in why
 
 
 @pytest.mark.parametrize(("config", "dtype", "words"), [
     ({"BM": 128, "BN": 128, "BK": 32, "WM": 1, "WN": 2, "STAGES": 3}, "f16", "256 fp32 accumulators"),
     ({"BM": 256, "BN": 256, "BK": 32, "WM": 8, "WN": 8, "STAGES": 2}, "f16", "2048 threads"),
     ({"BM": 128, "BN": 128, "BK": 48, "WM": 2, "WN": 2, "STAGES": 3}, "f16", "outside the space"),
-    (E1, "f32", "f16 or bf16"),
+    (E1, "i64", "f16, bf16 or f32"),
 ])
 def test_check_other_reasons(config, dtype, words):
     prob = dataclasses.replace(VIT, dtype=dtype)
@@ -273,6 +288,12 @@ def test_instance_name_and_source():
     assert inst.symbol == "gtco_" + inst.name
     assert '#include "gtco/gemm.cuh"' in inst.source and f"int {inst.symbol}(const GemmArgs* args" in inst.source
     assert inst.smem_bytes == 3 * (128 * 40 + 32 * 136) * 2
+    # fp32: A rows padded by 4 floats, [K, N] B rows by 8, [N, K] B rows by 4 (GemmTile::kAPad / kBPad)
+    cfg = {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3}
+    f32 = FAMILY.instantiate(dataclasses.replace(prob, dtype="f32"), cfg, "sm_80")
+    assert f32.name == "gemm_sm80_f32_128x128x32_w2x2_s3_bias_gelu_erf_res" and "launch_gemm<float, " in f32.source
+    assert f32.smem_bytes == 3 * (128 * 36 + 32 * 136) * 4
+    assert smem_bytes(cfg, True, "f32") == 3 * (128 * 36 + 128 * 36) * 4
     assert set(ACTIVATIONS) == {"none", *__import__("onnx_gtco.patterns._act", fromlist=["REFERENCE"]).REFERENCE}
 
 
@@ -302,14 +323,19 @@ NVCC_PROBLEMS = {
     "attn_qk": gemm_problem("f16", 96, 197, 197, 64, b_batched=True, trans_b=True),
     # the last projection of an fp16 graph with fp32 outputs: the output cast fused, fp32 residual
     "proj_of32": gemm_problem("f16", 1, 197 * 8, 768, 768, bias=True, residual=True, out_dtype="f32"),
+    # fp32 (TF32): ViT-B fc1 with a [K, N] weight (32-bit shared loads of B), qkv with an [N, K] one (ldmatrix)
+    "vit_fc1_f32": gemm_problem("f32", 1, 197 * 8, 3072, 768, bias=True, activation="gelu_erf"),
+    "vit_qkv_f32": gemm_problem("f32", 1, 197 * 8, 2304, 768, trans_b=True, bias=True, residual=True),
 }
 
 
 def _nvcc_cases() -> list[tuple[str, str, dict]]:
     cases = [("vit_fc1", arch, c)
              for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS["vit_fc1"], arch)]
-    for key in ("vit_qkv", "vit_proj", "attn_qk", "proj_of32"):
+    for key in ("vit_qkv", "vit_proj", "attn_qk", "proj_of32", "vit_fc1_f32", "vit_qkv_f32"):
         cases += [(key, arch, c) for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS[key], arch)[:1]]
+    # the most fp32 accumulators per thread (a 64x64 warp tile: 128) at the largest fp32 shared memory sm_80 takes
+    cases.append(("vit_qkv_f32", "sm_80", {"BM": 128, "BN": 256, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3, "VEC": 1}))
     return cases
 
 
@@ -364,6 +390,76 @@ def test_alpha_is_a_run_time_argument(libs):
     assert_close(got, scaled, inputs)
     unscaled, _ = run(inst, lib, plain, seed=3)
     assert rel_error(got, unscaled) > 0.1  # the argument really reached the epilogue
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# f32: TF32 products, fp32 accumulation and I/O
+# ---------------------------------------------------------------------------------------------------------------
+def exact_f32_reference(prob: Problem, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The fp64 result of the unrounded fp32 operands: what an fp32 GEMM would compute without TF32."""
+    ref = FAMILY.reference(dataclasses.replace(prob, dtype="f16"), {  # f16 reference code path: no TF32 rounding
+        k: v.astype(np.float64) for k, v in inputs.items()})["y"]
+    return ref
+
+
+def wide_range_inputs(prob: Problem, seed: int) -> dict[str, np.ndarray]:
+    """random_inputs with A scaled by 2^20 and B by 2^-20: the same products, operands far outside fp16's range
+    (A overflows it, B falls into its subnormals), well inside fp32's and TF32's."""
+    inputs = FAMILY.random_inputs(prob, seed)
+    inputs["a"] = (inputs["a"] * np.float32(2.0**20)).astype(np.float32)
+    inputs["b"] = (inputs["b"] * np.float32(2.0**-20)).astype(np.float32)
+    return inputs
+
+
+@pytest.mark.parametrize("key", ["e1-f32", "e3-f32"])
+def test_tf32_matches_the_fp32_product(libs, key):
+    """TF32 against the fp64 product of the unrounded fp32 operands: within 2e-3, and visibly not exact (the
+    operands were rounded to 10 mantissa bits, not multiplied in full fp32)."""
+    _, config, dtype, flags, shapes = next(g for g in GRID if g[0] == key)
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    for i, shape in enumerate(shapes):
+        prob = problem(dtype, shape, flags)
+        got, inputs = run(inst, lib, prob, seed=20 + i)
+        assert got.dtype == np.float64 and not np.isnan(got).any()
+        exact = exact_f32_reference(prob, inputs)
+        err_exact = rel_error(got, exact)
+        err_tf32 = rel_error(got, FAMILY.reference(prob, inputs)["y"])
+        assert err_exact < TF32_TOL and err_tf32 < RAW_TOL["f32"], (err_exact, err_tf32)
+        assert err_exact > 2e-5, err_exact  # fp32 products would be ~1e-7 from the exact result
+
+
+def test_tf32_is_not_computed_in_f16(libs):
+    """Operands outside fp16's range (A ~ 2^20, B ~ 2^-20) give the same TF32 accuracy: a kernel that converted
+    them to f16 would overflow (inf / NaN) or lose B to subnormals."""
+    _, config, dtype, flags, shapes = next(g for g in GRID if g[0] == "e1-f32")
+    inst, lib = libs[("grid", dtype, tuple(config.items()), tuple(flags.items()))]
+    prob = problem(dtype, shapes[0], flags)
+    inputs = wide_range_inputs(prob, 23)
+    arrays = {**inputs, **FAMILY.allocate_outputs(prob)}
+    got = run_emulated(lib, inst.symbol, FAMILY.args_fields(prob, arrays), arrays, ["y"])["y"].astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_error(got, FAMILY.reference(prob, inputs)["y"]) < RAW_TOL["f32"]
+    assert rel_error(got, exact_f32_reference(prob, inputs)) < TF32_TOL
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(inputs["a"].astype(np.float16)).all()  # the f16 path really could not hold A
+
+
+def test_missing_tf32_rounding_is_caught(libs):
+    """GTCO_GEMM_TEST_FAULT=3 feeds the raw fp32 bits to the mma, which reads them truncated: ~7e-4 from the TF32
+    reference, so the f32 tolerance catches it."""
+    inst, lib = libs[("fault", "no_tf32_rounding")]
+    prob = problem("f32", (1, 40, 24, 48, False), FULL)
+    got, inputs = run(inst, lib, prob, seed=24)
+    assert rel_error(got, FAMILY.reference(prob, inputs)["y"]) > 1e-4
+    with pytest.raises(AssertionError, match="rel err"):
+        assert_close(got, prob, inputs)
+
+
+def test_tf32_reference_rounds_ties_away():
+    x = np.float32([1 + 2.0**-11, -(1 + 2.0**-11), 1 + 3 * 2.0**-11, 1 + 2.0**-12, np.inf, -np.inf])
+    want = np.float32([1 + 2.0**-10, -(1 + 2.0**-10), 1 + 2 * 2.0**-10, 1.0, np.inf, -np.inf])
+    np.testing.assert_array_equal(tf32_round(x), want)
+    assert np.isnan(tf32_round(np.float32([np.nan]))).all()
 
 
 @pytest.mark.parametrize(("config", "shape"), [({**E1, "STAGES": 3}, (2, 70, 40, 56, True)),

@@ -12,7 +12,7 @@ from kernel_helpers import nvcc_missing
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.compile import compile_instance, compile_instances
 from onnx_gtco.kernels.family import Instance, Problem
-from onnx_gtco.kernels.select import model_instances, node_problem, problem_for
+from onnx_gtco.kernels.select import model_instances, node_problem, problem_for, select_instance
 from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.models import build
 from onnx_gtco.opspec import decode, op_type, split_op_type
@@ -56,11 +56,15 @@ def test_fp16_models_select_a_kernel_for_every_tensor_core_group(name, families)
     assert all(i.name.startswith(f"{i.problem.family}_{i.arch.replace('_', '')}_f16") for i in instances)
 
 
-def test_fp32_precision_keeps_tensor_core_groups_on_their_functions():
+def test_fp32_precision_gives_tensor_core_groups_tf32_kernels():
     model = rewritten("vit-tiny", "fp32")
-    gemm = next(n for n in model.graph.node if n.op_type == "Gemm_f32")
-    why = node_problem(gemm)
-    assert isinstance(why, str) and "--precision fp16" in why
+    nodes = [n for n in model.graph.node if n.op_type in ("Gemm_f32", "Attention_f32")]
+    assert {n.op_type for n in nodes} == {"Gemm_f32", "Attention_f32"}
+    for node in nodes:
+        problem = node_problem(node)
+        assert isinstance(problem, Problem) and problem.dtype == "f32", problem
+        inst = select_instance(problem, "sm_80")
+        assert not isinstance(inst, str) and "<float, " in inst.source
     ln = next(n for n in model.graph.node if n.op_type == "Layernorm_f32")
     problem = node_problem(ln)
     assert isinstance(problem, Problem) and problem.dtype == "f32" and problem.size("hidden") == 192

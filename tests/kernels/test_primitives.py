@@ -100,6 +100,93 @@ def test_missing_cp_async_wait_is_caught(emu_build, tmp_path):
     assert np.isnan(d).any()
 
 
+def tf32_rna(x: np.ndarray) -> np.ndarray:
+    """fp32 -> the nearest tf32 (10 mantissa bits), ties away from zero, chosen by comparing both neighbours
+    (independent of the bit trick in onnx_gtco.kernels.gemm.tf32_round)."""
+    x = np.asarray(x, np.float32)
+    bits = x.view(np.uint32)
+    lo = (bits & np.uint32(0xFFFFE000)).view(np.float32)  # truncated toward zero
+    hi = ((bits & np.uint32(0xFFFFE000)) + np.uint32(0x2000)).view(np.float32)  # next tf32 away from zero
+    with np.errstate(invalid="ignore"):  # infinities and NaN: hi is NaN, lo is kept
+        hi_val = np.where(np.isinf(hi), np.copysign(2.0**128, x.astype(np.float64)), hi.astype(np.float64))
+        d_lo = np.abs(x.astype(np.float64) - lo)
+        d_hi = np.abs(hi_val - x)
+    return np.where(d_hi <= d_lo, hi, lo)
+
+
+def run_tf32(exe, tmp_path, mode: str, m: int, n: int, k: int, seed: int, spread: int = 0
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run the emulated tf32_tile ("round": cvt.rna operands, "raw": the fp32 bits) on standard normal A and B whose
+    rows of A and columns of B are scaled by powers of two up to 2^±spread; returns (D in fp64, A, B in fp32)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)) * np.exp2(rng.integers(-spread, spread + 1, (m, 1)))
+    b = rng.standard_normal((k, n)) * np.exp2(rng.integers(-spread, spread + 1, (1, n)))
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    (tmp_path / "a.bin").write_bytes(a.tobytes())
+    (tmp_path / "b.bin").write_bytes(b.tobytes())
+    run_exe(exe, "tf32", mode, m, n, k, tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "d.bin")
+    return np.fromfile(tmp_path / "d.bin", np.float32).reshape(m, n).astype(np.float64), a, b
+
+
+def test_tf32_tile_matches_fp64_reference_of_rounded_operands(exe, tmp_path):
+    """mma.m16n8k8 .tf32 on cvt.rna operands: the fp64 product of the tf32-rounded inputs up to fp32 summation; the
+    rounding is visible against the unrounded product (a kernel computing in fp32 would fail that side), and the
+    operands span 2^±24, far outside fp16's range (a kernel computing in f16 would overflow or flush them)."""
+    d, a, b = run_tf32(exe, tmp_path, "round", 48, 24, 40, seed=7, spread=24)
+    ref = tf32_rna(a).astype(np.float64) @ tf32_rna(b).astype(np.float64)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert np.max(np.abs(d - ref) / scale) < 1e-6
+    rel_exact = np.linalg.norm(d - exact) / np.linalg.norm(exact)
+    assert 5e-5 < rel_exact < 2e-3, rel_exact  # tf32 has 2^-11 relative rounding, fp32 2^-24, f16's error ~ tf32's
+    # the same product in f16 (what a kernel silently computing in half precision gives) misses the tf32 reference
+    with np.errstate(over="ignore", invalid="ignore"):
+        f16 = a.astype(np.float16).astype(np.float64) @ b.astype(np.float16).astype(np.float64)
+    assert not np.isfinite(f16).all() or np.max(np.abs(f16 - ref) / scale) > 1e-3
+
+
+def test_tf32_mma_ignores_the_low_operand_bits(exe, tmp_path):
+    """Raw fp32 bits into the tf32 mma: the emulation, like the hardware, reads 19 bits (truncation), so a kernel that
+    forgets cvt.rna computes a measurably different result."""
+    d, a, b = run_tf32(exe, tmp_path, "raw", 32, 16, 64, seed=8)
+    trunc = [(x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64) for x in (a, b)]
+    rounded = tf32_rna(a).astype(np.float64) @ tf32_rna(b).astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert np.max(np.abs(d - trunc[0] @ trunc[1]) / scale) < 1e-6
+    assert np.linalg.norm(d - rounded) / np.linalg.norm(rounded) > 1e-4
+
+
+@pytest.mark.parametrize("permute", [1, 2])
+def test_wrong_tf32_fragment_mapping_is_caught(emu_build, tmp_path, permute):
+    """Swapping a1 / a2 (rows g+8 and cols tig+4 of A) or b0 / b1 (k rows tig and tig+4) makes the result wrong."""
+    exe = emu_build(SOURCE, f"GTCO_TEST_PERMUTE={permute}")
+    d, a, b = run_tf32(exe, tmp_path, "round", 32, 16, 16, seed=9)
+    ref = tf32_rna(a).astype(np.float64) @ tf32_rna(b).astype(np.float64)
+    assert np.linalg.norm(d - ref) / np.linalg.norm(ref) > 0.1
+
+
+def test_tf32_rounding_is_nearest_ties_away(exe, tmp_path):
+    """round_tf32 (the emulated cvt.rna.tf32.f32) bit for bit against tf32_rna: normal and subnormal values, exact
+    halfway cases of both signs, a carry into the exponent, overflow to infinity, infinities and NaN."""
+    rng = np.random.default_rng(10)
+    x = np.concatenate([rng.standard_normal(4000) * np.exp2(rng.integers(-140, 120, 4000)),
+                        np.float32([0.0, -0.0, 1.0, -1.0, 3.4e38, -3.4e38, 1e-45, 2.0**-130])]).astype(np.float32)
+    bits = x.view(np.uint32)
+    ties = ((bits & np.uint32(0xFFFFE000)) | np.uint32(0x1000)).view(np.float32)[:1000]  # exactly halfway
+    carry = np.float32([1.9999999, -1.9999999, 3.4028235e38])  # all-ones mantissa: rounds up a binade (or to inf)
+    x = np.concatenate([x, ties, carry, np.float32([np.inf, -np.inf, np.nan])])
+    (tmp_path / "x.bin").write_bytes(x.tobytes())
+    run_exe(exe, "round_tf32", tmp_path / "x.bin", tmp_path / "out.bin")
+    out = np.fromfile(tmp_path / "out.bin", np.uint32)
+    nan = np.isnan(x)
+    assert np.isnan(out[nan].view(np.float32)).all()
+    np.testing.assert_array_equal(out[~nan], tf32_rna(x[~nan]).view(np.uint32))
+    assert (out[~nan] & np.uint32(0x1FFF) == 0).all()
+    assert np.isinf(out[-4:-3].view(np.float32)).all()  # 3.4028235e38 rounds to infinity
+    tie_out = out[len(x) - 1006:len(x) - 6].view(np.float32)
+    assert (np.abs(tie_out) > np.abs(ties)).all()  # ties away from zero
+
+
 def test_warp_and_quad_reductions(exe, tmp_path):
     x = np.random.default_rng(5).standard_normal(64).astype(np.float32)
     (tmp_path / "x.bin").write_bytes(x.tobytes())
@@ -146,6 +233,7 @@ def test_ptxas_reports_no_spills(tmp_path, arch):
     kernels = parse_ptxas(result.stderr)
     gemms = [k for k in kernels if "gemm_tile" in k.name]
     assert len(gemms) == 8 and sum("reduce_test" in k.name for k in kernels) == 1
+    assert sum("tf32_tile" in k.name for k in kernels) == 2
     for k in kernels:
         assert k.arch == arch
         assert k.registers > 0, k

@@ -6,7 +6,8 @@ ones. A CPU session then runs, for every bound node, what a CUDA session runs: t
 argument struct filled from the tensors (sizes, layout and addend strides, batch strides), the arch dispatch and the
 instance's own checks and kernel. The models are fp16 (the device kernels read and write their own dtype): the
 built-in ViT and BERT made fp16 by onnxruntime's converter, and small attention / LayerNorm models; each is compared
-with its fp32 original, the higher-precision reference, on seeded inputs.
+with its fp32 original, the higher-precision reference, on seeded inputs. The fp32 ViT and BERT optimized with
+precision fp32 run their GEMM, QKV and attention nodes as TF32 device kernels against the same originals.
 
 The CUDA build is checked too where nvcc is: the same op types get device kernels, for sm_80 and sm_90 with zero
 spills, and the library still runs on the CPU EP of a CPU-only onnxruntime (its CUDA-EP kernels unused there).
@@ -150,6 +151,38 @@ def test_fp32_model_with_fp16_precision_gets_no_device_kernel(tmp_path: Path) ->
     lib = build_library(rewritten, tmp_path, cuda=False, emulated=True)
     assert lib.cuda_op_types == []
     assert lib.kernel_skips and all("on f32 tensors" in why for why in lib.kernel_skips.values()), lib.kernel_skips
+
+
+TF32_TOL = 2e-3  # TF32 device kernels (fp32 I/O, 10-bit operand mantissas) against the fp32 original
+TF32_FAMILIES = ("Gemm_", "Qkv_", "Attention_", "BmmSoftmax_")
+
+
+@pytest.mark.parametrize("name", ["vit", "bert"])
+def test_fp32_precision_runs_every_tensor_core_node_in_tf32(name: str, tmp_path: Path) -> None:
+    """--precision fp32: every GEMM, QKV and attention node of the built-in ViT and BERT gets a TF32 device instance
+    (none keeps its function), and the emulated build matches the fp32 original within 2e-3."""
+    from onnx_gtco.config import GtcoConfig
+
+    original = MODELS[name][0]()
+    rewritten = optimize(original, GtcoConfig(precision="fp32")).model
+    lib = build_library(rewritten, tmp_path, cuda=False, emulated=True)
+    tc = [r for r in lib.nodes if r.op_type.startswith(TF32_FAMILIES)]
+    assert {r.op_type for r in tc} >= {t.replace("f16", "f32") for t in MODELS[name][1] if t.startswith(TF32_FAMILIES)}
+    assert all(r.op_type.endswith("_f32") and r.binding is not None for r in tc)
+    assert not [r.node for r in tc if r.node in lib.kernel_skips], lib.kernel_skips
+    assert {r.op_type for r in tc} <= set(lib.cuda_op_types)
+    info = library_info(lib.path)
+    assert {r.node for r in tc} <= set(info["instances"])
+    assert all("_sm80_f32_" in v[0] for n, v in info["instances"].items() if n in {r.node for r in tc})
+    path = tmp_path / "model.gtco.onnx"
+    onnx.save(rewritten, str(path))
+    for seed in (0, 1):
+        x = feeds(original, seed)
+        for w, g in zip(run(original, x), run(path, x, lib.path), strict=True):
+            assert g.shape == w.shape and np.isfinite(g).all()
+            err = rel_error(g, w)
+            assert err < TF32_TOL, f"{name} seed {seed}: ‖err‖/‖ref‖ = {err:.2e}"
+    assert {r.op_type for r in tc} <= executed_ops(path, feeds(original, 0), lib.path, tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed for the CUDA build")

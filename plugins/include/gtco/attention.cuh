@@ -1,4 +1,5 @@
-// Attention kernel families on Tensor Cores (mma.m16n8k16, fp32 accumulation), one header for two families:
+// Attention kernel families on Tensor Cores (mma.m16n8k16 for f16 / bf16, m16n8k8 .tf32 for fp32; fp32
+// accumulation), one header for two families:
 //
 //   attention:   O = softmax(scale * Q Kᵀ + mask + bias) V, FlashAttention-2 style. One block per (q tile of BQ
 //                rows, batch * head); each warp owns 16 * MT rows of the tile (MT = BQ / (16 * WARPS) m-tiles).
@@ -26,8 +27,16 @@
 // zeros (not NaN), the `Where(IsNaN(P), 0, P)` guard exporters write. Finite masks (-10000 style) are ordinary
 // values: a row masked everywhere by -10000 gives the uniform average, exactly as ONNX Softmax would.
 //
-// Test hook: GTCO_ATTN_TEST_NO_RESCALE drops the exp(m_old - m_new) rescale of O and l in both families (a
-// deliberate bug the emulation tests must catch).
+// fp32 (T = float): TF32, as the GEMM family (gemm.cuh). Q Kᵀ and P V are mma.m16n8k8 .tf32 on operands rounded
+// by cvt.rna.tf32.f32; the scores, the softmax statistics, O and the I/O stay fp32. Q, K (dim stride 1) and V tiles
+// are fp32 rows padded by 4 floats; Q and K fragments come through ldmatrix (a .b16 row of 16 bytes is 4 floats,
+// the tf32 A / B(n-major) layout), a Kᵀ tile and V through 32-bit shared loads. P needs no shuffle: within one
+// 8-key k-step the key order is free, so the A fragment takes key 2*tig as its column tig and key 2*tig+1 as
+// column tig+4 (exactly the S accumulators c0/c2 and c1/c3 a lane holds), and V's fragment reads the same keys.
+//
+// Test hooks: GTCO_ATTN_TEST_NO_RESCALE drops the exp(m_old - m_new) rescale of O and l in both families;
+// GTCO_ATTN_TEST_NO_TF32_ROUND feeds the fp32 path's operands to the mma without cvt.rna (deliberate bugs the
+// emulation tests must catch).
 #pragma once
 
 #include <cmath>
@@ -51,7 +60,23 @@ namespace attn {
 // Both kernels are __launch_bounds__(WARPS * 32, 1): without the explicit minimum of one block per SM, ptxas
 // (CUDA 13.0) picks a register target for 2-5 resident blocks and spills a few words to meet it (seen at 80, 96,
 // 128 and 168 registers). The Python check() keeps the live accumulators under a budget fitted to ptxas instead.
-constexpr int kPad = 8;  // elements of padding per shared row: 16 bytes, keeps ldmatrix rows conflict-free
+constexpr int kPad = 8;  // elements of padding per Kᵀ row, and per Q/K/V row of 16-bit T: keeps ldmatrix rows
+                         // (16-bit) and the 4 x 8 words of an fp32 Kᵀ fragment load conflict-free
+// Padding of the Q, K and V rows: 16 bytes for 16-bit T; 4 floats for fp32, so that the row stride is an odd
+// multiple of 4 words and the 8 rows x 4 words of an ldmatrix matrix or fragment load hit distinct banks.
+template <typename T>
+constexpr int kRowPad = sizeof(T) == 4 ? 4 : kPad;
+template <typename T>
+constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte cp.async chunk / store
+
+// An mma operand register of the fp32 path: the value rounded to tf32.
+GTCO_DEVICE uint32_t tf32_operand(float x) {
+#if defined(GTCO_ATTN_TEST_NO_TF32_ROUND)
+    return __float_as_uint(x);
+#else
+    return to_tf32(x);
+#endif
+}
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct alignas(16) Chunk {  // 16 bytes, one cp.async / one vector store
@@ -60,7 +85,9 @@ struct alignas(16) Chunk {  // 16 bytes, one cp.async / one vector store
 
 template <typename T>
 GTCO_DEVICE T from_float(float x) {
-    if constexpr (std::is_same<T, __half>::value) {
+    if constexpr (std::is_same<T, float>::value) {
+        return x;
+    } else if constexpr (std::is_same<T, __half>::value) {
         return __float2half_rn(x);
     } else {
         return __float2bfloat16_rn(x);
@@ -69,7 +96,9 @@ GTCO_DEVICE T from_float(float x) {
 
 template <typename T>
 GTCO_DEVICE float to_float(T x) {
-    if constexpr (std::is_same<T, __half>::value) {
+    if constexpr (std::is_same<T, float>::value) {
+        return x;
+    } else if constexpr (std::is_same<T, __half>::value) {
         return __half2float(x);
     } else {
         return __bfloat162float(x);
@@ -87,26 +116,26 @@ struct Shape {
     static constexpr int MT = BQ / (16 * WARPS);  // m-tiles per warp
     static constexpr int NB = BKV / 8;            // n-tiles of S per key tile
     static constexpr int ND = D / 8;              // n-tiles of O
-    static constexpr int RS = D + kPad;           // row stride of the Q, K and V tiles
+    static constexpr int RS = D + kRowPad<T>;   // row stride of the Q, K and V tiles
     static constexpr int KTS = BKV + kPad;        // row stride of a Kᵀ tile ([D][BKV])
     static constexpr int kQElems = BQ * RS;
     static constexpr int kKElems = K_TRANS ? D * KTS : BKV * RS;
     static constexpr int kVElems = BKV * RS;
 };
 
-// ROWS rows of D elements (dim stride 1, 16-byte aligned rows) from src rows row0.. into dst (row stride D + kPad)
-// with cp.async; rows at or past `limit` are zero-filled.
+// ROWS rows of D elements (dim stride 1, 16-byte aligned rows) from src rows row0.. into dst (row stride
+// D + kRowPad<T>) with cp.async; rows at or past `limit` are zero-filled.
 template <typename T, int ROWS, int D, int THREADS>
 GTCO_DEVICE void load_rows_async(T* dst, const T* src, int row_stride, int row0, int limit, int tid) {
-    constexpr int kChunks = ROWS * (D / 8), kIters = (kChunks + THREADS - 1) / THREADS;
+    constexpr int CH = kChunkElems<T>, kChunks = ROWS * (D / CH), kIters = (kChunks + THREADS - 1) / THREADS;
     GTCO_UNROLL
     for (int i = 0; i < kIters; ++i) {
         const int c = tid + i * THREADS;
         if (kChunks % THREADS == 0 || c < kChunks) {
-            const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+            const int r = c / (D / CH), col = (c % (D / CH)) * CH;
             const bool ok = row0 + r < limit;
             const T* p = ok ? src + ((row0 + r) * row_stride + col) : src;
-            cp_async_16(dst + r * (D + kPad) + col, p, ok);
+            cp_async_16(dst + r * (D + kRowPad<T>) + col, p, ok);
         }
     }
 }
@@ -132,34 +161,70 @@ GTCO_DEVICE void load_kt_tile(T* dst, const T* src, int ss, int sd, int kv0, int
 // shared memory; ks: the key tile ([BKV][D + kPad], or [D][BKV + kPad] when K_TRANS).
 template <typename T, int D, int BKV, int MT, bool K_TRANS>
 GTCO_DEVICE void qk_tile(float (&s)[MT][BKV / 8][4], const T* qs, const T* ks, int lane) {
-    constexpr int RS = D + kPad, KTS = BKV + kPad;
+    constexpr int RS = D + kRowPad<T>, KTS = BKV + kPad;
     GTCO_UNROLL
     for (int mt = 0; mt < MT; ++mt)
         GTCO_UNROLL
         for (int n = 0; n < BKV / 8; ++n)
             GTCO_UNROLL
             for (int i = 0; i < 4; ++i) s[mt][n][i] = 0.0f;
-    GTCO_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[MT][4];
-        // A matrices 0..3: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+    if constexpr (std::is_same<T, float>::value) {  // TF32: k-steps of 8 dims
         GTCO_UNROLL
-        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], qs + (mt * 16 + lane % 16) * RS + kk * 16 + (lane / 16) * 8);
-        GTCO_UNROLL
-        for (int nb = 0; nb < BKV / 16; ++nb) {
-            // B matrices 0..3: (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 0-7), (keys 8-15,
-            // dims 8-15) of this 16-key pair of n-tiles: registers {0,1} feed n-tile 2nb, {2,3} n-tile 2nb+1.
-            uint32_t b[4];
-            if constexpr (K_TRANS) {
-                ldmatrix_x4_trans(b, ks + (kk * 16 + lane % 8 + ((lane / 8) & 1) * 8) * KTS + nb * 16 + (lane / 16) * 8);
-            } else {
-                ldmatrix_x4(b, ks + (nb * 16 + (lane / 16) * 8 + lane % 8) * RS + kk * 16 + ((lane / 8) & 1) * 8);
-            }
-            const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        for (int kk = 0; kk < D / 8; ++kk) {
+            uint32_t a[MT][4];
+            // A matrices 0..3: (rows 0-7, dims 0-3), (rows 8-15, dims 0-3), (rows 0-7, dims 4-7), (rows 8-15, 4-7)
             GTCO_UNROLL
             for (int mt = 0; mt < MT; ++mt) {
-                mma_m16n8k16<T>(s[mt][2 * nb], a[mt], b0);
-                mma_m16n8k16<T>(s[mt][2 * nb + 1], a[mt], b1);
+                ldmatrix_x4(a[mt], qs + (mt * 16 + lane % 16) * RS + kk * 8 + (lane / 16) * 4);
+                GTCO_UNROLL
+                for (int i = 0; i < 4; ++i) a[mt][i] = tf32_operand(__uint_as_float(a[mt][i]));
+            }
+            GTCO_UNROLL
+            for (int nb = 0; nb < BKV / 16; ++nb) {
+                // b0 = K[key g][dim tig], b1 = K[key g][dim tig + 4] of n-tiles 2nb and 2nb+1
+                uint32_t b[4];
+                if constexpr (K_TRANS) {
+                    const float* kt = ks + (kk * 8 + lane % 4) * KTS + nb * 16 + lane / 4;
+                    b[0] = tf32_operand(kt[0]);
+                    b[1] = tf32_operand(kt[4 * KTS]);
+                    b[2] = tf32_operand(kt[8]);
+                    b[3] = tf32_operand(kt[4 * KTS + 8]);
+                } else {  // matrices (keys 0-7, dims 0-3), (keys 0-7, dims 4-7), (keys 8-15, 0-3), (keys 8-15, 4-7)
+                    ldmatrix_x4(b, ks + (nb * 16 + (lane / 16) * 8 + lane % 8) * RS + kk * 8 + ((lane / 8) & 1) * 4);
+                    GTCO_UNROLL
+                    for (int i = 0; i < 4; ++i) b[i] = tf32_operand(__uint_as_float(b[i]));
+                }
+                const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+                GTCO_UNROLL
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k8_tf32(s[mt][2 * nb], a[mt], b0);
+                    mma_m16n8k8_tf32(s[mt][2 * nb + 1], a[mt], b1);
+                }
+            }
+        }
+    } else {  // f16 / bf16: k-steps of 16 dims
+        GTCO_UNROLL
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[MT][4];
+            // A matrices 0..3: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+            GTCO_UNROLL
+            for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], qs + (mt * 16 + lane % 16) * RS + kk * 16 + (lane / 16) * 8);
+            GTCO_UNROLL
+            for (int nb = 0; nb < BKV / 16; ++nb) {
+                // B matrices 0..3: (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 0-7), (keys 8-15,
+                // dims 8-15) of this 16-key pair of n-tiles: registers {0,1} feed n-tile 2nb, {2,3} n-tile 2nb+1.
+                uint32_t b[4];
+                if constexpr (K_TRANS) {
+                    ldmatrix_x4_trans(b, ks + (kk * 16 + lane % 8 + ((lane / 8) & 1) * 8) * KTS + nb * 16 + (lane / 16) * 8);
+                } else {
+                    ldmatrix_x4(b, ks + (nb * 16 + (lane / 16) * 8 + lane % 8) * RS + kk * 16 + ((lane / 8) & 1) * 8);
+                }
+                const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+                GTCO_UNROLL
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k16<T>(s[mt][2 * nb], a[mt], b0);
+                    mma_m16n8k16<T>(s[mt][2 * nb + 1], a[mt], b1);
+                }
             }
         }
     }
@@ -205,6 +270,34 @@ GTCO_DEVICE Block block_coords(const gtco_attention_args& a, int bq) {
 template <typename T>
 GTCO_DEVICE const T* addend_base(const void* p, int b, int h, int bmod, int64_t sb, int64_t sh) {
     return p ? static_cast<const T*>(p) + static_cast<int64_t>(b % bmod) * sb + h * sh : nullptr;
+}
+
+// O += P V in TF32 for one key tile (fp32 path). K-step n covers the keys of S n-tile n; its A fragment takes
+// key 2*tig as column tig and key 2*tig+1 as column tig+4 (the key order inside a k-step is free), which is
+// a0 = c0, a1 = c2, a2 = c1, a3 = c3 of the lane's own S accumulators; b0 / b1 are V rows 2*tig / 2*tig+1 at
+// dim column g. vs: the key tile of V ([BKV][D + kRowPad]).
+template <int D, int BKV, int MT>
+GTCO_DEVICE void pv_tile_tf32(float (&o)[MT][D / 8][4], const float (&p)[MT][BKV / 8][4], const float* vs,
+                              int lane) {
+    constexpr int RS = D + kRowPad<float>;
+    GTCO_UNROLL
+    for (int n = 0; n < BKV / 8; ++n) {
+        uint32_t pa[MT][4];
+        GTCO_UNROLL
+        for (int mt = 0; mt < MT; ++mt) {
+            pa[mt][0] = tf32_operand(p[mt][n][0]);
+            pa[mt][1] = tf32_operand(p[mt][n][2]);
+            pa[mt][2] = tf32_operand(p[mt][n][1]);
+            pa[mt][3] = tf32_operand(p[mt][n][3]);
+        }
+        const float* const v = vs + (n * 8 + 2 * (lane % 4)) * RS + lane / 4;
+        GTCO_UNROLL
+        for (int nd = 0; nd < D / 8; ++nd) {
+            const uint32_t b[2] = {tf32_operand(v[nd * 8]), tf32_operand(v[RS + nd * 8])};
+            GTCO_UNROLL
+            for (int mt = 0; mt < MT; ++mt) mma_m16n8k8_tf32(o[mt][nd], pa[mt], b);
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -306,29 +399,33 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
                 }
             }
 
-        // O += P V. The C fragments of n-tiles 2kb, 2kb+1 (keys 16kb..16kb+15) are the A fragment of k-step kb:
-        // a0a1 = row g keys 2t.. (n-tile 2kb, c0c1), a2a3 = row g+8 (c2c3), a4..a7 the same of n-tile 2kb+1.
-        GTCO_UNROLL
-        for (int kb = 0; kb < BKV / 16; ++kb) {
-            uint32_t pa[MT][4];
+        if constexpr (std::is_same<T, float>::value) {
+            pv_tile_tf32<D, BKV, MT>(o, s, vst, lane);
+        } else {
+            // O += P V. The C fragments of n-tiles 2kb, 2kb+1 (keys 16kb..16kb+15) are the A fragment of k-step kb:
+            // a0a1 = row g keys 2t.. (n-tile 2kb, c0c1), a2a3 = row g+8 (c2c3), a4..a7 the same of n-tile 2kb+1.
             GTCO_UNROLL
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack_b16(from_float<T>(s[mt][2 * kb][0]), from_float<T>(s[mt][2 * kb][1]));
-                pa[mt][1] = pack_b16(from_float<T>(s[mt][2 * kb][2]), from_float<T>(s[mt][2 * kb][3]));
-                pa[mt][2] = pack_b16(from_float<T>(s[mt][2 * kb + 1][0]), from_float<T>(s[mt][2 * kb + 1][1]));
-                pa[mt][3] = pack_b16(from_float<T>(s[mt][2 * kb + 1][2]), from_float<T>(s[mt][2 * kb + 1][3]));
-            }
-            GTCO_UNROLL
-            for (int nd = 0; nd < D / 16; ++nd) {
-                // V rows are keys (the k of this mma), so .trans: matrices (keys 0-7, dims 0-7), (keys 8-15,
-                // dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 8-15).
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, vst + (kb * 16 + lane % 8 + ((lane / 8) & 1) * 8) * RS + nd * 16 + (lane / 16) * 8);
-                const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            for (int kb = 0; kb < BKV / 16; ++kb) {
+                uint32_t pa[MT][4];
                 GTCO_UNROLL
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_m16n8k16<T>(o[mt][2 * nd], pa[mt], b0);
-                    mma_m16n8k16<T>(o[mt][2 * nd + 1], pa[mt], b1);
+                    pa[mt][0] = pack_b16(from_float<T>(s[mt][2 * kb][0]), from_float<T>(s[mt][2 * kb][1]));
+                    pa[mt][1] = pack_b16(from_float<T>(s[mt][2 * kb][2]), from_float<T>(s[mt][2 * kb][3]));
+                    pa[mt][2] = pack_b16(from_float<T>(s[mt][2 * kb + 1][0]), from_float<T>(s[mt][2 * kb + 1][1]));
+                    pa[mt][3] = pack_b16(from_float<T>(s[mt][2 * kb + 1][2]), from_float<T>(s[mt][2 * kb + 1][3]));
+                }
+                GTCO_UNROLL
+                for (int nd = 0; nd < D / 16; ++nd) {
+                    // V rows are keys (the k of this mma), so .trans: matrices (keys 0-7, dims 0-7), (keys 8-15,
+                    // dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 8-15).
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, vst + (kb * 16 + lane % 8 + ((lane / 8) & 1) * 8) * RS + nd * 16 + (lane / 16) * 8);
+                    const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+                    GTCO_UNROLL
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_m16n8k16<T>(o[mt][2 * nd], pa[mt], b0);
+                        mma_m16n8k16<T>(o[mt][2 * nd + 1], pa[mt], b1);
+                    }
                 }
             }
         }
@@ -346,18 +443,24 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
             const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;  // l = 0: every key -inf, the row is zeros
             T* const row = qs + (wrow + mt * 16 + g + r * 8) * RS;
             GTCO_UNROLL
-            for (int n = 0; n < ND; ++n)
-                *reinterpret_cast<uint32_t*>(row + n * 8 + 2 * t) =
-                    pack_b16(from_float<T>(o[mt][n][2 * r] * inv), from_float<T>(o[mt][n][2 * r + 1] * inv));
+            for (int n = 0; n < ND; ++n) {
+                if constexpr (std::is_same<T, float>::value) {
+                    *reinterpret_cast<float2*>(row + n * 8 + 2 * t) =
+                        make_float2(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+                } else {
+                    *reinterpret_cast<uint32_t*>(row + n * 8 + 2 * t) =
+                        pack_b16(from_float<T>(o[mt][n][2 * r] * inv), from_float<T>(o[mt][n][2 * r + 1] * inv));
+                }
+            }
         }
     __syncwarp();
     T* const og = static_cast<T*>(a.out) + blk.b * a.o_sb + blk.h * a.o_sh;
     const int o_ss = static_cast<int>(a.o_ss);
-    constexpr int kChunks = 16 * MT * (D / 8);
+    constexpr int CH = kChunkElems<T>, kChunks = 16 * MT * (D / CH);
     GTCO_UNROLL
     for (int i = 0; i < (kChunks + 31) / 32; ++i) {
         const int c = lane + i * 32;
-        const int r = c / (D / 8), col = (c % (D / 8)) * 8, row = blk.q0 + wrow + r;
+        const int r = c / (D / CH), col = (c % (D / CH)) * CH, row = blk.q0 + wrow + r;
         if ((kChunks % 32 == 0 || c < kChunks) && row < a.seq_q)
             *reinterpret_cast<Chunk*>(og + (row * o_ss + col)) =
                 *reinterpret_cast<const Chunk*>(qs + (wrow + r) * RS + col);
@@ -501,7 +604,12 @@ inline bool aligned16(const void* p, int64_t off) {
     return (reinterpret_cast<uintptr_t>(static_cast<const T*>(p) + off) % 16) == 0;
 }
 
-inline bool strides8(int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0 && c % 8 == 0; }
+// Strides that keep every row 16-byte aligned: multiples of one chunk (8 halves, 4 floats).
+template <typename T>
+inline bool chunk_strides(int64_t a, int64_t b, int64_t c) {
+    constexpr int CH = kChunkElems<T>;
+    return a % CH == 0 && b % CH == 0 && c % CH == 0;
+}
 
 // The shape checks both families share; K is checked for cp.async only when it is not gathered (K_TRANS).
 template <typename T, int D, bool K_TRANS, bool MASK, bool BIAS>
@@ -514,8 +622,8 @@ inline bool common_ok(const gtco_attention_args* a) {
         (sq + 1) * a->o_ss + sk * a->o_sd >= lim || sq * a->m_sq + sk * a->m_sk >= lim ||
         sq * a->bias_sq + sk * a->bias_sk >= lim)
         return false;
-    if (!aligned16<T>(a->q, a->q_off) || !strides8(a->q_sb, a->q_sh, a->q_ss)) return false;
-    if (!K_TRANS && (a->k_sd != 1 || !aligned16<T>(a->k, a->k_off) || !strides8(a->k_sb, a->k_sh, a->k_ss)))
+    if (!aligned16<T>(a->q, a->q_off) || !chunk_strides<T>(a->q_sb, a->q_sh, a->q_ss)) return false;
+    if (!K_TRANS && (a->k_sd != 1 || !aligned16<T>(a->k, a->k_off) || !chunk_strides<T>(a->k_sb, a->k_sh, a->k_ss)))
         return false;
     if (MASK && (a->mask == nullptr || a->m_bmod <= 0)) return false;
     if (BIAS && (a->bias == nullptr || a->bias_bmod <= 0)) return false;
@@ -539,8 +647,8 @@ constexpr int bmm_softmax_smem_bytes() {
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS>
 int attention_launch(const gtco_attention_args* a, void* stream) {
     if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS>(a)) return GTCO_EBADSHAPE;
-    if (!attn::aligned16<T>(a->v, a->v_off) || !attn::strides8(a->v_sb, a->v_sh, a->v_ss)) return GTCO_EBADSHAPE;
-    if (a->o_sd != 1 || !attn::aligned16<T>(a->out, 0) || !attn::strides8(a->o_sb, a->o_sh, a->o_ss))
+    if (!attn::aligned16<T>(a->v, a->v_off) || !attn::chunk_strides<T>(a->v_sb, a->v_sh, a->v_ss)) return GTCO_EBADSHAPE;
+    if (a->o_sd != 1 || !attn::aligned16<T>(a->out, 0) || !attn::chunk_strides<T>(a->o_sb, a->o_sh, a->o_ss))
         return GTCO_EBADSHAPE;
     constexpr int smem = attn::attention_smem_bytes<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>();
     const dim3 grid(static_cast<unsigned>((a->seq_q + BQ - 1) / BQ), static_cast<unsigned>(a->batch * a->heads));

@@ -4,29 +4,35 @@
 //
 // A [batch, M, K] row-major; B [K, N] row-major (TRANS_B = false) or [N, K] (TRANS_B = true: ONNX Gemm transB,
 // nn.Linear weights), per batch or shared by the whole batch (stride_b = 0, a weight GEMM); bias [N]; residual and
-// y [batch, M, N] row-major. Inputs are T (__half or __nv_bfloat16); products accumulate in fp32, the epilogue
-// runs in fp32 and rounds once to TOut: T, or float (the output cast fused in: a group that ends in Cast to fp32).
-// The residual has y's type.
+// y [batch, M, N] row-major. Inputs are T; products accumulate in fp32, the epilogue runs in fp32 and rounds once
+// to TOut: T, or float (the output cast fused in: a group that ends in Cast to fp32). The residual has y's type.
+//   T = __half / __nv_bfloat16: mma.m16n8k16 with f16 / bf16 operands.
+//   T = float: TF32 (what cuBLAS and ORT's CUDA EP do for fp32 with TF32 allowed): mma.m16n8k8 .tf32, each
+//   operand rounded from fp32 by cvt.rna.tf32.f32 (10 mantissa bits, nearest, ties away) after its shared load;
+//   fp32 I/O, bias and residual, fp32 accumulation.
 //
 // Schedule (one block per BM x BN tile of one batch entry; WM x WN warps, each a (BM/WM) x (BN/WN) warp tile of
-// m16n8k16 mma):
-//   - global -> shared: cp.async.cg 16-byte chunks in a STAGES-deep ring (prologue of STAGES-1 k-tiles, one new
-//     k-tile issued per iteration, ALCOP's multi-stage pipeline). Chunks outside M, N or K are zero-filled
-//     (src-size 0), so ragged edges need no other masking in the main loop. This needs K % 8 == 0 and
-//     N % 8 == 0 (a chunk is 8 elements and never straddles an edge) and 16-byte aligned A and B.
+// m16n8k16 or m16n8k8 mma):
+//   - global -> shared: cp.async.cg 16-byte chunks (8 halves or 4 floats) in a STAGES-deep ring (prologue of
+//     STAGES-1 k-tiles, one new k-tile issued per iteration, ALCOP's multi-stage pipeline). Chunks outside M, N or
+//     K are zero-filled (src-size 0), so ragged edges need no other masking in the main loop. This needs K and N
+//     multiples of the chunk (a chunk never straddles an edge) and 16-byte aligned A and B.
 //     VEC = false is the slower fallback for any K and N (attention's 197-long rows): each thread reads its
 //     chunk element by element with plain predicated loads and stores it to the same ring slot; the ring,
 //     barriers and fragments are unchanged, only the copy is synchronous (no overlap of load and mma).
-//   - shared rows are padded by 8 elements (16 bytes): rows stay 16-byte aligned for ldmatrix/cp.async and the
-//     8 row addresses of one ldmatrix matrix hit distinct bank groups.
+//   - shared rows are padded (GemmTile::kAPad / kBPad): 16 bytes for 16-bit T, keeping rows 16-byte aligned for
+//     ldmatrix/cp.async with the 8 row addresses of one ldmatrix matrix in distinct bank groups; for fp32, 4 or
+//     8 floats so that the 32 words of a fragment load hit 32 distinct banks.
 //   - shared -> registers: ldmatrix.x4 for A; ldmatrix.x4 (TRANS_B) or ldmatrix.x4.trans ([K, N] B) for two
-//     n8 tiles of B at once (.x2 for an odd last one).
+//     n8 tiles of B at once (.x2 for an odd last one). fp32: ldmatrix (.b16 rows of 16 bytes = 4 floats, which is
+//     the tf32 A layout) for A and TRANS_B B, plain 32-bit shared loads for [K, N] B.
 //   - epilogue straight from the accumulator fragments: each lane owns pairs of adjacent columns, so bias,
-//     residual and y move as 32-bit pairs (element by element with VEC = false).
+//     residual and y move as 32-bit pairs, fp32 as 8-byte pairs (element by element with VEC = false).
 // Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
 //
 // Test hook: GTCO_GEMM_TEST_FAULT=1 adds the bias twice, =2 waits for one cp.async group too few (reads a stage
-// before its copy landed). Both exist only so that tests can show they catch such bugs.
+// before its copy landed), =3 skips the tf32 rounding of the fp32 operands. They exist only so that tests can
+// show they catch such bugs.
 #pragma once
 
 #include <climits>
@@ -111,24 +117,118 @@ GTCO_DEVICE float activate(float x) {
 // Compile-time geometry of one tile configuration (shared by the kernel, the launcher and, as numbers, Python).
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B>
 struct GemmTile {
+    static constexpr bool kTf32 = std::is_same<T, float>::value;  // fp32 I/O: m16n8k8 tf32 mma
     static constexpr int kThreads = WM * WN * 32;
-    static constexpr int kPad = 8;                            // elements (16 bytes) of padding per shared row
-    static constexpr int kAStride = BK + kPad;                // A stage: BM rows of BK
+    static constexpr int kChunk = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte cp.async chunk
+    static constexpr int kMmaK = kTf32 ? 8 : 16;
+    // Padding per shared row (elements): 16 bytes for 16-bit T. fp32: rows read along k (A, and B when TRANS_B)
+    // are padded by 4 floats, so that the row stride is 4 words mod 32 banks (ldmatrix rows and the 8 rows x 4
+    // columns of a fragment fall in distinct banks); [K, N] B rows, read as 4 k-rows x 8 n-columns of 32-bit
+    // words, are padded by 8 floats (8 words mod 32).
+    static constexpr int kAPad = kTf32 ? 4 : 8;
+    static constexpr int kBPad = kTf32 && TRANS_B ? 4 : 8;
+    static constexpr int kAStride = BK + kAPad;               // A stage: BM rows of BK
     static constexpr int kBRows = TRANS_B ? BN : BK;          // B stage: BN rows of BK, or BK rows of BN
-    static constexpr int kBStride = (TRANS_B ? BK : BN) + kPad;
+    static constexpr int kBStride = (TRANS_B ? BK : BN) + kBPad;
     static constexpr int kAStage = BM * kAStride, kBStage = kBRows * kBStride;
     static constexpr int kSmemElems = STAGES * (kAStage + kBStage);
-    static constexpr int kSmemBytes = kSmemElems * 2;         // T is 16-bit in both builds
+    static constexpr int kSmemBytes = kSmemElems * static_cast<int>(sizeof(T));
     static constexpr bool kDynamic = kSmemBytes > 48 * 1024;
     static constexpr int TM = BM / WM, TN = BN / WN;          // warp tile
     static constexpr int MI = TM / 16, NI = TN / 8;           // mma tiles per warp tile
 
-    static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, "T: __half or bf16");
+    static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value || kTf32,
+                  "T: __half, __nv_bfloat16 or float (tf32 mma)");
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES: 2..4");
-    static_assert(BK % 16 == 0, "BK: a multiple of the mma k (16)");
+    static_assert(BK % 16 == 0, "BK: a multiple of 16 (the f16 mma k; two tf32 k-steps)");
     static_assert(BM % (16 * WM) == 0 && BN % (8 * WN) == 0, "warp tile: a multiple of 16 x 8");
+    static_assert(!kTf32 || TRANS_B || BN % 32 == 0, "fp32 [K, N] B: BN a multiple of 32 (bank-conflict-free rows)");
     static_assert(kThreads <= 1024, "at most 1024 threads per block");
 };
+
+namespace gemm_detail {
+
+// One BK-wide k-tile of this warp's mma tiles from shared memory (as, bs: the stage; a_row: this lane's ldmatrix
+// row of A). 16-bit T: m16n8k16 on ldmatrix fragments. fp32 T: m16n8k8 tf32 on fragments rounded by cvt.rna:
+// A (and B when TRANS_B) through ldmatrix, whose .b16 rows of 16 bytes are 4 floats each; [K, N] B with plain
+// 32-bit shared loads (ldmatrix.trans would split the words).
+template <class Tile, class T, bool TRANS_B, int BK>
+GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, const T* bs, int a_row, int wn,
+                           int lane) {
+    constexpr int MI = Tile::MI, NI = Tile::NI, TN = Tile::TN, kAStride = Tile::kAStride,
+                  kBStride = Tile::kBStride;
+    constexpr int E = 8 / (Tile::kTf32 ? 2 : 1);  // elements per 16-byte ldmatrix row: 8 halves or 4 floats
+    const int a_col = (lane / 16) * E;
+    GTCO_UNROLL
+    for (int kk = 0; kk < BK / Tile::kMmaK; ++kk) {
+        const int k0 = kk * Tile::kMmaK;
+        uint32_t af[MI][4], bf[NI][2];
+        // A matrices: (rows 0-7, k 0..E-1), (rows 8-15, k 0..E-1), (rows 0-7, k E..2E-1), (rows 8-15, k E..2E-1)
+        GTCO_UNROLL
+        for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(af[mi], as + (a_row + mi * 16) * kAStride + k0 + a_col);
+        if constexpr (TRANS_B) {  // matrices: (n 0-7, k 0..E-1), (n 0-7, k E..), (n 8-15, k 0..E-1), (n 8-15, k E..)
+            GTCO_UNROLL
+            for (int ni = 0; ni + 1 < NI; ni += 2) {
+                uint32_t r[4];
+                ldmatrix_x4(r, bs + (wn * TN + ni * 8 + (lane / 16) * 8 + lane % 8) * kBStride + k0 +
+                                   ((lane / 8) % 2) * E);
+                bf[ni][0] = r[0];
+                bf[ni][1] = r[1];
+                bf[ni + 1][0] = r[2];
+                bf[ni + 1][1] = r[3];
+            }
+            if constexpr (NI % 2 == 1) {
+                constexpr int ni = NI - 1;
+                ldmatrix_x2(bf[ni], bs + (wn * TN + ni * 8 + lane % 8) * kBStride + k0 + ((lane / 8) % 2) * E);
+            }
+        } else if constexpr (Tile::kTf32) {  // b0 = B[k0 + tig][n g], b1 = B[k0 + tig + 4][n g]
+            const T* const col = bs + (k0 + lane % 4) * kBStride + wn * TN + lane / 4;
+            GTCO_UNROLL
+            for (int ni = 0; ni < NI; ++ni) {
+                bf[ni][0] = __float_as_uint(col[ni * 8]);
+                bf[ni][1] = __float_as_uint(col[4 * kBStride + ni * 8]);
+            }
+        } else {  // rows are k: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
+            GTCO_UNROLL
+            for (int ni = 0; ni + 1 < NI; ni += 2) {
+                uint32_t r[4];
+                ldmatrix_x4_trans(r, bs + (k0 + lane % 16) * kBStride + wn * TN + ni * 8 + (lane / 16) * 8);
+                bf[ni][0] = r[0];
+                bf[ni][1] = r[1];
+                bf[ni + 1][0] = r[2];
+                bf[ni + 1][1] = r[3];
+            }
+            if constexpr (NI % 2 == 1) {
+                constexpr int ni = NI - 1;
+                ldmatrix_x2_trans(bf[ni], bs + (k0 + lane % 16) * kBStride + wn * TN + ni * 8);
+            }
+        }
+        if constexpr (Tile::kTf32) {
+#if GTCO_GEMM_TEST_FAULT != 3
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                GTCO_UNROLL
+                for (int i = 0; i < 4; ++i) af[mi][i] = round_tf32(af[mi][i]);
+            GTCO_UNROLL
+            for (int ni = 0; ni < NI; ++ni) {
+                bf[ni][0] = round_tf32(bf[ni][0]);
+                bf[ni][1] = round_tf32(bf[ni][1]);
+            }
+#endif
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                GTCO_UNROLL
+                for (int ni = 0; ni < NI; ++ni) mma_m16n8k8_tf32(acc[mi][ni], af[mi], bf[ni]);
+        } else {
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                GTCO_UNROLL
+                for (int ni = 0; ni < NI; ++ni) mma_m16n8k16<T>(acc[mi][ni], af[mi], bf[ni]);
+        }
+    }
+}
+
+}  // namespace gemm_detail
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T>
@@ -136,7 +236,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
-    constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride;
+    constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride, CH = Tile::kChunk;
 
     T* smem;
     if constexpr (Tile::kDynamic) {
@@ -163,12 +263,12 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
         const int k0 = kt * BK;
         T* const as = a_smem + stage * Tile::kAStage;
         T* const bs = b_smem + stage * Tile::kBStage;
-        constexpr int kAChunks = BM * BK / 8, kACols = BK / 8;
+        constexpr int kAChunks = BM * BK / CH, kACols = BK / CH;
         GTCO_UNROLL
         for (int i = 0; i < (kAChunks + kThreads - 1) / kThreads; ++i) {
             const int c = tid + i * kThreads;
             if (kAChunks % kThreads == 0 || c < kAChunks) {
-                const int r = c / kACols, kc = (c % kACols) * 8;
+                const int r = c / kACols, kc = (c % kACols) * CH;
                 const bool ok = m0 + r < M && k0 + kc < K;
                 if constexpr (VEC) {
                     const T* src = ok ? A + static_cast<int64_t>(m0 + r) * K + (k0 + kc) : A;
@@ -176,17 +276,17 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
                 } else {
                     const T* src = A + static_cast<int64_t>(m0 + r) * K + (k0 + kc);
                     GTCO_UNROLL
-                    for (int e = 0; e < 8; ++e)
+                    for (int e = 0; e < CH; ++e)
                         as[r * kAStride + kc + e] = m0 + r < M && k0 + kc + e < K ? src[e] : T(0.0f);
                 }
             }
         }
-        constexpr int kBChunks = BN * BK / 8, kBCols = (TRANS_B ? BK : BN) / 8;
+        constexpr int kBChunks = BN * BK / CH, kBCols = (TRANS_B ? BK : BN) / CH;
         GTCO_UNROLL
         for (int i = 0; i < (kBChunks + kThreads - 1) / kThreads; ++i) {
             const int c = tid + i * kThreads;
             if (kBChunks % kThreads == 0 || c < kBChunks) {
-                const int r = c / kBCols, cc = (c % kBCols) * 8;
+                const int r = c / kBCols, cc = (c % kBCols) * CH;
                 // TRANS_B: row r is n0 + r, column cc is k0 + cc; else row r is k0 + r, column cc is n0 + cc.
                 const int rows_left = TRANS_B ? N - n0 - r : K - k0 - r;
                 const int cols_left = TRANS_B ? K - k0 - cc : N - n0 - cc;
@@ -197,7 +297,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
                     cp_async_16(bs + r * kBStride + cc, ok ? src : B, ok);
                 } else {
                     GTCO_UNROLL
-                    for (int e = 0; e < 8; ++e)
+                    for (int e = 0; e < CH; ++e)
                         bs[r * kBStride + cc + e] = rows_left > 0 && e < cols_left ? src[e] : T(0.0f);
                 }
             }
@@ -220,7 +320,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
         cp_async_commit();
     }
 
-    const int a_row = wm * TM + (lane % 16), a_col = (lane / 16) * 8;
+    const int a_row = wm * TM + (lane % 16);
     for (int kt = 0; kt < ktiles; ++kt) {
 #if GTCO_GEMM_TEST_FAULT == 2
         cp_async_wait<STAGES - 1>();
@@ -238,39 +338,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
         const int stage = kt % STAGES;
         const T* const as = a_smem + stage * Tile::kAStage;
         const T* const bs = b_smem + stage * Tile::kBStage;
-        GTCO_UNROLL
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            uint32_t af[MI][4], bf[NI][2];
-            GTCO_UNROLL
-            for (int mi = 0; mi < MI; ++mi)
-                ldmatrix_x4(af[mi], as + (a_row + mi * 16) * kAStride + kk * 16 + a_col);
-            GTCO_UNROLL
-            for (int ni = 0; ni + 1 < NI; ni += 2) {
-                uint32_t r[4];
-                if constexpr (TRANS_B) {  // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-                    ldmatrix_x4(r, bs + (wn * TN + ni * 8 + (lane / 16) * 8 + lane % 8) * kBStride + kk * 16 +
-                                       ((lane / 8) % 2) * 8);
-                } else {  // rows are k: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
-                    ldmatrix_x4_trans(r, bs + (kk * 16 + lane % 16) * kBStride + wn * TN + ni * 8 + (lane / 16) * 8);
-                }
-                bf[ni][0] = r[0];
-                bf[ni][1] = r[1];
-                bf[ni + 1][0] = r[2];
-                bf[ni + 1][1] = r[3];
-            }
-            if constexpr (NI % 2 == 1) {
-                constexpr int ni = NI - 1;
-                if constexpr (TRANS_B) {
-                    ldmatrix_x2(bf[ni], bs + (wn * TN + ni * 8 + lane % 8) * kBStride + kk * 16 + ((lane / 8) % 2) * 8);
-                } else {
-                    ldmatrix_x2_trans(bf[ni], bs + (kk * 16 + lane % 16) * kBStride + wn * TN + ni * 8);
-                }
-            }
-            GTCO_UNROLL
-            for (int mi = 0; mi < MI; ++mi)
-                GTCO_UNROLL
-                for (int ni = 0; ni < NI; ++ni) mma_m16n8k16<T>(acc[mi][ni], af[mi], bf[ni]);
-        }
+        gemm_detail::mma_ktile<Tile, T, TRANS_B, BK>(acc, as, bs, a_row, wn, lane);
     }
     cp_async_wait<0>();  // only empty groups remain; leaves no copy outstanding at exit
 
@@ -282,7 +350,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
     GTCO_UNROLL
     for (int ni = 0; ni < NI; ++ni) {
         const int col = n0 + wn * TN + ni * 8 + 2 * tig;
-        if (col >= N) continue;  // VEC (N % 8 == 0): col < N implies col + 1 < N
+        if (col >= N) continue;  // VEC (N % 8 == 0, fp32: N % 4 == 0): col < N implies col + 1 < N
         const bool pair = VEC || col + 1 < N;
         float b0 = 0.0f, b1 = 0.0f;
         if constexpr (HAS_BIAS) {
@@ -336,7 +404,7 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 }  // namespace gemm_detail
 
 // Check *args against what the instance was built for, then launch on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE
-// (sizes out of range, K or N not a multiple of 8 for a VEC instance, a bias/residual pointer present or absent
+// (sizes out of range, K or N not a multiple of a 16-byte chunk (8 halves, 4 floats) for a VEC instance, a bias/residual pointer present or absent
 // against the instance, misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T>
@@ -355,12 +423,13 @@ int launch_gemm(const GemmArgs* args, void* stream) {
         return GTCO_EBADSHAPE;
     if (!gemm_detail::aligned(p.y, sizeof(TOut)) || !gemm_detail::aligned(p.residual, sizeof(TOut)))
         return GTCO_EBADSHAPE;
+    constexpr int CH = Tile::kChunk;
     if (VEC) {  // 16-byte cp.async chunks from A and B, pairs of y and residual in one access
-        if (p.k % 8 != 0 || p.n % 8 != 0) return GTCO_EBADSHAPE;
+        if (p.k % CH != 0 || p.n % CH != 0) return GTCO_EBADSHAPE;
         if (!gemm_detail::aligned(p.a, 16) || !gemm_detail::aligned(p.b, 16) ||
             !gemm_detail::aligned(p.y, 2 * sizeof(TOut)) || !gemm_detail::aligned(p.residual, 2 * sizeof(TOut)))
             return GTCO_EBADSHAPE;
-        if (p.stride_a % 8 != 0 || p.stride_b % 8 != 0 || p.stride_y % 2 != 0) return GTCO_EBADSHAPE;
+        if (p.stride_a % CH != 0 || p.stride_b % CH != 0 || p.stride_y % 2 != 0) return GTCO_EBADSHAPE;
     }
     if (p.batch > 1 && (p.stride_a < p.m * p.k || p.stride_y < p.m * p.n ||
                         (p.stride_b != 0 && p.stride_b < p.k * p.n)))

@@ -1,4 +1,5 @@
-// Device building blocks of gtco's Tensor Core kernels: mma.m16n8k16, ldmatrix, cp.async and warp reductions.
+// Device building blocks of gtco's Tensor Core kernels: mma.m16n8k16 (f16 / bf16), mma.m16n8k8 (tf32), the tf32
+// rounding, ldmatrix, cp.async and warp reductions.
 //
 // Built by nvcc, these are inline PTX (sm_80 and later). With GTCO_EMULATE defined (a g++ build), the same
 // names come from plugins/emu/gtco_emu.h, which runs them on the CPU. Fragment layouts are those of the PTX ISA,
@@ -7,6 +8,12 @@
 //   A (16x16, row): a0,a1 row g cols 2*tig+{0,1};  a2,a3 row g+8;  a4..a7 as a0..a3 with cols + 8.
 //   B (16x8, col):  b0,b1 rows (k) 2*tig+{0,1}, col (n) g;  b2,b3 rows + 8.
 //   C/D (16x8 f32): c0,c1 row g cols 2*tig+{0,1};  c2,c3 row g+8.
+// and of "Matrix Fragments for mma.m16n8k8" (.tf32: one element per 32-bit register):
+//   A (16x8, row):  a0 row g col tig;  a1 row g+8 col tig;  a2, a3 as a0, a1 with col + 4.
+//   B (8x8, col):   b0 row (k) tig, col (n) g;  b1 row tig+4.
+//   C/D: as above.
+// ldmatrix (.b16) on fp32 data moves 32-bit words whole: an 8x8 .b16 matrix is 8 rows of 4 floats, and lane l
+// receives row l/4, float column l%4, the A / B(n-major) fragment layout of m16n8k8.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +63,24 @@ GTCO_DEVICE void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const 
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
           "f"(c[3]));
+}
+
+// D = A * B + C with tf32 A and B (fp32 registers whose low 13 mantissa bits the Tensor Core ignores: round them
+// with round_tf32 / to_tf32 first) and fp32 products and accumulation; d may alias c.
+GTCO_DEVICE void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+// The bits of an fp32 value rounded to tf32 (10 mantissa bits): cvt.rna, to nearest with ties away from zero.
+GTCO_DEVICE uint32_t round_tf32(uint32_t f32_bits) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(f32_bits)));
+    return r;
 }
 
 // ldmatrix (.m8n8, .b16): lanes 8j..8j+7 pass the shared-memory addresses of rows 0..7 of matrix j (16-byte
@@ -127,6 +152,14 @@ template <typename T>
 GTCO_DEVICE void mma_m16n8k16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     mma_m16n8k16<T>(acc, a, b, acc);
 }
+
+// acc += A * B, tf32 operands (already rounded)
+GTCO_DEVICE void mma_m16n8k8_tf32(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    mma_m16n8k8_tf32(acc, a, b, acc);
+}
+
+// An fp32 value as a tf32 mma operand (round_tf32 of its bits).
+GTCO_DEVICE uint32_t to_tf32(float x) { return round_tf32(__float_as_uint(x)); }
 
 // Reductions over LANES consecutive lanes (4: the quad that shares one mma row; 32: the warp). Every lane of the
 // warp must call them; each group of LANES lanes gets its own result.
