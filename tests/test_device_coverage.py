@@ -68,14 +68,13 @@ def test_model_coverage_is_what_binding_and_device_selection_say(vit, monkeypatc
         families.setdefault(n.family, set()).add(got[n.node.name])
     assert families["layernorm"] == {Coverage(ARCH_SLOTS)}
     assert families["conv"] == {Coverage((), "no plugin kernel for family 'conv' yet")}
-    for family in ("gemm", "attention"):  # today's Tensor Core families take no f32
-        assert all(not c.archs and "fp16 or bf16" in c.reason for c in families[family]), families[family]
+    for family in ("gemm", "attention"):  # TF32 kernels on fp32 tensors
+        assert families[family] == {Coverage(ARCH_SLOTS)}, families[family]
 
 
 @pytest.mark.parametrize(("elem", "precision", "families"), [
     (TensorProto.FLOAT16, "fp16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
-    # no f32 GEMM kernel: the GEMM keeps its function, and its bias + Relu get an elementwise kernel of their own
-    (TensorProto.FLOAT, "fp32", {"gemm": (), "elementwise": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
+    (TensorProto.FLOAT, "fp32", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),  # TF32
     # an fp32 model at fp16 is converted (onnx_gtco.precision): its fused nodes read f16 tensors, as kernels do
     (TensorProto.FLOAT, "fp16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),
     (TensorProto.FLOAT, "bf16", {"gemm": ARCH_SLOTS, "layernorm": ARCH_SLOTS}),

@@ -6,14 +6,11 @@ libraries from its build cache, so a second run compiles nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import optimize
@@ -83,19 +80,3 @@ def decomposed_ln_model(*, reciprocal: bool, affine: bool, opset: int = 17) -> o
                                                                                      ["N", 4, 16])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 4, 16])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
-
-
-@contextmanager
-def plan_as_if_every_group_had_a_kernel() -> Iterator[None]:
-    """Plan with every fused candidate costed as its kernel (the planner otherwise costs one without a device kernel
-    as its nodes, so at fp32, where attention has no device kernel yet, a model's Softmax may go to a softmax or an
-    elementwise group): for tests of the glue and the CPU kernels of fp32 fused nodes, not of the plan."""
-    from onnx_gtco.plugin import coverage
-    from onnx_gtco.plugin.device import ARCH_SLOTS
-
-    def every(view, precision, archs=ARCH_SLOTS):
-        return lambda cand: coverage.Coverage(tuple(archs)) if cand.fused else coverage.Coverage((), "not fused")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coverage, "candidate_coverage", every)
-        yield

@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +26,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from plugin_helpers import plan_as_if_every_group_had_a_kernel
 
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.kernels.attention import from_bhsd, layout_shape, to_bhsd
@@ -37,14 +35,6 @@ from onnx_gtco.plugin.bind_attention import BINDERS, IN_ROLES, AttentionBinder
 from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _plan_fp32_attention_as_a_kernel() -> Iterator[None]:
-    """These tests need fp32 models whose attention is fused (plugin_helpers.plan_as_if_every_group_had_a_kernel)."""
-    with plan_as_if_every_group_had_a_kernel():
-        yield
-
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).with_name("attention_ref_harness.cc")

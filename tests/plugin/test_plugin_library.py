@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,6 @@ from plugin_helpers import (
     build_model,
     decomposed_ln_model,
     ln_softmax_model,
-    plan_as_if_every_group_had_a_kernel,
 )
 
 from onnx_gtco import optimize
@@ -34,13 +32,6 @@ from onnx_gtco.plugin.library import bind_nodes, build_library, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.runtime.check import compare, make_inputs
 from onnx_gtco.runtime.session import LibraryError, make_session
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _plan_fp32_attention_as_a_kernel() -> Iterator[None]:
-    """These tests need fp32 models whose attention is fused (plugin_helpers.plan_as_if_every_group_had_a_kernel)."""
-    with plan_as_if_every_group_had_a_kernel():
-        yield
 
 CPU = ["CPUExecutionProvider"]
 
