@@ -143,12 +143,23 @@ def test_emulated_library_errors_name_the_op(tmp_path: Path) -> None:
         run(model, x, lib.path)
 
 
-def test_fp32_model_with_fp16_precision_gets_no_device_kernel(tmp_path: Path) -> None:
-    """fp32 tensors with --precision fp16: no device kernel (there are no casts), and the reason says so."""
+def test_fp32_model_with_fp16_precision_is_converted_for_its_kernels(tmp_path: Path) -> None:
+    """--precision fp16 converts an fp32 model (onnx_gtco.precision), so its fused nodes get their f16 device
+    kernels; a fused node computing in f16 on f32 tensors (no conversion: the node's precision attribute set by hand)
+    gets none, and the reason says so."""
     from onnx_gtco.config import GtcoConfig
 
-    rewritten = optimize(ln_softmax_model(hidden=16), GtcoConfig(precision="fp16")).model
-    lib = build_library(rewritten, tmp_path, cuda=False, emulated=True)
+    converted = optimize(ln_softmax_model(hidden=16), GtcoConfig(precision="fp16")).model
+    (tmp_path / "converted").mkdir()
+    lib = build_library(converted, tmp_path / "converted", cuda=False, emulated=True)
+    assert sorted(lib.cuda_op_types) == ["Layernorm_f16", "Softmax_f16"]
+    assert not lib.kernel_skips
+    plain = optimize(ln_softmax_model(hidden=16)).model
+    for node in plain.graph.node:
+        for a in node.attribute:
+            if a.name == "precision":
+                a.s = b"fp16"
+    lib = build_library(plain, tmp_path, cuda=False, emulated=True)
     assert lib.cuda_op_types == []
     assert lib.kernel_skips and all("on f32 tensors" in why for why in lib.kernel_skips.values()), lib.kernel_skips
 
