@@ -76,9 +76,9 @@ def test_check_prints_the_tolerances_and_why(files, capsys: pytest.CaptureFixtur
     assert main(["check", str(orig), str(new["fp32"])]) == 1  # the ~3e-4 error fails fp32's defaults
     assert last_line(capsys) == "1 of 2 outputs within rtol=0.0001 atol=1e-05 (defaults for precision fp32)"
     assert main(["check", str(orig), str(new["fp16"])]) == 0  # the same model tagged fp16 passes fp16's
-    assert last_line(capsys) == "2 of 2 outputs within rtol=0.01 atol=0.003 (defaults for precision fp16)"
+    assert last_line(capsys) == "2 of 2 outputs within rtol=0.01 atol=0.02 (defaults for precision fp16)"
     assert main(["check", str(orig), str(new["bf16"])]) == 0
-    assert last_line(capsys) == "2 of 2 outputs within rtol=0.08 atol=0.024 (defaults for precision bf16)"
+    assert last_line(capsys) == "2 of 2 outputs within rtol=0.08 atol=0.16 (defaults for precision bf16)"
     assert main(["check", str(orig), str(new[None])]) == 1
     assert last_line(capsys).endswith("(defaults for precision fp32: the rewritten model has no gtco.precision "
                                       "metadata)")
@@ -94,7 +94,7 @@ def test_given_flags_win(files, capsys: pytest.CaptureFixture[str]) -> None:
                                  "(atol given, rtol default for precision fp16)")
     # NAME:TOL alone sets that output and keeps the precision's default for the rest
     assert main(["check", str(orig), fp16, "--atol", "logits:1e-6", "--rtol", "logits:0"]) == 1
-    assert last_line(capsys) == ("1 of 2 outputs within rtol=0.01 (logits:0) atol=0.003 (logits:1e-06) "
+    assert last_line(capsys) == ("1 of 2 outputs within rtol=0.01 (logits:0) atol=0.02 (logits:1e-06) "
                                  "(defaults for precision fp16)")
 
 
@@ -129,11 +129,11 @@ def _scaled(model: onnx.ModelProto, name_part: str, factor: float) -> onnx.Model
 def test_fp16_defaults_pass_a_correct_fp16_vit_and_fail_a_wrong_one(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """ViT-tiny in fp16, optimized for fp16, against its fp32 original: within fp16's defaults (and not fp32's); with
-    every GELU's sqrt(2) 2% off, outside them."""
+    every GELU's sqrt(2) 10% off, outside them."""
     original = models.build("vit-tiny")
     orig = tmp_path / "vit.onnx"
     onnx.save(original, str(orig))
-    for label, model in (("ok", _fp16(original)), ("wrong", _scaled(_fp16(original), "sqrt2", 1.02))):
+    for label, model in (("ok", _fp16(original)), ("wrong", _scaled(_fp16(original), "sqrt2", 1.10))):
         path = tmp_path / f"vit.{label}.gtco.onnx"
         onnx.save(optimize(model, GtcoConfig(precision="fp16")).model, str(path))
         code = main(["check", str(orig), str(path), "--samples", "4"])
