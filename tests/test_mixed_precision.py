@@ -21,6 +21,7 @@ from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, build_library, sele
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.precision import MOVES_DATA, convert, to_half
 from onnx_gtco.report import summary
+from onnx_gtco.runtime.check import compare, default_tolerances
 
 TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2}
 """‖err‖ / ‖ref‖ against the fp32 original (issue acceptance)."""
@@ -216,3 +217,19 @@ def test_data_movement_ops_run_in_bf16_on_the_cpu_ep(op):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
     m.ir_version = 10
     ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["vit-b16", "deit-s", "bert-base"])  # deit-b: vit-b16 with another head
+def test_full_size_builtins_convert_with_kernels_and_pass_check(name: str, precision: str) -> None:
+    """The full-size built-in models: dtypes kept, half the size, device kernels on every fused node but conv, and
+    check's defaults for the precision met against the fp32 original (through the functions)."""
+    original = build(name, seed=0)
+    result = optimize(original, GtcoConfig(precision=precision))
+    assert io_types(result.model) == io_types(original)
+    assert 0.45 < result.model.ByteSize() / original.ByteSize() < 0.56
+    for g in result.report["groups"]:
+        assert g["device_kernels"] == list(CUDA_ARCHS) or g["family"] in WITHOUT_KERNEL, g
+    rtol, atol, _ = default_tolerances(result.model)
+    assert all(d.ok for d in compare(original, result.model, "cpu", rtol, atol))
