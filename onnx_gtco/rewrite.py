@@ -38,10 +38,12 @@ def fused_node(view: GraphView, cand: Candidate, precision: str) -> onnx.NodePro
     return node
 
 
-def _function(
+def group_function(
     view: GraphView, cand: Candidate, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
     attr_names: Iterable[str], opsets: list[onnx.OperatorSetIdProto],
 ) -> onnx.FunctionProto:
+    """The model-local function of a fused group: its nodes in order, renamed by position (x<i> inputs, y<j>
+    outputs, t<k> the rest), the opsets they use, and an overload hashing the body (identical groups share one)."""
     rename: dict[str, str] = {t: f"x{i}" for i, t in enumerate(inputs)}
     rename.update({t: f"y{i}" for i, t in enumerate(outputs)})
     body: list[onnx.NodeProto] = []
@@ -89,7 +91,7 @@ def rewrite(view: GraphView, plan: Plan, precision: str = "fp32") -> tuple[onnx.
             continue
         node = fused_node(view, cand, precision)
         fname, inputs, outputs = node.op_type, tuple(node.input), tuple(node.output)
-        fn = _function(view, cand, fname, inputs, outputs, [a.name for a in node.attribute], opsets)
+        fn = group_function(view, cand, fname, inputs, outputs, [a.name for a in node.attribute], opsets)
         functions.setdefault((fname, fn.overload), fn)
         node.overload = fn.overload
         nodes.append(node)

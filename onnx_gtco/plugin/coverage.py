@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, helper, numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.ir.view import GraphView
@@ -32,7 +32,7 @@ from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances
 from onnx_gtco.plugin.library import bind_node, bind_nodes, select_device
 from onnx_gtco.plugin.nodes import DTYPE_NAMES, fused_nodes, make_fused_node
 from onnx_gtco.precision import DTYPE_TAG, HALF_TYPES, to_half
-from onnx_gtco.rewrite import fused_node
+from onnx_gtco.rewrite import fused_node, group_function
 
 
 @dataclass(frozen=True)
@@ -98,23 +98,9 @@ def candidate_node(view: GraphView, cand: Candidate, precision: str) -> FusedNod
         op = decode_node(node)
         read = set(op.inputs.values()) if not isinstance(op, str) and op.inputs else set(range(len(node.input)))
         halves = {t for i, t in enumerate(node.input) if i in read} | set(node.output)
-    rename = {t: f"x{i}" for i, t in enumerate(node.input)}
-    rename.update({t: f"y{i}" for i, t in enumerate(node.output)})
-    body = []
-    for k, i in enumerate(sorted(cand.nodes)):
-        src = onnx.NodeProto()
-        src.CopyFrom(view.model.graph.node[i])
-        src.name = f"n{k}"
-        for j, t in enumerate(src.input):
-            src.input[j] = rename.get(t, t) if t else ""
-        for j, t in enumerate(src.output):
-            if t and t not in rename:
-                rename[t] = f"t{len(rename)}"
-            src.output[j] = rename.get(t, "") if t else ""
-        body.append(src)
-    function = helper.make_function(DOMAIN, node.op_type, [f"x{i}" for i in range(len(node.input))],
-                                    [f"y{i}" for i in range(len(node.output))], body,
-                                    opset_imports=list(view.model.opset_import))
+    function = group_function(view, cand, node.op_type, tuple(node.input), tuple(node.output),
+                              [a.name for a in node.attribute],
+                              [o for o in view.model.opset_import if o.domain != DOMAIN])
     inits = {t.name: t for t in view.model.graph.initializer}
 
     def info(t: str) -> TensorInfo:
