@@ -209,16 +209,12 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
             return TensorProto.FLOAT
         return half
 
-    role_inputs: dict[int, frozenset[int] | None] = {}
-
     def kernel_inputs(n: onnx.NodeProto) -> frozenset[int]:
         """The inputs a fused node's kernel reads: its roles' (every input of a family without roles)."""
-        if id(n) not in role_inputs:
-            op = decode_node(n)
-            roles = frozenset(op.inputs.values()) if not isinstance(op, str) and op.inputs else None
-            role_inputs[id(n)] = roles
-        roles = role_inputs[id(n)]
-        return roles if roles is not None else frozenset(range(len(n.input)))
+        op = decode_node(n)
+        if not isinstance(op, str) and op.inputs:
+            return frozenset(op.inputs.values())
+        return frozenset(range(len(n.input)))
 
     # 2. Each float tensor's dtype as produced ("home"); weights read only in the half type convert in place.
     home: dict[str, int] = {}

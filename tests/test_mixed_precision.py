@@ -86,6 +86,10 @@ def test_io_dtypes_kept_weights_halved(converted):
             if t in weights and weights[t].data_type in (TensorProto.FLOAT, *HALF.values()) and weights[t].dims:
                 assert weights[t].data_type == HALF[precision], (n.name, t)
     assert result.report["conversion"]["fused_nodes"] == len(fused)
+    inits = {t.name for t in model.graph.initializer}
+    constants = {n.output[0] for n in model.graph.node if n.op_type == "Constant"}
+    casts = [n for n in model.graph.node if n.op_type == "Cast" and n.name.startswith("gtco/cast/")]
+    assert not [n.name for n in casts if n.input[0] in inits | constants]  # weights are stored in the type read
     line = next(x for x in summary(result.report).splitlines() if x.startswith("converted"))
     assert f"{precision}: {len(fused)} fused and" in line
 
