@@ -14,7 +14,10 @@ one whose fused nodes compute in the half type on half tensors:
   (Log)Softmax, and a node reading a small constant the half type cannot hold (BERT's epsilon 1e-12 is 0 in fp16).
   In bf16 only the operators that move data convert: ORT's CPU EP computes nothing else in bf16.
 - **Graph inputs and outputs keep their dtypes**; Cast nodes sit wherever a tensor's producer and a consumer
-  disagree, one per tensor and type. A float weight read in both types is stored in both.
+  disagree, one per tensor and type. A float weight read in both types is stored in both. A float graph output a
+  fused GEMM node without a residual writes is folded: the node writes it in fp32 itself (its kernel rounds the
+  fp32 accumulator once, to fp32), no half copy and no Cast (ViT's classifier head writes `logits`). With a
+  residual it is not: the kernel reads the residual in y's dtype, and the residual is a half tensor.
 - Float weights convert with round-to-nearest-even, values past the half type's largest finite value clamped to it
   (as ORT's converter does). Weights left on disk by the loader (external data) stay fp32 behind a Cast.
 """
@@ -69,6 +72,7 @@ class Conversion:
         converted: unfused nodes converted.
         kept: op type -> (count, reason) of the unfused nodes left in fp32 that touch float tensors.
         casts: Cast nodes added.
+        outputs_folded: float graph outputs a fused node writes in fp32 itself (no Cast after it).
         dtypes: every float tensor whose dtype or name is new -> its ONNX element type now.
         source: a tensor name the conversion made (a cast, a half copy of a weight, a renamed graph output) -> the
             tensor whose shape it has.
@@ -80,6 +84,7 @@ class Conversion:
     converted: int = 0
     kept: dict[str, tuple[int, str]] = field(default_factory=dict)
     casts: int = 0
+    outputs_folded: int = 0
     dtypes: dict[str, int] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
 
@@ -103,6 +108,7 @@ class Conversion:
         return {
             "precision": self.precision, "fused_nodes": self.fused, "converted_nodes": self.converted,
             "casts_added": self.casts,
+            "outputs_folded": self.outputs_folded,
             "kept_fp32": [{"op_type": op, "count": n, "reason": why} for op, (n, why) in sorted(self.kept.items())],
         }
 
@@ -216,6 +222,18 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
             return frozenset(op.inputs.values())
         return frozenset(range(len(n.input)))
 
+    outputs = {o.name for o in graph.output}
+
+    def folds(n: onnx.NodeProto, is_low: bool, o: str) -> bool:
+        """Whether the fused node `n` writes its float graph output `o` in fp32 itself: a GEMM without a
+        residual (its kernel has an fp32-output form; with a residual the residual would have to be fp32 too)."""
+        if not (is_low and n.domain == DOMAIN and o in outputs and is_float(o)):
+            return False
+        op = decode_node(n)
+        return not isinstance(op, str) and op.family == "gemm" and not op["residual"]
+
+    folded = {o for n, is_low in zip(graph.node, low, strict=True) for o in n.output if folds(n, is_low, o)}
+
     # 2. Each float tensor's dtype as produced ("home"); weights read only in the half type convert in place.
     home: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
@@ -223,7 +241,6 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
         for i, t in enumerate(n.input):
             if is_float(t):
                 readers.setdefault(t, set()).add(wants(n, is_low, i))
-    outputs = {o.name for o in graph.output}
     for t in outputs:
         if is_float(t):
             readers.setdefault(t, set()).add(TensorProto.FLOAT)
@@ -248,7 +265,7 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
     for n, is_low in zip(graph.node, low, strict=True):
         for o in n.output:
             if is_float(o) and o not in home:
-                home[o] = half if is_low else TensorProto.FLOAT
+                home[o] = half if is_low and o not in folded else TensorProto.FLOAT
 
     # 3. The nodes, in order, reading each input in the dtype they want (a Cast, or a half copy of a weight).
     nodes: list[onnx.NodeProto] = []
@@ -302,7 +319,9 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
         after: list[onnx.NodeProto] = []
         if is_low:
             for j, o in enumerate(n.output):
-                if o in outputs and is_float(o):  # a graph output keeps its dtype: the node writes a half copy
+                if o in folded:  # the node writes the fp32 graph output itself
+                    conv.outputs_folded += 1
+                elif o in outputs and is_float(o):  # a graph output keeps its dtype: the node writes a half copy
                     out.output[j] = renamed = new_name(o, half)
                     home[renamed] = half
                     home[o] = TensorProto.FLOAT
@@ -316,7 +335,8 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
                     raise RewriteError(f"fused node {n.name!r} ({n.op_type}) has no model-local function")
                 fn = _half_function(functions[key], [is_float(t) and wants(n, True, i) == half
                                                      for i, t in enumerate(n.input)],
-                                    [is_float(t) for t in n.output], half, list(model.opset_import))
+                                    [is_float(t) and t not in folded for t in n.output], half,
+                                    list(model.opset_import))
                 new_functions.setdefault((fn.name, fn.overload), fn)
                 out.op_type, out.overload = fn.name, fn.overload
                 conv.fused += 1
@@ -370,13 +390,14 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
     return conv
 
 
-def _half_function(fn: onnx.FunctionProto, half_in: list[bool], float_out: list[bool], half: int,
+def _half_function(fn: onnx.FunctionProto, half_in: list[bool], half_out: list[bool], half: int,
                    opsets: list[onnx.OperatorSetIdProto]) -> onnx.FunctionProto:
-    """The function of a fused node on half tensors: its half inputs cast to fp32, the fp32 body, its float
-    outputs cast to the half type. Named by the node's new op type; the overload hashes the new body."""
+    """The function of a fused node on half tensors: its half inputs cast to fp32, the fp32 body, the float
+    outputs of `half_out` cast to the half type (the others, folded graph outputs, stay fp32). Named by the node's
+    new op type; the overload hashes the new body."""
     family, _ = split_op_type(fn.name)
     cast_in = {x: f"{x}_f32" for x, f in zip(fn.input, half_in, strict=True) if f}
-    cast_out = {y: f"{y}_f32" for y, f in zip(fn.output, float_out, strict=True) if f}
+    cast_out = {y: f"{y}_f32" for y, f in zip(fn.output, half_out, strict=True) if f}
     body = [helper.make_node("Cast", [x], [name], name=f"cast_{x}", to=TensorProto.FLOAT)
             for x, name in cast_in.items()]
     # ONNX Runtime's LayerNormFusion (1.30) takes a Cast from fp16 straight into ReduceMean as a half-precision

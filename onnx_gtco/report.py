@@ -221,11 +221,14 @@ def summary(report: dict[str, Any]) -> str:
 
 def conversion_line(conv: dict[str, Any]) -> str:
     """The summary's line on the half-precision conversion (onnx_gtco.precision): what reads and writes half
-    tensors now, the casts added, and the op types kept in fp32."""
+    tensors now, the casts added, the graph outputs fused nodes write in fp32 themselves, and the op types kept in
+    fp32."""
     kept = ", ".join(f"{k['op_type']} x{k['count']}" for k in conv["kept_fp32"])
+    folded = conv.get("outputs_folded", 0)
     return (f"converted  {conv['precision']}: {conv['fused_nodes']} fused and {conv['converted_nodes']} other nodes on "
-            f"half tensors, {conv['casts_added']} casts added" + (f"; fp32 kept: {kept} (reasons in the report)"
-                                                                    if kept else ""))
+            f"half tensors, {conv['casts_added']} casts added"
+            + (f", {folded} graph output(s) written in fp32 by their fused node" if folded else "")
+            + (f"; fp32 kept: {kept} (reasons in the report)" if kept else ""))
 
 
 def device_lines(device: dict[str, Any], target: str = "", most: int = 4) -> list[str]:

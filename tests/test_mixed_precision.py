@@ -5,6 +5,8 @@ seeded inputs, through the fused nodes' functions and through the emulated devic
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.config import GtcoConfig
+from onnx_gtco.kernels.emulate import INCLUDE_DIR
+from onnx_gtco.kernels.ptxas import parse_ptxas
+from onnx_gtco.kernels.toolchain import nvcc_compile
 from onnx_gtco.models import build
 from onnx_gtco.opspec import DOMAIN, split_op_type
 from onnx_gtco.pipeline import optimize
@@ -131,6 +136,73 @@ def test_emulated_kernels_match_fp32_original(precision, tmp_path):
     x = feeds(original, seed=1)
     for ref, got in zip(run(original, x), run(path, x, lib.path), strict=True):
         assert rel(ref, got) < TOLERANCE[precision]
+
+
+def _vit_head(precision: str = "fp16"):
+    original = build("vit-tiny", depth=1, image=64, seed=0)
+    result = optimize(original, GtcoConfig(precision=precision))
+    head = next(n for n in result.model.graph.node if "logits" in n.output)
+    return original, result, head
+
+
+def test_gemm_head_writes_fp32_logits():
+    """The classifier head (a fused GEMM without a residual) writes the fp32 graph output itself: no Cast before
+    `logits`, its function casts its inputs to fp32 and not its output back; the model checks and matches the
+    fp32 original through the functions."""
+    original, result, head = _vit_head()
+    model = result.model
+    assert head.domain == DOMAIN and head.op_type == "Gemm_f16"
+    assert not any(n.op_type == "Cast" and "logits" in n.output for n in model.graph.node)
+    assert all(not t.startswith("logits.") for n in model.graph.node for t in (*n.input, *n.output))
+    fn = next(f for f in model.functions if (f.name, f.overload) == (head.op_type, head.overload))
+    assert [n.op_type for n in fn.node if n.output[0] in fn.output] == ["Gemm"]  # no Cast back to fp16
+    assert result.report["conversion"]["outputs_folded"] == 1
+    assert io_types(model) == io_types(original)
+    onnx.checker.check_model(model, full_check=True)
+    rtol, atol, _ = default_tolerances(model)
+    assert all(d.ok for d in compare(original, model, "cpu", rtol, atol))
+    x = feeds(original, seed=1)
+    assert rel(run(original, x)[0], run(model, x)[0]) < TOLERANCE["fp16"]
+
+
+def test_gemm_head_fp32_logits_on_the_kernels(tmp_path):
+    """The head GEMM writing fp32 `logits` binds, with sm_80 and sm_90 instances that write float (out_dtype f32);
+    through the CPU reference kernels and the emulated device kernels the model matches the fp32 original."""
+    original, result, head = _vit_head()
+    nodes = fused_nodes(result.model, result.planned())
+    results, _ = bind_nodes(nodes)
+    device, skips = select_device(nodes, results, CUDA_ARCHS)
+    assert head.name in device, skips
+    assert all(i.name.endswith("_of32") and i.problem.flag("out_dtype") == "f32" for i in device[head.name])
+    assert all(i.problem.flag("out_dtype") is None for n, insts in device.items() if n != head.name for i in insts)
+    path = tmp_path / "model.gtco.onnx"
+    onnx.save(result.model, str(path))
+    x = feeds(original, seed=1)
+    ref = run(original, x)[0]
+    for kind, kwargs in (("cpu", {}), ("emulated", {"emulated": True})):
+        (tmp_path / kind).mkdir()
+        lib = build_library(result.model, tmp_path / kind, cuda=False, planned=result.planned(), **kwargs)
+        assert "Gemm_f16" in lib.op_types
+        got = run(path, x, lib.path)[0]
+        assert got.dtype == np.float32 and rel(ref, got) < TOLERANCE["fp16"], kind
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which(os.environ.get("NVCC") or "nvcc") is None, reason="nvcc not found on PATH")
+def test_gemm_head_fp32_instance_compiles(tmp_path):
+    """nvcc builds the head's sm_90 instance (the output cast in its epilogue): no spills, no stack."""
+    _, result, head = _vit_head()
+    nodes = fused_nodes(result.model, result.planned())
+    results, _ = bind_nodes(nodes)
+    device, _ = select_device(nodes, results, CUDA_ARCHS)
+    inst = next(i for i in device[head.name] if i.arch == "sm_90")
+    assert "TOut=*/float" in inst.source
+    src = tmp_path / f"{inst.name}.cu"
+    src.write_text(inst.source)
+    report = nvcc_compile(src, tmp_path / f"{inst.name}.o", inst.arch, include_dirs=[INCLUDE_DIR], timeout_s=300)
+    (k,) = [k for k in parse_ptxas(report.stderr) if "gemm_kernel" in k.name]
+    assert k.arch == "sm_90" and 0 < k.registers <= 255, k
+    assert not k.spills and k.stack_frame_bytes == 0, k
 
 
 # --- the conversion's rules, on small graphs ---------------------------------------------------------------------

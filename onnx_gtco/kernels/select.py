@@ -133,10 +133,34 @@ def select_instance(problem: Problem, arch: str, config: Mapping[str, int] | Non
     return family.instantiate(problem, config, arch)
 
 
-def node_problem(node: onnx.NodeProto) -> Problem | str:
-    """problem_for a fused `ai.gtco` node of a rewritten model."""
+def node_problem(node: onnx.NodeProto, out_dtype: str | None = None) -> Problem | str:
+    """problem_for a fused `ai.gtco` node of a rewritten model; `out_dtype`, its output's dtype where known
+    (with_out_dtype)."""
     op = decode_node(node)
-    return op if isinstance(op, str) else problem_for(op)
+    if isinstance(op, str):
+        return op
+    problem = problem_for(op)
+    return problem if isinstance(problem, str) or out_dtype is None else with_out_dtype(problem, op.dtype, out_dtype)
+
+
+def with_out_dtype(problem: Problem, io_dtype: str, out_dtype: str) -> Problem:
+    """`problem` of a node of I/O dtype `io_dtype` (its op type's) whose output tensor is `out_dtype`: a half GEMM
+    on half tensors writing fp32 (a graph output the conversion folded into it, onnx_gtco.precision) gets the
+    GEMM flag out_dtype="f32", the output cast in its epilogue; every other problem is unchanged."""
+    if problem.family == "gemm" and problem.dtype == io_dtype != "f32" and out_dtype == "f32":
+        return Problem.make(problem.family, problem.dtype, dict(problem.sizes),
+                            {**dict(problem.flags), "out_dtype": "f32"})
+    return problem
+
+
+_ELEM_DTYPE = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16", onnx.TensorProto.BFLOAT16: "bf16"}
+
+
+def model_dtypes(model: onnx.ModelProto) -> dict[str, str]:
+    """Float tensor name -> its dtype ("f32", "f16", "bf16") as a model's outputs and value_info declare it."""
+    return {vi.name: _ELEM_DTYPE[vi.type.tensor_type.elem_type] for vi in (*model.graph.value_info,
+                                                                           *model.graph.output)
+            if vi.type.tensor_type.elem_type in _ELEM_DTYPE}
 
 
 def model_instances(model: onnx.ModelProto, archs: Iterable[str]) -> tuple[list[Instance], dict[str, str]]:
@@ -144,10 +168,11 @@ def model_instances(model: onnx.ModelProto, archs: Iterable[str]) -> tuple[list[
     reason per node name that selected none."""
     found: dict[tuple[str, str], Instance] = {}
     skipped: dict[str, str] = {}
+    out_dtypes = model_dtypes(model)
     for node in model.graph.node:
         if node.domain != "ai.gtco":
             continue
-        problem = node_problem(node)
+        problem = node_problem(node, out_dtypes.get(node.output[0]) if node.output else None)
         if isinstance(problem, str):
             skipped[node.name] = problem
             continue

@@ -37,8 +37,11 @@ class GemmBinder:
         elif op["activation"] not in ACTIVATIONS:
             why = f"activation {op['activation']!r} is not implemented by the C++ GEMM epilogue"
         else:
+            # a half GEMM may write fp32 (a graph output folded into it): the cast in its epilogue; not with a
+            # residual, which the kernel reads in y's dtype
+            out_dtypes = ("f32",) if not op["residual"] else ()
             why = bind_roles(node, op, {"a": True, "b": True, "bias": op["bias"], "residual": op["residual"]},
-                             GEMM_IN, GEMM_OUT)  # type: ignore[arg-type]
+                             GEMM_IN, GEMM_OUT, out_dtypes=out_dtypes)  # type: ignore[arg-type]
         return f"{node.node.op_type} node {node.node.name!r}: {why}" if isinstance(why, str) else why
 
 

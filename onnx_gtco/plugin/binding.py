@@ -80,12 +80,13 @@ def read(node: FusedNode, family: str) -> FusedOp | str:
 
 
 def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tuple[str, ...],
-               cpp_out: tuple[str, ...], outputs: int = 1) -> Binding | str:
+               cpp_out: tuple[str, ...], outputs: int = 1, out_dtypes: tuple[str, ...] = ()) -> Binding | str:
     """The Binding of a node whose kernel reads the roles `cpp_in` / `cpp_out` (the C++ enums' order).
 
     `need`: role -> whether the node's attributes say it is there; a role they require that the node lacks (the
     group computes that operand itself) or one they rule out is an Unbound, as is an input of another dtype than
-    the node's, or more than `outputs` node outputs (an intermediate of the group is read outside it)."""
+    the node's, an output of another dtype than the node's, or more than `outputs` node outputs (an intermediate of
+    the group is read outside it). `out_dtypes`: output dtypes the kernel writes beside the node's own."""
     for role, wanted in need.items():
         if wanted != (role in op.inputs):
             return (f"{role} is {'not a node input' if wanted else 'a node input its attributes rule out'} "
@@ -97,6 +98,11 @@ def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tupl
         got = node.inputs[i].dtype
         if got and got != node.dtype:
             return (f"input {role} ({node.node.input[i]!r}) is {got}; the {node.node.op_type} kernel takes "
+                    f"{node.dtype} only")
+    for role, i in op.outputs.items():
+        got = node.outputs[i].dtype if i < len(node.outputs) else ""
+        if got and got != node.dtype and got not in out_dtypes:
+            return (f"output {role} ({node.node.output[i]!r}) is {got}; the {node.node.op_type} kernel writes "
                     f"{node.dtype} only")
     return Binding(tuple(op.inputs.get(r, -1) for r in cpp_in), tuple(op.outputs.get(r, -1) for r in cpp_out))
 

@@ -11,8 +11,9 @@ instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90
 A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, a
 causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32 model optimized with
 --precision fp16 keeps fp32 tensors between its nodes, and the device kernels read and write their own dtype only
-(no casts are fused in yet). An fp32 model optimized with --precision fp32 gets fp32 instances of every family (TF32
-on the Tensor Core ones).
+(no casts are fused in but one: a half GEMM whose output tensor is fp32, a graph output the conversion folded into
+it, gets the instance with the output cast in its epilogue, kernels.select.with_out_dtype). An fp32 model optimized
+with --precision fp32 gets fp32 instances of every family (TF32 on the Tensor Core ones).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import Instance, Problem
-from onnx_gtco.kernels.select import node_problem, select_instance
+from onnx_gtco.kernels.select import node_problem, select_instance, with_out_dtype
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
@@ -87,7 +88,9 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
             dims = [int(d) for d in bias.shape]
             if len(dims) == 0 or math.prod(dims[:-1]) != 1 or (n is not None and dims[-1] != n):
                 return f"bias of shape {dims}: the device kernel adds one row of N"
-    return _with_flags(problem, **flags) if flags else problem
+    problem = _with_flags(problem, **flags) if flags else problem
+    out = binding.outputs[0] if binding.outputs else -1
+    return with_out_dtype(problem, node.dtype, node.outputs[out].dtype) if 0 <= out < len(node.outputs) else problem
 
 
 def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],

@@ -253,6 +253,10 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
                        if r.node in dynamic and dynamic[r.node].ranges},
             "dispatch": {node: [[top, [i.name for i in per_arch]] for top, per_arch in _rows(t)]
                          for node, t in tables.items()}}
+    # op types with a node whose output is of another dtype than the op's (a half GEMM writing an fp32 graph output)
+    # declare their outputs of any type: ORT then takes each node's output type from the model
+    mixed_out = {r.op_type for r in bound
+                 if any(t.dtype and t.dtype != by_name[r.node].dtype for t in by_name[r.node].outputs)}
     text = json.dumps(info, sort_keys=True)
     if ")gtco\"" in text:
         raise BuildError("a node name contains the sequence )gtco\" that the generated glue cannot quote")
@@ -262,7 +266,9 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
                        {i.symbol for t in tables.values() for table in t for _, i in table}),
         nodes=rows, info=text,
         ops=[{"op_type": t, "family": binders[t].cpp_struct, "dtype": _DTYPES[t.rsplit("_", 1)[1]],
-              "cpu": not (emulated and t in device_types), "device": t in device_types} for t in op_types])
+              "cpu": not (emulated and t in device_types), "device": t in device_types,
+              "any_output_type": t in mixed_out}
+             for t in op_types])
     return source, op_types, device_types
 
 

@@ -20,7 +20,7 @@ import onnx
 
 from onnx_gtco.kernels.compile import headers_digest
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.kernels.select import node_problem
+from onnx_gtco.kernels.select import model_dtypes, node_problem
 
 if TYPE_CHECKING:
     from onnx_gtco.ir.view import GraphView
@@ -63,11 +63,13 @@ def template_version() -> str:
     return headers_digest()[:12]
 
 
-def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str) -> Task | str:
+def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
+              out_dtype: str | None = None) -> Task | str:
     """The task of one fused node (weight 1), or why it has none. `shape_of` gives a tensor's shape (ints, or
     strings for symbolic dims; None when unknown): the run-time rows of a row-wise node come from its first
-    input, a symbolic dim counting as 1."""
-    problem = node_problem(node)
+    input, a symbolic dim counting as 1. `out_dtype`: the dtype of its output tensor where known (a half GEMM
+    writing fp32 is another instance, kernels.select.with_out_dtype, so another task)."""
+    problem = node_problem(node, out_dtype)
     if isinstance(problem, str):
         return problem
     if problem.family in ("layernorm", "softmax"):
@@ -116,9 +118,10 @@ def fused_node_tasks(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None
     (default: model_shapes(model)) gives the shapes of the nodes' inputs."""
     shape_of = shape_of or model_shapes(model)
     version = template_version()
+    dtypes = model_dtypes(model)
     for node in model.graph.node:
         if node.domain == "ai.gtco":
-            yield node, node_task(node, shape_of, arch, version)
+            yield node, node_task(node, shape_of, arch, version, dtypes.get(node.output[0]) if node.output else None)
 
 
 def model_tasks(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None = None

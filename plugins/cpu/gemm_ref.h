@@ -11,7 +11,8 @@
 // both use them.
 //
 // Math is fp32 (products accumulate in float, as ONNX Runtime's CPU GEMM does; the epilogue runs in float);
-// inputs and outputs are stored as T and converted through the caller's load/store, and y is rounded to T once, as a fused kernel does (the
+// inputs are stored as T, y and the residual as TOut (T, or float for a half GEMM with its output cast fused in),
+// converted through the caller's load/store, and y is rounded to TOut once, as a fused kernel does (the
 // unfused graph would round after the MatMul, the bias Add and each activation node too). Activations compute
 // what _act.py's REFERENCE says, in the order the ONNX decompositions do (erf GELU divides by sqrt(2)).
 #pragma once
@@ -190,13 +191,14 @@ inline std::string plan_bias(const std::vector<int64_t>& bias, const GemmPlan& p
     return "";
 }
 
-template <class T>
+// TOut: y's type and the residual's (T, or float for a half GEMM whose output cast is fused in).
+template <class T, class TOut = T>
 struct GemmIO {
     const T* a = nullptr;
     const T* b = nullptr;
-    const T* bias = nullptr;      // broadcast [bias_m, bias_n] (each 1 or M / N), nullptr: none
-    const T* residual = nullptr;  // y's shape, nullptr: none
-    T* y = nullptr;
+    const T* bias = nullptr;         // broadcast [bias_m, bias_n] (each 1 or M / N), nullptr: none
+    const TOut* residual = nullptr;  // y's shape, nullptr: none
+    TOut* y = nullptr;
     int64_t bias_m = 1, bias_n = 1;
     float alpha = 1.0f, beta = 1.0f;
     Act act = Act::kNone;
@@ -205,14 +207,16 @@ struct GemmIO {
 // Rows [i0, i1) of one batch entry: fp32 accumulation like ONNX Runtime's own CPU GEMM, in loops the compiler
 // vectorizes: four rows of A share each row of B (an axpy per row), or, with B transposed, dot products with eight
 // partial sums.
-template <class T, class Load, class Store>
-void gemm_rows(const GemmPlan& p, const GemmIO<T>& io, int64_t e, int64_t i0, int64_t i1, Load load, Store store) {
+// load reads T, store writes TOut, load_out reads TOut (the residual).
+template <class T, class TOut, class Load, class Store, class LoadOut>
+void gemm_rows(const GemmPlan& p, const GemmIO<T, TOut>& io, int64_t e, int64_t i0, int64_t i1, Load load, Store store,
+               LoadOut load_out) {
     constexpr int64_t R = 4;
     const int64_t m = p.m, n = p.n, k = p.k;
     const T* a = io.a + p.a_off[static_cast<size_t>(e)];
     const T* b = io.b + p.b_off[static_cast<size_t>(e)];
-    T* y = io.y + e * m * n;
-    const T* res = io.residual != nullptr ? io.residual + e * m * n : nullptr;
+    TOut* y = io.y + e * m * n;
+    const TOut* res = io.residual != nullptr ? io.residual + e * m * n : nullptr;
     std::vector<float> acc(static_cast<size_t>(R * n)), arow(static_cast<size_t>(R * k));
     for (int64_t i = i0; i < i1; i += R) {
         const int64_t rows = std::min<int64_t>(R, i1 - i);
@@ -267,7 +271,7 @@ void gemm_rows(const GemmPlan& p, const GemmIO<T>& io, int64_t e, int64_t i0, in
                     v += io.beta * load(io.bias[bi]);
                 }
                 v = activate(io.act, v);
-                if (res != nullptr) v += load(res[row * n + j]);
+                if (res != nullptr) v += load_out(res[row * n + j]);
                 y[row * n + j] = store(v);
             }
         }
@@ -275,8 +279,8 @@ void gemm_rows(const GemmPlan& p, const GemmIO<T>& io, int64_t e, int64_t i0, in
 }
 
 // The whole GEMM, its rows split over the machine's cores (the reference runs inside one ORT kernel call).
-template <class T, class Load, class Store>
-void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
+template <class T, class TOut, class Load, class Store, class LoadOut>
+void gemm(const GemmPlan& p, const GemmIO<T, TOut>& io, Load load, Store store, LoadOut load_out) {
     const int64_t work = p.batch * p.m;
     const int64_t threads = worth_threads((work + 3) / 4, work * p.n * p.k);
     auto run = [&](int64_t t) {
@@ -285,11 +289,17 @@ void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
         for (int64_t w = t * per; w < std::min(work, (t + 1) * per);) {
             const int64_t e = w / p.m, i = w % p.m;
             const int64_t i1 = std::min(p.m, i + (std::min(work, (t + 1) * per) - w));
-            gemm_rows(p, io, e, i, i1, load, store);
+            gemm_rows(p, io, e, i, i1, load, store, load_out);
             w += i1 - i;
         }
     };
     parallel_for(threads, run);
+}
+
+// y of the operands' type T.
+template <class T, class Load, class Store>
+void gemm(const GemmPlan& p, const GemmIO<T>& io, Load load, Store store) {
+    gemm(p, io, load, store, load);
 }
 
 }  // namespace ref

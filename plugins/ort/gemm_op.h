@@ -1,5 +1,8 @@
 // The GEMM and QKV families' ORT glue: op types Gemm_f32 / Gemm_f16 / Gemm_bf16 and Qkv_f32 / Qkv_f16 / Qkv_bf16.
 //
+// A Gemm_f16 / Gemm_bf16 node whose output the model declares float (a graph output the conversion folded into it,
+// onnx_gtco/precision.py) writes y, and reads its residual, in fp32: the reference stores fp32, the device path
+// launches the instance built with out_dtype f32 (the build chose it from the same output type).
 // Gemm node attributes (onnx_gtco/patterns/gemm.py): m, n, k (ints, or strings such as "N*197" when the optimizer
 // saw a symbolic size: then any size is accepted), batch (the output's batch dims of a batched GEMM; absent for a
 // weight GEMM), trans_b, trans_a (Gemm's transA, absent when 0), alpha, beta (Gemm's, absent when 1), bias,
@@ -101,10 +104,18 @@ struct Gemm {
         bool act_known = false;
         ref::Act act = ref::Act::kNone;
         std::string precision;
+        // the node's output type as the model declares it: float on a half op type is the fused output cast (y
+        // and the residual fp32, the instance built with out_dtype f32); UNDEFINED when the model does not say
+        ONNXTensorElementDataType out_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     };
 
     static Attrs read_attrs(const OrtKernelInfo* info) {
         Attrs a;
+        Ort::ConstKernelInfo ki(info);
+        if (ki.GetOutputCount() > 0) {
+            Ort::TypeInfo t = ki.GetOutputTypeInfo(0);
+            if (t.GetONNXType() == ONNX_TYPE_TENSOR) a.out_type = t.GetTensorTypeAndShapeInfo().GetElementType();
+        }
         a.m = gemm_glue::size_attr(info, "m");
         a.n = gemm_glue::size_attr(info, "n");
         a.k = gemm_glue::size_attr(info, "k");
@@ -122,10 +133,26 @@ struct Gemm {
         return a;
     }
 
+    // y of the op's dtype, or fp32 where the node's output is float on a half op type (the fused output cast)
     template <DType D, bool Cuda>
     static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        if (D != DType::f32 && at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+            return compute_out<D, DType::f32, Cuda>(ctx, ref, spec, at);
+        }
+        if (at.out_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED && at.out_type != Storage<D>::onnx) {
+            return ref.fail(std::string("output y is ") + type_str(at.out_type) + "; this kernel writes " +
+                            Storage<D>::name + " or float");
+        }
+        return compute_out<D, D, Cuda>(ctx, ref, spec, at);
+    }
+
+    template <DType D, DType DOut, bool Cuda>
+    static OrtStatus* compute_out(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec,
+                                  const Attrs& at) {
         using S = Storage<D>;
         using T = typename S::type;
+        using SO = Storage<DOut>;
+        using TO = typename SO::type;
         if (!at.act_known) {
             return ref.fail("activation '" + at.activation + "' is not one this library implements",
                             ORT_NOT_IMPLEMENTED);
@@ -136,11 +163,12 @@ struct Gemm {
         const Input res = get_input(ctx, spec.in[IN_RESIDUAL]);
         if (!a.present) return ref.fail("input A is missing");
         if (!b.present) return ref.fail("input B is missing");
-        const char* names[] = {"A", "B", "bias", "residual"};
-        const Input* ins[] = {&a, &b, &bias, &res};
-        for (int i = 0; i < 4; ++i) {
+        const char* names[] = {"A", "B", "bias"};
+        const Input* ins[] = {&a, &b, &bias};
+        for (int i = 0; i < 3; ++i) {
             if (OrtStatus* st = gemm_glue::check_type<D>(ref, *ins[i], names[i])) return st;
         }
+        if (OrtStatus* st = gemm_glue::check_type<DOut>(ref, res, "residual (y's type)")) return st;
         ref::GemmPlan p;
         std::string why = ref::plan_gemm(a.shape, b.shape, at.trans_a != 0, at.trans_b != 0, p);
         if (!why.empty()) return ref.fail(why);
@@ -160,7 +188,7 @@ struct Gemm {
             return ref.fail(std::string("the node attribute residual=") + std::to_string(at.residual) +
                             " but the node " + (res.present ? "has" : "has no") + " residual input");
         }
-        ref::GemmIO<T> io;
+        ref::GemmIO<T, TO> io;
         if (bias.present) {
             why = ref::plan_bias(bias.shape, p, io.bias_m, io.bias_n);
             if (!why.empty()) return ref.fail(why + " (" + operands + ")");
@@ -170,7 +198,7 @@ struct Gemm {
                             shape_str(p.out_shape) + " of " + operands);
         }
         if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
-        T* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
+        TO* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<TO>();
         if (Cuda) {
             GemmArgs args{};
             if (OrtStatus* st = gemm_glue::device_args(ref, p, at.trans_a != 0, at.alpha, bias.present ? at.beta : 1.0f,
@@ -183,12 +211,12 @@ struct Gemm {
         io.a = static_cast<const T*>(a.data);
         io.b = static_cast<const T*>(b.data);
         io.bias = static_cast<const T*>(bias.data);
-        io.residual = static_cast<const T*>(res.data);
+        io.residual = static_cast<const TO*>(res.data);
         io.y = y;
         io.alpha = at.alpha;
         io.beta = at.beta;
         io.act = at.act;
-        ref::gemm<T>(p, io, S::load, S::store);
+        ref::gemm(p, io, S::load, SO::store, SO::load);
         return nullptr;
     }
 };

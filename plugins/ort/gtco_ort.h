@@ -5,7 +5,7 @@
 // calls Ort::InitApi with the API the loading runtime hands over.
 //
 // One fused op type (e.g. Layernorm_f32) is one FusedOp<Family, dtype, cuda> object per execution provider. Its
-// schema is one variadic input of any type and one variadic output of the op's dtype, because nodes of the same op
+// schema is one variadic input of any type and one variadic output of the op's dtype (of any type where a node writes another: FusedOp), because nodes of the same op
 // type can differ in arity (residual or not, affine or not, constants the group swallowed). Which node input plays
 // which role is decided at build time from the node's model-local function and written into the generated node
 // table (NodeSpec); the kernel looks its node up by name once, reads its attributes once (Family::Attrs), and then
@@ -341,12 +341,18 @@ struct FusedKernel {
     }
 };
 
+// any_output_type: the op's outputs are declared of any type, not of D, for an op type one of whose nodes writes
+// another dtype (a half GEMM writing an fp32 graph output). ORT's type inference for custom ops gives up on a
+// variadic output that is not homogeneous, so each node's output type is the one the model declares for it
+// (graph outputs and value_info; the rewritten model records both), and the kernel reads it from its KernelInfo.
 template <class Family, DType D, bool Cuda>
 struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family, D, Cuda>, true> {
     using Kernel = FusedKernel<Family, D, Cuda>;
     std::string name;
+    bool any_output_type = false;
 
-    explicit FusedOp(std::string op_type) : name(std::move(op_type)) {}
+    explicit FusedOp(std::string op_type, bool any_output = false)
+        : name(std::move(op_type)), any_output_type(any_output) {}
 
     OrtStatusPtr CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
         std::string node = "?";
@@ -382,12 +388,14 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family,
     bool GetVariadicInputHomogeneity() const { return false; }
 
     size_t GetOutputTypeCount() const { return 1; }
-    ONNXTensorElementDataType GetOutputType(size_t) const { return Storage<D>::onnx; }
+    ONNXTensorElementDataType GetOutputType(size_t) const {
+        return any_output_type ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : Storage<D>::onnx;
+    }
     OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t) const {
         return OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_VARIADIC;
     }
     int GetVariadicOutputMinArity() const { return 1; }
-    bool GetVariadicOutputHomogeneity() const { return true; }
+    bool GetVariadicOutputHomogeneity() const { return !any_output_type; }
 };
 
 // Attribute readers that return the default when the node lacks the attribute or has another type.
