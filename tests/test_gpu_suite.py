@@ -109,6 +109,55 @@ def test_models_after_the_budget_are_listed_skipped_with_the_reason(tmp_path: Pa
     assert "bert-tiny" in capsys.readouterr().out.splitlines()[-3]
 
 
+def test_resume_keeps_what_finished_and_runs_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A run cut off after its first model: --resume keeps its ok steps and model (not run again) and runs the rest,
+    and OUT/summary.json and OUT/benchmarks.md hold both."""
+    out = tmp_path / "out"
+    first, second = (m.name for m in suite.DRY_RUN_MODELS)
+    ran: list[str] = []
+
+    def fake_model(ctx, spec, share_s):
+        ran.append(spec.name)
+        assert share_s > 0
+        return {"name": spec.name, "label": spec.label, "stands_in_for": spec.stands_in_for,
+                "batches": list(spec.batches), "share_s": share_s, "status": "ok" if spec.name == first else "failed",
+                "reason": "" if spec.name == first else "cut off", "steps": [],
+                "results": [{"batch": b, "status": "ok"} for b in spec.batches]}
+
+    monkeypatch.setattr(suite, "run_model", fake_model)
+    monkeypatch.setattr(suite, "run_kernel_bench", lambda ctx, t, reps: suite.Step("kernel-bench", "ok", "", 1.0))
+    skip = ["--skip", "install,plugin,gpu-tests"]
+    assert suite.main(["--dry-run", "--out", str(out), *skip]) == 1  # the second model failed
+    assert ran == [first, second]
+
+    ran.clear()
+    monkeypatch.setattr(suite, "run_kernel_bench", lambda *a: pytest.fail("kept step run again"))
+    assert suite.main(["--dry-run", "--out", str(out), "--resume", *skip]) == 1
+    assert ran == [second]  # the ok model is kept, the failed one runs again
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["suite"]["resumed_from"]
+    assert [(m["name"], m["status"], m.get("resumed", False)) for m in summary["models"]] == [
+        (first, "ok", True), (second, "failed", False)]
+    steps = {st["name"]: st for st in summary["steps"]}
+    assert steps["kernel-bench"]["status"] == "ok" and steps["kernel-bench"]["resumed"]
+    assert not steps["env"].get("resumed")  # the machine is read again
+    md = (out / "benchmarks.md").read_text()
+    assert first in md and second in md
+    assert "kept from the run of" in capsys.readouterr().out
+
+
+def test_resume_needs_a_run_of_the_same_kind(tmp_path: Path) -> None:
+    assert suite.main(["--dry-run", "--out", str(tmp_path / "none"), "--resume"]) == 2  # nothing to continue
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"suite": {"dry_run": False, "date": "d"}, "steps": [],
+                                                  "models": []}))
+    assert suite.main(["--dry-run", "--out", str(out), "--resume"]) == 2  # a GPU run's OUT, resumed dry
+    (out / "summary.json").write_text("{")
+    assert suite.main(["--dry-run", "--out", str(out), "--resume"]) == 2
+
+
 def test_model_selection_and_bad_arguments(tmp_path: Path) -> None:
     assert [m.name for m in suite.select_models(["bert-base", "vit-b16"], dry_run=False)] == ["vit-b16", "bert-base"]
     with pytest.raises(GtcoError, match="unknown model swin-x"):
