@@ -83,7 +83,7 @@ class OptimizeResult:
     def planned(self) -> Callable[[str], Any]:
         """Each tensor of the written model as the plan knows it (ir.view.TensorInfo, or None): the view's, in the
         dtypes and names of the precision conversion."""
-        return self.conversion.info(self.view.info) if self.conversion is not None else self.view.info
+        return planned_types(self.view, self.conversion)
 
     def shape_of(self) -> Callable[[str], tuple | None]:
         """The shapes of the written model's tensors from the plan (tune.tasks.view_shapes of the view)."""
@@ -91,6 +91,11 @@ class OptimizeResult:
 
         shapes = view_shapes(self.view)
         return self.conversion.shape_of(shapes) if self.conversion is not None else shapes
+
+
+def planned_types(view: GraphView, conversion: Conversion | None) -> Callable[[str], Any]:
+    """Each tensor of a written model as the plan knows it: `view.info`, in the dtypes and names of `conversion`."""
+    return conversion.info(view.info) if conversion is not None else view.info
 
 
 def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str, float]
@@ -251,8 +256,8 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
         st.note = f"{len(view)} -> {len(new_model.graph.node)} nodes"
     from onnx_gtco.plugin.coverage import model_coverage
 
-    planned = conversion.info(view.info) if conversion is not None else view.info
-    device = model_coverage(new_model, planned=planned)  # which fused nodes get kernels: the binders', not compiled
+    # which fused nodes get device kernels: the binders' answer, nothing compiled
+    device = model_coverage(new_model, planned=planned_types(view, conversion))
     t3 = time.perf_counter()
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
                                   loaded.source, device)

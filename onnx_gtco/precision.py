@@ -168,6 +168,18 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
             return numpy_helper.to_array(next(a.t for a in constants[t].attribute if a.name == "value"))
         return None
 
+    def unholdable(t: str) -> bool:
+        """Whether `t` is a small constant (an epsilon, a scale, a mask value) the half type cannot hold."""
+        v = const_value(t) if is_float(t) else None
+        return v is not None and v.size <= SMALL_CONSTANT and not _holds(v, half)
+
+    def half_constant(value_of: str, name: str, node_name: str) -> onnx.NodeProto:
+        """A Constant node `name` holding the value of the constant `value_of` in the half type."""
+        value = const_value(value_of)
+        assert value is not None
+        return helper.make_node("Constant", [], [name], name=node_name,
+                                value=numpy_helper.from_array(to_half(value, half), name))
+
     # 1. Which nodes compute in the half type: None, or why the node stays fp32.
     def keep_reason(n: onnx.NodeProto) -> str | None:
         if n.domain == DOMAIN:  # a fused node of a group that was not fp32 already computes in its own dtype
@@ -184,11 +196,8 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
             return "its output dtype is fixed by an attribute or input"
         if half == TensorProto.BFLOAT16 and n.op_type not in MOVES_DATA:
             return "computes in fp32 in a bf16 model (ONNX Runtime's CPU EP has no bf16 kernel for it)"
-        for t in n.input:
-            v = const_value(t) if is_float(t) else None
-            if v is not None and v.size <= SMALL_CONSTANT and not _holds(v, half):
-                return f"reads a constant {tag} cannot hold ({t})"
-        return None
+        held = [t for t in n.input if unholdable(t)]
+        return f"reads a constant {tag} cannot hold ({held[0]})" if held else None
 
     touches = [any(is_float(t) for t in (*n.input, *n.output)) for n in graph.node]
     low: list[bool] = []
@@ -210,10 +219,8 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
             return TensorProto.FLOAT
         if n.domain == DOMAIN and i not in kernel_inputs(n):
             return TensorProto.FLOAT  # what the kernel does not read (a constant its attributes carry) stays exact
-        v = const_value(n.input[i])  # a fused node's epsilon or mask value its function reads: kept exact
-        if v is not None and v.size <= SMALL_CONSTANT and not _holds(v, half):
-            return TensorProto.FLOAT
-        return half
+        # a fused node's epsilon or mask value its function reads: kept exact
+        return TensorProto.FLOAT if unholdable(n.input[i]) else half
 
     def kernel_inputs(n: onnx.NodeProto) -> frozenset[int]:
         """The inputs a fused node's kernel reads: its roles' (every input of a family without roles)."""
@@ -289,10 +296,7 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
                 new_inits.append(_half_tensor(init, half, name))
                 copies.add(name)
             elif dtype == half and t in constants:
-                value = const_value(t)
-                assert value is not None
-                nodes.append(helper.make_node("Constant", [], [name], name=f"gtco/const/{name}",
-                                              value=numpy_helper.from_array(to_half(value, half), name)))
+                nodes.append(half_constant(t, name, f"gtco/const/{name}"))
             else:
                 nodes.append(helper.make_node("Cast", [t], [name], name=f"gtco/cast/{name}", to=dtype))
                 conv.casts += 1
@@ -304,12 +308,7 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
     used_functions: set[tuple[str, str, str]] = set()
     for n, is_low in zip(graph.node, low, strict=True):
         if n.output and n.output[0] in constants:
-            if home[n.output[0]] == half:
-                value = const_value(n.output[0])
-                assert value is not None
-                n = helper.make_node("Constant", [], [n.output[0]], name=n.name,
-                                     value=numpy_helper.from_array(to_half(value, half), n.output[0]))
-            nodes.append(n)
+            nodes.append(half_constant(n.output[0], n.output[0], n.name) if home[n.output[0]] == half else n)
             continue
         out = onnx.NodeProto()
         out.CopyFrom(n)
