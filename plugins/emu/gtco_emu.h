@@ -417,16 +417,37 @@ inline Coord c_coord(int lane, int i) {  // c0..c3 of the 16x8 C/D
     return {g + (i >= 2 ? 8 : 0), t * 2 + (i & 1)};
 }
 
-// D = A * B + C with 16-bit inputs and fp32 products summed in fp32, k ascending (the hardware's internal order
-// and alignment differ: compare against a reference with a tolerance, not bit for bit).
-template <bool BF16>
-void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+// The warp's operands of one mma, exchanged so that every lane sees all of them: per lane a0..a3, b0, b1, then the
+// bits of c0..c3 (the register counts of m16n8k16 with 16-bit inputs and of m16n8k8 with tf32 alike).
+inline const uint32_t (*mma_exchange(const uint32_t* a, const uint32_t* b, const float* c))[kSlotWords] {
     uint32_t words[10];
     for (int i = 0; i < 4; ++i) words[i] = a[i];
     words[4] = b[0];
     words[5] = b[1];
     for (int i = 0; i < 4; ++i) words[6 + i] = f32_bits(c[i]);
-    const auto* buf = exchange(kMma, words, 10);
+    return exchange(kMma, words, 10);
+}
+
+// This lane's four D = A * B + C elements from the warp's whole A (16 x K) and B (K x 8): fp32 products summed in
+// fp32, k ascending, then this lane's C (from mma_exchange's `buf`) added.
+template <int K>
+void mma_lane_result(float* d, const float (&A)[16][K], const float (&B)[K][8], const uint32_t (*buf)[kSlotWords]) {
+    const int lane = ctx().lane;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const Coord p = c_coord(lane, i);
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k) acc += A[p.row][k] * B[k][p.col];
+        out[i] = acc + bits_f32(buf[lane][6 + i]);
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// D = A * B + C with 16-bit inputs and fp32 products summed in fp32, k ascending (the hardware's internal order
+// and alignment differ: compare against a reference with a tolerance, not bit for bit).
+template <bool BF16>
+void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+    const auto* buf = mma_exchange(a, b, c);
     auto elem = [](uint32_t reg, int i) {
         const auto h = static_cast<uint16_t>(i & 1 ? reg >> 16 : reg & 0xffffu);
         return BF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
@@ -442,15 +463,7 @@ void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c
             B[p.row][p.col] = elem(buf[l][4 + i / 2], i);
         }
     }
-    const int lane = ctx().lane;
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const Coord p = c_coord(lane, i);
-        float acc = 0.0f;
-        for (int k = 0; k < 16; ++k) acc += A[p.row][k] * B[k][p.col];
-        out[i] = acc + bits_f32(buf[lane][6 + i]);
-    }
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
+    mma_lane_result(d, A, B, buf);
 }
 
 // cvt.rna.tf32.f32 (PTX ISA, "cvt"): fp32 rounded to 10 mantissa bits, to nearest with ties away from zero (add
@@ -474,12 +487,7 @@ inline Coord b_coord_tf32(int lane, int i) {  // b0, b1 of the 8x8 B (row = k, c
 // truncated operands, as the hardware would. Products of two tf32 values are exact in fp32; they are summed in
 // fp32, k ascending, then C is added (the hardware's order differs: compare with a tolerance).
 inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
-    uint32_t words[10];
-    for (int i = 0; i < 4; ++i) words[i] = a[i];
-    words[4] = b[0];
-    words[5] = b[1];
-    for (int i = 0; i < 4; ++i) words[6 + i] = f32_bits(c[i]);
-    const auto* buf = exchange(kMma, words, 10);
+    const auto* buf = mma_exchange(a, b, c);
     auto elem = [](uint32_t reg) { return bits_f32(reg & 0xffffe000u); };
     float A[16][8], B[8][8];
     for (int l = 0; l < 32; ++l) {
@@ -492,15 +500,7 @@ inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, con
             B[p.row][p.col] = elem(buf[l][4 + i]);
         }
     }
-    const int lane = ctx().lane;
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const Coord p = c_coord(lane, i);
-        float acc = 0.0f;
-        for (int k = 0; k < 8; ++k) acc += A[p.row][k] * B[k][p.col];
-        out[i] = acc + bits_f32(buf[lane][6 + i]);
-    }
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
+    mma_lane_result(d, A, B, buf);
 }
 
 }  // namespace gtco::emu
