@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
+from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
 from onnx_gtco.models import build
@@ -26,7 +27,7 @@ from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, build_library, sele
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.precision import MOVES_DATA, convert, to_half
 from onnx_gtco.report import summary
-from onnx_gtco.runtime.check import compare, default_tolerances
+from onnx_gtco.runtime.check import compare, default_tolerances, make_inputs
 
 TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2}
 """‖err‖ / ‖ref‖ against the fp32 original (issue acceptance)."""
@@ -40,30 +41,12 @@ SMALL = {
 }
 
 
-def feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for vi in model.graph.input:
-        shape = [d.dim_value if d.HasField("dim_value") else 2 for d in vi.type.tensor_type.shape.dim]
-        if vi.type.tensor_type.elem_type == TensorProto.INT64:
-            out[vi.name] = (np.ones(shape, np.int64) if "mask" in vi.name
-                            else rng.integers(0, 1000, shape).astype(np.int64))
-        else:
-            out[vi.name] = rng.standard_normal(shape).astype(np.float32)
-    return out
-
-
 def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
     so = ort.SessionOptions()
     if lib is not None:
         so.register_custom_ops_library(str(lib))
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)
-
-
-def rel(ref: np.ndarray, got: np.ndarray) -> float:
-    ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
-    return float(np.linalg.norm(got64 - ref64) / np.linalg.norm(ref64))
 
 
 def io_types(model: onnx.ModelProto) -> list[tuple[str, int]]:
@@ -103,10 +86,10 @@ def test_functions_match_fp32_original(converted):
     """Without the library, the fused nodes run their functions (half inputs cast to fp32, the original nodes):
     the rewritten model is the fp32 one up to the rounding of the tensors between nodes."""
     name, precision, original, result = converted
-    x = feeds(original)
+    x = make_inputs(original, 0)
     for ref, got in zip(run(original, x), run(result.model, x), strict=True):
         assert got.dtype == ref.dtype
-        assert rel(ref, got) < TOLERANCE[precision], name
+        assert rel_error(got, ref) < TOLERANCE[precision], name
 
 
 def test_every_fused_node_has_device_instances(converted):
@@ -133,9 +116,9 @@ def test_emulated_kernels_match_fp32_original(precision, tmp_path):
     assert set(lib.cuda_op_types) == {n.op_type for n in result.model.graph.node if n.domain == DOMAIN}
     path = tmp_path / "model.gtco.onnx"
     onnx.save(result.model, str(path))
-    x = feeds(original, seed=1)
+    x = make_inputs(original, 1)
     for ref, got in zip(run(original, x), run(path, x, lib.path), strict=True):
-        assert rel(ref, got) < TOLERANCE[precision]
+        assert rel_error(got, ref) < TOLERANCE[precision]
 
 
 def _vit_head(precision: str = "fp16"):
@@ -161,8 +144,8 @@ def test_gemm_head_writes_fp32_logits():
     onnx.checker.check_model(model, full_check=True)
     rtol, atol, _ = default_tolerances(model)
     assert all(d.ok for d in compare(original, model, "cpu", rtol, atol))
-    x = feeds(original, seed=1)
-    assert rel(run(original, x)[0], run(model, x)[0]) < TOLERANCE["fp16"]
+    x = make_inputs(original, 1)
+    assert rel_error(run(model, x)[0], run(original, x)[0]) < TOLERANCE["fp16"]
 
 
 def test_gemm_head_fp32_logits_on_the_kernels(tmp_path):
@@ -177,14 +160,14 @@ def test_gemm_head_fp32_logits_on_the_kernels(tmp_path):
     assert all(i.problem.flag("out_dtype") is None for n, insts in device.items() if n != head.name for i in insts)
     path = tmp_path / "model.gtco.onnx"
     onnx.save(result.model, str(path))
-    x = feeds(original, seed=1)
+    x = make_inputs(original, 1)
     ref = run(original, x)[0]
     for kind, kwargs in (("cpu", {}), ("emulated", {"emulated": True})):
         (tmp_path / kind).mkdir()
         lib = build_library(result.model, tmp_path / kind, cuda=False, planned=result.planned(), **kwargs)
         assert "Gemm_f16" in lib.op_types
         got = run(path, x, lib.path)[0]
-        assert got.dtype == np.float32 and rel(ref, got) < TOLERANCE["fp16"], kind
+        assert got.dtype == np.float32 and rel_error(got, ref) < TOLERANCE["fp16"], kind
 
 
 @pytest.mark.nvcc
@@ -262,7 +245,7 @@ def test_block_list_statistics_and_shared_weights():
     onnx.checker.check_model(conv.model, full_check=True)
     assert io_types(conv.model) == io_types(m)
     x = {"x": np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)}
-    assert rel(run(m, x)[0], run(conv.model, x)[0]) < 5e-3
+    assert rel_error(run(conv.model, x)[0], run(m, x)[0]) < 5e-3
 
 
 def test_to_half_rounds_and_clamps():
