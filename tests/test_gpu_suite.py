@@ -349,3 +349,25 @@ def test_dry_run_writes_every_file_with_every_model_and_step(tmp_path: Path,
     assert last[-1].startswith("files: ") and last[-2].startswith("steps: env ok | install ok | plugin ok")
     assert [ln.split()[:3] for ln in last[-5:-2]] == [["vit-tiny", "1", "ok"], ["vit-tiny", "2", "ok"],
                                                       ["bert-tiny", "1", "ok"]]
+
+
+def test_a_gpu_run_optimizes_the_fp32_model_with_precision_fp16(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the suite hands optimize the fp32 model as users export it (the conversion to half is optimize's
+    --precision fp16), never a model it converted to fp16 itself; the bench times that same original."""
+    commands: dict[str, list[str]] = {}
+
+    def fake_run(name, cmd, **kwargs):
+        commands[name] = list(cmd)
+        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
+
+    monkeypatch.setattr(suite, "run_command", fake_run)
+    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
+    spec = suite.ModelSpec("vit-b16", "ViT-B/16", batches=(8,), builtin="vit-b16")
+    rec = suite.run_model(ctx, spec, 60.0)
+    prepare, optimize, bench = (commands[f"vit-b16.b8: {w}"] for w in ("prepare", "optimize", "bench"))
+    written = json.loads(prepare[-1])["path"]
+    assert optimize[3:5] == ["optimize", written] and bench[3:5] == ["bench", written]
+    assert optimize[optimize.index("--precision") + 1] == "fp16" and "--cuda" in optimize
+    assert not any("fp16.onnx" in part for cmd in commands.values() for part in cmd)
+    assert rec["results"][0]["reason"] == "bench: stop here"
