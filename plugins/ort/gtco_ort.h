@@ -363,7 +363,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family,
                 return make_status(ORT_INVALID_GRAPH,
                                    name + " node '" + node + "' is not a node this gtco library was built for "
                                    "(rebuild it for this model with onnx_gtco.plugin.library.build_library, or set the "
-                                   "session config entry gtco.register=0 to run the model-local functions)");
+                                   "session config entry gtco.register=none to run the model-local functions)");
             }
             *kernel = new Kernel(info, name, spec);
             return nullptr;

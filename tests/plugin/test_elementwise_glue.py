@@ -109,7 +109,7 @@ def feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "1",
+def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "all",
             profile: Path | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.add_session_config_entry("gtco.register", register)
