@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import onnx
 
-from onnx_gtco.errors import LibraryError, first_line
-from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries
+from onnx_gtco.errors import CudaProviderError, LibraryError, first_line
+from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries, require_cuda_ep
 
 METADATA_KEY = "gtco.library"
 REGISTER_KEY = "gtco.register"
@@ -70,13 +70,20 @@ def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None =
 
     Raises:
         LibraryError: the library is wanted but the metadata names none, or the file is missing or fails to load.
+        CudaProviderError: `providers` asks for the CUDA EP and this onnxruntime has none, or ORT could not create
+            it for the session (never a silent CPU session).
     """
     import onnxruntime as ort
 
     available = ort.get_available_providers()
     if providers is None:
         providers = [p for p in (CUDA_EP, "CPUExecutionProvider") if p in available]
-    if CUDA_EP in _provider_names(providers):
+    cuda = CUDA_EP in _provider_names(providers)
+    if cuda and CUDA_EP not in available:
+        raise CudaProviderError(f"{path}: {CUDA_EP} was asked for, but this onnxruntime ({ort.__version__}) has "
+                                f"none (it has {', '.join(available)}): install onnxruntime-gpu, or ask for "
+                                "CPUExecutionProvider")
+    if cuda:
         load_cuda_libraries()
     so = sess_options if sess_options is not None else ort.SessionOptions()
     if _wants_library(library, providers, available):
@@ -95,4 +102,5 @@ def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None =
                 so.register_custom_ops_library(str(lib))
             except Exception as e:  # ORT raises its own types
                 raise LibraryError(f"{lib}: onnxruntime cannot load the library: {first_line(e)}") from None
-    return ort.InferenceSession(str(path), so, providers=list(providers))
+    session = ort.InferenceSession(str(path), so, providers=list(providers))
+    return require_cuda_ep(session, str(path)) if cuda else session
