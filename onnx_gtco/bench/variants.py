@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,12 +188,33 @@ def _ort_transformers_fp16(ctx: Context) -> tuple[Timed, str]:
                    f"{_fusions_note(opt.model, ctx)}")
 
 
+def require_placement(ctx: Context, path: Path) -> None:
+    """On "cuda": one profiled run of the rewritten model at `path`, made as it is timed (library "auto", CUDA graphs
+    off, since a replay has no per-node events), before anything is timed: every fused node ran on the CUDA EP.
+
+    Raises:
+        CudaProviderError: the session has no CUDA EP, or a fused node ran elsewhere (named).
+    """
+    from onnx_gtco.runtime.cuda_ep import profile_events, profiled_options, require_fused_on_cuda
+    from onnx_gtco.runtime.session import make_session
+
+    if ctx.provider != "cuda":
+        return
+    with tempfile.TemporaryDirectory(prefix="gtco-bench-") as tmp:
+        session = make_session(path, ep_list(ctx.provider, False), library="auto",
+                               sess_options=profiled_options(session_options(), tmp))
+        session.run(None, ctx.feeds)
+        model = onnx.load(str(path), load_external_data=False)
+        require_fused_on_cuda(model, profile_events(session), f"{OURS} {path.name}")
+
+
 def _gtco(ctx: Context) -> tuple[Timed, str]:
     from onnx_gtco.config import GtcoConfig
     from onnx_gtco.pipeline import optimize_file
     from onnx_gtco.runtime.session import make_session
 
     if ctx.rewritten is not None:
+        require_placement(ctx, ctx.rewritten)
         timed = ctx.time(lambda cg: make_session(ctx.rewritten, ep_list(ctx.provider, cg), library="auto",
                                                  sess_options=session_options()))
         return timed, f"the given rewritten model {ctx.rewritten.name}"
@@ -200,6 +222,7 @@ def _gtco(ctx: Context) -> tuple[Timed, str]:
     config = GtcoConfig.from_env(target=ctx.target, precision=ctx.precision)
     result, out, _ = optimize_file(src, ctx.workdir / "model.gtco.onnx", ctx.workdir / "model.gtco.report.json",
                                    config, build="auto" if ctx.provider == "cuda" else None)
+    require_placement(ctx, out)
     timed = ctx.time(lambda cg: make_session(out, ep_list(ctx.provider, cg), library="auto",
                                              sess_options=session_options()))
     rep = result.report

@@ -109,7 +109,7 @@ def feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "1",
+def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "all",
             profile: Path | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.add_session_config_entry("gtco.register", register)
@@ -150,7 +150,7 @@ def test_cpu_kernel_matches_function(name: str, cpu_libs, tmp_path: Path) -> Non
     assert not lib.skipped(), lib.skipped()
     for seed in (0, 1, 2):
         x = feeds(rewritten, seed)
-        want = session(rewritten, register="0").run(None, x)  # the model-local function
+        want = session(rewritten, register="none").run(None, x)  # the model-local function
         got = session(rewritten, lib.path).run(None, x)
         assert len(got) == len(want)
         for w, g in zip(want, got, strict=True):
@@ -159,7 +159,7 @@ def test_cpu_kernel_matches_function(name: str, cpu_libs, tmp_path: Path) -> Non
     sess = session(rewritten, lib.path, profile=tmp_path)
     sess.run(None, feeds(rewritten, 0))
     assert "Elementwise_f32" in ran_ops(sess)  # the custom op ran (a registered op type hides the function)
-    sess = session(rewritten, lib.path, register="0", profile=tmp_path)
+    sess = session(rewritten, lib.path, register="none", profile=tmp_path)
     sess.run(None, feeds(rewritten, 0))
     assert "Elementwise_f32" not in ran_ops(sess)  # the function's own ops ran
 
@@ -205,7 +205,7 @@ def test_nodes_of_one_program_share_its_host_function(tmp_path: Path) -> None:
     assert source.count("static const gtco::ElementwiseNode gtco_elementwise_node_") == 2
     lib = build_library(rewritten, tmp_path, cuda=False)
     x = feeds(rewritten, 0)
-    want = session(rewritten, register="0").run(None, x)
+    want = session(rewritten, register="none").run(None, x)
     for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -257,7 +257,7 @@ def test_cuda_build_compiles_the_instances_and_runs_the_host_function_on_cpu(tmp
         for r in k["kernels"]:
             assert r["spill_store_bytes"] == 0 and r["stack_frame_bytes"] == 0, k
     x = {k: v.astype(np.float16) for k, v in feeds(rewritten, 0).items()}
-    want = session(rewritten, register="0").run(None, x)
+    want = session(rewritten, register="none").run(None, x)
     for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=2e-3, atol=2e-3)
 
