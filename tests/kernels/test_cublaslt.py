@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -89,7 +90,7 @@ def test_inexpressible_groups_are_refused_with_the_reason(problem: Problem, reas
     why = cublaslt.describe(problem)
     assert isinstance(why, str)
     assert reason in why
-    with pytest.raises(ValueError, match="cuBLASLt|not gemm|lacks|dtype|out_dtype|trans_a|head_split"):
+    with pytest.raises(ValueError, match=re.escape(why)):
         cublaslt.instance(problem, 0, "sm_90")
 
 
