@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_gtco.config import TARGETS
-from onnx_gtco.kernels.family import Instance, Problem, from_storage, tf32_round
+from onnx_gtco.kernels.family import ARCHS, Instance, Problem, from_storage, tf32_round
 from onnx_gtco.patterns.activation import REFERENCE
 
 IMPL = "cublaslt"
@@ -122,6 +122,18 @@ def unsupported(problem: Problem) -> str | None:
     if min(batch, m, n, k) < 1:
         return f"sizes must be positive (batch={batch}, M={m}, N={n}, K={k})"
     return None
+
+
+def check(problem: Problem, config: Mapping[str, object], arch: str) -> str | None:
+    """GemmFamily.check for a configuration with impl "cublaslt": why it cannot run `problem` on `arch`, or None."""
+    if arch not in ARCHS:
+        return f"arch {arch!r}: choose one of {ARCHS}"
+    extra = sorted(set(config) - {"impl", "RANK"})
+    if extra:
+        return f"a cuBLASLt configuration takes impl and RANK only, not {', '.join(extra)}"
+    if config.get("RANK") not in RANKS:
+        return f"RANK={config.get('RANK')} is outside {RANKS}"
+    return unsupported(problem)
 
 
 def describe(problem: Problem) -> LtMatmul | str:
@@ -252,5 +264,5 @@ def estimate_us(problem: Problem, arch: str, launch_us: float) -> float:
     return max(flops / (peak * 1e6), moved / (t.dram_gbps * 1e3)) / EFFICIENCY + launch_us
 
 
-__all__ = ["EFFICIENCY", "IMPL", "RANKS", "LtMatmul", "describe", "emulate", "emulate_problem", "estimate_us",
+__all__ = ["EFFICIENCY", "IMPL", "RANKS", "LtMatmul", "check", "describe", "emulate", "emulate_problem", "estimate_us",
            "instance", "unsupported"]
