@@ -67,6 +67,16 @@ def installed_include_dir() -> Path | None:
     return header.parent if header.is_file() else None
 
 
+def installed_library() -> Path | None:
+    """The installed nvidia-cublas wheel's libcublasLt.so.<major>, or None (a process without ONNX Runtime's CUDA EP,
+    such as the GPU measurer's, loads it from there before calling a cuBLASLt instance)."""
+    include = installed_include_dir()
+    if include is None:
+        return None
+    found = sorted((include.parent / "lib").glob("libcublasLt.so.*"))
+    return found[0] if found else None
+
+
 def unpack_headers(wheel: Path, target: Path) -> Path:
     """The wheel's `nvidia/cu13/include/*.h` into `target` (created through a temporary sibling, so it is complete
     or absent); returns target.
@@ -117,4 +127,5 @@ def _fill(target: Path) -> Path:
         return unpack_headers(wheels[0], target)
 
 
-__all__ = ["ENV", "HEADER", "PACKAGE", "VERSION", "cublaslt_include_dir", "installed_include_dir", "unpack_headers"]
+__all__ = ["ENV", "HEADER", "PACKAGE", "VERSION", "cublaslt_include_dir", "installed_include_dir", "installed_library",
+           "unpack_headers"]

@@ -31,11 +31,10 @@ PROBLEMS = [
     gemm_problem("f32", 2, 8, 24, 16, bias=True, activation="gelu_tanh"),
 ]
 
-# what the test library exports beside the instances: the dlsym table's error and the thread's last error
+# what the test library exports beside the instances (and their gtco_cublaslt_error): the dlsym table's error
 _PROBE = """
 #include "gtco/cublaslt.h"
 GTCO_EXPORT const char* gtco_test_api_error() { return gtco::lt::api().error.c_str(); }
-GTCO_EXPORT const char* gtco_test_last_error() { return gtco::lt::last_error().c_str(); }
 """
 
 _CALL = """
@@ -48,7 +47,7 @@ class GemmArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("a", "b", "bias", "residual", "y")] + [
         (n, ctypes.c_int64) for n in ("batch", "m", "n", "k", "stride_a", "stride_b", "stride_y")] + [
         ("alpha", ctypes.c_float)]
-for f in ("gtco_test_api_error", "gtco_test_last_error"):
+for f in ("gtco_test_api_error", "gtco_cublaslt_error"):
     getattr(lib, f).restype = ctypes.c_char_p
 api_error = lib.gtco_test_api_error().decode()
 rc = None
@@ -57,7 +56,7 @@ if not preload:  # without the library nothing touches the device: the call fail
     p = ctypes.cast(buf, ctypes.c_void_p)
     args = GemmArgs(p, p, p, None, p, 1, 64, 128, 32, 64 * 32, 0, 64 * 128, 1.0)
     rc = getattr(lib, symbol)(ctypes.byref(args), None)
-print(json.dumps({"api_error": api_error, "rc": rc, "last_error": lib.gtco_test_last_error().decode()}))
+print(json.dumps({"api_error": api_error, "rc": rc, "last_error": lib.gtco_cublaslt_error().decode()}))
 """
 
 

@@ -269,3 +269,10 @@ inline int run(const Spec& s, const GemmArgs& a, void* stream) {
 
 }  // namespace lt
 }  // namespace gtco
+
+// The reason this thread's last cuBLASLt instance call failed ("" after a success), for callers that see the
+// instances only through their C entry points (the GPU measurer). Weak: every instance's object defines it (an
+// inline one would be emitted by none, being unused there) and the link keeps one.
+extern "C" __attribute__((weak, visibility("default"))) const char* gtco_cublaslt_error() {
+    return gtco::lt::last_error().c_str();
+}
