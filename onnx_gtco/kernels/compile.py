@@ -20,6 +20,8 @@ from pathlib import Path
 
 from onnx_gtco import progress
 from onnx_gtco.errors import BuildError
+from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
+from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
@@ -68,8 +70,9 @@ def describe(instance: Instance) -> str:
 
 
 def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> None:
-    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance`."""
-    if not kernels:
+    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance` (a cuBLASLt instance
+    is host code calling the library's kernels: it has none of its own)."""
+    if not kernels and instance.config.get("impl") != CUBLASLT:
         raise BuildError(f"{describe(instance)} for {instance.arch}: ptxas reported no kernel")
     for k in kernels:
         if k.spills or k.stack_frame_bytes:
@@ -77,6 +80,13 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
                 f"{describe(instance)} for {instance.arch}: ptxas reports {k.registers} registers, "
                 f"{k.stack_frame_bytes} B stack frame, {k.spill_store_bytes} B spill stores, "
                 f"{k.spill_load_bytes} B spill loads; this configuration must not be used")
+
+
+def include_dirs(instance: Instance) -> list[Path]:
+    """plugins/include, and for a cuBLASLt instance the folder of cublasLt.h (fetched on first use)."""
+    if instance.config.get("impl") == CUBLASLT:
+        return [INCLUDE_DIR, cublaslt_include_dir()]
+    return [INCLUDE_DIR]
 
 
 def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | None = None,
@@ -97,7 +107,7 @@ def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | Non
         src.write_text(instance.source)
         tmp_obj = Path(tmp) / "kernel.o"
         try:
-            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=[INCLUDE_DIR], extra=flags)
+            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=include_dirs(instance), extra=flags)
         except BuildError as e:
             raise BuildError(f"{describe(instance)} for {instance.arch}: {e}") from None
         kernels = tuple(parse_ptxas(result.stderr))

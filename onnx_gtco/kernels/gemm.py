@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from onnx_gtco.config import TARGETS
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.family import (
     ARCHS,
     Config,
@@ -110,8 +111,18 @@ class GemmFamily(KernelFamily):
     optional: Mapping[str, int] = {"VEC": 1}
     """Parameters a config may leave out, with their defaults."""
 
+    impls: tuple[str, ...] = ("mma", cublaslt.IMPL)
+    """Implementations a configuration's "impl" names (absent: "mma", these generated kernels); another one's
+    configuration carries its own parameters and is checked and instantiated by its module."""
+
     # ---------------------------------------------------------------------------------------------------------
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
+        impl = config.get("impl", "mma")
+        if impl == cublaslt.IMPL:
+            return cublaslt.check(problem, config, arch)
+        if impl not in self.impls:
+            return f"impl {impl!r}: choose one of {self.impls}"
+        config = {k: v for k, v in config.items() if k != "impl"}
         if problem.family != self.name:
             return f"problem is for family {problem.family!r}, not {self.name!r}"
         if arch not in ARCHS:
@@ -217,6 +228,8 @@ class GemmFamily(KernelFamily):
         why = self.check(problem, config, arch)
         if why is not None:
             raise ValueError(why)
+        if config.get("impl") == cublaslt.IMPL:
+            return cublaslt.instance(problem, int(config["RANK"]), arch)
         trans_b, bias, act, res = _flags(problem)
         name = self.instance_name(problem, config, arch)
         symbol = f"gtco_{name}"

@@ -452,6 +452,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     nodes = fused_nodes(model, planned)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
+    if emulated and tuned:  # the emulation runs the generated kernels only: a library's configuration gives way
+        tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") == "mma"} for n, per in tuned.items()}
     device, kernel_skips = select_device(nodes, results, archs, tuned) if archs else ({}, {})
     dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch)
     source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic)

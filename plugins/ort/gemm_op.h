@@ -18,10 +18,12 @@
 // plan below. It takes what the reference takes except: a transposed A, a beta other than 1, a bias other
 // than a row of N, and batch dims that do not step A and B by one stride each (a broadcast inner batch dim); those
 // are run-time errors naming the shapes (the build gives such nodes no instance where it can tell). A Qkv node
-// launches the one instance once per projection, with that projection's N.
+// launches the one instance once per projection, with that projection's N. The instance may be a cuBLASLt one
+// (gtco/cublaslt.h, the same entry-point ABI); gemm_glue::run_gemm then reports cuBLASLt's reason for a failure.
 #pragma once
 
 #include "gemm_ref.h"
+#include "gtco/cublaslt_shape.h"
 #include "gtco_ort.h"
 
 namespace gtco {
@@ -89,6 +91,18 @@ inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool t
     args.stride_y = p.m * p.n;
     args.alpha = alpha;
     return nullptr;
+}
+
+// run_instance, and where the node's chosen implementation is cuBLASLt (gtco/cublaslt.h) the reason it gave when
+// it could not run (libcublasLt absent, no algorithm of the chosen rank, a first call under graph capture).
+inline OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs& args,
+                           const std::string& operands) {
+    if (!lt::is_instance(ref.fn_name)) return run_instance(ctx, ref, args, operands);
+    lt::last_error().clear();
+    OrtStatus* st = run_instance(ctx, ref, args, operands);
+    if (st == nullptr || lt::last_error().empty()) return st;
+    Ort::GetApi().ReleaseStatus(st);
+    return ref.fail("cuBLASLt instance " + ref.fn_name + " on " + operands + ": " + lt::last_error(), ORT_FAIL);
 }
 
 }  // namespace gemm_glue
@@ -209,7 +223,7 @@ struct Gemm {
                 return st;
             }
             args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data, args.y = y;
-            return run_instance(ctx, ref, args, operands);
+            return gemm_glue::run_gemm(ctx, ref, args, operands);
         }
         io.a = static_cast<const T*>(a.data);
         io.b = static_cast<const T*>(b.data);
@@ -321,7 +335,7 @@ struct Qkv {
                     return st;
                 }
                 args.a = a.data, args.b = w[i].data, args.bias = bias[i].data, args.y = y[i];
-                if (OrtStatus* st = run_instance(ctx, ref, args, operands)) return st;
+                if (OrtStatus* st = gemm_glue::run_gemm(ctx, ref, args, operands)) return st;
             }
             return nullptr;
         }
