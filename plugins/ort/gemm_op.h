@@ -95,14 +95,14 @@ inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool t
 
 // run_instance, and where the node's chosen implementation is cuBLASLt (gtco/cublaslt.h) the reason it gave when
 // it could not run (libcublasLt absent, no algorithm of the chosen rank, a first call under graph capture).
-inline OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs& args,
-                           const std::string& operands) {
+template <class Describe>
+OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs& args, const Describe& operands) {
     if (!lt::is_instance(ref.fn_name)) return run_instance(ctx, ref, args, operands);
     lt::last_error().clear();
     OrtStatus* st = run_instance(ctx, ref, args, operands);
     if (st == nullptr || lt::last_error().empty()) return st;
     Ort::GetApi().ReleaseStatus(st);
-    return ref.fail("cuBLASLt instance " + ref.fn_name + " on " + operands + ": " + lt::last_error(), ORT_FAIL);
+    return ref.fail("cuBLASLt instance " + ref.fn_name + " on " + operands() + ": " + lt::last_error(), ORT_FAIL);
 }
 
 }  // namespace gemm_glue
