@@ -26,6 +26,7 @@ from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
 from onnx_gtco.kernels.toolchain import cache_root, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
+TIMEOUT_S = 600.0  # one instance over a library's headers (CUTLASS) takes 30-40 s of one core on an idle machine
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
 def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | None = None,
                      flags: Sequence[str] = NVCC_FLAGS) -> CompiledInstance:
     """nvcc -Xptxas -v one instance into a cached object; BuildError on a compile error, spill or stack frame."""
-    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, headers_digest()]).encode())
+    flags = (*flags, *instance.nvcc_flags)
+    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, *instance.include_dirs,
+                                    headers_digest()]).encode())
     out = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
     entry = out / f"{instance.name}.{key.hexdigest()[:16]}"
     obj, report = entry.with_suffix(".o"), entry.with_suffix(".ptxas.json")
@@ -97,7 +100,8 @@ def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | Non
         src.write_text(instance.source)
         tmp_obj = Path(tmp) / "kernel.o"
         try:
-            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=[INCLUDE_DIR], extra=flags)
+            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=[INCLUDE_DIR, *instance.include_dirs],
+                                  extra=flags, timeout_s=TIMEOUT_S)
         except BuildError as e:
             raise BuildError(f"{describe(instance)} for {instance.arch}: {e}") from None
         kernels = tuple(parse_ptxas(result.stderr))
