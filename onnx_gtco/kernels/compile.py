@@ -26,7 +26,7 @@ from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
 from onnx_gtco.kernels.toolchain import cache_root, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
-TIMEOUT_S = 1200.0  # one instance over CUTLASS headers takes about 60 s of one core, several times that on a busy machine
+TIMEOUT_S = 1200.0  # a CUTLASS instance takes about 60 s of one core, several times that on a busy machine
 
 
 @dataclass(frozen=True)
