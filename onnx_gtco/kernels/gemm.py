@@ -186,10 +186,10 @@ class GemmFamily(KernelFamily):
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU; on sm_90a the
         CUTLASS instances."""
-        impls = [importlib.import_module(m) for m in IMPLS.values()]
-        if any(m.ARCH == arch for m in impls):
-            return [{"impl": m.__name__.rsplit(".", 1)[1], **c} for m in impls if m.ARCH == arch
-                    for c in m.configs(problem, arch)]
+        own = [(impl, module) for impl, module in ((i, importlib.import_module(m)) for i, m in IMPLS.items())
+               if module.ARCH == arch]
+        if own:
+            return [{"impl": impl, **c} for impl, module in own for c in module.configs(problem, arch)]
         if arch not in ARCHS:
             return []  # check rejects every configuration for it
         big = [
