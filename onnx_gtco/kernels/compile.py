@@ -28,6 +28,7 @@ from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
 from onnx_gtco.kernels.toolchain import cache_root, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
+TIMEOUT_S = 1200.0  # a CUTLASS instance takes about 60 s of one core, several times that on a busy machine
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,20 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
 
 
 def include_dirs(instance: Instance) -> list[Path]:
-    """plugins/include, and for a cuBLASLt instance the folder of cublasLt.h (fetched on first use)."""
+    """plugins/include, the instance's own include folders (a library's headers, e.g. CUTLASS's), and for a cuBLASLt
+    instance the folder of cublasLt.h (fetched on first use)."""
+    own = [INCLUDE_DIR, *map(Path, instance.include_dirs)]
     if instance.config.get("impl") == CUBLASLT:
-        return [INCLUDE_DIR, cublaslt_include_dir()]
-    return [INCLUDE_DIR]
+        return [*own, cublaslt_include_dir()]
+    return own
 
 
 def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | None = None,
                      flags: Sequence[str] = NVCC_FLAGS) -> CompiledInstance:
     """nvcc -Xptxas -v one instance into a cached object; BuildError on a compile error, spill or stack frame."""
-    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, headers_digest()]).encode())
+    flags = (*flags, *instance.nvcc_flags)
+    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, *instance.include_dirs,
+                                    headers_digest()]).encode())
     out = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
     entry = out / f"{instance.name}.{key.hexdigest()[:16]}"
     obj, report = entry.with_suffix(".o"), entry.with_suffix(".ptxas.json")
@@ -107,7 +112,8 @@ def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | Non
         src.write_text(instance.source)
         tmp_obj = Path(tmp) / "kernel.o"
         try:
-            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=include_dirs(instance), extra=flags)
+            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=include_dirs(instance), extra=flags,
+                                  timeout_s=TIMEOUT_S)
         except BuildError as e:
             raise BuildError(f"{describe(instance)} for {instance.arch}: {e}") from None
         kernels = tuple(parse_ptxas(result.stderr))

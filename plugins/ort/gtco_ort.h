@@ -90,11 +90,13 @@ constexpr int kMaxRoles = 8;
 using InstanceFn = int (*)(const void* args, void* stream);
 
 // Instances per GPU generation: slot 0 is built for sm_80 and runs on every 8.x GPU (A100, A10, L4, L40, ...),
-// slot 1 for sm_90 (H100, H200). Other generations have no instance (-1).
-constexpr int kArchSlots = 2;
+// slot 1 for sm_90 (9.x), slot 2 for sm_90a, the arch-specific code (wgmma) that runs on 9.0 only (H100, H200); a
+// node without sm_90a code of its own has its sm_90 instance there. Other generations have no instance (-1).
+constexpr int kArchSlots = 3;
 inline int arch_slot(int cc) {
     if (cc >= 80 && cc < 90) return 0;
-    if (cc >= 90 && cc < 100) return 1;
+    if (cc == 90) return 2;
+    if (cc > 90 && cc < 100) return 1;
     return -1;
 }
 
