@@ -23,10 +23,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from onnx_gtco.config import CUBLASLT_INCLUDE_ENV, cublaslt_include_override
 from onnx_gtco.errors import HeaderError
 from onnx_gtco.kernels.toolchain import cache_root
 
-ENV = "GTCO_CUBLASLT_INCLUDE"
+ENV = CUBLASLT_INCLUDE_ENV
 HEADER = "cublasLt.h"
 PACKAGE = "nvidia-cublas"
 VERSION = "13.1.1.3"
@@ -41,7 +42,7 @@ def cublaslt_include_dir() -> Path:
         HeaderError: $GTCO_CUBLASLT_INCLUDE lacks the header, or the download / unpacking failed (the message
             names the step and how to work around it).
     """
-    override = os.environ.get(ENV)
+    override = cublaslt_include_override()
     if override:
         d = Path(override)
         if not (d / HEADER).is_file():
