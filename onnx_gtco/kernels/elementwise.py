@@ -18,6 +18,11 @@ A program (`Program`, hashable) is what the group computes:
   kernel; booleans (bool inputs, comparisons, Not / And / Or / Xor, Cast to bool) are 1.0 / 0.0, and Where takes
   any nonzero condition as true.
 * outputs: (tensor name, ref); every output has the iteration shape and the kernel dtype.
+* layouts: one per input (or none at all): None for a tensor read as it is (broadcast by its shape), else
+  (source shape, element strides, base): the input is a view of a tensor of the source shape, element
+  (i0, i1, ...) of the view at source element base + sum(i_k * strides_k). Layout ops on a group input
+  (Transpose, Slice with positive steps, Reshape of such a view where it stays a view, all-zero Pad) are folded
+  into its load this way: the index map of the chain, computed per element.
 
 Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flags program (instrs), inputs
 ((shape, kind) per input), outputs (refs). Arrays are named x0, x1, ... and y0, y1, ...
@@ -73,6 +78,7 @@ _COMPARE = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "Gr
 
 Ref = tuple[str, Any]
 Instr = tuple[str, tuple[Ref, ...], Any]
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # (source shape, element strides over the view, base)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class Program:
     inputs: tuple[tuple[str, tuple[int, ...], str], ...]
     instrs: tuple[Instr, ...]
     outputs: tuple[tuple[str, Ref], ...]
+    layouts: tuple[Layout | None, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,16 +94,32 @@ class Program:
 
     def problem(self, dtype: str) -> Problem:
         return elementwise_problem(dtype, self.shape, self.instrs, tuple(
-            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs))
+            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs), self.layouts)
 
 
 def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr],
-                        inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref]) -> Problem:
-    """The Problem of a program over the iteration `shape` (see the module doc for the encoding)."""
-    return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, {
-        "program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
-        "inputs": tuple((tuple(int(d) for d in s), k) for s, k in inputs),
-        "outputs": tuple(tuple(r) for r in outputs)})
+                        inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref],
+                        layouts: Sequence[Layout | None] = ()) -> Problem:
+    """The Problem of a program over the iteration `shape` (see the module doc for the encoding). The flag `layouts`
+    is there only when some input is a view, so programs without one keep their problem (and instance names)."""
+    flags = {"program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
+             "inputs": tuple((tuple(int(d) for d in s), k) for s, k in inputs),
+             "outputs": tuple(tuple(r) for r in outputs)}
+    if any(lay is not None for lay in layouts):
+        flags["layouts"] = tuple(None if lay is None else (tuple(int(d) for d in lay[0]), tuple(int(d) for d in lay[1]),
+                                                           int(lay[2])) for lay in layouts)
+    return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, flags)
+
+
+def input_layouts(problem: Problem) -> tuple[Layout | None, ...]:
+    """The layout of every input of `problem` (None: read as it is)."""
+    return problem.flag("layouts") or (None,) * len(problem.flag("inputs"))
+
+
+def source_shape(problem: Problem, i: int) -> tuple[int, ...]:
+    """The shape of the tensor input i reads: its own shape, or the source shape of its view."""
+    lay = input_layouts(problem)[i]
+    return tuple(problem.flag("inputs")[i][0]) if lay is None else tuple(lay[0])
 
 
 def iteration_shape(problem: Problem) -> tuple[int, ...]:
@@ -132,6 +155,8 @@ def _validate(problem: Problem) -> str | None:
             return f"input {i} shape {s} does not broadcast to {shape}"
     if tuple(np.broadcast_shapes(*(s for s, _ in inputs))) != shape:
         return f"the inputs broadcast to {np.broadcast_shapes(*(s for s, _ in inputs))}, not {shape}"
+    if why := _bad_layouts(problem.flag("layouts"), inputs):
+        return why
 
     def bad_ref(r: Ref, j: int) -> str | None:
         if (r[0] == "x" and 0 <= r[1] < len(inputs)) or (r[0] == "t" and 0 <= r[1] < j) or r[0] == "c":
@@ -160,18 +185,45 @@ def _validate(problem: Problem) -> str | None:
     return None
 
 
-def collapse(shape: Sequence[int], in_shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+def _bad_layouts(layouts: Any, inputs: Sequence[tuple[Sequence[int], str]]) -> str | None:
+    """Why the `layouts` flag does not describe views of the inputs, or None."""
+    if layouts is None:
+        return None
+    if len(layouts) != len(inputs):
+        return f"{len(layouts)} layouts for {len(inputs)} inputs"
+    for i, (lay, (s, _)) in enumerate(zip(layouts, inputs, strict=True)):
+        if lay is None:
+            continue
+        src, strides, base = lay
+        if len(strides) != len(s) or any(st < 0 for st in strides) or base < 0:
+            return f"input {i}: strides {strides} and base {base} are not non-negative strides of its shape {s}"
+        last = base + sum((d - 1) * st for d, st in zip(s, strides, strict=True))
+        if last >= math.prod(src):
+            return f"input {i}: its view reads element {last} of a source {tuple(src)} of {math.prod(src)} elements"
+    return None
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a dense row-major tensor of `shape`."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= int(d)
+    return tuple(out[::-1])
+
+
+def collapse(shape: Sequence[int], in_shapes: Sequence[Sequence[int]],
+             in_strides: Sequence[Sequence[int] | None] = ()) -> tuple[list[int], list[list[int]]]:
     """Collapsed iteration dims and each input's element strides over them (0 = broadcast), merging neighbours
-    every input walks contiguously (or broadcasts over together) and dropping dims of 1."""
+    every input walks contiguously (or broadcasts over together) and dropping dims of 1. `in_strides`: an input's
+    own element strides over its shape where it is a view (None or absent: dense)."""
     r = len(shape)
     strides = []
-    for s in in_shapes:
+    for k, s in enumerate(in_shapes):
+        own = in_strides[k] if k < len(in_strides) and in_strides[k] is not None else contiguous_strides(s)
+        own = (0,) * (r - len(s)) + tuple(own)
         s = (1,) * (r - len(s)) + tuple(s)
-        st, acc = [], 1
-        for d in reversed(range(r)):
-            st.append(acc if s[d] == shape[d] and shape[d] != 1 else 0)
-            acc *= s[d]
-        strides.append(st[::-1])
+        strides.append([own[d] if s[d] == shape[d] and shape[d] != 1 else 0 for d in range(r)])
     dims = [d for d in range(r) if shape[d] != 1]
     D = [int(shape[d]) for d in dims]
     S = [[st[d] for d in dims] for st in strides]
@@ -251,13 +303,15 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     outputs, and the instructions listed for a comment."""
     instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
     shape = iteration_shape(problem)
-    dims, strides = collapse(shape, [s for s, _ in inputs])
+    layouts = input_layouts(problem)
+    dims, strides = collapse(shape, [s for s, _ in inputs], [None if lay is None else lay[1] for lay in layouts])
 
     def value(r: Ref) -> str:
         return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
 
     return {"storage": storage, "shape": shape, "dims": dims,
-            "inputs": [{"type": KINDS[k] or "T", "strides": st} for (_, k), st in zip(inputs, strides, strict=True)],
+            "inputs": [{"type": KINDS[k] or "T", "strides": st, "base": 0 if lay is None else lay[2]}
+                       for (_, k), st, lay in zip(inputs, strides, layouts, strict=True)],
             "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
             "outputs": [value(r) for r in outputs],
             "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
@@ -310,7 +364,8 @@ class ElementwiseFamily(KernelFamily):
         threads, vec = int(config["THREADS"]), int(config["VEC"])
         instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
         n = int(np.prod(iteration_shape(problem), dtype=np.int64))
-        digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()[:8]
+        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
+        digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs, *views)).encode()).hexdigest()[:8]
         ops = [op.lower() for op, _, _ in instrs if op != "Identity"]
         tag = "_".join(ops[:6]) + (f"_{len(ops) - 6}more" if len(ops) > 6 else "") or "copy"
         name = f"elementwise_{arch_tag(arch)}_{problem.dtype}_{tag}_n{n}_t{threads}_v{vec}_{digest}"
@@ -332,7 +387,9 @@ class ElementwiseFamily(KernelFamily):
         if why is not None:
             raise ValueError(f"elementwise: {why}")
         instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
-        digest = hashlib.sha1(repr((problem.dtype, problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()
+        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
+        key = (problem.dtype, problem.sizes, instrs, inputs, outputs, *views)
+        digest = hashlib.sha1(repr(key).encode()).hexdigest()
         symbol = f"gtco_elementwise_host_{problem.dtype}_{digest[:12]}"
         storage = {"f32": "float", "f16": "gtco::ref::ew::f16", "bf16": "gtco::ref::ew::bf16"}[problem.dtype]
         return symbol, macro(TEMPLATE, "host_function", symbol=symbol, **_program(problem, storage, "gtco::ref::ew"))
@@ -351,10 +408,10 @@ class ElementwiseFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         shape = iteration_shape(problem)
         xs = []
-        for i, (s, kind) in enumerate(problem.flag("inputs")):
+        for i, ((s, kind), lay) in enumerate(zip(problem.flag("inputs"), input_layouts(problem), strict=True)):
             a = inputs[f"x{i}"]
-            xs.append(from_storage(a, problem.dtype).reshape(s) if kind == "float"
-                      else np.asarray(a).astype(np.float64).reshape(s))
+            a = from_storage(a, problem.dtype) if kind == "float" else np.asarray(a).astype(np.float64)
+            xs.append(a.reshape(s) if lay is None else view_of(a, s, lay))
         ts: list[np.ndarray] = []
 
         def val(r: Ref) -> Any:
@@ -376,7 +433,8 @@ class ElementwiseFamily(KernelFamily):
             if op in ("Sqrt", "Log", "Pow", "Div", "Reciprocal"):
                 positive |= {r[1] for r in operands if r[0] == "x"}
         out = {}
-        for i, (s, kind) in enumerate(problem.flag("inputs")):
+        for i, (_, kind) in enumerate(problem.flag("inputs")):
+            s = source_shape(problem, i)
             if kind == "bool":
                 out[f"x{i}"] = rng.random(s) < 0.5
             elif kind in ("i32", "i64"):
@@ -388,6 +446,15 @@ class ElementwiseFamily(KernelFamily):
                 v = np.where(np.abs(v) < 0.05, np.copysign(0.05, v), v)
                 out[f"x{i}"] = to_storage(v, problem.dtype)
         return out
+
+
+def view_of(source: np.ndarray, shape: Sequence[int], layout: Layout) -> np.ndarray:
+    """The view `layout` describes of the array `source` (read only): element (i0, i1, ...) of the result is
+    element base + sum(i_k * strides_k) of source, flattened."""
+    flat = np.ascontiguousarray(source).reshape(-1)
+    _, strides, base = layout
+    return np.lib.stride_tricks.as_strided(flat[base:], tuple(shape), tuple(st * flat.itemsize for st in strides),
+                                           writeable=False)
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -448,6 +515,7 @@ FAMILY = ElementwiseFamily()
 # ---------------------------------------------------------------------------------------------------------------
 
 _VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
+LAYOUT_OPS = ("Transpose", "Slice", "Pad")  # index maps of a group input, folded into its load (Layout)
 
 
 def _onnx_cast_target(to: int) -> str:
@@ -524,10 +592,13 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
         if arr.size == 1:
             consts[k] = float(arr.reshape(()))
     prog_inputs: list[tuple[str, tuple[int, ...], str]] = []
+    layouts: list[Layout | None] = []
     env: dict[str, tuple[Ref, tuple[int, ...]]] = {}  # tensor -> (ref, shape)
+    flat: dict[str, tuple[int, ...]] = {}  # a computed value reshaped freely -> its shape before: an output only
     for name, shape, kind in items:
         env[name] = (("x", len(prog_inputs)), shape)
         prog_inputs.append((name, shape, kind))
+        layouts.append(None)
     # every constant array by name (initializers and the group's Constant nodes): view ops read their shape or
     # axes from here; a non-scalar one read by a computing op must be passed as an input instead
     arrays = {k: _const_array(v) for k, v in (constants or {}).items()}
@@ -548,6 +619,11 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     instrs: list[Instr] = []
 
     def get(tensor: str, node: Any) -> tuple[Ref, tuple[int, ...]]:
+        if tensor in flat and node.op_type not in _VIEW_OPS:
+            raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads {tensor!r}, a computed value reshaped "
+                             f"{flat[tensor]} -> {env[tensor][1]}, which moves its broadcast axes: a computed value "
+                             "may only gain or lose leading 1s before another op reads it (reshape the group's "
+                             "inputs instead)")
         if tensor in env:
             return env[tensor]
         if tensor in consts:
@@ -565,6 +641,45 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             if a.name == key:
                 return helper.get_attribute_value(a)
         return default
+
+    def operands(node: Any) -> tuple[list[tuple[Ref, tuple[int, ...]]], tuple[int, ...] | None]:
+        """The operands of a computing node, and the shape before the reshape where it reads freely reshaped values
+        (all from one shape, at the node's full shape): then the iteration runs in that shape, and the node's other
+        operands, group inputs or scalars, are read through the same reshape as views (None: no such operand)."""
+        names = [t for t in node.input if t]
+        before = {flat[t] for t in names if t in flat}
+        if not before:
+            return [get(t, node) for t in names], None
+        full = tuple(np.broadcast_shapes(*(env[t][1] if t in env else () for t in names)))
+        if len(before) > 1 or any(env[t][1] != full for t in names if t in flat):
+            raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads values reshaped from different shapes "
+                             f"{sorted(before)} or broadcast after the reshape")
+        pre = before.pop()
+        args = []
+        for t in names:
+            if t in flat:
+                args.append((env[t][0], pre))
+                continue
+            ref, shape = get(t, node)
+            if ref[0] == "c" or all(d == 1 for d in shape):
+                args.append((ref, ()))
+                continue
+            if ref[0] != "x":
+                raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads the computed value {t!r} {shape} "
+                                 f"with values reshaped {pre} -> {full}: only group inputs are read through the "
+                                 "reshape")
+            name, _, kind = prog_inputs[ref[1]]
+            src, strides, base = layouts[ref[1]] or (shape, contiguous_strides(shape), 0)
+            pad = len(full) - len(shape)
+            wide = [0] * pad + [st if d == big else 0 for d, big, st in zip(shape, full[pad:], strides, strict=True)]
+            moved = _reshape_strides(full, wide, pre)
+            if moved is None:
+                raise ValueError(f"elementwise: {node.op_type} {node.name!r}: {t!r} {shape} cannot be read through "
+                                 f"the reshape {full} -> {pre} as a view")
+            args.append((("x", len(prog_inputs)), pre))
+            prog_inputs.append((name, pre, kind))
+            layouts.append((tuple(src), tuple(moved), int(base)))
+        return args, pre
 
     def emit(op: str, refs: list[Ref], a: Any = None) -> Ref:
         instrs.append((op, tuple(refs), a))
@@ -586,26 +701,45 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             else:
                 consts[node.output[0]] = float(arr.reshape(()))
             continue
-        if op in _VIEW_OPS:
+        if op in LAYOUT_OPS:
             ref, shape = get(node.input[0], node)
+            if ref[0] != "x":
+                raise ValueError(f"elementwise: {where} moves the elements of a computed value or a constant: a "
+                                 "layout op is folded only into the load of a group input")
+            name, _, kind = prog_inputs[ref[1]]
+            src, strides, base = layouts[ref[1]] or (shape, contiguous_strides(shape), 0)
+            new, strides, base = _layout_view(node, shape, strides, base, consts, attr, arrays)
+            env[node.output[0]] = (("x", len(prog_inputs)), new)
+            prog_inputs.append((name, new, kind))
+            layouts.append(_layout_or_none(src, new, strides, base))
+            continue
+        if op in _VIEW_OPS:
+            tensor = node.input[0]
+            ref, shape = get(tensor, node)
             new = _view_shape(node, shape, consts, attr, arrays)
+            src, strides, base = (layouts[ref[1]] or (shape, contiguous_strides(shape), 0)) if ref[0] == "x" else (
+                shape, (), 0)
+            moved = _reshape_strides(shape, strides, new) if ref[0] == "x" and tensor not in flat else None
             if ref[0] == "c":
                 env[node.output[0]] = (ref, ())
-            elif ref[0] == "x":
+            elif moved is not None:
                 name, _, kind = prog_inputs[ref[1]]
                 env[node.output[0]] = (("x", len(prog_inputs)), new)
                 prog_inputs.append((name, new, kind))
-            elif _strip_leading_ones(new) == _strip_leading_ones(shape):
+                layouts.append(_layout_or_none(src, new, moved, base))
+            elif ref[0] == "t" and _strip_leading_ones(new) == _strip_leading_ones(shape) and tensor not in flat:
                 env[node.output[0]] = (ref, new)  # only adds or drops leading 1s: the broadcast is unchanged
             else:
-                raise ValueError(f"elementwise: {where} reshapes a computed value {shape} -> {new}, which moves "
-                                 "its broadcast axes: a computed value may only gain or lose leading 1s (reshape "
-                                 "the group's inputs instead)")
+                # a reshape that is no view (of a computed value, or merging dims a view walks apart): the kernel
+                # writes the value densely in its own shape's order, which is this reshape's as well, so it is free
+                # as long as only outputs read it
+                env[node.output[0]] = (ref, new)
+                flat[node.output[0]] = flat.get(tensor, shape)
             continue
         if op not in ARITY and op not in ("Sum", "Mean", "Clip"):
             raise ValueError(f"elementwise: unsupported op {op!r} (node {node.name!r}); supported: "
-                             f"{', '.join(sorted([*ARITY, 'Sum', 'Mean', 'Clip', *_VIEW_OPS]))}")
-        args = [get(t, node) for t in node.input if t]
+                             f"{', '.join(sorted([*ARITY, 'Sum', 'Mean', 'Clip', *_VIEW_OPS, *LAYOUT_OPS]))}")
+        args, pre = operands(node)
         refs = [r for r, _ in args]
         shape = tuple(np.broadcast_shapes(*(s for _, s in args))) if args else ()
         if not refs:
@@ -649,7 +783,12 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             if len(refs) != ARITY[op]:
                 raise ValueError(f"elementwise: {where} has {len(refs)} operands, {ARITY[op]} supported")
             out = emit(op, refs)
-        env[node.output[0]] = (out, shape)
+        if pre is None:
+            env[node.output[0]] = (out, shape)
+        else:  # computed in the shape before the reshape: the node's own shape is a free reshape of it
+            env[node.output[0]] = (out, tuple(np.broadcast_shapes(*(env[t][1] if t in env else () for t in node.input
+                                                                   if t))))
+            flat[node.output[0]] = shape
 
     for name in outputs:
         if name not in env:
@@ -665,6 +804,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     outs = []
     for name in outputs:
         ref, s = env[name]
+        s = flat.get(name, s)
         if ref[0] == "c":
             raise ValueError(f"elementwise: output {name!r} is a constant")
         if tuple(np.broadcast_shapes(s, shape)) != shape or int(np.prod(s)) != int(np.prod(shape)):
@@ -675,9 +815,98 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     def fix(r: Ref) -> Ref:
         return ("x", remap[r[1]]) if r[0] == "x" else r
 
+    kept_layouts = tuple(layouts[i] for i in keep)
     return Program(tuple(prog_inputs[i] for i in keep),
                    tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in instrs),
-                   tuple((n, fix(r)) for n, r in outs))
+                   tuple((n, fix(r)) for n, r in outs),
+                   kept_layouts if any(lay is not None for lay in kept_layouts) else ())
+
+
+def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a view of `shape` with element `strides` is the dense row-major layout (dims of 1 take any stride)."""
+    return all(st == want for d, st, want in zip(shape, strides, contiguous_strides(shape), strict=True) if d != 1)
+
+
+def _layout_or_none(src: tuple[int, ...], shape: tuple[int, ...], strides: Sequence[int], base: int) -> Layout | None:
+    """The Layout of a view, or None where it is its whole source read densely (a plain reshape of it)."""
+    if base == 0 and math.prod(shape) == math.prod(src) and _dense(shape, strides):
+        return None
+    return tuple(src), tuple(int(st) for st in strides), int(base)
+
+
+def _reshape_strides(old: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> list[int] | None:
+    """Element strides of `new` over a view of `old` with `strides`, or None when the reshape is no view (it merges
+    dims that are not contiguous): numpy's no-copy reshape rule, dims of 1 dropped first."""
+    kept = [(int(d), int(st)) for d, st in zip(old, strides, strict=True) if d != 1]
+    od, os_ = [d for d, _ in kept], [st for _, st in kept]
+    nd, ns = [int(d) for d in new], [0] * len(new)
+    oi = ni = 0
+    while ni < len(nd) and oi < len(od):
+        np_, op_, nj, oj = nd[ni], od[oi], ni + 1, oi + 1
+        while np_ != op_:
+            if np_ < op_:
+                np_ *= nd[nj]
+                nj += 1
+            else:
+                op_ *= od[oj]
+                oj += 1
+        if any(os_[k] != od[k + 1] * os_[k + 1] for k in range(oi, oj - 1)):
+            return None
+        ns[nj - 1] = os_[oj - 1]
+        for k in range(nj - 1, ni, -1):
+            ns[k - 1] = ns[k] * nd[k]
+        ni, oi = nj, oj
+    return ns
+
+
+def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base: int, consts: Mapping[str, float],
+                 attr: Any, arrays: Mapping[str, Any]) -> tuple[tuple[int, ...], list[int], int]:
+    """(shape, strides, base) of a Transpose / Slice / Pad of a view of (`shape`, `strides`, `base`)."""
+    where = f"{node.op_type} {node.name!r}"
+    r = len(shape)
+    if node.op_type == "Transpose":
+        perm = attr(node, "perm") or list(range(r))[::-1]
+        if sorted(int(p) % max(r, 1) for p in perm) != list(range(r)):
+            raise ValueError(f"elementwise: {where}: perm {list(perm)} is no permutation of {r} dims")
+        perm = [int(p) % r for p in perm]
+        return tuple(shape[p] for p in perm), [int(strides[p]) for p in perm], base
+    if node.op_type == "Pad":
+        mode = attr(node, "mode", b"constant")
+        pads = attr(node, "pads") or _const_ints(node, 1, consts, arrays) or []
+        if (mode.decode() if isinstance(mode, bytes) else str(mode)) != "constant" or any(int(p) for p in pads):
+            raise ValueError(f"elementwise: {where} pads {list(pads)}: only a Pad of zeros (a copy) is folded")
+        return shape, list(strides), base
+    # Slice: starts, ends[, axes[, steps]] as inputs (opset 10+) or attributes (opset 1-9)
+    starts = attr(node, "starts") or _const_ints(node, 1, consts, arrays)
+    ends = attr(node, "ends") or _const_ints(node, 2, consts, arrays)
+    axes = attr(node, "axes") or _const_ints(node, 3, consts, arrays) or list(range(len(starts or ())))
+    steps = _const_ints(node, 4, consts, arrays) or [1] * len(axes)
+    if starts is None or ends is None or not len(starts) == len(ends) == len(axes) == len(steps):
+        raise ValueError(f"elementwise: {where}: starts, ends, axes and steps are not constants of one length")
+    out, st = list(shape), [int(s) for s in strides]
+    for a, b, e, step in zip(axes, starts, ends, steps, strict=True):
+        a = int(a) % r
+        if step <= 0:
+            raise ValueError(f"elementwise: {where}: step {step} on axis {a}: only positive steps are folded")
+        lo, hi, step = slice(int(b), int(e), int(step)).indices(shape[a])
+        out[a] = len(range(lo, hi, step))
+        if out[a] == 0:
+            raise ValueError(f"elementwise: {where} selects nothing on axis {a}")
+        base += lo * st[a]
+        st[a] *= step
+    return tuple(out), st, base
+
+
+def _const_ints(node: Any, i: int, consts: Mapping[str, float], arrays: Mapping[str, Any]) -> list[int] | None:
+    """Input i of `node` as a list of ints (None where the node has no such input), from the group's constants."""
+    if len(node.input) <= i or not node.input[i]:
+        return None
+    t = node.input[i]
+    if t in arrays:
+        return [int(v) for v in _const_array(arrays[t]).reshape(-1)]
+    if t in consts:
+        return [int(consts[t])]
+    raise ValueError(f"elementwise: {node.op_type} {node.name!r}: its input {i} ({t!r}) is not a constant")
 
 
 def _strip_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
@@ -691,15 +920,7 @@ def _view_shape(node: Any, shape: tuple[int, ...], consts: Mapping[str, float], 
                 constants: Mapping[str, Any] | None) -> tuple[int, ...]:
     """Output shape of a Reshape / Unsqueeze / Squeeze / Flatten of a value of `shape`."""
     def const_ints(i: int) -> list[int] | None:
-        if len(node.input) <= i or not node.input[i]:
-            return None
-        t = node.input[i]
-        if constants and t in constants:
-            return [int(v) for v in _const_array(constants[t]).reshape(-1)]
-        if t in consts:
-            return [int(consts[t])]
-        what = "axes" if node.op_type != "Reshape" else "shape"
-        raise ValueError(f"elementwise: {node.op_type} {node.name!r}: its {what} input {t!r} is not a constant")
+        return _const_ints(node, i, consts, constants or {})
 
     r = len(shape)
     if node.op_type == "Unsqueeze":

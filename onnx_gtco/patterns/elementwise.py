@@ -14,6 +14,7 @@ from onnx_gtco.patterns.base import Match, Reject
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 QUANTIZED_TYPES = (TensorProto.INT8, TensorProto.UINT8)  # integer chains of these are data, not shape arithmetic
 VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")  # injective and free: may sit inside a chain
+LAYOUT_OPS = ("Transpose", "Slice", "Pad")  # injective index maps: folded into the load of a group input
 
 
 class ElementwisePattern:
@@ -24,9 +25,13 @@ class ElementwisePattern:
         mask -> Unsqueeze -> Cast -> Sub(1, .) -> Mul(., -10000) -> additive mask    (BERT's mask prep)
         a -> Add(b) -> Div -> Erf -> Add 1 -> Mul -> Mul 0.5                        (a GELU with its bias)
 
-    Reshape/Unsqueeze/Squeeze/Flatten join a group only between or before elementwise nodes (never as its
-    last node). Each producer -> consumer pair of elementwise nodes inside a larger group is proposed too,
-    so the planner can still fuse what is left when a GEMM or LayerNorm takes part of the group.
+    Reshape/Unsqueeze/Squeeze/Flatten join a group anywhere (a reshape that is no view of its operand is free where
+    the group writes it: the kernel writes densely); Transpose, Slice and Pad (of zeros) join where they read a
+    group input through layout ops only, never a computed value: they fold into that input's load as an index map
+    (kernels.elementwise Layout). A group of layout ops alone is a copy kernel (window partition, head split); a
+    group of view ops alone is not proposed (they are free). Each producer -> consumer pair of elementwise nodes
+    inside a larger group is proposed too, so the planner can still fuse what is left when a GEMM or LayerNorm
+    takes part of the group.
     attrs: ops (op types in topological order).
     """
 
@@ -62,10 +67,20 @@ class ElementwisePattern:
         return label(node.op_type, node.domain) == Label.ELEMENTWISE and node.op_type != "Identity"
 
     def _member(self, node: Node) -> bool:
-        return self._ew(node) or (node.domain == "" and node.op_type in VIEW_OPS)
+        return self._ew(node) or (node.domain == "" and node.op_type in (*VIEW_OPS, *LAYOUT_OPS))
+
+    @staticmethod
+    def _layout(node: Node) -> bool:
+        return node.domain == "" and node.op_type in LAYOUT_OPS
+
+    def _moves(self, node: Node) -> bool:
+        """Whether a group of view and layout ops with `node` moves elements (else it is free as it is)."""
+        return self._ew(node) or self._layout(node)
 
     def _components(self, view: GraphView) -> list[list[int]]:
-        parent = {n.id: n.id for n in view.nodes if self._member(n)}
+        # a layout op that reads a computed value joins nothing: it cannot be folded into a load
+        parent = {n.id: n.id for n in view.nodes
+                  if self._member(n) and not (self._layout(n) and self._computed(view, n))}
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -80,12 +95,22 @@ class ElementwisePattern:
         comps: dict[int, list[int]] = {}
         for i in sorted(parent):
             comps.setdefault(find(i), []).append(i)
-        return [c for c in comps.values() if len(c) >= 2 and any(self._ew(view.nodes[i]) for i in c)]
+        return [c for c in comps.values() if len(c) >= 2 and any(self._moves(view.nodes[i]) for i in c)]
 
     def _feeds(self, view: GraphView, node: Node) -> set[int]:
-        """Producers of the tensors `node` computes on (a view op's shape input does not count)."""
-        ins = node.inputs[:1] if node.op_type in VIEW_OPS else node.inputs
+        """Producers of the tensors `node` computes on (a view or layout op's shape, axes or pads do not count)."""
+        ins = node.inputs[:1] if node.op_type in (*VIEW_OPS, *LAYOUT_OPS) else node.inputs
         return {view.producer[t] for t in ins if t in view.producer}
+
+    def _computed(self, view: GraphView, node: Node) -> bool:
+        """Whether the data operand of a view or layout op is an elementwise result (through view and layout ops)."""
+        while node.inputs and node.inputs[0] in view.producer:
+            node = view.nodes[view.producer[node.inputs[0]]]
+            if self._ew(node):
+                return True
+            if not (node.domain == "" and node.op_type in (*VIEW_OPS, *LAYOUT_OPS)):
+                return False
+        return False
 
     def _convex_parts(self, view: GraphView, comp: list[int]) -> list[frozenset[int]]:
         """Grow groups in topological order; a node joins the groups it reads from if they stay convex."""
@@ -105,15 +130,11 @@ class ElementwisePattern:
         return [frozenset(g) for g in groups]
 
     def _trim(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
-        """Drop view ops that end the group (a group's output is an elementwise result)."""
+        """Drop layout ops that end the group and lead to no elementwise node (a copy of a whole tensor that only
+        moves elements is kept when some op in it moves them; a lone view op is free as it is)."""
         ids = set(part)
-        changed = True
-        while changed:
-            changed = False
-            for i in sorted(ids, reverse=True):
-                if not self._ew(view.nodes[i]) and not (view.succs[i] & ids):
-                    ids.discard(i)
-                    changed = True
+        if not any(self._moves(view.nodes[i]) for i in ids):
+            return frozenset()
         return frozenset(ids)
 
     @staticmethod

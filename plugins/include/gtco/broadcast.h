@@ -7,7 +7,11 @@
 //     Shape<D0, D1, ...>           the collapsed iteration dims, outermost first (none: one element)
 //     In<E, S0, S1, ...>           an operand of element type E with element strides S over those dims (0: the
 //                                  operand is broadcast along that dim)
+//     Shifted<B, In<E, S...>>      the same operand read from element B on: a view of its tensor that starts
+//                                  inside it (a Slice, or one part of a split)
 //     Inputs<In<...>, In<...>>     the program's operands, kernel input i being the i-th
+// The strides of an operand that a layout op (Transpose, Slice, Reshape of a strided view) reads are any element
+// strides of its tensor, not only those of a broadcast: the index map of the view, folded into the load.
 // and In<...>::offset<Shape>(e) is the operand's element offset at flat output index e: a sum of terms
 // (e / pos_j % D_j) * S_j with every divisor and modulus a constant, e itself when the operand has the iteration
 // shape, 0 when it is broadcast everywhere.
@@ -46,6 +50,7 @@ template <typename E, uint64_t... S>
 struct In {
     using type = E;
     static constexpr int rank = sizeof...(S);
+    static constexpr uint64_t base = 0;  // element offset of the view (Shifted)
     GTCO_HD static constexpr uint64_t stride(int j) {
         constexpr uint64_t s[] = {S..., 0};
         return s[j];
@@ -76,6 +81,14 @@ struct In {
         }
     }
 
+    // every stride but the innermost a multiple of V: a V-aligned run along the innermost dim starts V-aligned
+    template <uint64_t V>
+    GTCO_HD static constexpr bool outer_multiple_of() {
+        for (int j = 0; j + 1 < rank; ++j)
+            if (stride(j) % V != 0) return false;
+        return true;
+    }
+
   private:
     // (e / pos_j % D_j) * S_j, without the division by 1, the modulus of the outermost dim (e < n) or the
     // multiplication by 1
@@ -92,6 +105,15 @@ struct In {
     template <class Sh, typename I, int... J>
     GTCO_HD static I terms(I e, std::integer_sequence<int, J...>) {
         return (term<Sh::pos(J), Sh::dim(J), stride(J), J == 0>(e) + ...);
+    }
+};
+
+template <uint64_t Base, class Op>
+struct Shifted : Op {
+    static constexpr uint64_t base = Base;
+    template <class Sh, typename I>
+    GTCO_HD static I offset(I e) {
+        return static_cast<I>(Base) + Op::template offset<Sh>(e);
     }
 };
 

@@ -159,7 +159,10 @@ GTCO_HD constexpr Access access() {
     constexpr bool storage = std::is_same<typename Op::type, T>::value;
     constexpr bool inner = Sh::rank > 0 && Sh::dim(Sh::rank - 1) % VEC == 0;
     constexpr uint64_t last = Sh::rank > 0 ? Op::stride(Sh::rank - 1) : 0;
-    if (storage && (Op::template dense<Sh>() || (inner && last == 1))) return Access::vec;
+    // a view (Shifted, permuted strides) is vector-read only where every run of VEC starts aligned
+    constexpr bool aligned = Op::base % VEC == 0;
+    constexpr bool walks_inner = inner && last == 1 && Op::template outer_multiple_of<VEC>();
+    if (storage && aligned && (Op::template dense<Sh>() || walks_inner)) return Access::vec;
     if (Op::scalar() || (inner && last == 0)) return Access::one;
     return Access::gather;
 }
