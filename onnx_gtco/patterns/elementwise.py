@@ -80,7 +80,8 @@ class ElementwisePattern:
     def _components(self, view: GraphView) -> list[list[int]]:
         # a layout op that reads a computed value joins nothing: it cannot be folded into a load
         parent = {n.id: n.id for n in view.nodes
-                  if self._member(n) and not (self._layout(n) and self._computed(view, n))}
+                  if self._member(n) and not (self._layout(n) and self._computed(view, n))
+                  and (self._ew(n) or all(view.is_constant(t) for t in n.inputs[1:] if t))}
 
         def find(i: int) -> int:
             while parent[i] != i:
