@@ -45,7 +45,7 @@ class ElementwisePattern:
                              f"split into {len(parts)} convex groups: a path leaves them and comes back")
             for part in parts:
                 part = self._trim(view, part)
-                if len(part) < 2:
+                if len(part) < 2 or not self._one_output_shape(view, part):
                     continue
                 if not _computes_floats(view, part):
                     quantized = _quantized_output(view, part)
@@ -102,6 +102,13 @@ class ElementwisePattern:
         """Producers of the tensors `node` computes on (a view or layout op's shape, axes or pads do not count)."""
         ins = node.inputs[:1] if node.op_type in (*VIEW_OPS, *LAYOUT_OPS) else node.inputs
         return {view.producer[t] for t in ins if t in view.producer}
+
+    def _one_output_shape(self, view: GraphView, part: frozenset[int]) -> bool:
+        """A group with layout ops writes outputs of one shape: the kernel iterates one shape, and views of one input
+        in two layouts (a tensor and its transpose) have no common one."""
+        if not any(self._layout(view.nodes[i]) for i in part):
+            return True
+        return len({view.shape(t) for t in view.external_outputs(part)}) == 1
 
     def _computed(self, view: GraphView, node: Node) -> bool:
         """Whether the data operand of a view or layout op is an elementwise result (through view and layout ops)."""
