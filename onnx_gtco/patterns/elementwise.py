@@ -78,10 +78,8 @@ class ElementwisePattern:
         return self._ew(node) or self._layout(node)
 
     def _components(self, view: GraphView) -> list[list[int]]:
-        # a layout op that reads a computed value joins nothing: it cannot be folded into a load
         parent = {n.id: n.id for n in view.nodes
-                  if self._member(n) and not (self._layout(n) and self._computed(view, n))
-                  and (self._ew(n) or all(view.is_constant(t) for t in n.inputs[1:] if t))}
+                  if self._member(n) and (self._ew(n) or all(view.is_constant(t) for t in n.inputs[1:] if t))}
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -99,9 +97,40 @@ class ElementwisePattern:
         return [c for c in comps.values() if len(c) >= 2 and any(self._moves(view.nodes[i]) for i in c)]
 
     def _feeds(self, view: GraphView, node: Node) -> set[int]:
-        """Producers of the tensors `node` computes on (a view or layout op's shape, axes or pads do not count)."""
-        ins = node.inputs[:1] if node.op_type in (*VIEW_OPS, *LAYOUT_OPS) else node.inputs
-        return {view.producer[t] for t in ins if t in view.producer}
+        """Producers of the tensors `node` computes on (a view or layout op's shape, axes or pads do not count). A
+        layout op, and a view op on the way to one, does not join the elementwise node it reads: it folds into the
+        load of a group input, so that result is an input of its group, not a value computed in it."""
+        if node.op_type in (*VIEW_OPS, *LAYOUT_OPS) and node.domain == "":
+            src = view.producer.get(node.inputs[0]) if node.inputs else None
+            if src is not None and self._ew(view.nodes[src]) and self._leads_to_layout(view, node):
+                return set()
+            return {src} if src is not None else set()
+        return {view.producer[t] for t in node.inputs if t in view.producer}
+
+    def _leads_to_layout(self, view: GraphView, node: Node) -> bool:
+        """Whether `node` is a layout op or reaches one through view ops."""
+        todo, seen = [node.id], set()
+        while todo:
+            n = view.nodes[todo.pop()]
+            if self._layout(n):
+                return True
+            if n.id in seen or not (n.domain == "" and n.op_type in VIEW_OPS):
+                continue
+            seen.add(n.id)
+            todo += [c.id for o in n.outputs for c in view.consumers_of(o)]
+        return False
+
+    def _folds(self, view: GraphView, ids: set[int]) -> bool:
+        """No layout op of `ids` reads, through view and layout ops of `ids`, an elementwise result of `ids`."""
+        for i in ids:
+            node = view.nodes[i]
+            if not self._layout(node):
+                continue
+            while node.inputs and view.producer.get(node.inputs[0]) in ids:
+                node = view.nodes[view.producer[node.inputs[0]]]
+                if self._ew(node):
+                    return False
+        return True
 
     def _one_output_shape(self, view: GraphView, part: frozenset[int]) -> bool:
         """A group with layout ops writes outputs of one shape: the kernel iterates one shape, and views of one input
@@ -110,16 +139,6 @@ class ElementwisePattern:
             return True
         return len({view.shape(t) for t in view.external_outputs(part)}) == 1
 
-    def _computed(self, view: GraphView, node: Node) -> bool:
-        """Whether the data operand of a view or layout op is an elementwise result (through view and layout ops)."""
-        while node.inputs and node.inputs[0] in view.producer:
-            node = view.nodes[view.producer[node.inputs[0]]]
-            if self._ew(node):
-                return True
-            if not (node.domain == "" and node.op_type in (*VIEW_OPS, *LAYOUT_OPS)):
-                return False
-        return False
-
     def _convex_parts(self, view: GraphView, comp: list[int]) -> list[frozenset[int]]:
         """Grow groups in topological order; a node joins the groups it reads from if they stay convex."""
         groups: list[set[int]] = []
@@ -127,10 +146,10 @@ class ElementwisePattern:
             feeds = self._feeds(view, view.nodes[i])
             near = [g for g in groups if feeds & g]
             merged = set().union(*near) | {i} if near else {i}
-            if near and convex(view, merged):
+            if near and convex(view, merged) and self._folds(view, merged):
                 groups = [g for g in groups if g not in near] + [merged]
                 continue
-            home = next((g for g in near if convex(view, g | {i})), None)
+            home = next((g for g in near if convex(view, g | {i}) and self._folds(view, g | {i})), None)
             if home is not None:
                 home.add(i)
             else:
