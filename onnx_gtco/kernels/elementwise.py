@@ -650,7 +650,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
         before = {flat[t] for t in names if t in flat}
         if not before:
             return [get(t, node) for t in names], None
-        full = tuple(np.broadcast_shapes(*(env[t][1] if t in env else () for t in names)))
+        full = _broadcast([env[t][1] if t in env else () for t in names], node)
         if len(before) > 1 or any(env[t][1] != full for t in names if t in flat):
             raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads values reshaped from different shapes "
                              f"{sorted(before)} or broadcast after the reshape")
@@ -741,7 +741,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                              f"{', '.join(sorted([*ARITY, 'Sum', 'Mean', 'Clip', *_VIEW_OPS, *LAYOUT_OPS]))}")
         args, pre = operands(node)
         refs = [r for r, _ in args]
-        shape = tuple(np.broadcast_shapes(*(s for _, s in args))) if args else ()
+        shape = _broadcast([s for _, s in args], node)
         if not refs:
             raise ValueError(f"elementwise: {where} has no operand")
         if op in ("Max", "Min", "Sum", "Mean"):
@@ -786,8 +786,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
         if pre is None:
             env[node.output[0]] = (out, shape)
         else:  # computed in the shape before the reshape: the node's own shape is a free reshape of it
-            env[node.output[0]] = (out, tuple(np.broadcast_shapes(*(env[t][1] if t in env else () for t in node.input
-                                                                   if t))))
+            env[node.output[0]] = (out, _broadcast([env[t][1] if t in env else () for t in node.input if t], node))
             flat[node.output[0]] = shape
 
     for name in outputs:
@@ -820,6 +819,15 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                    tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in instrs),
                    tuple((n, fix(r)) for n, r in outs),
                    kept_layouts if any(lay is not None for lay in kept_layouts) else ())
+
+
+def _broadcast(shapes: Sequence[Sequence[int]], node: Any) -> tuple[int, ...]:
+    """The numpy broadcast of the operand shapes of `node`, or a ValueError naming the node."""
+    try:
+        return tuple(np.broadcast_shapes(*(tuple(s) for s in shapes)))
+    except ValueError:
+        raise ValueError(f"elementwise: {node.op_type} {node.name!r}: operand shapes {[tuple(s) for s in shapes]} "
+                         "do not broadcast") from None
 
 
 def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
