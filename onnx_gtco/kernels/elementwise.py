@@ -19,10 +19,12 @@ A program (`Program`, hashable) is what the group computes:
   any nonzero condition as true.
 * outputs: (tensor name, ref); every output has the iteration shape and the kernel dtype.
 * layouts: one per input (or none at all): None for a tensor read as it is (broadcast by its shape), else
-  (source shape, element strides, base): the input is a view of a tensor of the source shape, element
-  (i0, i1, ...) of the view at source element base + sum(i_k * strides_k). Layout ops on a group input
-  (Transpose, Slice with positive steps, Reshape of such a view where it stays a view, all-zero Pad) are folded
-  into its load this way: the index map of the chain, computed per element.
+  (source shape, element strides, base[, rolls]): the input is a view of a tensor of the source shape, element
+  (i0, i1, ...) of the view at source element base + sum(i_k * strides_k) + the rolls' terms, each roll
+  (n, r, stride, weights) adding ((sum(i_k * weights_k) + r) % n) * stride. Layout ops on a group input
+  (Transpose, Slice with positive steps, Reshape of such a view where it stays a view, all-zero Pad, and the
+  Slice + Slice + Concat of a torch.roll) are folded into its load this way: the index map of the chain, computed
+  per element.
 
 Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flags program (instrs), inputs
 ((shape, kind) per input), outputs (refs). Arrays are named x0, x1, ... and y0, y1, ...
@@ -78,7 +80,9 @@ _COMPARE = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "Gr
 
 Ref = tuple[str, Any]
 Instr = tuple[str, tuple[Ref, ...], Any]
-Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # (source shape, element strides over the view, base)
+# (source shape, element strides over the view, base[, rolls]); a roll (n, r, stride, weights over the view dims) adds
+# ((sum_d i_d * weights_d + r) % n) * stride to the offset: a torch.roll of one source dim, maybe split since
+Layout = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,20 @@ def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr
              "inputs": tuple((tuple(int(d) for d in s), k) for s, k in inputs),
              "outputs": tuple(tuple(r) for r in outputs)}
     if any(lay is not None for lay in layouts):
-        flags["layouts"] = tuple(None if lay is None else (tuple(int(d) for d in lay[0]), tuple(int(d) for d in lay[1]),
-                                                           int(lay[2])) for lay in layouts)
+        flags["layouts"] = tuple(None if lay is None else _canonical_layout(lay) for lay in layouts)
     return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, flags)
+
+
+def _canonical_layout(lay: Sequence[Any]) -> Layout:
+    head = (tuple(int(d) for d in lay[0]), tuple(int(d) for d in lay[1]), int(lay[2]))
+    rolls = tuple((int(n), int(r), int(st), tuple(int(w) for w in ws)) for n, r, st, ws in (lay[3] if len(lay) > 3
+                                                                                              else ()))
+    return (*head, rolls) if rolls else head
+
+
+def layout_rolls(lay: Layout | None) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
+    """The rolls of a layout (none for None or a plain strided view)."""
+    return tuple(lay[3]) if lay is not None and len(lay) > 3 else ()
 
 
 def input_layouts(problem: Problem) -> tuple[Layout | None, ...]:
@@ -194,10 +209,14 @@ def _bad_layouts(layouts: Any, inputs: Sequence[tuple[Sequence[int], str]]) -> s
     for i, (lay, (s, _)) in enumerate(zip(layouts, inputs, strict=True)):
         if lay is None:
             continue
-        src, strides, base = lay
+        src, strides, base = lay[:3]
+        rolls = layout_rolls(lay)
         if len(strides) != len(s) or any(st < 0 for st in strides) or base < 0:
             return f"input {i}: strides {strides} and base {base} are not non-negative strides of its shape {s}"
-        last = base + sum((d - 1) * st for d, st in zip(s, strides, strict=True))
+        if any(n <= 0 or r < 0 or st < 0 or len(ws) != len(s) or min(ws, default=0) < 0 for n, r, st, ws in rolls):
+            return f"input {i}: rolls {rolls} are not (n > 0, r, stride, one weight per dim), all non-negative"
+        last = base + sum((d - 1) * st for d, st in zip(s, strides, strict=True)) + sum((n - 1) * st
+                                                                                         for n, _, st, _ in rolls)
         if last >= math.prod(src):
             return f"input {i}: its view reads element {last} of a source {tuple(src)} of {math.prod(src)} elements"
     return None
@@ -304,14 +323,19 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
     shape = iteration_shape(problem)
     layouts = input_layouts(problem)
-    dims, strides = collapse(shape, [s for s, _ in inputs], [None if lay is None else lay[1] for lay in layouts])
+    # each roll's weights collapse like the strides of one more operand of its input's shape
+    extra = [(s, ws) for (s, _), lay in zip(inputs, layouts, strict=True) for _, _, _, ws in layout_rolls(lay)]
+    dims, strides = collapse(shape, [s for s, _ in inputs] + [s for s, _ in extra],
+                             [None if lay is None else lay[1] for lay in layouts] + [ws for _, ws in extra])
+    weights = iter(strides[len(inputs):])
+    rolls = [[[n, r, st, *next(weights)] for n, r, st, _ in layout_rolls(lay)] for lay in layouts]
 
     def value(r: Ref) -> str:
         return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
 
     return {"storage": storage, "shape": shape, "dims": dims,
-            "inputs": [{"type": KINDS[k] or "T", "strides": st, "base": 0 if lay is None else lay[2]}
-                       for (_, k), st, lay in zip(inputs, strides, layouts, strict=True)],
+            "inputs": [{"type": KINDS[k] or "T", "strides": st, "base": 0 if lay is None else lay[2], "rolls": ro}
+                       for (_, k), st, lay, ro in zip(inputs, strides[:len(inputs)], layouts, rolls, strict=True)],
             "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
             "outputs": [value(r) for r in outputs],
             "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
@@ -449,12 +473,16 @@ class ElementwiseFamily(KernelFamily):
 
 
 def view_of(source: np.ndarray, shape: Sequence[int], layout: Layout) -> np.ndarray:
-    """The view `layout` describes of the array `source` (read only): element (i0, i1, ...) of the result is
-    element base + sum(i_k * strides_k) of source, flattened."""
+    """The view `layout` describes of the array `source`, gathered: element (i0, i1, ...) of the result is element
+    base + sum(i_k * strides_k) (+ the rolls' terms) of source, flattened."""
     flat = np.ascontiguousarray(source).reshape(-1)
-    _, strides, base = layout
-    return np.lib.stride_tricks.as_strided(flat[base:], tuple(shape), tuple(st * flat.itemsize for st in strides),
-                                           writeable=False)
+    idx = np.indices(tuple(shape), dtype=np.int64)
+    offset = np.full(tuple(shape), int(layout[2]), np.int64)
+    for d, st in enumerate(layout[1]):
+        offset += idx[d] * int(st)
+    for n, r, st, ws in layout_rolls(layout):
+        offset += (sum((idx[d] * int(w) for d, w in enumerate(ws)), np.zeros_like(offset)) + int(r)) % int(n) * int(st)
+    return flat[offset]
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -515,7 +543,7 @@ FAMILY = ElementwiseFamily()
 # ---------------------------------------------------------------------------------------------------------------
 
 _VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
-LAYOUT_OPS = ("Transpose", "Slice", "Pad")  # index maps of a group input, folded into its load (Layout)
+LAYOUT_OPS = ("Transpose", "Slice", "Pad", "Concat")  # index maps of a group input, folded into its load (Layout)
 
 
 def _onnx_cast_target(to: int) -> str:
@@ -669,17 +697,30 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                                  f"with values reshaped {pre} -> {full}: only group inputs are read through the "
                                  "reshape")
             name, _, kind = prog_inputs[ref[1]]
-            src, strides, base = layouts[ref[1]] or (shape, contiguous_strides(shape), 0)
-            pad = len(full) - len(shape)
-            wide = [0] * pad + [st if d == big else 0 for d, big, st in zip(shape, full[pad:], strides, strict=True)]
-            moved = _reshape_strides(full, wide, pre)
+            src, strides, base, rolls = view_of_input(ref[1], shape)
+            moved = _reshape_view(full, _widen(shape, full, strides),
+                                  [(n, r, st, _widen(shape, full, ws)) for n, r, st, ws in rolls], pre)
             if moved is None:
                 raise ValueError(f"elementwise: {node.op_type} {node.name!r}: {t!r} {shape} cannot be read through "
                                  f"the reshape {full} -> {pre} as a view")
             args.append((("x", len(prog_inputs)), pre))
             prog_inputs.append((name, pre, kind))
-            layouts.append((tuple(src), tuple(moved), int(base)))
+            layouts.append(_canonical_layout((src, moved[0], base, moved[1])))
         return args, pre
+
+    def view_of_input(i: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[int], int, list[Any]]:
+        """(source shape, strides, base, rolls) of program input i of `shape`."""
+        lay = layouts[i]
+        if lay is None:
+            return shape, list(contiguous_strides(shape)), 0, []
+        return tuple(lay[0]), list(lay[1]), int(lay[2]), list(layout_rolls(lay))
+
+    def add_view(node: Any, i: int, shape: tuple[int, ...], strides: Sequence[int], base: int,
+                 rolls: Sequence[Any]) -> None:
+        name, _, kind = prog_inputs[i]
+        env[node.output[0]] = (("x", len(prog_inputs)), shape)
+        prog_inputs.append((name, shape, kind))
+        layouts.append(_layout_or_none(view_of_input(i, prog_inputs[i][1])[0], shape, strides, base, rolls))
 
     def emit(op: str, refs: list[Ref], a: Any = None) -> Ref:
         instrs.append((op, tuple(refs), a))
@@ -702,31 +743,35 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                 consts[node.output[0]] = float(arr.reshape(()))
             continue
         if op in LAYOUT_OPS:
-            ref, shape = get(node.input[0], node)
-            if ref[0] != "x":
+            ins = [get(t, node) for t in (node.input if op == "Concat" else node.input[:1])]
+            if any(ref[0] != "x" for ref, _ in ins):
                 raise ValueError(f"elementwise: {where} moves the elements of a computed value or a constant: a "
                                  "layout op is folded only into the load of a group input")
-            name, _, kind = prog_inputs[ref[1]]
-            src, strides, base = layouts[ref[1]] or (shape, contiguous_strides(shape), 0)
-            new, strides, base = _layout_view(node, shape, strides, base, consts, attr, arrays)
-            env[node.output[0]] = (("x", len(prog_inputs)), new)
-            prog_inputs.append((name, new, kind))
-            layouts.append(_layout_or_none(src, new, strides, base))
+            if op == "Concat":
+                views = [(shape, *view_of_input(ref[1], shape)[1:]) for ref, shape in ins]
+                names = {prog_inputs[ref[1]][0] for ref, _ in ins}
+                rolled = _concat_roll(node, views, int(attr(node, "axis", 0))) if len(names) == 1 else None
+                if rolled is None:
+                    raise ValueError(f"elementwise: {where}: only the Concat of a torch.roll (the two slices of one "
+                                     "tensor, swapped) is folded")
+                add_view(node, ins[0][0][1], *rolled)
+                continue
+            (ref, shape), = ins
+            _, strides, base, rolls = view_of_input(ref[1], shape)
+            add_view(node, ref[1], *_layout_view(node, shape, strides, base, rolls, consts, attr, arrays))
             continue
         if op in _VIEW_OPS:
             tensor = node.input[0]
             ref, shape = get(tensor, node)
             new = _view_shape(node, shape, consts, attr, arrays)
-            src, strides, base = (layouts[ref[1]] or (shape, contiguous_strides(shape), 0)) if ref[0] == "x" else (
-                shape, (), 0)
-            moved = _reshape_strides(shape, strides, new) if ref[0] == "x" and tensor not in flat else None
+            moved = None
+            if ref[0] == "x" and tensor not in flat:
+                _, strides, base, rolls = view_of_input(ref[1], shape)
+                moved = _reshape_view(shape, strides, rolls, new)
             if ref[0] == "c":
                 env[node.output[0]] = (ref, ())
             elif moved is not None:
-                name, _, kind = prog_inputs[ref[1]]
-                env[node.output[0]] = (("x", len(prog_inputs)), new)
-                prog_inputs.append((name, new, kind))
-                layouts.append(_layout_or_none(src, new, moved, base))
+                add_view(node, ref[1], new, moved[0], base, moved[1])
             elif ref[0] == "t" and _strip_leading_ones(new) == _strip_leading_ones(shape) and tensor not in flat:
                 env[node.output[0]] = (ref, new)  # only adds or drops leading 1s: the broadcast is unchanged
             else:
@@ -835,11 +880,54 @@ def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return all(st == want for d, st, want in zip(shape, strides, contiguous_strides(shape), strict=True) if d != 1)
 
 
-def _layout_or_none(src: tuple[int, ...], shape: tuple[int, ...], strides: Sequence[int], base: int) -> Layout | None:
+def _layout_or_none(src: tuple[int, ...], shape: tuple[int, ...], strides: Sequence[int], base: int,
+                    rolls: Sequence[Any] = ()) -> Layout | None:
     """The Layout of a view, or None where it is its whole source read densely (a plain reshape of it)."""
-    if base == 0 and math.prod(shape) == math.prod(src) and _dense(shape, strides):
+    if not rolls and base == 0 and math.prod(shape) == math.prod(src) and _dense(shape, strides):
         return None
-    return tuple(src), tuple(int(st) for st in strides), int(base)
+    return _canonical_layout((src, strides, base, rolls))
+
+
+def _reshape_view(old: Sequence[int], strides: Sequence[int], rolls: Sequence[Any], new: Sequence[int]
+                  ) -> tuple[list[int], list[Any]] | None:
+    """(strides, rolls) of `new` over a view of `old`, or None when the reshape is no view: the strides and every
+    roll's weights must each stay a view (_reshape_strides)."""
+    moved = _reshape_strides(old, strides, new)
+    out = []
+    for n, r, st, ws in rolls:
+        w = _reshape_strides(old, ws, new)
+        if w is None:
+            return None
+        out.append((n, r, st, tuple(w)))
+    return (moved, out) if moved is not None else None
+
+
+def _widen(shape: Sequence[int], full: Sequence[int], vec: Sequence[int]) -> list[int]:
+    """Per-dim values (strides, roll weights) of a view of `shape` broadcast to `full`: 0 where it broadcasts."""
+    pad = len(full) - len(shape)
+    return [0] * pad + [v if d == big else 0 for d, big, v in zip(shape, full[pad:], vec, strict=True)]
+
+
+def _concat_roll(node: Any, views: Sequence[Any], axis: int
+                 ) -> tuple[tuple[int, ...], list[int], int, list[Any]] | None:
+    """(shape, strides, base, rolls) of Concat([v[k:n], v[0:k]]) along `axis` for two views of one tensor that are
+    that: torch.roll of v by n - k, i.e. element i of the result is v[(i + k) % n]. None for any other Concat."""
+    if len(views) != 2:
+        return None
+    (sa, ta, ba, ra), (sb, tb, bb, rb) = views
+    r = len(sa)
+    axis %= max(r, 1)
+    same = [d for d in range(r) if d != axis]
+    if (len(sb) != r or any(sa[d] != sb[d] for d in same) or list(ta) != list(tb) or list(ra) != list(rb)
+            or any(ws[axis] for _, _, _, ws in ra)):
+        return None
+    k, n = sb[axis], sa[axis] + sb[axis]
+    if ba != bb + k * ta[axis]:
+        return None
+    shape = tuple(n if d == axis else sa[d] for d in range(r))
+    weights = tuple(1 if d == axis else 0 for d in range(r))
+    strides = [0 if d == axis else int(ta[d]) for d in range(r)]
+    return shape, strides, int(bb), [*ra, (n, k, int(ta[axis]), weights)]
 
 
 def _reshape_strides(old: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> list[int] | None:
@@ -867,9 +955,11 @@ def _reshape_strides(old: Sequence[int], strides: Sequence[int], new: Sequence[i
     return ns
 
 
-def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base: int, consts: Mapping[str, float],
-                 attr: Any, arrays: Mapping[str, Any]) -> tuple[tuple[int, ...], list[int], int]:
-    """(shape, strides, base) of a Transpose / Slice / Pad of a view of (`shape`, `strides`, `base`)."""
+def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base: int, rolls: Sequence[Any],
+                 consts: Mapping[str, float], attr: Any, arrays: Mapping[str, Any]
+                 ) -> tuple[tuple[int, ...], list[int], int, list[Any]]:
+    """(shape, strides, base, rolls) of a Transpose / Slice / Pad of a view of (`shape`, `strides`, `base`,
+    `rolls`)."""
     where = f"{node.op_type} {node.name!r}"
     r = len(shape)
     if node.op_type == "Transpose":
@@ -877,13 +967,14 @@ def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base
         if sorted(int(p) % max(r, 1) for p in perm) != list(range(r)):
             raise ValueError(f"elementwise: {where}: perm {list(perm)} is no permutation of {r} dims")
         perm = [int(p) % r for p in perm]
-        return tuple(shape[p] for p in perm), [int(strides[p]) for p in perm], base
+        return (tuple(shape[p] for p in perm), [int(strides[p]) for p in perm], base,
+                [(n, k, st, tuple(ws[p] for p in perm)) for n, k, st, ws in rolls])
     if node.op_type == "Pad":
         mode = attr(node, "mode", b"constant")
         pads = attr(node, "pads") or _const_ints(node, 1, consts, arrays) or []
         if (mode.decode() if isinstance(mode, bytes) else str(mode)) != "constant" or any(int(p) for p in pads):
             raise ValueError(f"elementwise: {where} pads {list(pads)}: only a Pad of zeros (a copy) is folded")
-        return shape, list(strides), base
+        return shape, list(strides), base, list(rolls)
     # Slice: starts, ends[, axes[, steps]] as inputs (opset 10+) or attributes (opset 1-9)
     starts = attr(node, "starts") or _const_ints(node, 1, consts, arrays)
     ends = attr(node, "ends") or _const_ints(node, 2, consts, arrays)
@@ -892,6 +983,7 @@ def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base
     if starts is None or ends is None or not len(starts) == len(ends) == len(axes) == len(steps):
         raise ValueError(f"elementwise: {where}: starts, ends, axes and steps are not constants of one length")
     out, st = list(shape), [int(s) for s in strides]
+    rolled = [[n, k, rs, list(ws)] for n, k, rs, ws in rolls]
     for a, b, e, step in zip(axes, starts, ends, steps, strict=True):
         a = int(a) % r
         if step <= 0:
@@ -902,7 +994,10 @@ def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base
             raise ValueError(f"elementwise: {where} selects nothing on axis {a}")
         base += lo * st[a]
         st[a] *= step
-    return tuple(out), st, base
+        for roll in rolled:  # the roll's index gains lo steps of this dim; a step of the slice is `step` of them
+            roll[1] = (roll[1] + lo * roll[3][a]) % roll[0]
+            roll[3][a] *= step
+    return tuple(out), st, base, [(n, k, rs, tuple(ws)) for n, k, rs, ws in rolled]
 
 
 def _const_ints(node: Any, i: int, consts: Mapping[str, float], arrays: Mapping[str, Any]) -> list[int] | None:

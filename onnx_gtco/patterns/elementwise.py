@@ -14,7 +14,7 @@ from onnx_gtco.patterns.base import Match, Reject
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 QUANTIZED_TYPES = (TensorProto.INT8, TensorProto.UINT8)  # integer chains of these are data, not shape arithmetic
 VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")  # injective and free: may sit inside a chain
-LAYOUT_OPS = ("Transpose", "Slice", "Pad")  # injective index maps: folded into the load of a group input
+LAYOUT_OPS = ("Transpose", "Slice", "Pad", "Concat")  # injective index maps: folded into the load of a group input
 
 
 class ElementwisePattern:
@@ -47,6 +47,18 @@ class ElementwisePattern:
                 part = self._trim(view, part)
                 if len(part) < 2 or not self._one_output_shape(view, part):
                     continue
+                if any(self._layout(view.nodes[i]) for i in part) and (why := unfoldable(view, part)):
+                    # the group's layout ops do not fold (a roll of a reshape that is no view, ...): the group
+                    # without them, as elementwise groups were before layout ops joined
+                    yield Reject(self.name, view.nodes[min(part)].name, f"layout ops of {len(part)} nodes left "
+                                 f"out: {why}")
+                    part = frozenset(i for i in part if not self._layout(view.nodes[i]))
+                    parts = self._convex_parts(view, sorted(part))
+                    for sub in parts:
+                        sub = self._trim(view, sub)
+                        if len(sub) >= 2 and _computes_floats(view, sub) and not unfoldable(view, sub):
+                            yield self._match(view, sub)
+                    continue
                 if not _computes_floats(view, part):
                     quantized = _quantized_output(view, part)
                     if quantized is not None:  # other integer-only groups are shape arithmetic: nothing to report
@@ -69,6 +81,16 @@ class ElementwisePattern:
     def _member(self, node: Node) -> bool:
         return self._ew(node) or (node.domain == "" and node.op_type in (*VIEW_OPS, *LAYOUT_OPS))
 
+    def _joins(self, view: GraphView, node: Node) -> bool:
+        """A member whose operands other than its data are constants (a Concat: the two halves of a torch.roll)."""
+        if not self._member(node):
+            return False
+        if self._ew(node):
+            return True
+        if node.op_type == "Concat":
+            return is_roll(view, node)
+        return all(view.is_constant(t) for t in node.inputs[1:] if t)
+
     @staticmethod
     def _layout(node: Node) -> bool:
         return node.domain == "" and node.op_type in LAYOUT_OPS
@@ -78,8 +100,7 @@ class ElementwisePattern:
         return self._ew(node) or self._layout(node)
 
     def _components(self, view: GraphView) -> list[list[int]]:
-        parent = {n.id: n.id for n in view.nodes
-                  if self._member(n) and (self._ew(n) or all(view.is_constant(t) for t in n.inputs[1:] if t))}
+        parent = {n.id: n.id for n in view.nodes if self._joins(view, n)}
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -100,6 +121,8 @@ class ElementwisePattern:
         """Producers of the tensors `node` computes on (a view or layout op's shape, axes or pads do not count). A
         layout op, and a view op on the way to one, does not join the elementwise node it reads: it folds into the
         load of a group input, so that result is an input of its group, not a value computed in it."""
+        if node.op_type == "Concat" and node.domain == "":
+            return {view.producer[t] for t in node.inputs if t in view.producer}
         if node.op_type in (*VIEW_OPS, *LAYOUT_OPS) and node.domain == "":
             src = view.producer.get(node.inputs[0]) if node.inputs else None
             if src is not None and self._ew(view.nodes[src]) and self._leads_to_layout(view, node):
@@ -167,6 +190,68 @@ class ElementwisePattern:
     @staticmethod
     def _match(view: GraphView, ids: frozenset[int]) -> Match:
         return Match(ids, "elementwise", {"ops": tuple(view.nodes[i].op_type for i in sorted(ids))})
+
+
+def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
+    """Why the elementwise program of the node set has no kernel (kernels.elementwise.program_from_onnx over its
+    static shapes), or None: the layout ops of a group fold only where their index maps compose."""
+    from onnx import helper
+
+    from onnx_gtco.kernels.elementwise import program_from_onnx
+
+    nodes = [helper.make_node(view.nodes[i].op_type, view.nodes[i].inputs, view.nodes[i].outputs,
+                              name=view.nodes[i].name, domain=view.nodes[i].domain, **view.nodes[i].attrs)
+             for i in sorted(ids)]
+    inputs, constants = [], {}
+    for t in view.external_inputs(ids):
+        value, info = view.const_value(t), view.info(t)
+        if value is not None:
+            constants[t] = value
+            if value.size == 1:
+                continue
+        shape = view.shape(t)
+        if info is None or shape is None or not all(isinstance(d, int) for d in shape):
+            return f"{t!r} has no static shape"
+        kind = {TensorProto.BOOL: "bool", TensorProto.INT32: "i32", TensorProto.INT64: "i64"}.get(info.dtype, "float")
+        inputs.append((t, tuple(shape), kind))
+    try:
+        program_from_onnx(nodes, inputs, list(view.external_outputs(ids)), constants)
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return str(e)
+    return None
+
+
+def _slice_range(view: GraphView, node: Node) -> tuple[str, int, int, int] | None:
+    """(data tensor, axis, start, end) of a Slice of one axis with step 1 and constant bounds, clamped; else None."""
+    if node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 4:
+        return None
+    vals = [view.const_value(t) for t in node.inputs[1:5] if t]
+    shape = view.shape(node.inputs[0])
+    if any(v is None or v.size != 1 for v in vals) or shape is None:
+        return None
+    start, end, axis, *step = (int(v.reshape(())) for v in vals)
+    axis %= len(shape)
+    if step not in ([], [1]) or not isinstance(shape[axis], int):
+        return None
+    lo, hi, _ = slice(start, end).indices(shape[axis])
+    return node.inputs[0], axis, lo, hi
+
+
+def is_roll(view: GraphView, node: Node) -> bool:
+    """Concat([x[k:n], x[0:k]]) along one axis of x: torch.roll as exporters write it (kernels.elementwise folds it
+    into the load as a roll of that dim)."""
+    if node.op_type != "Concat" or node.domain != "" or len(node.inputs) != 2:
+        return False
+    parts = [view.producer_of(t) for t in node.inputs]
+    if any(p is None for p in parts):
+        return False
+    a, b = (_slice_range(view, p) for p in parts)
+    if a is None or b is None or a[0] != b[0] or a[1] != b[1]:
+        return False
+    shape = view.shape(a[0])
+    n = shape[a[1]]
+    axis = int(node.attrs.get("axis", 0)) % len(shape)
+    return b[2] == 0 and a[2] == b[3] and a[3] == n and 0 < b[3] < n and axis == a[1]
 
 
 def _quantized_output(view: GraphView, ids: frozenset[int]) -> str | None:

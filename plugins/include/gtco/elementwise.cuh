@@ -163,7 +163,7 @@ GTCO_HD constexpr Access access() {
     constexpr bool aligned = Op::base % VEC == 0;
     constexpr bool walks_inner = inner && last == 1 && Op::template outer_multiple_of<VEC>();
     if (storage && aligned && (Op::template dense<Sh>() || walks_inner)) return Access::vec;
-    if (Op::scalar() || (inner && last == 0)) return Access::one;
+    if (Op::scalar() || (inner && last == 0 && !Op::rolls_inner)) return Access::one;
     return Access::gather;
 }
 
