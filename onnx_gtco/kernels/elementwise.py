@@ -19,12 +19,12 @@ A program (`Program`, hashable) is what the group computes:
   any nonzero condition as true.
 * outputs: (tensor name, ref); every output has the iteration shape and the kernel dtype.
 * layouts: one per input (or none at all): None for a tensor read as it is (broadcast by its shape), else
-  (source shape, element strides, base[, rolls]): the input is a view of a tensor of the source shape, element
-  (i0, i1, ...) of the view at source element base + sum(i_k * strides_k) + the rolls' terms, each roll
-  (n, r, stride, weights) adding ((sum(i_k * weights_k) + r) % n) * stride. Layout ops on a group input
-  (Transpose, Slice with positive steps, Reshape of such a view where it stays a view, all-zero Pad, and the
-  Slice + Slice + Concat of a torch.roll) are folded into its load this way: the index map of the chain, computed
-  per element.
+  (source shape, element strides, base[, terms]): the input is a view of a tensor of the source shape, element
+  (i0, i1, ...) of the view at source element base + sum(i_k * strides_k) + the terms, each term
+  (n, r, q, m, stride, weights) adding ((sum(i_k * weights_k) + r) % n // q % m) * stride: a torch.roll of a dim
+  (q = 1, m = n), or one of the dims a reshape merged where their strides do not merge (Swin's window reverse).
+  Layout ops on a group input (Transpose, Slice with positive steps, Reshape, all-zero Pad, and the Slice + Slice +
+  Concat of a torch.roll) are folded into its load this way: the index map of the chain, computed per element.
 
 Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flags program (instrs), inputs
 ((shape, kind) per input), outputs (refs). Arrays are named x0, x1, ... and y0, y1, ...
@@ -42,6 +42,7 @@ entry point launches the kernel with every element on the scalar path (correct, 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,9 +81,10 @@ _COMPARE = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "Gr
 
 Ref = tuple[str, Any]
 Instr = tuple[str, tuple[Ref, ...], Any]
-# (source shape, element strides over the view, base[, rolls]); a roll (n, r, stride, weights over the view dims) adds
-# ((sum_d i_d * weights_d + r) % n) * stride to the offset: a torch.roll of one source dim, maybe split since
+# (source shape, element strides over the view, base[, terms]); a term (n, r, q, m, stride, weights over the view dims)
+# adds ((sum_d i_d * weights_d + r) % n // q % m) * stride to the offset (see the module doc)
 Layout = tuple[Any, ...]
+Term = tuple[int, int, int, int, int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,12 @@ def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr
 
 def _canonical_layout(lay: Sequence[Any]) -> Layout:
     head = (tuple(int(d) for d in lay[0]), tuple(int(d) for d in lay[1]), int(lay[2]))
-    rolls = tuple((int(n), int(r), int(st), tuple(int(w) for w in ws)) for n, r, st, ws in (lay[3] if len(lay) > 3
-                                                                                              else ()))
-    return (*head, rolls) if rolls else head
+    terms = tuple((*(int(v) for v in t[:5]), tuple(int(w) for w in t[5])) for t in (lay[3] if len(lay) > 3 else ()))
+    return (*head, terms) if terms else head
 
 
-def layout_rolls(lay: Layout | None) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
-    """The rolls of a layout (none for None or a plain strided view)."""
+def layout_rolls(lay: Layout | None) -> tuple[Term, ...]:
+    """The terms of a layout (none for None or a plain strided view)."""
     return tuple(lay[3]) if lay is not None and len(lay) > 3 else ()
 
 
@@ -213,10 +214,12 @@ def _bad_layouts(layouts: Any, inputs: Sequence[tuple[Sequence[int], str]]) -> s
         rolls = layout_rolls(lay)
         if len(strides) != len(s) or any(st < 0 for st in strides) or base < 0:
             return f"input {i}: strides {strides} and base {base} are not non-negative strides of its shape {s}"
-        if any(n <= 0 or r < 0 or st < 0 or len(ws) != len(s) or min(ws, default=0) < 0 for n, r, st, ws in rolls):
-            return f"input {i}: rolls {rolls} are not (n > 0, r, stride, one weight per dim), all non-negative"
-        last = base + sum((d - 1) * st for d, st in zip(s, strides, strict=True)) + sum((n - 1) * st
-                                                                                         for n, _, st, _ in rolls)
+        if any(min(n, q, m) <= 0 or r < 0 or st < 0 or len(ws) != len(s) or min(ws, default=0) < 0
+               for n, r, q, m, st, ws in rolls):
+            return (f"input {i}: terms {rolls} are not (n, r, q, m, stride, one weight per dim), n, q, m positive, "
+                    "the rest non-negative")
+        last = base + sum((d - 1) * st for d, st in zip(s, strides, strict=True)) + sum(
+            (min(m, -(-n // q)) - 1) * st for n, _, q, m, st, _ in rolls)
         if last >= math.prod(src):
             return f"input {i}: its view reads element {last} of a source {tuple(src)} of {math.prod(src)} elements"
     return None
@@ -324,11 +327,11 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     shape = iteration_shape(problem)
     layouts = input_layouts(problem)
     # each roll's weights collapse like the strides of one more operand of its input's shape
-    extra = [(s, ws) for (s, _), lay in zip(inputs, layouts, strict=True) for _, _, _, ws in layout_rolls(lay)]
+    extra = [(s, t[5]) for (s, _), lay in zip(inputs, layouts, strict=True) for t in layout_rolls(lay)]
     dims, strides = collapse(shape, [s for s, _ in inputs] + [s for s, _ in extra],
                              [None if lay is None else lay[1] for lay in layouts] + [ws for _, ws in extra])
     weights = iter(strides[len(inputs):])
-    rolls = [[[n, r, st, *next(weights)] for n, r, st, _ in layout_rolls(lay)] for lay in layouts]
+    rolls = [[[*t[:5], *next(weights)] for t in layout_rolls(lay)] for lay in layouts]
 
     def value(r: Ref) -> str:
         return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
@@ -480,8 +483,9 @@ def view_of(source: np.ndarray, shape: Sequence[int], layout: Layout) -> np.ndar
     offset = np.full(tuple(shape), int(layout[2]), np.int64)
     for d, st in enumerate(layout[1]):
         offset += idx[d] * int(st)
-    for n, r, st, ws in layout_rolls(layout):
-        offset += (sum((idx[d] * int(w) for d, w in enumerate(ws)), np.zeros_like(offset)) + int(r)) % int(n) * int(st)
+    for n, r, q, m, st, ws in layout_rolls(layout):
+        t = sum((idx[d] * int(w) for d, w in enumerate(ws)), np.zeros_like(offset)) + int(r)
+        offset += t % int(n) // int(q) % int(m) * int(st)
     return flat[offset]
 
 
@@ -699,7 +703,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             name, _, kind = prog_inputs[ref[1]]
             src, strides, base, rolls = view_of_input(ref[1], shape)
             moved = _reshape_view(full, _widen(shape, full, strides),
-                                  [(n, r, st, _widen(shape, full, ws)) for n, r, st, ws in rolls], pre)
+                                  [(*t[:5], _widen(shape, full, t[5])) for t in rolls], pre)
             if moved is None:
                 raise ValueError(f"elementwise: {node.op_type} {node.name!r}: {t!r} {shape} cannot be read through "
                                  f"the reshape {full} -> {pre} as a view")
@@ -894,12 +898,55 @@ def _reshape_view(old: Sequence[int], strides: Sequence[int], rolls: Sequence[An
     roll's weights must each stay a view (_reshape_strides)."""
     moved = _reshape_strides(old, strides, new)
     out = []
-    for n, r, st, ws in rolls:
-        w = _reshape_strides(old, ws, new)
+    for t in rolls:
+        w = _reshape_strides(old, t[5], new)
         if w is None:
             return None
-        out.append((n, r, st, tuple(w)))
-    return (moved, out) if moved is not None else None
+        out.append((*t[:5], tuple(w)))
+    if moved is None:  # dims merged whose strides do not merge: each becomes a term of the merged dim
+        merged = _merge_terms(old, strides, new)
+        if merged is None:
+            return None
+        moved, extra = merged
+        out += extra
+    return moved, out
+
+
+def _merge_terms(old: Sequence[int], strides: Sequence[int], new: Sequence[int]
+                 ) -> tuple[list[int], list[Term]] | None:
+    """(strides, terms) of `new` over a view of `old` where the reshape merges dims whose strides do not merge: such
+    a merged dim has stride 0 and one term per old dim, (index // q % m) * stride (index: along the merged dim, q: the
+    extent of the old dims after it in the merge, m: its own). None where a reshape splits and merges at once."""
+    od = [int(d) for d in old]
+    nd = [int(d) for d in new]
+    ns, terms = [0] * len(nd), []
+    oi = ni = 0
+    while ni < len(nd) or oi < len(od):
+        if ni < len(nd) and nd[ni] == 1:
+            ni += 1
+            continue
+        if oi < len(od) and od[oi] == 1:
+            oi += 1
+            continue
+        if ni >= len(nd) or oi >= len(od):
+            return None
+        oj, size = oi + 1, od[oi]
+        while size < nd[ni] and oj < len(od):
+            size *= od[oj]
+            oj += 1
+        if size != nd[ni]:
+            return None  # a split: the stride path handles those, a mix of both is no view
+        group = [k for k in range(oi, oj) if od[k] != 1]
+        if len(group) == 1 or all(strides[a] == od[b] * strides[b] for a, b in itertools.pairwise(group)):
+            ns[ni] = int(strides[group[-1]])
+        else:
+            weights = tuple(1 if j == ni else 0 for j in range(len(nd)))
+            after = 1
+            for k in reversed(group):
+                terms.append((nd[ni], 0, after, od[k], int(strides[k]), weights))
+                after *= od[k]
+        oi, ni = oj, ni + 1
+    return ns, terms
 
 
 def _widen(shape: Sequence[int], full: Sequence[int], vec: Sequence[int]) -> list[int]:
@@ -917,17 +964,26 @@ def _concat_roll(node: Any, views: Sequence[Any], axis: int
     (sa, ta, ba, ra), (sb, tb, bb, rb) = views
     r = len(sa)
     axis %= max(r, 1)
-    same = [d for d in range(r) if d != axis]
-    if (len(sb) != r or any(sa[d] != sb[d] for d in same) or list(ta) != list(tb) or list(ra) != list(rb)
-            or any(ws[axis] for _, _, _, ws in ra)):
+    if len(sb) != r or any(sa[d] != sb[d] for d in range(r) if d != axis) or list(ta) != list(tb):
         return None
+    # B = V[0:k] and A = V[k:n] for the view V that is B grown to n along the axis
     k, n = sb[axis], sa[axis] + sb[axis]
-    if ba != bb + k * ta[axis]:
+    shifted = [(*t[:1], (t[1] + k * t[5][axis]) % t[0], *t[2:]) for t in rb]
+    if ba != bb + k * ta[axis] or [tuple(t) for t in shifted] != [tuple(t) for t in ra]:
         return None
-    shape = tuple(n if d == axis else sa[d] for d in range(r))
+    terms = []
+    for t, moved in zip(rb, shifted, strict=True):  # a term of the axis alone, whose period is the axis, rolls
+        if t[5][axis] == 0:
+            terms.append(tuple(t))
+        elif any(w for d, w in enumerate(t[5]) if d != axis) or t[0] != n * t[5][axis]:
+            return None
+        else:
+            terms.append(tuple(moved))
     weights = tuple(1 if d == axis else 0 for d in range(r))
-    strides = [0 if d == axis else int(ta[d]) for d in range(r)]
-    return shape, strides, int(bb), [*ra, (n, k, int(ta[axis]), weights)]
+    if ta[axis]:
+        terms.append((n, k, 1, n, int(ta[axis]), weights))
+    shape = tuple(n if d == axis else sa[d] for d in range(r))
+    return shape, [0 if d == axis else int(ta[d]) for d in range(r)], int(bb), terms
 
 
 def _reshape_strides(old: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> list[int] | None:
@@ -968,7 +1024,7 @@ def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base
             raise ValueError(f"elementwise: {where}: perm {list(perm)} is no permutation of {r} dims")
         perm = [int(p) % r for p in perm]
         return (tuple(shape[p] for p in perm), [int(strides[p]) for p in perm], base,
-                [(n, k, st, tuple(ws[p] for p in perm)) for n, k, st, ws in rolls])
+                [(*t[:5], tuple(t[5][p] for p in perm)) for t in rolls])
     if node.op_type == "Pad":
         mode = attr(node, "mode", b"constant")
         pads = attr(node, "pads") or _const_ints(node, 1, consts, arrays) or []
@@ -983,7 +1039,7 @@ def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base
     if starts is None or ends is None or not len(starts) == len(ends) == len(axes) == len(steps):
         raise ValueError(f"elementwise: {where}: starts, ends, axes and steps are not constants of one length")
     out, st = list(shape), [int(s) for s in strides]
-    rolled = [[n, k, rs, list(ws)] for n, k, rs, ws in rolls]
+    rolled = [[*t[:5], list(t[5])] for t in rolls]
     for a, b, e, step in zip(axes, starts, ends, steps, strict=True):
         a = int(a) % r
         if step <= 0:
@@ -994,10 +1050,10 @@ def _layout_view(node: Any, shape: tuple[int, ...], strides: Sequence[int], base
             raise ValueError(f"elementwise: {where} selects nothing on axis {a}")
         base += lo * st[a]
         st[a] *= step
-        for roll in rolled:  # the roll's index gains lo steps of this dim; a step of the slice is `step` of them
-            roll[1] = (roll[1] + lo * roll[3][a]) % roll[0]
-            roll[3][a] *= step
-    return tuple(out), st, base, [(n, k, rs, tuple(ws)) for n, k, rs, ws in rolled]
+        for term in rolled:  # the term's index gains lo steps of this dim; a step of the slice is `step` of them
+            term[1] = (term[1] + lo * term[5][a]) % term[0]
+            term[5][a] *= step
+    return tuple(out), st, base, [(*t[:5], tuple(t[5])) for t in rolled]
 
 
 def _const_ints(node: Any, i: int, consts: Mapping[str, float], arrays: Mapping[str, Any]) -> list[int] | None:

@@ -9,9 +9,11 @@
 //                                  operand is broadcast along that dim)
 //     Shifted<B, In<E, S...>>      the same operand read from element B on: a view of its tensor that starts
 //                                  inside it (a Slice, or one part of a split)
-//     Rolled<Op, Roll<...>...>     Op plus one term per Roll<N, R, S, W...>: ((sum_j i_j * W_j + R) % N) * S over
-//                                  the iteration indices i_j: a torch.roll (Slice + Slice + Concat) of a source dim,
-//                                  which may since have been split over several iteration dims (window partition)
+//     Rolled<Op, Roll<...>...>     Op plus one term per Roll<N, R, Q, M, S, W...>: ((sum_j i_j * W_j + R) % N / Q % M)
+//                                  * S over the iteration indices i_j: a torch.roll (Slice + Slice + Concat) of a
+//                                  source dim (Q = 1, M = N), which may since have been split over several iteration
+//                                  dims (window partition), or one of the dims a reshape merged although their strides
+//                                  do not merge (window reverse)
 //     Inputs<In<...>, In<...>>     the program's operands, kernel input i being the i-th
 // The strides of an operand that a layout op (Transpose, Slice, Reshape of a strided view) reads are any element
 // strides of its tensor, not only those of a broadcast: the index map of the view, folded into the load.
@@ -121,8 +123,8 @@ struct Shifted : Op {
     }
 };
 
-// ((sum_j i_j * W_j + R) % N) * S, i_j the index along collapsed iteration dim j
-template <uint64_t N, uint64_t R, uint64_t S, uint64_t... W>
+// ((sum_j i_j * W_j + R) % N / Q % M) * S, i_j the index along collapsed iteration dim j
+template <uint64_t N, uint64_t R, uint64_t Q, uint64_t M, uint64_t S, uint64_t... W>
 struct Roll {
     GTCO_HD static constexpr uint64_t weight(int j) {
         constexpr uint64_t w[] = {W..., 0};
@@ -130,8 +132,10 @@ struct Roll {
     }
     template <class Sh, typename I, int... J>
     GTCO_HD static I term(I e, std::integer_sequence<int, J...>) {
-        const I t = (index<Sh, J>(e) + ... + static_cast<I>(R));
-        return (t % static_cast<I>(N)) * static_cast<I>(S);
+        I t = (index<Sh, J>(e) + ... + static_cast<I>(R)) % static_cast<I>(N);
+        if constexpr (Q != 1) t = t / static_cast<I>(Q);
+        if constexpr (M * Q < N) t = t % static_cast<I>(M);
+        return t * static_cast<I>(S);
     }
     // a run of V consecutive elements along the innermost dim keeps the term, a multiple of V
     template <uint64_t V, int Rank>
