@@ -252,12 +252,56 @@ def transpose_gelu():
     return nodes, [("x", (2, 24, 40)), ("bias", (24,))], ["y"], {}, ref, {}
 
 
+def roll(tensor, shift, axis, prefix):
+    """torch.roll(tensor, shift, axis) as exporters write it: Concat(x[-shift:], x[:-shift]) along the axis."""
+    nodes = [node("Slice", [tensor, f"{prefix}_k", f"{prefix}_end", f"{prefix}_axis"], f"{prefix}_hi"),
+             node("Slice", [tensor, "zero", f"{prefix}_k", f"{prefix}_axis"], f"{prefix}_lo"),
+             node("Concat", [f"{prefix}_hi", f"{prefix}_lo"], f"{prefix}_y", axis=axis)]
+    return nodes, {f"{prefix}_k": ints(-shift), f"{prefix}_end": ints(2**62), f"{prefix}_axis": ints(axis)}
+
+
+def np_roll(x, shift, axis):
+    return np.concatenate([np.take(x, range(x.shape[axis] - shift, x.shape[axis]), axis),
+                           np.take(x, range(x.shape[axis] - shift), axis)], axis)
+
+
+def shifted_window_partition():
+    """Swin's shifted window partition: roll by -3 along H then W (Slice + Slice + Concat each), Reshape ->
+    Transpose -> Reshape into [windows, 49, C], times a scale: the rolls are terms of the split dims."""
+    rh, ch = roll("x", -3, 1, "h")
+    rw, cw = roll("h_y", -3, 2, "w")
+    nodes = [*rh, *rw, node("Reshape", ["w_y", "split"], "r"), node("Transpose", ["r"], "t", perm=[0, 1, 3, 2, 4, 5]),
+             node("Reshape", ["t", "merge"], "m"), node("Mul", ["m", "scale"], "y")]
+    consts = {**ch, **cw, "zero": ints(0), "split": ints(1, 2, 7, 2, 7, 8), "merge": ints(4, 49, 8),
+              "scale": scalar(0.5)}
+
+    def ref(v):
+        x = np_roll(np_roll(v["x"], 11, 1), 11, 2)  # a roll by -3 of 14 is one by 11
+        return {"y": x.reshape(1, 2, 7, 2, 7, 8).transpose(0, 1, 3, 2, 4, 5).reshape(4, 49, 8) * 0.5}
+    return nodes, [("x", (1, 14, 14, 8))], ["y"], consts, ref, {}
+
+
+def window_reverse_roll_back():
+    """Window reverse (the last Reshape merges dims whose strides do not: terms), the roll back by +3 along H and W,
+    and the residual Add."""
+    rh, ch = roll("m", 3, 1, "h")
+    rw, cw = roll("h_y", 3, 2, "w")
+    nodes = [node("Reshape", ["w", "split"], "r"), node("Transpose", ["r"], "t", perm=[0, 1, 3, 2, 4, 5]),
+             node("Reshape", ["t", "merge"], "m"), *rh, *rw, node("Add", ["w_y", "s"], "y")]
+    consts = {**ch, **cw, "zero": ints(0), "split": ints(1, 2, 2, 7, 7, 8), "merge": ints(1, 14, 14, 8)}
+
+    def ref(v):
+        m = v["w"].reshape(1, 2, 2, 7, 7, 8).transpose(0, 1, 3, 2, 4, 5).reshape(1, 14, 14, 8)
+        return {"y": np_roll(np_roll(m, 3, 1), 3, 2) + v["s"]}
+    return nodes, [("w", (4, 49, 8)), ("s", (1, 14, 14, 8))], ["y"], consts, ref, {}
+
+
 CHAINS = {"gelu_erf_bias": gelu_erf_bias, "conv_activations": conv_activations, "mask_logic": mask_logic,
           "gelu_tanh_pow": gelu_tanh_pow, "normalize": normalize, "bert_mask": bert_mask,
           "where_cast_two_outputs": where_cast_two_outputs, "activations_rank6": activations_rank6,
           "window_partition": window_partition, "window_reverse_residual": window_reverse_residual,
-          "head_split": head_split, "strided_slice": strided_slice, "transpose_gelu": transpose_gelu}
-LAYOUT_CHAINS = ("window_partition", "window_reverse_residual", "head_split", "strided_slice", "transpose_gelu")
+          "head_split": head_split, "strided_slice": strided_slice, "transpose_gelu": transpose_gelu,
+          "shifted_window_partition": shifted_window_partition, "window_reverse_roll_back": window_reverse_roll_back}
 
 
 def build(chain, dtype):
@@ -372,6 +416,10 @@ GRID = [  # chain, dtype, config
     ("strided_slice", "bf16", {"THREADS": 64, "VEC": 4}),
     ("transpose_gelu", "f16", {"THREADS": 64, "VEC": 8}),
     ("transpose_gelu", "f32", {"THREADS": 128, "VEC": 2}),
+    ("shifted_window_partition", "f16", {"THREADS": 64, "VEC": 8}),
+    ("shifted_window_partition", "f32", {"THREADS": 128, "VEC": 1}),
+    ("window_reverse_roll_back", "f16", {"THREADS": 128, "VEC": 8}),
+    ("window_reverse_roll_back", "bf16", {"THREADS": 64, "VEC": 4}),
 ]
 
 
@@ -660,3 +708,19 @@ def test_ptxas_no_spills(tmp_path, arch):
     for k in kernels:
         assert k.arch == arch and k.registers > 0, k
         assert not k.spills and k.stack_frame_bytes == 0, k
+
+
+@pytest.mark.parametrize(("chain", "reads"), [
+    ("window_partition", 1), ("window_reverse_residual", 3), ("head_split", 2), ("strided_slice", 2),
+    ("transpose_gelu", 2), ("shifted_window_partition", 1), ("window_reverse_roll_back", 2)])
+def test_layout_ops_fold_into_the_loads(chain, reads):
+    """Every layout op of the chain is an index map of a kernel operand: the program reads the listed number of
+    operands (head split: one view per part), each of its tensor's own size, and computes only the chain's
+    elementwise ops."""
+    nodes, inputs, _, _, _, _ = CHAINS[chain]()
+    prog, prob, _, _ = build(CHAINS[chain], "f32")
+    assert len(prog.inputs) == reads
+    sizes = {name: math.prod(shape) for name, shape in inputs}
+    assert all(math.prod(source_shape(prob, i)) == sizes[name] for i, (name, _, _) in enumerate(prog.inputs))
+    computing = [n.op_type for n in nodes if n.op_type in ARITY]
+    assert [op for op, _, _ in prog.instrs] == computing
