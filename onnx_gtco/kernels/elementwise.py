@@ -93,6 +93,7 @@ class Program:
     instrs: tuple[Instr, ...]
     outputs: tuple[tuple[str, Ref], ...]
     layouts: tuple[Layout | None, ...] = ()
+    out_strides: tuple[tuple[int, ...] | None, ...] = ()  # per output: store strides over the iteration shape
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,12 +101,13 @@ class Program:
 
     def problem(self, dtype: str) -> Problem:
         return elementwise_problem(dtype, self.shape, self.instrs, tuple(
-            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs), self.layouts)
+            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs), self.layouts, self.out_strides)
 
 
 def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr],
                         inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref],
-                        layouts: Sequence[Layout | None] = ()) -> Problem:
+                        layouts: Sequence[Layout | None] = (),
+                        out_strides: Sequence[Sequence[int] | None] = ()) -> Problem:
     """The Problem of a program over the iteration `shape` (see the module doc for the encoding). The flag `layouts`
     is there only when some input is a view, so programs without one keep their problem (and instance names)."""
     flags = {"program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
@@ -113,6 +115,8 @@ def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr
              "outputs": tuple(tuple(r) for r in outputs)}
     if any(lay is not None for lay in layouts):
         flags["layouts"] = tuple(None if lay is None else _canonical_layout(lay) for lay in layouts)
+    if any(st is not None for st in out_strides):
+        flags["out_strides"] = tuple(None if st is None else tuple(int(v) for v in st) for st in out_strides)
     return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, flags)
 
 
@@ -130,6 +134,14 @@ def layout_rolls(lay: Layout | None) -> tuple[Term, ...]:
 def input_layouts(problem: Problem) -> tuple[Layout | None, ...]:
     """The layout of every input of `problem` (None: read as it is)."""
     return problem.flag("layouts") or (None,) * len(problem.flag("inputs"))
+
+
+def output_strides(problem: Problem) -> tuple[tuple[int, ...], ...]:
+    """Where each output stores element (i0, i1, ...) of the iteration shape: sum(i_k * strides_k) (dense unless a
+    Transpose folds into the store)."""
+    dense = contiguous_strides(iteration_shape(problem))
+    got = problem.flag("out_strides") or (None,) * len(problem.flag("outputs"))
+    return tuple(dense if st is None else tuple(st) for st in got)
 
 
 def source_shape(problem: Problem, i: int) -> tuple[int, ...]:
@@ -173,6 +185,10 @@ def _validate(problem: Problem) -> str | None:
         return f"the inputs broadcast to {np.broadcast_shapes(*(s for s, _ in inputs))}, not {shape}"
     if why := _bad_layouts(problem.flag("layouts"), inputs):
         return why
+    stores = problem.flag("out_strides")
+    if stores is not None and (len(stores) != len(outputs) or any(
+            st is not None and not _permutes(shape, st) for st in stores)):
+        return f"out_strides {stores} are not a dense permutation of the iteration shape {shape} per output"
 
     def bad_ref(r: Ref, j: int) -> str | None:
         if (r[0] == "x" and 0 <= r[1] < len(inputs)) or (r[0] == "t" and 0 <= r[1] < j) or r[0] == "c":
@@ -223,6 +239,14 @@ def _bad_layouts(layouts: Any, inputs: Sequence[tuple[Sequence[int], str]]) -> s
         if last >= math.prod(src):
             return f"input {i}: its view reads element {last} of a source {tuple(src)} of {math.prod(src)} elements"
     return None
+
+
+def _permutes(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether `strides` store a tensor of `shape` densely in some order of its dims (a transposed output)."""
+    if len(strides) != len(shape):
+        return False
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+    return [strides[d] for d in order] == list(contiguous_strides([shape[d] for d in order]))
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -327,11 +351,15 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     shape = iteration_shape(problem)
     layouts = input_layouts(problem)
     # each roll's weights collapse like the strides of one more operand of its input's shape
+    # and so do the outputs' store strides
     extra = [(s, t[5]) for (s, _), lay in zip(inputs, layouts, strict=True) for t in layout_rolls(lay)]
-    dims, strides = collapse(shape, [s for s, _ in inputs] + [s for s, _ in extra],
-                             [None if lay is None else lay[1] for lay in layouts] + [ws for _, ws in extra])
+    stores = output_strides(problem)
+    dims, strides = collapse(shape, [s for s, _ in inputs] + [s for s, _ in extra] + [shape] * len(stores),
+                             [None if lay is None else lay[1] for lay in layouts] + [ws for _, ws in extra]
+                             + list(stores))
     weights = iter(strides[len(inputs):])
     rolls = [[[*t[:5], *next(weights)] for t in layout_rolls(lay)] for lay in layouts]
+    out_strides = list(weights)
 
     def value(r: Ref) -> str:
         return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
@@ -340,7 +368,7 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
             "inputs": [{"type": KINDS[k] or "T", "strides": st, "base": 0 if lay is None else lay[2], "rolls": ro}
                        for (_, k), st, lay, ro in zip(inputs, strides[:len(inputs)], layouts, rolls, strict=True)],
             "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
-            "outputs": [value(r) for r in outputs],
+            "outputs": [value(r) for r in outputs], "out_strides": out_strides,
             "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
                                  for j, (op, refs, a) in enumerate(instrs))}
 
@@ -447,8 +475,16 @@ class ElementwiseFamily(KernelFamily):
         with np.errstate(all="ignore"):
             for op, refs, attr in problem.flag("program"):
                 ts.append(np.asarray(_np_op(op, [val(r) for r in refs], attr), np.float64))
-        return {f"y{k}": np.broadcast_to(val(r), shape).astype(np.float64)
-                for k, r in enumerate(problem.flag("outputs"))}
+        out = {}
+        n = int(np.prod(shape, dtype=np.int64))
+        for k, (r, st) in enumerate(zip(problem.flag("outputs"), output_strides(problem), strict=True)):
+            y = np.broadcast_to(val(r), shape).astype(np.float64)
+            if tuple(st) != contiguous_strides(shape):  # stored transposed: element i at sum(i_k * strides_k)
+                flat = np.empty(n, np.float64)
+                flat[view_of(np.arange(n), shape, (shape, st, 0)).reshape(-1)] = y.reshape(-1)
+                y = flat.reshape(shape)
+            out[f"y{k}"] = y
+        return out
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
         """Normal values (|x| >= 0.05, never zero), positive in [0.5, 2) for inputs read by Sqrt, Log, Pow, or as a
@@ -627,6 +663,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     layouts: list[Layout | None] = []
     env: dict[str, tuple[Ref, tuple[int, ...]]] = {}  # tensor -> (ref, shape)
     flat: dict[str, tuple[int, ...]] = {}  # a computed value reshaped freely -> its shape before: an output only
+    transposed: dict[str, tuple[str, list[int]]] = {}  # a Transpose of an input's view -> (that view, perm)
     for name, shape, kind in items:
         env[name] = (("x", len(prog_inputs)), shape)
         prog_inputs.append((name, shape, kind))
@@ -763,6 +800,9 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             (ref, shape), = ins
             _, strides, base, rolls = view_of_input(ref[1], shape)
             add_view(node, ref[1], *_layout_view(node, shape, strides, base, rolls, consts, attr, arrays))
+            if op == "Transpose":
+                transposed[node.output[0]] = (node.input[0], [int(p) % len(shape) for p in (
+                    attr(node, "perm") or list(range(len(shape)))[::-1])])
             continue
         if op in _VIEW_OPS:
             tensor = node.input[0]
@@ -841,6 +881,9 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     for name in outputs:
         if name not in env:
             raise ValueError(f"elementwise: output {name!r} is not computed by the group")
+    stores = _transposed_stores(outputs, env, flat, transposed)
+    for name, (src, _) in stores.items():
+        env[name] = env[src]  # stored transposed: the program computes the value before the Transpose
     # drop inputs only a view op read (their reshaped alias is what the program uses); the iteration shape is
     # the broadcast of the inputs the program reads
     used = {r[1] for _, refs, _ in instrs for r in refs if r[0] == "x"} | {
@@ -857,7 +900,21 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             raise ValueError(f"elementwise: output {name!r} is a constant")
         if tuple(np.broadcast_shapes(s, shape)) != shape or int(np.prod(s)) != int(np.prod(shape)):
             raise ValueError(f"elementwise: output {name!r} has shape {s}, not the iteration shape {shape}")
+        if name in stores and tuple(s) != shape:
+            raise ValueError(f"elementwise: output {name!r} is stored transposed from {s}, not the iteration shape "
+                             f"{shape}")
         outs.append((name, ref))
+    out_strides = []
+    for name in outputs:
+        if name not in stores:
+            out_strides.append(None)
+            continue
+        perm = stores[name][1]  # output index j_k = iteration index i_perm[k]
+        dense = contiguous_strides([shape[p] for p in perm])
+        st = [0] * len(shape)
+        for k, p in enumerate(perm):
+            st[p] = dense[k]
+        out_strides.append(tuple(st))
     remap = {old: new for new, old in enumerate(keep)}
 
     def fix(r: Ref) -> Ref:
@@ -867,7 +924,25 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     return Program(tuple(prog_inputs[i] for i in keep),
                    tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in instrs),
                    tuple((n, fix(r)) for n, r in outs),
-                   kept_layouts if any(lay is not None for lay in kept_layouts) else ())
+                   kept_layouts if any(lay is not None for lay in kept_layouts) else (),
+                   tuple(out_strides) if any(st is not None for st in out_strides) else ())
+
+
+def _transposed_stores(outputs: Sequence[str], env: Mapping[str, Any], flat: Mapping[str, Any],
+                       transposed: Mapping[str, tuple[str, list[int]]]) -> dict[str, tuple[str, list[int]]]:
+    """Outputs a Transpose of a group input's view makes of another shape than the group's other outputs: stored
+    transposed from the view before it (Swin's k^T beside q and v), name -> (that view, perm)."""
+    def shape_of(name: str) -> tuple[int, ...]:
+        return tuple(flat.get(name, env[name][1]))
+
+    stores = {}
+    for name in outputs:
+        others = {shape_of(o) for o in outputs if o != name}
+        if name in transposed and shape_of(name) not in others:
+            src, perm = transposed[name]
+            if src in env and env[src][0][0] == "x" and shape_of(src) in others:
+                stores[name] = (src, perm)
+    return stores
 
 
 def _broadcast(shapes: Sequence[Sequence[int]], node: Any) -> tuple[int, ...]:

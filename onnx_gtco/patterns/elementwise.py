@@ -45,7 +45,7 @@ class ElementwisePattern:
                              f"split into {len(parts)} convex groups: a path leaves them and comes back")
             for part in parts:
                 part = self._trim(view, part)
-                if len(part) < 2 or not self._one_output_shape(view, part):
+                if len(part) < 2:
                     continue
                 if any(self._layout(view.nodes[i]) for i in part) and (why := unfoldable(view, part)):
                     # the group's layout ops do not fold (a roll of a reshape that is no view, ...): the group
@@ -154,13 +154,6 @@ class ElementwisePattern:
                 if self._ew(node):
                     return False
         return True
-
-    def _one_output_shape(self, view: GraphView, part: frozenset[int]) -> bool:
-        """A group with layout ops writes outputs of one shape: the kernel iterates one shape, and views of one input
-        in two layouts (a tensor and its transpose) have no common one."""
-        if not any(self._layout(view.nodes[i]) for i in part):
-            return True
-        return len({view.shape(t) for t in view.external_outputs(part)}) == 1
 
     def _convex_parts(self, view: GraphView, comp: list[int]) -> list[frozenset[int]]:
         """Grow groups in topological order; a node joins the groups it reads from if they stay convex."""
