@@ -214,19 +214,20 @@ def window_reverse_residual():
 
 
 def head_split():
-    """qkv [B, N, 3, H, D] -> Transpose -> Slice + Squeeze per part (offset views of one input) -> q * scale, and
-    v copied as it is: two outputs."""
+    """qkv [B, N, 3, H, D] -> Transpose -> Slice + Squeeze per part (offset views of one input) -> q * scale, k^T
+    (stored transposed) and v copied as it is: three outputs."""
     nodes = [node("Transpose", ["qkv"], "t", perm=[2, 0, 3, 1, 4]),
              node("Slice", ["t", "zero", "one", "axis0"], "qs"), node("Squeeze", ["qs", "axis0"], "q"),
-             node("Mul", ["q", "scale"], "yq"), node("Slice", ["t", "two", "three", "axis0"], "vs"),
-             node("Squeeze", ["vs", "axis0"], "yv")]
+             node("Mul", ["q", "scale"], "yq"), node("Slice", ["t", "one", "two", "axis0"], "ks"),
+             node("Squeeze", ["ks", "axis0"], "k"), node("Transpose", ["k"], "yk", perm=[0, 1, 3, 2]),
+             node("Slice", ["t", "two", "three", "axis0"], "vs"), node("Squeeze", ["vs", "axis0"], "yv")]
     consts = {"zero": ints(0), "one": ints(1), "two": ints(2), "three": ints(3), "axis0": ints(0),
               "scale": scalar(0.125)}
 
     def ref(v):
         t = v["qkv"].transpose(2, 0, 3, 1, 4)
-        return {"yq": t[0] * 0.125, "yv": t[2]}
-    return nodes, [("qkv", (2, 9, 3, 4, 16))], ["yq", "yv"], consts, ref, {}
+        return {"yq": t[0] * 0.125, "yk": t[1].transpose(0, 1, 3, 2), "yv": t[2]}
+    return nodes, [("qkv", (2, 9, 3, 4, 16))], ["yq", "yk", "yv"], consts, ref, {}
 
 
 def strided_slice():
@@ -711,7 +712,7 @@ def test_ptxas_no_spills(tmp_path, arch):
 
 
 @pytest.mark.parametrize(("chain", "reads"), [
-    ("window_partition", 1), ("window_reverse_residual", 3), ("head_split", 2), ("strided_slice", 2),
+    ("window_partition", 1), ("window_reverse_residual", 3), ("head_split", 3), ("strided_slice", 2),
     ("transpose_gelu", 2), ("shifted_window_partition", 1), ("window_reverse_roll_back", 2)])
 def test_layout_ops_fold_into_the_loads(chain, reads):
     """Every layout op of the chain is an index map of a kernel operand: the program reads the listed number of

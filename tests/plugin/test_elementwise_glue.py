@@ -118,15 +118,19 @@ def window_reverse(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
 
 
 def head_split(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
-    """qkv [1, 5, 3, 2, 8] -> Transpose -> Slice/Squeeze per part (an offset view each) -> q * scale and k as is."""
+    """qkv [1, 5, 3, 2, 8] -> Transpose -> Slice/Squeeze per part (an offset view each) -> q * scale, k^T (stored
+    transposed) and v as is."""
     nodes = [h("Transpose", ["qkv"], ["t"], name="perm", perm=[2, 0, 3, 1, 4]),
              h("Slice", ["t", "zero", "one", "axis0"], ["qs"], name="sq"),
              h("Squeeze", ["qs", "axis0"], ["q"], name="q"), h("Mul", ["q", "scale"], ["y1"], name="scale"),
              h("Slice", ["t", "one", "two", "axis0"], ["ks"], name="sk"),
-             h("Squeeze", ["ks", "axis0"], ["y2"], name="k")]
-    ints = {"zero": [0], "one": [1], "two": [2], "axis0": [0]}
-    return _model("head_split", nodes, {"qkv": (0, [1, 5, 3, 2, 8])}, {"y1": [1, 2, 5, 8], "y2": [1, 2, 5, 8]},
-                  {"scale": 0.35}, elem, ints)
+             h("Squeeze", ["ks", "axis0"], ["k"], name="k"),
+             h("Transpose", ["k"], ["y2"], name="kt", perm=[0, 1, 3, 2]),
+             h("Slice", ["t", "two", "three", "axis0"], ["vs"], name="sv"),
+             h("Squeeze", ["vs", "axis0"], ["y3"], name="v")]
+    ints = {"zero": [0], "one": [1], "two": [2], "three": [3], "axis0": [0]}
+    return _model("head_split", nodes, {"qkv": (0, [1, 5, 3, 2, 8])},
+                  {"y1": [1, 2, 5, 8], "y2": [1, 2, 8, 5], "y3": [1, 2, 5, 8]}, {"scale": 0.35}, elem, ints)
 
 
 def strided(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
