@@ -47,32 +47,48 @@ class ElementwisePattern:
                 part = self._trim(view, part)
                 if len(part) < 2:
                     continue
-                if any(self._layout(view.nodes[i]) for i in part) and (why := unfoldable(view, part)):
-                    # the group's layout ops do not fold (a roll of a reshape that is no view, ...): the group
-                    # without them, as elementwise groups were before layout ops joined
+                moves = any(not self._ew(view.nodes[i]) for i in part)
+                if moves and (why := unfoldable(view, part)):
+                    # its layout ops or trailing reshapes do not fold (a roll of a reshape that is no view, a
+                    # symbolic shape): the group without them, as elementwise groups were before layout ops joined
                     yield Reject(self.name, view.nodes[min(part)].name, f"layout ops of {len(part)} nodes left "
                                  f"out: {why}")
-                    part = frozenset(i for i in part if not self._layout(view.nodes[i]))
-                    parts = self._convex_parts(view, sorted(part))
-                    for sub in parts:
-                        sub = self._trim(view, sub)
-                        if len(sub) >= 2 and _computes_floats(view, sub) and not unfoldable(view, sub):
-                            yield self._match(view, sub)
+                    rest = sorted(i for i in part if not self._layout(view.nodes[i]))
+                    for sub in self._convex_parts(view, rest):
+                        yield from self._proposals(view, self._ends_computing(view, sub))
                     continue
-                if not _computes_floats(view, part):
-                    quantized = _quantized_output(view, part)
-                    if quantized is not None:  # other integer-only groups are shape arithmetic: nothing to report
-                        yield Reject(self.name, view.nodes[min(part)].name, f"{len(part)} elementwise nodes compute "
-                                     f"only integers ({quantized}): no fused kernel for quantized elementwise chains")
-                    continue
-                yield self._match(view, part)
-                if len(part) == 2:
-                    continue
-                for i in sorted(part):
-                    for j in sorted(view.succs[i] & part):  # j reads i
-                        pair = frozenset([i, j])
-                        if self._ew(view.nodes[i]) and self._ew(view.nodes[j]) and convex(view, pair):
-                            yield self._match(view, pair)
+                yield from self._proposals(view, part)
+
+    def _ends_computing(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
+        """Drop view ops that end the group: its outputs are then elementwise results."""
+        ids = set(part)
+        changed = True
+        while changed:
+            changed = False
+            for i in sorted(ids, reverse=True):
+                if not self._ew(view.nodes[i]) and not (view.succs[i] & ids):
+                    ids.discard(i)
+                    changed = True
+        return frozenset(ids)
+
+    def _proposals(self, view: GraphView, part: frozenset[int]) -> Iterator[Match | Reject]:
+        """The group, and each producer -> consumer pair of elementwise nodes in it (integer-only groups: none)."""
+        if len(part) < 2:
+            return
+        if not _computes_floats(view, part):
+            quantized = _quantized_output(view, part)
+            if quantized is not None:  # other integer-only groups are shape arithmetic: nothing to report
+                yield Reject(self.name, view.nodes[min(part)].name, f"{len(part)} elementwise nodes compute "
+                             f"only integers ({quantized}): no fused kernel for quantized elementwise chains")
+            return
+        yield self._match(view, part)
+        if len(part) == 2:
+            return
+        for i in sorted(part):
+            for j in sorted(view.succs[i] & part):  # j reads i
+                pair = frozenset([i, j])
+                if self._ew(view.nodes[i]) and self._ew(view.nodes[j]) and convex(view, pair):
+                    yield self._match(view, pair)
 
     @staticmethod
     def _ew(node: Node) -> bool:
