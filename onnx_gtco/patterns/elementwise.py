@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
+from onnx_gtco.ir.elementwise import program_from_onnx
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._util import convex
@@ -202,12 +203,8 @@ class ElementwisePattern:
 
 
 def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
-    """Why the elementwise program of the node set has no kernel (kernels.elementwise.program_from_onnx over its
-    static shapes), or None: the layout ops of a group fold only where their index maps compose."""
-    from onnx import helper
-
-    from onnx_gtco.kernels.elementwise import program_from_onnx
-
+    """Why the node set has no elementwise program (ir.elementwise.program_from_onnx over its static shapes), so no
+    kernel, or None: the layout ops of a group fold only where their index maps compose."""
     nodes = [helper.make_node(view.nodes[i].op_type, view.nodes[i].inputs, view.nodes[i].outputs,
                               name=view.nodes[i].name, domain=view.nodes[i].domain, **view.nodes[i].attrs)
              for i in sorted(ids)]
