@@ -29,6 +29,7 @@ class Scores:
     bias: bool = False
     nan_guard: bool = False
     mask_tensor: str = ""  # the additive mask / bias operand, when one Add adds it to the scores
+    mask_period: int = 0  # Swin's shifted windows: the mask is read at batch row b % mask_period (0: at row b)
     bias_tensor: str = ""
     path: list[str] = field(default_factory=list)  # what else is between QKᵀ and the Softmax (reshapes, a Where,
                                                    # a second mask or bias Add), from the Softmax up
@@ -90,7 +91,10 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
             return "the Softmax input is a graph input, not a QKᵀ MatMul"
         if is_op(node, "MatMul"):
             break
-        if is_op(node, *PATH_OPS):
+        if is_op(node, *PATH_OPS) and not scaled and (top := _window_mask(view, s, node)) is not None:
+            s.nodes |= {node.id, view.producer_of(node.inputs[0]).id}  # type: ignore[union-attr]
+            nxt, node = top.inputs[0], top
+        elif is_op(node, *PATH_OPS):
             nxt = node.inputs[0]
             s.path.append(node.op_type)
         elif is_op(node, "Add", "Where"):
@@ -129,6 +133,34 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
     s.nodes.add(node.id)
     s.q, s.k = (_prescale(view, s, t, node) for t in node.inputs)
     return s
+
+
+def _window_mask(view: GraphView, s: Scores, back: Node) -> Node | None:
+    """Swin's shifted-window mask: scores [B*nW, H, N, N] -> Reshape [B, nW, H, N, N] -> Add mask [1, nW, 1|H, N, N]
+    (any rank-5 broadcast with a batch dim of 1) -> Reshape `back` to [B*nW, H, N, N]. The mask of window w is added
+    to batch row b with b % nW == w: sets s.mask_tensor and s.mask_period (nW) and returns the first Reshape, or
+    None when the chain is not that form (the walk then takes it op by op)."""
+    add = view.producer_of(back.inputs[0])
+    if s.mask_tensor or not is_op(back, "Reshape") or add is None or not is_op(add, "Add") \
+            or view.consumers.get(add.outputs[0], ()) != (back.id,) or add.outputs[0] in view.graph_outputs:
+        return None
+    ways = [t for t in add.inputs if leads_to_qk(view, t)]
+    top = view.producer_of(ways[0]) if len(ways) == 1 else None
+    if top is None or not is_op(top, "Reshape") or view.consumers.get(top.outputs[0], ()) != (add.id,) \
+            or top.outputs[0] in view.graph_outputs:
+        return None
+    term = next(t for t in add.inputs if t != ways[0])
+    scores, win, out, mask = (view.shape(t) for t in (top.inputs[0], top.outputs[0], back.outputs[0], term))
+    if scores is None or win is None or mask is None or len(scores) != 4 or len(win) != 5 or out != scores \
+            or tuple(win[2:]) != tuple(scores[1:]) or not isinstance(win[1], int) or win[1] <= 1:
+        return None
+    padded = (1,) * (5 - len(mask)) + tuple(mask)
+    if len(mask) > 5 or padded[0] != 1 or any(m not in (1, w) for m, w in zip(padded[1:], win[1:], strict=True)):
+        return None
+    if additive_kind(view, term) != "mask":
+        return None
+    s.mask, s.mask_tensor, s.mask_period = True, term, int(win[1])
+    return top
 
 
 def _prescale(view: GraphView, s: Scores, tensor: str, reader: Node) -> str:

@@ -18,7 +18,9 @@ class AttentionPattern:
 
     Formula: ``O = softmax(s * Q Kᵀ + M + B) V`` where s is a Div/Mul by a scalar after the MatMul, or
     Muls by sqrt(s) on q and k before it (or none), M an additive mask (run-time, or 0/-big constants, or a
-    ``Where``) and B an additive bias (Swin's relative position bias, also through Reshape->Add->Reshape).
+    ``Where``) and B an additive bias (Swin's relative position bias). Swin's shifted-window mask, added between
+    Reshape [B*nW, H, N, N] -> [B, nW, H, N, N] and back, is the mask with ``mask_period`` nW: batch row b reads
+    the mask of window b % nW.
 
         q --[Mul √s]--.                    mask        bias
                        MatMul --[Div s]--> Add --> [Reshape -> Add -> Reshape] --> Softmax --.
@@ -30,7 +32,7 @@ class AttentionPattern:
     and "attention" with the head split of q, k, v (Reshape[B,S,H,D] -> Transpose, k's Transpose[0,2,3,1],
     the unbind of a packed qkv: Reshape[B,S,3,H,D] -> Transpose[2,0,3,1,4] -> Split/Gather/Slice ->
     Squeeze) and the head merge (Transpose[0,2,1,3] -> Reshape[B,S,H*D]) pulled in where only the chain
-    reads them. attrs: heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, batch_dims, q_layout,
+    reads them. attrs: heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, mask_period, batch_dims, q_layout,
     k_layout, and for "attention" v_layout, out_layout. Layouts: "bhsd", "bhds" (kᵀ as the MatMul reads
     it), "bshd", "bshd_merged" ([B, S, H*D]), "qkv_packed" (one [B, S, 3*H*D] tensor for q, k and v).
     """
@@ -92,6 +94,7 @@ class AttentionPattern:
             "bias": s.bias,
             "nan_guard": s.nan_guard,
             **({"scores_path": tuple(s.path)} if s.path else {}),
+            **({"mask_period": s.mask_period} if s.mask_period else {}),
             "batch_dims": tuple(scores[:-3] if len(scores) >= 4 else scores[:-2]),
             "q_layout": "bhsd",
             "k_layout": "bhds",

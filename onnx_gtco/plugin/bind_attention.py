@@ -3,7 +3,8 @@
 The rule (patterns/attention.py with _heads.py and _scores.py) found q, k, v (the tensors before the head split),
 the additive mask and bias, the scale and the layouts, and the rewrite wrote them in role order (opspec). What only
 the binder knows is what the C++ kernel takes: one batch dim, the layouts it indexes, additive terms that broadcast
-to [B, H, Sq, Sk] scores reached with nothing else between QKᵀ and the Softmax, inputs whose shapes fit the
+to [B, H, Sq, Sk] scores (a mask with mask_period P to [B / P, P, H, Sq, Sk] with a batch dim of 1: Swin's shifted
+windows) reached with nothing else between QKᵀ and the Softmax, inputs whose shapes fit the
 layouts, and of the ONNX Attention op (opset 23) only the plain form (no attn_mask, past key/value, softcap or
 grouped-query heads). Anything else gives a reason string, and that node keeps running its function.
 
@@ -57,6 +58,24 @@ def _fits(shape: tuple[Any, ...] | None, layout: str, b: Any, h: int, s: Any, d:
     other = layout_shape(layout, b if isinstance(b, int) else PROBE + 9, h, s if isinstance(s, int) else PROBE + 9, d)
     return len(shape) == len(want) and all(not isinstance(x, int) or w != o or x == w
                                            for x, w, o in zip(shape, want, other, strict=True))
+
+
+def _addend(info: Any, role: str, op: FusedOp) -> str | None:
+    """Why the mask or bias input does not broadcast to the scores [B, H, Sq, Sk], or None. A mask with
+    mask_period P broadcasts to [B / P, P, H, Sq, Sk] with a batch dim of 1 (Swin's window mask, row b % P)."""
+    b, period = op["batch_dims"][0], (op.int("mask_period") or 0) if role == "mask" else 0
+    scores = [b, op["heads"], op["seq_q"], op["seq_k"]]
+    if period < 0 or (period and isinstance(b, int) and b % period):
+        return f"mask_period {period} does not divide the batch {b}"
+    if period:
+        scores = [1, period, *scores[1:]]
+    shape = info.shape or ()
+    if len(shape) > len(scores):
+        return f"{role} input {info.name!r} of rank {len(shape)}: the kernel takes addends of rank <= {len(scores)}"
+    for got, want in zip(shape, scores[len(scores) - len(shape):], strict=True):
+        if isinstance(got, int) and isinstance(want, int) and got not in (1, want):
+            return f"{role} input {info.name!r} {list(shape)} does not broadcast to the scores {scores}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -117,17 +136,9 @@ class AttentionBinder:
             if not _fits(info.shape, layout, b, h, seq, d):
                 return (f"{role} input {info.name!r} has shape {info.shape}; {role}_layout {layout} needs "
                         f"{list(layout_shape(layout, b, h, seq, d))} (heads {h}, head_dim {d})")
-        scores = [b, op["heads"], op["seq_q"], op["seq_k"]]
         for role in ("mask", "bias"):
-            if role not in op.inputs:
-                continue
-            info = node.inputs[op.inputs[role]]
-            shape = info.shape or ()
-            if len(shape) > 4:
-                return f"{role} input {info.name!r} of rank {len(shape)}: the kernel takes addends of rank <= 4"
-            for got, want in zip(shape, scores[4 - len(shape):], strict=True):
-                if isinstance(got, int) and isinstance(want, int) and got not in (1, want):
-                    return f"{role} input {info.name!r} {list(shape)} does not broadcast to the scores {scores}"
+            if role in op.inputs and (why := _addend(node.inputs[op.inputs[role]], role, op)):
+                return why
         out = node.outputs[op.outputs[CPP_OUT[self.family][0]]] if op.outputs else None
         if out is not None and out.dtype and out.dtype != node.dtype:
             return f"output {out.name!r} is {out.dtype}, not {node.dtype}"

@@ -8,7 +8,8 @@
 // onnx_gtco/kernels/attention.py layout_strides): bhsd [B,H,S,D], bshd [B,S,H,D], bshd_merged [B,S,H*D],
 // qkv_packed one [B,S,3*H*D] array for q, k and v (slot 0, 1, 2), bhds [B,H,D,S] (k only: Kᵀ as MatMul reads it).
 // One batch dim: the glue only binds [B, H, Sq, Sk] score cores. mask / bias are additive [B',H',Sq',Sk'] arrays
-// (right-aligned, rank <= 4, each dim 1 = broadcast, or full), given here as element strides (0 = broadcast).
+// (right-aligned, rank <= 4, each dim 1 = broadcast, or full), given here as element strides (0 = broadcast); a
+// mask with a period P (Swin's shifted windows) is read at batch row b % P.
 //
 // Numerics follow the unfused ONNX subgraph: math in fp32 (the softmax sum accumulates in double);
 // the scores stay fp32 through scale, mask and bias (ORT itself fuses MatMul and scale, and rounding them to a
@@ -124,6 +125,17 @@ inline bool addend_strides(const std::vector<int64_t>& shape, int64_t b, int64_t
     return true;
 }
 
+// addend_strides for a mask read at batch row b % period: its shape (rank <= 5) broadcasts to
+// [b / period, period, h, sq, sk] with a leading dim of 1 (Swin's shifted-window mask [1, nW, 1|H, N, N]); false
+// when it does not, or when period does not divide b.
+inline bool period_addend_strides(const std::vector<int64_t>& shape, int64_t period, int64_t b, int64_t h,
+                                  int64_t sq, int64_t sk, int64_t st[4]) {
+    if (period <= 0 || b % period != 0 || shape.size() > 5 || (shape.size() == 5 && shape[0] != 1)) return false;
+    const std::vector<int64_t> tail(shape.end() - static_cast<std::ptrdiff_t>(std::min<size_t>(shape.size(), 4)),
+                                    shape.end());
+    return addend_strides(tail, period, h, sq, sk, st);
+}
+
 struct Problem {
     int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
     float scale = 1.0f;
@@ -140,10 +152,13 @@ struct Operand {
     }
 };
 
+// Reads batch row b % bmod (bmod 0: row b): Swin's window mask [nW, ...] over batch rows (image, window).
 template <class T>
 struct Addend {
     const T* data = nullptr;  // nullptr: absent
     int64_t sb = 0, sh = 0, sq = 0, sk = 0;
+    int64_t bmod = 0;
+    int64_t row(int64_t b) const { return bmod > 0 ? b % bmod : b; }
 };
 
 // One head's operand [seq][head_dim] as contiguous fp32 (the dot products then run over contiguous memory).
@@ -178,7 +193,7 @@ void probs_row(const Problem& pr, const float* qi, const float* kh, const Addend
     for (int64_t j = 0; j < pr.seq_k; ++j) {
         float s = dot(qi, kh + j * pr.head_dim, pr.head_dim) * pr.scale;
         for (const Addend<T>* a : {&mask, &bias}) {
-            if (a->data != nullptr) s += load(a->data[b * a->sb + h * a->sh + i * a->sq + j * a->sk]);
+            if (a->data != nullptr) s += load(a->data[a->row(b) * a->sb + h * a->sh + i * a->sq + j * a->sk]);
         }
         if (pr.causal && j > i) s = -inf;
         if (std::isnan(s)) bad = true;

@@ -18,7 +18,9 @@
 // binder checked at build time; the kernel does not read them. Output role: OUT_Y (out or probs).
 //
 // Shapes: one batch dim (the binder binds [B, H, Sq, Sk] score cores only); mask / bias of rank <= 4, right-aligned
-// against the scores [B, H, Sq, Sk], each dim 1 or full.
+// against the scores [B, H, Sq, Sk], each dim 1 or full. mask_period P (int attribute, 0 when absent; Swin's shifted
+// windows): the mask, of rank <= 5, broadcasts to [B / P, P, H, Sq, Sk] with a leading dim of 1, and batch row b
+// reads its row b % P.
 //
 // CPU EP: plugins/cpu/attention_ref.h. Device: the node's attention / bmm_softmax instance
 // (gtco/attention.cuh), its gtco_attention_args filled with the same layout and addend strides the reference uses.
@@ -46,6 +48,7 @@ struct AttentionGlue {
         float scale = 0.0f;
         bool has_scale = false;
         int64_t mask = 0, bias = 0, nan_guard = 0, causal = 0;
+        int64_t mask_period = 0;          // > 0: the mask is read at batch row b % mask_period
         std::vector<int64_t> batch_dims;  // empty: symbolic or absent
         std::string q_layout, k_layout, v_layout, out_layout, precision;
     };
@@ -63,6 +66,7 @@ struct AttentionGlue {
         attr_int(info, "bias", a.bias);
         attr_int(info, "nan_guard", a.nan_guard);
         attr_int(info, "causal", a.causal);
+        attr_int(info, "mask_period", a.mask_period);
         attr_ints(info, "batch_dims", a.batch_dims);  // stays empty when absent or symbolic (strings)
         a.q_layout = attr_string(info, "q_layout", "bhsd");
         a.k_layout = attr_string(info, "k_layout", "bhds");
@@ -156,13 +160,21 @@ struct AttentionGlue {
             ref::Addend<T>& a = r == 0 ? am : ab;
             if (!t.present) continue;
             int64_t st[4];
-            if (!ref::addend_strides(t.shape, bq, H, sq, sk, st)) {
+            const int64_t period = r == 0 ? at.mask_period : 0;
+            if (period > 0 && !ref::period_addend_strides(t.shape, period, bq, H, sq, sk, st)) {
+                return ref.fail("mask " + shape_str(t.shape) + " with mask_period=" + std::to_string(period) +
+                                " does not broadcast to [1, " + std::to_string(period) + ", " + std::to_string(H) +
+                                ", " + std::to_string(sq) + ", " + std::to_string(sk) + "] (window rows of the " +
+                                "scores " + shape_str(scores) + "; the period must divide the batch)");
+            }
+            if (period <= 0 && !ref::addend_strides(t.shape, bq, H, sq, sk, st)) {
                 return ref.fail(std::string(r == 0 ? "mask " : "bias ") + shape_str(t.shape) +
                                 " does not broadcast to the scores " + shape_str(scores) +
                                 " (rank <= 4, each dim 1 or the scores' size)");
             }
             a.data = static_cast<const T*>(t.data);
             a.sb = st[0], a.sh = st[1], a.sq = st[2], a.sk = st[3];
+            a.bmod = period > 0 ? period : 0;
         }
         // output
         const std::vector<int64_t> out_shape = WithV ? ref::layout_shape(lo, bq, H, sq, Dh) : scores;
@@ -188,7 +200,8 @@ struct AttentionGlue {
             for (int r = 0; r < 2; ++r) {
                 const ref::Addend<T>& a = *adds[r];
                 dst[r][0] = a.sb, dst[r][1] = a.sh, dst[r][2] = a.sq, dst[r][3] = a.sk;
-                *bmod[r] = a.sb != 0 ? static_cast<int32_t>(bq) : 1;  // per-batch addend: b % B; else b % 1 = 0
+                // a windowed addend: b % period; per-batch: b % B; else b % 1 = 0
+                *bmod[r] = a.sb == 0 ? 1 : static_cast<int32_t>(a.bmod > 0 ? a.bmod : bq);
             }
             if (bq > INT32_MAX || sq > INT32_MAX || sk > INT32_MAX) return ref.fail("sizes too large: " + shapes());
             args.batch = static_cast<int32_t>(bq), args.heads = static_cast<int32_t>(H);

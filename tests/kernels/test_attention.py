@@ -71,6 +71,9 @@ def assert_close(got: dict, ref: dict, dtype: str) -> None:
 
 
 SWIN = {"mask_shape": (2, 1, 49, 49)}  # [nW, 1, N, N] window mask over batch = B_ x nW
+# Swin's shifted windows as the optimizer binds them: 2 images x 4 windows, rel-pos bias [1, H, N, N], the shift
+# mask [nW, 1, N, N] read at batch row b % nW
+SHIFTED = dict(batch=8, heads=2, seq_q=16, head_dim=32, mask=True, bias=True, mask_shape=(4, 1, 16, 16))
 ATTENTION_CASES = [
     # dtype, config, problem
     ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=77, head_dim=64, mask=True)),
@@ -80,6 +83,7 @@ ATTENTION_CASES = [
                                      q_layout="qkv_packed", k_layout="qkv_packed", v_layout="qkv_packed",
                                      out_layout="bshd_merged")),
     ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=2, seq_q=77, head_dim=128, mask=True, k_layout="bhds")),
+    ("f16", cfg(64, 32, 4, 2), SHIFTED),
     ("f16", cfg(128, 64, 4, 2), dict(batch=1, heads=3, seq_q=49, seq_k=197, head_dim=32, q_layout="bshd",
                                      k_layout="bshd", v_layout="bshd", out_layout="bshd")),
     ("bf16", cfg(64, 128, 4, 2), dict(batch=3, heads=1, seq_q=77, head_dim=64, mask=True, bias=True,
@@ -271,6 +275,29 @@ def test_bmm_softmax_configs_do_not_spill(tmp_path, shape, arch):
 @pytest.mark.slow
 @pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_swin_window_configs_do_not_spill(tmp_path, arch):
+    """Swin-T's stage-1 window attention (64 windows x 3 heads x 49 tokens, head_dim 32) with the rel-pos bias and
+    the shift mask, f16 and f32 (TF32): every proposed config compiles without spills or a stack frame."""
+    insts: list[Instance] = []
+    for dtype in ("f16", "f32"):
+        problem = make_problem("attention", dtype, batch=64, heads=3, seq_q=49, head_dim=32, mask=True, bias=True,
+                               mask_shape=(64, 1, 49, 49))
+        configs = ATTN.configs(problem, arch)
+        assert len(configs) >= 3
+        insts += [ATTN.instantiate(problem, c, arch) for c in configs]
+    src = tmp_path / f"swin_{arch}.cu"
+    src.write_text("\n".join(i.source for i in insts))
+    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600).stderr)
+    assert len(kernels) == len(insts)
+    for k in kernels:
+        assert k.arch == arch and "attention_kernel" in k.name
+        assert not k.spills and k.stack_frame_bytes == 0, k
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
 def test_check_budget_is_honest_at_its_edge(tmp_path, family, arch):
     """Every config check() accepts within 16 registers of ACC_REG_BUDGET, for every head dim, with the heaviest
@@ -297,6 +324,7 @@ def test_check_budget_is_honest_at_its_edge(tmp_path, family, arch):
 # f32: TF32 Q Kᵀ and P V, fp32 softmax and I/O
 # ---------------------------------------------------------------------------------------------------------------
 F32_CASES = [
+    (ATTN, cfg(64, 32, 4, 2), SHIFTED),
     (ATTN, cfg(64, 32, 4, 2), dict(batch=2, heads=2, seq_q=49, seq_k=70, head_dim=64, mask=True)),
     (ATTN, cfg(64, 64, 4, 3), dict(batch=1, heads=2, seq_q=37, head_dim=80, bias=True, k_layout="bhds",
                                    out_layout="bshd_merged")),

@@ -158,8 +158,9 @@ def test_timm_fused_qkv_is_absorbed_up_to_the_packed_projection_output(kit, unbi
     assert ext.attrs["scale"] == pytest.approx(8 ** -0.5) and ext.attrs["heads"] == 2
 
 
-def swin(kit):
-    """Window attention: q*s @ kᵀ + rel-pos bias -> Reshape[B,nW,H,N,N] + shift mask -> Reshape -> softmax."""
+def swin(kit, mask_shape: tuple[int, ...] = (1, 4, 1, 8, 8), bias: bool = False):
+    """Window attention: q*s @ kᵀ + rel-pos bias -> Reshape[B,nW,H,N,N] + shift mask -> Reshape -> softmax
+    (`bias`: a random term in place of the 0 / -100 mask; the windows [B, nW] follow mask_shape's first dims)."""
     g = kit.graph(seed=3)
     for n in "qkv":
         g.input(n, [4, 2, 8, 4])
@@ -167,8 +168,11 @@ def swin(kit):
     g.op("Transpose", ["k"], "k_t", perm=[0, 1, 3, 2])
     g.op("MatMul", ["q_scaled", "k_t"], "qk")
     g.op("Add", ["qk", g.weight("rel_pos", 1, 2, 8, 8)], "bias_add")
-    g.op("Reshape", ["bias_add", g.const("win", np.array([1, 4, 2, 8, 8]))], "to_windows")
-    mask = np.where(np.random.default_rng(0).random((1, 4, 1, 8, 8)) > 0.5, -100.0, 0.0).astype(np.float32)
+    win = [max(1, 4 // mask_shape[1]), mask_shape[1], 2, 8, 8]
+    g.op("Reshape", ["bias_add", g.const("win", np.array(win))], "to_windows")
+    rng = np.random.default_rng(0)
+    mask = rng.standard_normal(mask_shape) if bias else np.where(rng.random(mask_shape) > 0.5, -100.0, 0.0)
+    mask = mask.astype(np.float32)
     g.op("Add", [g.const("shift_mask", mask), "to_windows"], "mask_add")
     g.op("Reshape", ["mask_add", g.const("back", np.array([4, 2, 8, 8]))], "from_windows")
     g.op("Softmax", ["from_windows"], "softmax", axis=-1)
@@ -186,6 +190,20 @@ def test_swin_walks_through_reshape_add_reshape_and_tells_mask_from_bias(kit) ->
     assert (attrs["mask"], attrs["bias"], attrs["heads"], attrs["seq_q"]) == (True, True, 2, 8)
     assert attrs["batch_dims"] == (4,)
     assert attrs["scale"] == pytest.approx(0.5)
+    # the shift mask between the reshapes is the mask, read at batch row b % nW; nothing else is in the way
+    assert (attrs["mask_period"], "scores_path" in attrs) == (4, False)
+    assert "shift_mask" in matches[1].roles["mask"] and "rel_pos" in matches[1].roles["bias"]
+
+
+@pytest.mark.parametrize("term", ["bias", "per_image"])
+def test_swin_window_term_that_is_not_a_periodic_mask_stays_a_scores_path(kit, term: str) -> None:
+    """A bias added between the window reshapes, or a mask with a dim per image, is no mask read at row b % nW: the
+    reshapes stay in scores_path (the binder refuses those)."""
+    g = swin(kit, mask_shape=(2, 2, 1, 8, 8) if term == "per_image" else (1, 4, 1, 8, 8), bias=term == "bias")
+    view = g.view()
+    matches, _ = kit.run(RULE, view)
+    attrs = matches[1].attrs
+    assert "mask_period" not in attrs and attrs["scores_path"][:2] == ("Reshape", "Reshape")
 
 
 def test_onnx_attention_op_is_a_single_node_candidate(kit) -> None:

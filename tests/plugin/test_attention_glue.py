@@ -377,6 +377,75 @@ def small_model(*, guard: bool = False, probs_out: bool = False, mask: bool = Fa
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+SWIN = {"images": 2, "windows": 4, "heads": 2, "tokens": 16, "head_dim": 32}
+
+
+def swin_window_mask(windows: int, tokens: int, seed: int = 7) -> np.ndarray:
+    """A shift mask [1, nW, 1, N, N] of 0 / -100 (Swin's values), different per window, no row fully masked."""
+    m = np.where(np.random.default_rng(seed).random((1, windows, 1, tokens, tokens)) < 0.4, -100.0, 0.0)
+    idx = np.arange(tokens)
+    m[..., idx, idx] = 0.0  # every token sees itself
+    return m
+
+
+def swin_model(*, dtype: type = np.float32, seed: int = 3, **dims: int) -> onnx.ModelProto:
+    """Swin's shifted-window attention as timm exports it: q, k, v [B*nW, H, N, D]; q * s @ kᵀ + relative position
+    bias [1, H, N, N] -> Reshape [B, nW, H, N, N] + shift mask [1, nW, 1, N, N] -> Reshape back -> Softmax -> @ v."""
+    d = SWIN | dims
+    b, nw, h, n, hd = d["images"], d["windows"], d["heads"], d["tokens"], d["head_dim"]
+    et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    rng = np.random.default_rng(seed)
+    ins = [helper.make_tensor_value_info(x, et, [b * nw, h, n, hd]) for x in "qkv"]
+    inits = [numpy_helper.from_array(np.array(hd ** -0.5, dtype), "sc"),
+             numpy_helper.from_array(rng.standard_normal((1, h, n, n)).astype(dtype), "rel_bias"),
+             numpy_helper.from_array(swin_window_mask(nw, n).astype(dtype), "shift_mask"),
+             numpy_helper.from_array(np.array([b, nw, h, n, n], np.int64), "to_win"),
+             numpy_helper.from_array(np.array([b * nw, h, n, n], np.int64), "from_win")]
+    nodes = [helper.make_node("Mul", ["q", "sc"], ["qs"]),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["qs", "kt"], ["s0"]),
+             helper.make_node("Add", ["s0", "rel_bias"], ["s1"]),
+             helper.make_node("Reshape", ["s1", "to_win"], ["s2"]),
+             helper.make_node("Add", ["s2", "shift_mask"], ["s3"]),
+             helper.make_node("Reshape", ["s3", "from_win"], ["s4"]),
+             helper.make_node("Softmax", ["s4"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"])]
+    outs = [helper.make_tensor_value_info("o", et, [b * nw, h, n, hd])]
+    graph = helper.make_graph(nodes, "swin_window", ins, outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def swin_reference(model: onnx.ModelProto, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """swin_model in float64 numpy: the window mask tiled over the images (batch row b reads window b % nW)."""
+    inits = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    mask = inits["shift_mask"][0]  # [nW, 1, N, N]
+    mask = np.tile(mask, (q.shape[0] // mask.shape[0], 1, 1, 1))
+    return np_attention(q, k, v, float(inits["sc"]), mask, inits["rel_bias"])
+
+
+def test_swin_shifted_windows_bind_as_one_attention_node(ref_lib) -> None:
+    """The shifted-window chain is one Attention node whose mask (the 5-D shift mask) is read at row b % nW; its
+    function equals the float64 reference, and the binder refuses a period that does not divide the batch."""
+    model = swin_model()
+    result = optimize(model, GtcoConfig())
+    nodes = [fn for fn in fused_nodes(result.model) if fn.family in BINDER]
+    assert [fn.family for fn in nodes] == ["attention"]
+    fn = nodes[0]
+    a = _attrs(fn)
+    assert (a["mask_period"], a["mask"], a["bias"], a.get("scores_path", [])) == (4, 1, 1, [])
+    binding = BINDER["attention"].bind(fn)
+    assert isinstance(binding, Binding), binding
+    names = {r: fn.node.input[i] if i >= 0 else None for r, i in zip(IN_ROLES, binding.inputs, strict=True)}
+    assert (names["mask"], names["bias"]) == ("shift_mask", "rel_bias")
+    rng = np.random.default_rng(11)
+    feeds = {binding.inputs[IN_ROLES.index(r)]: rng.standard_normal((8, 2, 16, 32)).astype(np.float32) for r in "qkv"}
+    got = _run_function(result.model, fn, feeds)
+    want = swin_reference(model, *(feeds[binding.inputs[IN_ROLES.index(r)]].astype(np.float64) for r in "qkv"))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    odd = replace(fn, attrs={**fn.attrs, "mask_period": 3})
+    assert BINDER["attention"].bind(odd) == "mask_period 3 does not divide the batch 8"
+
+
 @pytest.mark.parametrize("kw", [{"guard": True, "mask": True}, {"bias": True, "mask": True},
                                 {"probs_out": True, "mask": True}, {"probs_out": True, "bias": True},
                                 {"k_transposed": False, "seq": 50, "head_dim": 80}],
@@ -578,6 +647,7 @@ E2E = {  # name -> (model builder, family)
     "guard": (lambda: small_model(guard=True, mask=True, k_transposed=False), "attention"),
     "f16": (lambda: small_model(mask=True, bias=True, seq=40, head_dim=64, dtype=np.float16), "attention"),
     "onnx_causal": (lambda: onnx_attention_model(causal=True, merged=True, sq=9, sk=20, head_dim=64), "attention"),
+    "swin": (swin_model, "attention"),
 }
 
 
@@ -692,4 +762,21 @@ def test_custom_kernel_reports_bad_shapes(e2e) -> None:
         _one_node_session(model, fn, feeds, lib, free_shapes=True)()
     feeds[k_i] = feeds[k_i][:, :90]  # k and v disagree
     with pytest.raises(Exception, match=r"k and v have different sequence lengths: q \[2,128,128\], k \[2,90,128\]"):
+        _one_node_session(model, fn, feeds, lib, free_shapes=True)()
+
+
+def test_swin_custom_kernel_reads_the_window_mask_per_row(e2e) -> None:
+    """The CPU kernel of the shifted-window node matches the float64 reference (each batch row adds the mask of
+    window b % nW), and a mask that does not fit the period is refused by the kernel, naming both."""
+    lib, cases = e2e
+    model, fn, binding = cases["swin"]
+    roles = dict(zip(IN_ROLES, binding.inputs, strict=True))
+    rng = np.random.default_rng(5)
+    feeds = {roles[r]: rng.standard_normal((8, 2, 16, 32)).astype(np.float32) for r in "qkv"}
+    got = _one_node_session(model, fn, feeds, lib)()
+    want = swin_reference(model, *(feeds[roles[r]].astype(np.float64) for r in "qkv"))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    feeds[roles["mask"]] = swin_window_mask(3, 16).astype(np.float32)
+    with pytest.raises(Exception, match=r"mask \[1,3,1,16,16\] with mask_period=4 does not broadcast to "
+                                        r"\[1, 4, 2, 16, 16\]"):
         _one_node_session(model, fn, feeds, lib, free_shapes=True)()

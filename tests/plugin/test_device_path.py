@@ -27,7 +27,7 @@ import pytest
 from onnx import TensorProto
 from onnxruntime.transformers.float16 import convert_float_to_float16
 from plugin_helpers import ln_softmax_model
-from test_attention_glue import small_model
+from test_attention_glue import small_model, swin_model
 
 from onnx_gtco import optimize
 from onnx_gtco.kernels.family import rel_error
@@ -43,6 +43,7 @@ MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels
     "bmm_softmax": (lambda: small_model(probs_out=True, mask=True, bias=True, seq=40, head_dim=64),
                     {"BmmSoftmax_f16"}),
     "attention_kt": (lambda: small_model(k_transposed=False, mask=True, seq=37, head_dim=32), {"Attention_f16"}),
+    "swin_window": (swin_model, {"Attention_f16"}),  # the shift mask read at batch row b % nW
 }
 
 
@@ -170,9 +171,10 @@ TF32_TOL = 2e-3  # TF32 device kernels (fp32 I/O, 10-bit operand mantissas) agai
 TF32_FAMILIES = ("Gemm_", "Qkv_", "Attention_", "BmmSoftmax_")
 
 
-@pytest.mark.parametrize("name", ["vit", "bert"])
+@pytest.mark.parametrize("name", ["vit", "bert", "swin_window"])
 def test_fp32_precision_runs_every_tensor_core_node_in_tf32(name: str, tmp_path: Path) -> None:
-    """--precision fp32: every GEMM, QKV and attention node of the built-in ViT and BERT gets a TF32 device instance
+    """--precision fp32: every GEMM, QKV and attention node of the built-in ViT and BERT (and of Swin's shifted-window
+    attention) gets a TF32 device instance
     (none keeps its function), and the emulated build matches the fp32 original within 2e-3."""
     from onnx_gtco.config import GtcoConfig
 
