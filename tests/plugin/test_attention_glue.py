@@ -388,9 +388,10 @@ def swin_window_mask(windows: int, tokens: int, seed: int = 7) -> np.ndarray:
     return m
 
 
-def swin_model(*, dtype: type = np.float32, seed: int = 3, **dims: int) -> onnx.ModelProto:
+def swin_model(*, dtype: type = np.float32, seed: int = 3, probs_out: bool = False, **dims: int) -> onnx.ModelProto:
     """Swin's shifted-window attention as timm exports it: q, k, v [B*nW, H, N, D]; q * s @ kᵀ + relative position
-    bias [1, H, N, N] -> Reshape [B, nW, H, N, N] + shift mask [1, nW, 1, N, N] -> Reshape back -> Softmax -> @ v."""
+    bias [1, H, N, N] -> Reshape [B, nW, H, N, N] + shift mask [1, nW, 1, N, N] -> Reshape back -> Softmax -> @ v
+    (probs_out also returns P: then the group is a BmmSoftmax)."""
     d = SWIN | dims
     b, nw, h, n, hd = d["images"], d["windows"], d["heads"], d["tokens"], d["head_dim"]
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
@@ -411,6 +412,8 @@ def swin_model(*, dtype: type = np.float32, seed: int = 3, **dims: int) -> onnx.
              helper.make_node("Softmax", ["s4"], ["p"], axis=-1),
              helper.make_node("MatMul", ["p", "v"], ["o"])]
     outs = [helper.make_tensor_value_info("o", et, [b * nw, h, n, hd])]
+    if probs_out:
+        outs.append(helper.make_tensor_value_info("p", et, [b * nw, h, n, n]))
     graph = helper.make_graph(nodes, "swin_window", ins, outs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
@@ -648,6 +651,7 @@ E2E = {  # name -> (model builder, family)
     "f16": (lambda: small_model(mask=True, bias=True, seq=40, head_dim=64, dtype=np.float16), "attention"),
     "onnx_causal": (lambda: onnx_attention_model(causal=True, merged=True, sq=9, sk=20, head_dim=64), "attention"),
     "swin": (swin_model, "attention"),
+    "swin_bmm": (lambda: swin_model(probs_out=True), "bmm_softmax"),
 }
 
 
