@@ -19,10 +19,6 @@ pytestmark = [pytest.mark.zoo, pytest.mark.slow]
 
 WITHOUT_KERNEL = {"conv": "no plugin kernel for family 'conv' yet"}
 """Families with no device kernel yet, and the reason the report gives."""
-SYMBOLIC_SHAPES = {("swin-t", "torchscript")}
-"""Exports whose fused nodes keep run-time shape arithmetic (Swin's window partition computed by Shape / Gather /
-Concat nodes, so head_dim, N and K are symbolic and most kernels, built per size, cannot serve them): every node
-without a kernel names why, and the conversion and check hold as for the others."""
 
 
 def _io(model: onnx.ModelProto) -> list[tuple[str, int]]:
@@ -39,13 +35,8 @@ def test_half_precision_from_fp32(zoo_case: tuple[str, str], zoo_onnx: pathlib.P
 
     device = result.report["device"]
     groups = result.report["groups"]
-    if tuple(zoo_case) in SYMBOLIC_SHAPES:
-        assert all(g["device_kernels"] == list(ARCH_SLOTS) or g["device_reason"] for g in groups)
-        assert any("symbolic" in (g["device_reason"] or "") for g in groups)  # still the reason: drop it when not
-        groups = []
     exceptions = [g for g in groups if g["family"] in WITHOUT_KERNEL]
-    if groups:
-        assert device["with_kernels"] == {arch: len(groups) - len(exceptions) for arch in ARCH_SLOTS}, device["without"]
+    assert device["with_kernels"] == {arch: len(groups) - len(exceptions) for arch in ARCH_SLOTS}, device["without"]
     for g in groups:
         if g["family"] in WITHOUT_KERNEL:
             assert g["device_reason"] == WITHOUT_KERNEL[g["family"]], g
