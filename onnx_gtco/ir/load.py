@@ -18,7 +18,7 @@ from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 MIN_OPSET = 13
 MAX_FOLD_ROUNDS = 8
 """Rounds of folding and shape inference at most: the folders run a static model's shape arithmetic to its end in
-one or two; a round that removes no node ends it sooner."""
+one or two; a round in which onnx-graphsurgeon folds nothing ends it sooner."""
 CONVERT_TO_OPSET = 17
 
 
@@ -207,21 +207,20 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 
     Shapes first, so folding sees static extents (TorchScript exports compute reshape targets from Shape nodes);
     then rounds of folding (onnxscript's node-by-node folder, which infers shapes as it goes and drops the layout
-    ops static shapes show to be no-ops, then onnx-graphsurgeon's, which folds constants of any size) and shape
-    inference until a round removes no node, and infer the final graph. Folding is an optimization: when a folder
-    fails on the model, or the folded model fails onnx.checker or strict shape inference (which the rewritten
-    model's check applies), or lost a graph output, the unfolded model is kept.
+    ops static shapes show to be no-ops, to its fixpoint, then onnx-graphsurgeon's, which folds constants of any
+    size) and shape inference until onnx-graphsurgeon finds nothing more to fold, and infer the final graph.
+    Folding is an optimization: when a folder fails on the model, or the folded model fails onnx.checker or strict
+    shape inference (which the rewritten model's check applies), or lost a graph output, the unfolded model is kept.
     A model that onnx cannot infer strictly to begin with (a few standard ops' function bodies) keeps its folding
     where the unfolded model fails the same way.
     """
     folded = model
     try:
         for _ in range(MAX_FOLD_ROUNDS):
-            folded = infer_shapes(folded, name)
-            before = len(folded.graph.node)
-            folded = _fold_constants(_simplified(folded))
-            if len(folded.graph.node) == before:
-                break
+            simplified = _simplified(infer_shapes(folded, name))
+            folded = _fold_constants(simplified)
+            if _computing_nodes(folded) == _computing_nodes(simplified):
+                break  # onnxscript's folder ran to its fixpoint, and onnx-graphsurgeon found nothing more
     except (ModelError, FoldError):
         return infer_shapes(model, name)
     if [o.name for o in folded.graph.output] != [o.name for o in model.graph.output]:
@@ -236,6 +235,11 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         if str(e) == folded_error:
             return infer_shapes(folded, name)
     return infer_shapes(model, name)
+
+
+def _computing_nodes(model: onnx.ModelProto) -> int:
+    """The main graph's nodes other than Constant (onnx-graphsurgeon turns those into initializers)."""
+    return sum(n.op_type != "Constant" for n in model.graph.node)
 
 
 def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
