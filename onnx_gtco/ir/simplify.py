@@ -125,20 +125,49 @@ _NO_OP_WHEN: dict[str, Callable[[ir.Node], bool]] = {
 }
 
 
-def _row_major_source(node: ir.Node) -> ir.Value | None:
-    """The value a chain of _ROW_MAJOR ops ending in `node` starts from, where it has the chain's static output
-    shape and type (Unsqueeze then Squeeze, Reshape to the shape the tensor has): the chain is a no-op."""
-    out = node.outputs[0]
-    target = _static_dims(out)
+def _row_major_chain(node: ir.Node) -> list[ir.Value]:
+    """The values a chain of _ROW_MAJOR ops ending in `node` passes through: its input, the input of that input's
+    producer where that is a _ROW_MAJOR op too, and so on up to the chain's start."""
+    chain = []
     value = node.inputs[0] if node.inputs else None
-    while target is not None and value is not None:
-        if _static_dims(value) == target and value.dtype == out.dtype:
-            return value
+    while value is not None:
+        chain.append(value)
         producer = value.producer()
         if producer is None or producer.op_type not in _ROW_MAJOR or producer.domain not in _DEFAULT_DOMAINS:
-            return None
+            break
         value = producer.inputs[0] if producer.inputs else None
-    return None
+    return chain
+
+
+def _row_major_source(node: ir.Node) -> ir.Value | None:
+    """The value of the chain ending in `node` that has the node's static output shape and type (Unsqueeze then
+    Squeeze, Reshape to the shape the tensor has): the chain from there is a no-op."""
+    out = node.outputs[0]
+    target = _static_dims(out)
+    if target is None:
+        return None
+    return next((v for v in _row_major_chain(node) if _static_dims(v) == target and v.dtype == out.dtype), None)
+
+
+def _collapse_reshape(graph: ir.Graph, node: ir.Node, names: set[str]) -> bool:
+    """Make a Reshape at the end of a chain of _ROW_MAJOR ops read the chain's start, with its static output shape
+    as the target (TorchScript writes Swin's window partition as Reshape after Reshape); the ops it skips go where
+    nothing else reads them. False where the Reshape is no such chain's end or its output shape is not static."""
+    target = _static_dims(node.outputs[0])
+    chain = _row_major_chain(node) if node.op_type == "Reshape" and node.domain in _DEFAULT_DOMAINS else []
+    if target is None or not all(d > 0 for d in target) or len(chain) < 2:
+        return False  # a 0 in a target copies the input's dim (allowzero=0): only positive extents are written
+    k = 0
+    while f"{node.outputs[0].name}_shape_{k}" in names:
+        k += 1
+    name = f"{node.outputs[0].name}_shape_{k}"
+    names.add(name)
+    shape = ir.Value(name=name, const_value=ir.tensor(np.array(target, dtype=np.int64), name=name),
+                     type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([len(target)]))
+    graph.register_initializer(shape)
+    node.replace_input_with(0, chain[-1])
+    node.replace_input_with(1, shape)
+    return True
 
 
 def _no_op_source(node: ir.Node) -> ir.Value | None:
@@ -153,13 +182,19 @@ def _no_op_source(node: ir.Node) -> ir.Value | None:
 
 class _RemoveNoOpLayout(ir.passes.InPlacePass):
     """Drop layout ops of the main graph that static shapes show to be no-ops: their readers read the value they
-    pass on instead. One whose output is a graph output stays (the output keeps its name)."""
+    pass on instead. One whose output is a graph output stays (the output keeps its name). A Reshape ending a chain
+    of reshapes reads the chain's start."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = {v.name for v in (*graph.inputs, *graph.initializers.values())}
+        names |= {v.name for node in graph for v in node.outputs}
         modified = False
-        for node in model.graph:
+        for node in graph:
             source = _no_op_source(node)
             if source is not None and node.outputs[0].uses():
                 node.outputs[0].replace_all_uses_with(source)
+                modified = True
+            elif source is None and _collapse_reshape(graph, node, names):
                 modified = True
         return ir.passes.PassResult(model, modified=modified)

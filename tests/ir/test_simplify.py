@@ -155,3 +155,30 @@ def test_chained_shape_arithmetic_folds_in_one_load() -> None:
     loaded = load_model(original)
     assert _ops(loaded) == ["Pad", *["Relu"] * 7], _ops(loaded)  # 5 padded to 8 by the first, zero pads after
     _assert_same_results(original, loaded, [2, 3, 5])
+
+
+def test_chain_of_reshapes_collapses_to_one() -> None:
+    """Reshape after Unsqueeze after Reshape (TorchScript's window partition): the last reads the chain's start, with
+    its static output shape as the target; a step of the chain another node reads stays for that reader."""
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["a"]),
+             helper.make_node("Unsqueeze", ["a", "ax"], ["b"]),
+             helper.make_node("Reshape", ["b", "s2"], ["t"]),
+             helper.make_node("Reshape", ["x", "s1"], ["c"]),
+             helper.make_node("Reshape", ["c", "s2"], ["d"]),
+             helper.make_node("Neg", ["c"], ["e"])]
+    inits = [_i64("s1", [6, 4]), _i64("ax", [0]), _i64("s2", [3, -1])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, X_SHAPE)
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 8] if n != "e" else [6, 4]) for n in "yde"]
+    g = helper.make_graph([*nodes, helper.make_node("Relu", ["t"], ["y"])], "g", [x], outs, initializer=inits)
+    original = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    loaded = load_model(original)
+    reshapes = {n.output[0]: n for n in loaded.graph.node if n.op_type == "Reshape"}
+    consts = {t.name: numpy_helper.to_array(t).tolist() for t in loaded.graph.initializer}
+    assert reshapes["t"].input[0] == "x" and consts[reshapes["t"].input[1]] == [3, 8]
+    assert reshapes["d"].input[0] == "x" and consts[reshapes["d"].input[1]] == [3, 8]
+    assert reshapes["c"].input[0] == "x"  # Neg reads it
+    assert "Unsqueeze" not in _ops(loaded)
+    feed = {"x": np.random.default_rng(0).standard_normal(X_SHAPE).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y", "d", "e"], feed)
+           for m in (original, loaded)]
+    assert all(np.array_equal(a, b) for a, b in zip(*run, strict=True))
