@@ -15,8 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from plugin_helpers import Built, build_model
 
+from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
+from onnx_gtco.kernels.family import rel_error
+from onnx_gtco.models import build
 from onnx_gtco.patterns.conv import ConvPattern
 from onnx_gtco.plan.candidates import collect, singletons
 from onnx_gtco.plan.types import Candidate, Plan
@@ -224,3 +227,39 @@ def test_bad_operands_are_errors_naming_the_node(sites: tuple[Built, int]) -> No
     onnx.save(model, str(path))
     with pytest.raises(Exception, match=rf"Conv_f32 node '{node.name}'.*3 groups do not split x's channels"):
         make_session(path, CPU, library=True).run(None, make_inputs(onnx.load(str(built.original)), 0))
+
+
+@pytest.mark.parametrize(("attrs", "x_shape", "why"), [
+    ({"auto_pad": "SAME_UPPER"}, [1, 4, 8, 8], "pads by auto_pad=SAME_UPPER; the kernel takes explicit pads"),
+    ({}, [1, 4, 4, 4, 4], "a 3-D convolution; the kernel takes 1-D and 2-D ones"),
+])
+def test_binder_refuses_what_the_kernel_does_not_compute(attrs: dict[str, object], x_shape: list[int],
+                                                         why: str) -> None:
+    g = Net(TensorProto.FLOAT)
+    y = g.op("Relu", [g.op("Conv", ["x", g.weight("w", 4, 4, *[3] * (len(x_shape) - 2))], "conv", **attrs)], "y")
+    model, _ = rewrite(*longest_conv_groups(g.model({"x": x_shape}, [y])))
+    (node,) = fused_nodes(model)
+    got = CONV.bind(node)
+    assert isinstance(got, str) and got.endswith(why) and "Conv_f32 node 'gtco/conv/conv'" in got
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_converted_vit_patch_embedding_runs_the_half_conv(precision: str, tmp_path: Path) -> None:
+    """An fp32 ViT optimized at fp16 / bf16: its patch-embedding conv node reads and writes half tensors (its
+    function casts around an fp32 Conv); the library's half conv kernel serves it, with the whole model within
+    the conversion's tolerance of the fp32 original, as close to it as the model-local functions are."""
+    original = build("vit-tiny", depth=1, image=64, seed=0)
+    result = optimize(original, GtcoConfig(precision=precision))
+    path = tmp_path / "model.gtco.onnx"
+    onnx.save(result.model, str(path))
+    lib = build_library(result.model, tmp_path, cuda=False, planned=result.planned())
+    conv_type = "Conv_" + {"fp16": "f16", "bf16": "bf16"}[precision]
+    assert conv_type in lib.op_types and not lib.skipped()
+    feeds = make_inputs(original, 0)
+    want = ort.InferenceSession(original.SerializeToString(), providers=CPU).run(None, feeds)[0]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib.path))
+    got = ort.InferenceSession(str(path), so, providers=CPU).run(None, feeds)[0]
+    functions = ort.InferenceSession(str(path), providers=CPU).run(None, feeds)[0]
+    tol = {"fp16": 5e-3, "bf16": 2e-2}[precision]
+    assert rel_error(got, want) < tol and rel_error(got, want) < 2 * rel_error(functions, want) + tol / 10
