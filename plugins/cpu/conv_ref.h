@@ -154,16 +154,28 @@ void gather_cols(const ConvPlan& p, const T* x, int64_t n, int64_t g, int64_t p0
     }
 }
 
-// Output channels [o0, o0 + R) of a tile: acc[r * np + j] = sum_k wf[(o0 + r) * K + k] * col[k * np + j].
+// Output channels [o0, o0 + R) of a tile: acc[r * np + j] = sum_k wf[(o0 + r) * K + k] * col[k * np + j], summed in
+// k order. R rows by kJ pixels stay in registers for the whole sum.
 template <int R>
 void tile_rows(const float* wf, int64_t kk, const float* col, int64_t np, float* acc) {
-    std::fill(acc, acc + R * np, 0.0f);
-    for (int64_t k = 0; k < kk; ++k) {
-        const float* c = col + k * np;
+    constexpr int64_t kJ = 8;
+    int64_t j0 = 0;
+    for (; j0 + kJ <= np; j0 += kJ) {
+        float a[R][kJ] = {};
+        for (int64_t k = 0; k < kk; ++k) {
+            const float* c = col + k * np + j0;
+            for (int r = 0; r < R; ++r) {
+                const float wv = wf[r * kk + k];
+                for (int64_t j = 0; j < kJ; ++j) a[r][j] += wv * c[j];
+            }
+        }
+        for (int r = 0; r < R; ++r) std::copy(a[r], a[r] + kJ, acc + r * np + j0);
+    }
+    for (; j0 < np; ++j0) {
         for (int r = 0; r < R; ++r) {
-            const float wv = wf[r * kk + k];
-            float* ar = acc + r * np;
-            for (int64_t j = 0; j < np; ++j) ar[j] += wv * c[j];
+            float sum = 0.0f;
+            for (int64_t k = 0; k < kk; ++k) sum += wf[r * kk + k] * col[k * np + j0];
+            acc[r * np + j0] = sum;
         }
     }
 }
