@@ -115,6 +115,7 @@ SANITIZE_ENV = "GTCO_SANITIZE"
 TUNE_STORAGE_ENV = "GTCO_TUNE_STORAGE"
 TUNE_DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement sleeps (tests of workers only)
 ORT_INCLUDE_ENV = "ORT_INCLUDE_DIR"
+CUBLASLT_INCLUDE_ENV = "GTCO_CUBLASLT_INCLUDE"
 
 
 def cache_base() -> Path:
@@ -161,6 +162,12 @@ def ort_include_override() -> str | None:
     """$ORT_INCLUDE_DIR, a folder with the ONNX Runtime C/C++ API headers in place of the downloaded ones; None when
     unset or empty."""
     return os.environ.get(ORT_INCLUDE_ENV) or None
+
+
+def cublaslt_include_override() -> str | None:
+    """$GTCO_CUBLASLT_INCLUDE, a folder with cublasLt.h in place of the nvidia-cublas package's or the fetched one;
+    None when unset or empty."""
+    return os.environ.get(CUBLASLT_INCLUDE_ENV) or None
 
 
 DynamicRanges = tuple[tuple[str, int, int], ...]

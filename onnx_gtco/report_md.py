@@ -336,6 +336,15 @@ def _tuning(r: dict[str, Any]) -> list[str]:
                  _us(x.get("best_us")), speedup(x["speedup_over_first"]) if x.get("speedup_over_first") else "-"]
                 for x in tasks]
         lines += ["", *_table(["task", "weight", "trials", "first µs", "best µs", "gain"], rows)]
+    gemms = [x for x in tasks if "impl" in x]
+    if gemms:
+        kind = ("predicted by the analytical model (no GPU measured them)" if gemms[0].get("timing") == "analytical"
+                else "measured on the GPU")
+        rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x.get("impl") or "-", _us(x.get("best_us")),
+                 _us(x.get("cublaslt_us")) if x.get("cublaslt_us") is not None else
+                 ("-" if x.get("cublaslt") == "offered" else f"not offered: {x.get('cublaslt')}")] for x in gemms]
+        lines += ["", f"GEMM implementations, times {kind}:", "",
+                  *_table(["nodes", "implementation", "best µs", "cuBLASLt µs"], rows)]
     if t.get("untuned"):
         lines += ["", "Fused nodes without a tuning task:", "", *_reasons(t["untuned"])]
     return lines

@@ -67,7 +67,7 @@ def test_model_coverage_is_what_binding_and_device_selection_say(vit, monkeypatc
     for n in nodes:
         families.setdefault(n.family, set()).add(got[n.node.name])
     assert families["layernorm"] == {Coverage(ARCH_SLOTS)}
-    assert families["conv"] == {Coverage((), "no plugin kernel for family 'conv' yet")}
+    assert families["conv"] == {Coverage((), "no conv kernel family (the node runs its function)")}
     for family in ("gemm", "attention"):  # TF32 kernels on fp32 tensors
         assert families[family] == {Coverage(ARCH_SLOTS)}, families[family]
 
@@ -100,3 +100,34 @@ def test_candidate_coverage_of_every_vit_group_matches(vit) -> None:
     for cand, g in zip(vit.plan.fused_groups, vit.report["groups"], strict=True):
         assert ask(cand) == truth[g["name"]], g["name"]
     assert not ask(next(c for c in vit.plan.groups if not c.fused)).archs
+
+
+def test_the_sm90a_slot_holds_an_instance_of_its_own_only_where_asked() -> None:
+    """A 9.0 device runs the node's sm_90a instance (a CUTLASS GEMM) where a configuration for it is given and
+    fits, else the node's sm_90 instance, which every build already compiles."""
+    from onnx_gtco.kernels.cutlass import include_dirs
+    from onnx_gtco.kernels.gemm import FAMILY as GEMM
+    from onnx_gtco.plugin.device import device_problem
+
+    nodes = fused_nodes(optimize(mlp(), GtcoConfig(precision="fp16")).model)
+    results, _ = bind_nodes(nodes)
+    by_family = {n.family: (n, r.binding) for n, r in zip(nodes, results, strict=True)}
+    assert ARCH_SLOTS[-1] == "sm_90a"
+    for node, binding in by_family.values():
+        plain = device_instances(node, binding, ARCH_SLOTS)
+        assert not isinstance(plain, str) and [i.arch for i in plain] == ["sm_80", "sm_90", "sm_90"]
+        assert plain[2] == plain[1]
+    node, binding = by_family["gemm"]
+    problem = device_problem(node, binding)
+    assert not isinstance(problem, str)
+    assert not isinstance(include_dirs(), str), include_dirs()  # the test extra installs nvidia-cutlass
+    config = GEMM.configs(problem, "sm_90a")[0]
+    asked = device_instances(node, binding, ARCH_SLOTS, {"sm_90a": config})
+    plain = device_instances(node, binding, ARCH_SLOTS)
+    assert not isinstance(asked, str) and not isinstance(plain, str)
+    assert asked[:2] == plain[:2] and asked[2].arch == "sm_90a" and asked[2].config["impl"] == "cutlass"
+    unfit = device_instances(node, binding, ARCH_SLOTS, {"sm_90a": {**config, "TILE_M": 64}})  # cooperative: 128
+    assert unfit == plain
+    ln_node, ln_binding = by_family["layernorm"]
+    assert device_instances(ln_node, ln_binding, ARCH_SLOTS, {"sm_90a": config}) == \
+        device_instances(ln_node, ln_binding, ARCH_SLOTS)

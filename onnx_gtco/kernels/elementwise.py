@@ -18,6 +18,13 @@ A program (`Program`, hashable) is what the group computes:
   kernel; booleans (bool inputs, comparisons, Not / And / Or / Xor, Cast to bool) are 1.0 / 0.0, and Where takes
   any nonzero condition as true.
 * outputs: (tensor name, ref); every output has the iteration shape and the kernel dtype.
+* layouts: one per input (or none at all): None for a tensor read as it is (broadcast by its shape), else
+  (source shape, element strides, base[, terms]): the input is a view of a tensor of the source shape, element
+  (i0, i1, ...) of the view at source element base + sum(i_k * strides_k) + the terms, each term
+  (n, r, q, m, stride, weights) adding ((sum(i_k * weights_k) + r) % n // q % m) * stride: a torch.roll of a dim
+  (q = 1, m = n), or one of the dims a reshape merged where their strides do not merge (Swin's window reverse).
+  Layout ops on a group input (Transpose, Slice with positive steps, Reshape, all-zero Pad, and the Slice + Slice +
+  Concat of a torch.roll) are folded into its load this way: the index map of the chain, computed per element.
 
 Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flags program (instrs), inputs
 ((shape, kind) per input), outputs (refs). Arrays are named x0, x1, ... and y0, y1, ...
@@ -37,11 +44,22 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
+from onnx_gtco.ir.elementwise import (
+    ARITY,
+    CAST_TARGETS,
+    Instr,
+    Layout,
+    ProgramSpec,
+    Ref,
+    canonical_layout,
+    contiguous_strides,
+    layout_rolls,
+)
+from onnx_gtco.ir.elementwise import program_from_onnx as spec_from_onnx
 from onnx_gtco.kernels.family import (
     ARCHS,
     DTYPES,
@@ -60,43 +78,56 @@ MAX_IN, MAX_OUT, MAX_RANK = 8, 4, 6
 KINDS = {"float": None, "bool": "uint8_t", "i32": "int32_t", "i64": "int64_t"}
 KIND_NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64}
 TEMPLATE = "include/gtco/elementwise.cu.j2"  # under plugins/
-# op -> number of operands (None: two or more)
-ARITY = {"Add": 2, "Sub": 2, "Mul": 2, "Div": 2, "Pow": 2, "Sqrt": 1, "Reciprocal": 1, "Neg": 1, "Abs": 1,
-         "Exp": 1, "Log": 1, "Tanh": 1, "Erf": 1, "Sigmoid": 1, "Relu": 1, "LeakyRelu": 1, "Gelu": 1, "Max": 2,
-         "Min": 2, "Where": 3, "Cast": 1, "Identity": 1, "PRelu": 2, "Elu": 1, "Softplus": 1, "Softsign": 1,
-         "HardSigmoid": 1, "HardSwish": 1, "Floor": 1, "Ceil": 1, "Round": 1, "Sign": 1, "Sin": 1, "Cos": 1,
-         "Equal": 2, "Less": 2, "LessOrEqual": 2, "Greater": 2, "GreaterOrEqual": 2, "Not": 1, "And": 2, "Or": 2,
-         "Xor": 2}
-# boolean values (comparisons, Not/And/Or/Xor, Cast to bool, bool inputs) are 1.0f / 0.0f in the fp32 program
-CAST_TARGETS = ("f16", "bf16", "f32", "f64", "bool")
 _COMPARE = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
 
-Ref = tuple[str, Any]
-Instr = tuple[str, tuple[Ref, ...], Any]
-
-
-@dataclass(frozen=True)
-class Program:
-    inputs: tuple[tuple[str, tuple[int, ...], str], ...]
-    instrs: tuple[Instr, ...]
-    outputs: tuple[tuple[str, Ref], ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(np.broadcast_shapes(*(s for _, s, _ in self.inputs))) if self.inputs else ()
+class Program(ProgramSpec):
+    """A ProgramSpec (onnx_gtco.ir.elementwise) with its kernel Problem."""
 
     def problem(self, dtype: str) -> Problem:
         return elementwise_problem(dtype, self.shape, self.instrs, tuple(
-            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs))
+            (s, k) for _, s, k in self.inputs), tuple(r for _, r in self.outputs), self.layouts, self.out_strides)
+
+
+def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str, Sequence[int]],
+                      outputs: Sequence[str], constants: Mapping[str, Any] | None = None) -> Program:
+    """onnx_gtco.ir.elementwise.program_from_onnx, as a Program (see there for the arguments and errors)."""
+    spec = spec_from_onnx(nodes, inputs, outputs, constants)
+    return Program(spec.inputs, spec.instrs, spec.outputs, spec.layouts, spec.out_strides)
 
 
 def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr],
-                        inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref]) -> Problem:
-    """The Problem of a program over the iteration `shape` (see the module doc for the encoding)."""
-    return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, {
-        "program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
-        "inputs": tuple((tuple(int(d) for d in s), k) for s, k in inputs),
-        "outputs": tuple(tuple(r) for r in outputs)})
+                        inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref],
+                        layouts: Sequence[Layout | None] = (),
+                        out_strides: Sequence[Sequence[int] | None] = ()) -> Problem:
+    """The Problem of a program over the iteration `shape` (see the module doc for the encoding). The flag `layouts`
+    is there only when some input is a view, so programs without one keep their problem (and instance names)."""
+    flags = {"program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
+             "inputs": tuple((tuple(int(d) for d in s), k) for s, k in inputs),
+             "outputs": tuple(tuple(r) for r in outputs)}
+    if any(lay is not None for lay in layouts):
+        flags["layouts"] = tuple(None if lay is None else canonical_layout(lay) for lay in layouts)
+    if any(st is not None for st in out_strides):
+        flags["out_strides"] = tuple(None if st is None else tuple(int(v) for v in st) for st in out_strides)
+    return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, flags)
+
+
+def input_layouts(problem: Problem) -> tuple[Layout | None, ...]:
+    """The layout of every input of `problem` (None: read as it is)."""
+    return problem.flag("layouts") or (None,) * len(problem.flag("inputs"))
+
+
+def output_strides(problem: Problem) -> tuple[tuple[int, ...], ...]:
+    """Where each output stores element (i0, i1, ...) of the iteration shape: sum(i_k * strides_k) (dense unless a
+    Transpose folds into the store)."""
+    dense = contiguous_strides(iteration_shape(problem))
+    got = problem.flag("out_strides") or (None,) * len(problem.flag("outputs"))
+    return tuple(dense if st is None else tuple(st) for st in got)
+
+
+def source_shape(problem: Problem, i: int) -> tuple[int, ...]:
+    """The shape of the tensor input i reads: its own shape, or the source shape of its view."""
+    lay = input_layouts(problem)[i]
+    return tuple(problem.flag("inputs")[i][0]) if lay is None else tuple(lay[0])
 
 
 def iteration_shape(problem: Problem) -> tuple[int, ...]:
@@ -132,6 +163,12 @@ def _validate(problem: Problem) -> str | None:
             return f"input {i} shape {s} does not broadcast to {shape}"
     if tuple(np.broadcast_shapes(*(s for s, _ in inputs))) != shape:
         return f"the inputs broadcast to {np.broadcast_shapes(*(s for s, _ in inputs))}, not {shape}"
+    if why := _bad_layouts(problem.flag("layouts"), inputs):
+        return why
+    stores = problem.flag("out_strides")
+    if stores is not None and (len(stores) != len(outputs) or any(
+            st is not None and not _permutes(shape, st) for st in stores)):
+        return f"out_strides {stores} are not a dense permutation of the iteration shape {shape} per output"
 
     def bad_ref(r: Ref, j: int) -> str | None:
         if (r[0] == "x" and 0 <= r[1] < len(inputs)) or (r[0] == "t" and 0 <= r[1] < j) or r[0] == "c":
@@ -160,18 +197,50 @@ def _validate(problem: Problem) -> str | None:
     return None
 
 
-def collapse(shape: Sequence[int], in_shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+def _bad_layouts(layouts: Any, inputs: Sequence[tuple[Sequence[int], str]]) -> str | None:
+    """Why the `layouts` flag does not describe views of the inputs, or None."""
+    if layouts is None:
+        return None
+    if len(layouts) != len(inputs):
+        return f"{len(layouts)} layouts for {len(inputs)} inputs"
+    for i, (lay, (s, _)) in enumerate(zip(layouts, inputs, strict=True)):
+        if lay is None:
+            continue
+        src, strides, base = lay[:3]
+        rolls = layout_rolls(lay)
+        if len(strides) != len(s) or any(st < 0 for st in strides) or base < 0:
+            return f"input {i}: strides {strides} and base {base} are not non-negative strides of its shape {s}"
+        if any(min(n, q, m) <= 0 or r < 0 or st < 0 or len(ws) != len(s) or min(ws, default=0) < 0
+               for n, r, q, m, st, ws in rolls):
+            return (f"input {i}: terms {rolls} are not (n, r, q, m, stride, one weight per dim), n, q, m positive, "
+                    "the rest non-negative")
+        last = base + sum((d - 1) * st for d, st in zip(s, strides, strict=True)) + sum(
+            (min(m, -(-n // q)) - 1) * st for n, _, q, m, st, _ in rolls)
+        if last >= math.prod(src):
+            return f"input {i}: its view reads element {last} of a source {tuple(src)} of {math.prod(src)} elements"
+    return None
+
+
+def _permutes(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether `strides` store a tensor of `shape` densely in some order of its dims (a transposed output)."""
+    if len(strides) != len(shape):
+        return False
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+    return [strides[d] for d in order] == list(contiguous_strides([shape[d] for d in order]))
+
+
+def collapse(shape: Sequence[int], in_shapes: Sequence[Sequence[int]],
+             in_strides: Sequence[Sequence[int] | None] = ()) -> tuple[list[int], list[list[int]]]:
     """Collapsed iteration dims and each input's element strides over them (0 = broadcast), merging neighbours
-    every input walks contiguously (or broadcasts over together) and dropping dims of 1."""
+    every input walks contiguously (or broadcasts over together) and dropping dims of 1. `in_strides`: an input's
+    own element strides over its shape where it is a view (None or absent: dense)."""
     r = len(shape)
     strides = []
-    for s in in_shapes:
+    for k, s in enumerate(in_shapes):
+        own = in_strides[k] if k < len(in_strides) and in_strides[k] is not None else contiguous_strides(s)
+        own = (0,) * (r - len(s)) + tuple(own)
         s = (1,) * (r - len(s)) + tuple(s)
-        st, acc = [], 1
-        for d in reversed(range(r)):
-            st.append(acc if s[d] == shape[d] and shape[d] != 1 else 0)
-            acc *= s[d]
-        strides.append(st[::-1])
+        strides.append([own[d] if s[d] == shape[d] and shape[d] != 1 else 0 for d in range(r)])
     dims = [d for d in range(r) if shape[d] != 1]
     D = [int(shape[d]) for d in dims]
     S = [[st[d] for d in dims] for st in strides]
@@ -251,15 +320,26 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     outputs, and the instructions listed for a comment."""
     instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
     shape = iteration_shape(problem)
-    dims, strides = collapse(shape, [s for s, _ in inputs])
+    layouts = input_layouts(problem)
+    # each roll's weights collapse like the strides of one more operand of its input's shape
+    # and so do the outputs' store strides
+    extra = [(s, t[5]) for (s, _), lay in zip(inputs, layouts, strict=True) for t in layout_rolls(lay)]
+    stores = output_strides(problem)
+    dims, strides = collapse(shape, [s for s, _ in inputs] + [s for s, _ in extra] + [shape] * len(stores),
+                             [None if lay is None else lay[1] for lay in layouts] + [ws for _, ws in extra]
+                             + list(stores))
+    weights = iter(strides[len(inputs):])
+    rolls = [[[*t[:5], *next(weights)] for t in layout_rolls(lay)] for lay in layouts]
+    out_strides = list(weights)
 
     def value(r: Ref) -> str:
         return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
 
     return {"storage": storage, "shape": shape, "dims": dims,
-            "inputs": [{"type": KINDS[k] or "T", "strides": st} for (_, k), st in zip(inputs, strides, strict=True)],
+            "inputs": [{"type": KINDS[k] or "T", "strides": st, "base": 0 if lay is None else lay[2], "rolls": ro}
+                       for (_, k), st, lay, ro in zip(inputs, strides[:len(inputs)], layouts, rolls, strict=True)],
             "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
-            "outputs": [value(r) for r in outputs],
+            "outputs": [value(r) for r in outputs], "out_strides": out_strides,
             "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
                                  for j, (op, refs, a) in enumerate(instrs))}
 
@@ -310,7 +390,8 @@ class ElementwiseFamily(KernelFamily):
         threads, vec = int(config["THREADS"]), int(config["VEC"])
         instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
         n = int(np.prod(iteration_shape(problem), dtype=np.int64))
-        digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()[:8]
+        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
+        digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs, *views)).encode()).hexdigest()[:8]
         ops = [op.lower() for op, _, _ in instrs if op != "Identity"]
         tag = "_".join(ops[:6]) + (f"_{len(ops) - 6}more" if len(ops) > 6 else "") or "copy"
         name = f"elementwise_{arch_tag(arch)}_{problem.dtype}_{tag}_n{n}_t{threads}_v{vec}_{digest}"
@@ -332,7 +413,9 @@ class ElementwiseFamily(KernelFamily):
         if why is not None:
             raise ValueError(f"elementwise: {why}")
         instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
-        digest = hashlib.sha1(repr((problem.dtype, problem.sizes, instrs, inputs, outputs)).encode()).hexdigest()
+        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
+        key = (problem.dtype, problem.sizes, instrs, inputs, outputs, *views)
+        digest = hashlib.sha1(repr(key).encode()).hexdigest()
         symbol = f"gtco_elementwise_host_{problem.dtype}_{digest[:12]}"
         storage = {"f32": "float", "f16": "gtco::ref::ew::f16", "bf16": "gtco::ref::ew::bf16"}[problem.dtype]
         return symbol, macro(TEMPLATE, "host_function", symbol=symbol, **_program(problem, storage, "gtco::ref::ew"))
@@ -351,10 +434,10 @@ class ElementwiseFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         shape = iteration_shape(problem)
         xs = []
-        for i, (s, kind) in enumerate(problem.flag("inputs")):
+        for i, ((s, kind), lay) in enumerate(zip(problem.flag("inputs"), input_layouts(problem), strict=True)):
             a = inputs[f"x{i}"]
-            xs.append(from_storage(a, problem.dtype).reshape(s) if kind == "float"
-                      else np.asarray(a).astype(np.float64).reshape(s))
+            a = from_storage(a, problem.dtype) if kind == "float" else np.asarray(a).astype(np.float64)
+            xs.append(a.reshape(s) if lay is None else view_of(a, s, lay))
         ts: list[np.ndarray] = []
 
         def val(r: Ref) -> Any:
@@ -363,8 +446,16 @@ class ElementwiseFamily(KernelFamily):
         with np.errstate(all="ignore"):
             for op, refs, attr in problem.flag("program"):
                 ts.append(np.asarray(_np_op(op, [val(r) for r in refs], attr), np.float64))
-        return {f"y{k}": np.broadcast_to(val(r), shape).astype(np.float64)
-                for k, r in enumerate(problem.flag("outputs"))}
+        out = {}
+        n = int(np.prod(shape, dtype=np.int64))
+        for k, (r, st) in enumerate(zip(problem.flag("outputs"), output_strides(problem), strict=True)):
+            y = np.broadcast_to(val(r), shape).astype(np.float64)
+            if tuple(st) != contiguous_strides(shape):  # stored transposed: element i at sum(i_k * strides_k)
+                flat = np.empty(n, np.float64)
+                flat[view_of(np.arange(n), shape, (shape, st, 0)).reshape(-1)] = y.reshape(-1)
+                y = flat.reshape(shape)
+            out[f"y{k}"] = y
+        return out
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
         """Normal values (|x| >= 0.05, never zero), positive in [0.5, 2) for inputs read by Sqrt, Log, Pow, or as a
@@ -376,7 +467,8 @@ class ElementwiseFamily(KernelFamily):
             if op in ("Sqrt", "Log", "Pow", "Div", "Reciprocal"):
                 positive |= {r[1] for r in operands if r[0] == "x"}
         out = {}
-        for i, (s, kind) in enumerate(problem.flag("inputs")):
+        for i, (_, kind) in enumerate(problem.flag("inputs")):
+            s = source_shape(problem, i)
             if kind == "bool":
                 out[f"x{i}"] = rng.random(s) < 0.5
             elif kind in ("i32", "i64"):
@@ -388,6 +480,20 @@ class ElementwiseFamily(KernelFamily):
                 v = np.where(np.abs(v) < 0.05, np.copysign(0.05, v), v)
                 out[f"x{i}"] = to_storage(v, problem.dtype)
         return out
+
+
+def view_of(source: np.ndarray, shape: Sequence[int], layout: Layout) -> np.ndarray:
+    """The view `layout` describes of the array `source`, gathered: element (i0, i1, ...) of the result is element
+    base + sum(i_k * strides_k) (+ the rolls' terms) of source, flattened."""
+    flat = np.ascontiguousarray(source).reshape(-1)
+    idx = np.indices(tuple(shape), dtype=np.int64)
+    offset = np.full(tuple(shape), int(layout[2]), np.int64)
+    for d, st in enumerate(layout[1]):
+        offset += idx[d] * int(st)
+    for n, r, q, m, st, ws in layout_rolls(layout):
+        t = sum((idx[d] * int(w) for d, w in enumerate(ws)), np.zeros_like(offset)) + int(r)
+        offset += t % int(n) // int(q) % int(m) * int(st)
+    return flat[offset]
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -443,285 +549,3 @@ def _np_op(op: str, a: list[Any], attr: Any) -> Any:
 FAMILY = ElementwiseFamily()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# ONNX -> Program
-# ---------------------------------------------------------------------------------------------------------------
-
-_VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
-
-
-def _onnx_cast_target(to: int) -> str:
-    from onnx import TensorProto
-
-    names = {TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16",
-             TensorProto.DOUBLE: "f64", TensorProto.BOOL: "bool"}
-    if to not in names:
-        raise ValueError(f"elementwise: Cast to {TensorProto.DataType.Name(to)} is not supported (float and bool "
-                         "targets only)")
-    return names[to]
-
-
-def _kind_of_elem_type(t: int) -> str:
-    from onnx import TensorProto
-
-    if t == TensorProto.BOOL:
-        return "bool"
-    if t == TensorProto.INT32:
-        return "i32"
-    if t == TensorProto.INT64:
-        return "i64"
-    if t in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE, 0):
-        return "float"
-    raise ValueError(f"elementwise: input element type {TensorProto.DataType.Name(t)} is not supported")
-
-
-def _as_input(item: Any) -> tuple[str, tuple[int, ...], str]:
-    from onnx import ValueInfoProto
-
-    if isinstance(item, ValueInfoProto):
-        tt = item.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-        if any(d is None for d in dims):
-            raise ValueError(f"elementwise: input {item.name!r} has a symbolic shape {dims}: static shapes only")
-        return item.name, tuple(int(d) for d in dims), _kind_of_elem_type(tt.elem_type)
-    if isinstance(item, str):
-        raise ValueError(f"elementwise: input {item!r} needs a shape: pass (name, shape) or a ValueInfoProto")
-    name, shape, *kind = item
-    return str(name), tuple(int(d) for d in shape), (kind[0] if kind else "float")
-
-
-def _const_array(value: Any) -> np.ndarray:
-    from onnx import TensorProto, numpy_helper
-
-    if isinstance(value, TensorProto):
-        return numpy_helper.to_array(value)
-    return np.asarray(value)
-
-
-def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str, Sequence[int]],
-                      outputs: Sequence[str], constants: Mapping[str, Any] | None = None) -> Program:
-    """The Program of an elementwise group.
-
-    Args:
-        nodes: the group's onnx NodeProto, in any order. Constant nodes among them give scalar constants.
-        inputs: the group's tensor inputs: ValueInfoProto, (name, shape) or (name, shape, kind) with kind
-            "float" / "bool" / "i32" / "i64", or a mapping name -> shape (float inputs).
-        outputs: names of the tensors the kernel writes (each of the group's iteration shape).
-        constants: initializers the group reads, name -> array or TensorProto; scalars (one element) are folded
-            into the program; larger constants must be passed as inputs instead.
-
-    Raises:
-        ValueError: an op that is not supported (named), a non-scalar constant, a value of unknown shape, a view
-            op on a computed value, or an output that does not have the iteration shape.
-    """
-    if isinstance(inputs, Mapping):
-        items = [(k, tuple(v), "float") for k, v in inputs.items()]
-    else:
-        items = [_as_input(i) for i in inputs]
-    consts: dict[str, float] = {}
-    for k, v in (constants or {}).items():
-        arr = _const_array(v)
-        if arr.size == 1:
-            consts[k] = float(arr.reshape(()))
-    prog_inputs: list[tuple[str, tuple[int, ...], str]] = []
-    env: dict[str, tuple[Ref, tuple[int, ...]]] = {}  # tensor -> (ref, shape)
-    for name, shape, kind in items:
-        env[name] = (("x", len(prog_inputs)), shape)
-        prog_inputs.append((name, shape, kind))
-    # every constant array by name (initializers and the group's Constant nodes): view ops read their shape or
-    # axes from here; a non-scalar one read by a computing op must be passed as an input instead
-    arrays = {k: _const_array(v) for k, v in (constants or {}).items()}
-    big_consts = {k for k, v in arrays.items() if v.size != 1}
-
-    # topological order over the group's own edges
-    pending = list(nodes)
-    produced = {o for n in pending for o in n.output}
-    ordered = []
-    while pending:
-        ready = [n for n in pending if all(i not in produced or any(i in m.output for m in ordered)
-                                           for i in n.input if i)]
-        if not ready:
-            raise ValueError("elementwise: the nodes form a cycle")
-        ordered += ready
-        pending = [n for n in pending if n not in ready]
-
-    instrs: list[Instr] = []
-
-    def get(tensor: str, node: Any) -> tuple[Ref, tuple[int, ...]]:
-        if tensor in env:
-            return env[tensor]
-        if tensor in consts:
-            return ("c", consts[tensor]), ()
-        if tensor in big_consts:
-            raise ValueError(f"elementwise: constant {tensor!r} read by {node.op_type} {node.name!r} is not a "
-                             "scalar: pass it as an input")
-        raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads {tensor!r}, which is neither an input, "
-                         "a constant nor computed in the group")
-
-    def attr(node: Any, key: str, default: Any = None) -> Any:
-        from onnx import helper
-
-        for a in node.attribute:
-            if a.name == key:
-                return helper.get_attribute_value(a)
-        return default
-
-    def emit(op: str, refs: list[Ref], a: Any = None) -> Ref:
-        instrs.append((op, tuple(refs), a))
-        return ("t", len(instrs) - 1)
-
-    for node in ordered:
-        op = node.op_type
-        where = f"{op} {node.name!r}"
-        if node.domain not in ("", "ai.onnx") and not (node.domain == "com.microsoft" and op == "Gelu"):
-            raise ValueError(f"elementwise: unsupported op {node.domain}.{op} (node {node.name!r})")
-        if op == "Constant":
-            values = [attr(node, k) for k in ("value", "value_float", "value_floats", "value_int", "value_ints")]
-            if all(v is None for v in values):
-                raise ValueError(f"elementwise: Constant {node.name!r} has no numeric value attribute")
-            arr = _const_array(next(v for v in values if v is not None))
-            arrays[node.output[0]] = arr
-            if arr.size != 1:
-                big_consts.add(node.output[0])  # a shape or axes operand, unless a computing op reads it
-            else:
-                consts[node.output[0]] = float(arr.reshape(()))
-            continue
-        if op in _VIEW_OPS:
-            ref, shape = get(node.input[0], node)
-            new = _view_shape(node, shape, consts, attr, arrays)
-            if ref[0] == "c":
-                env[node.output[0]] = (ref, ())
-            elif ref[0] == "x":
-                name, _, kind = prog_inputs[ref[1]]
-                env[node.output[0]] = (("x", len(prog_inputs)), new)
-                prog_inputs.append((name, new, kind))
-            elif _strip_leading_ones(new) == _strip_leading_ones(shape):
-                env[node.output[0]] = (ref, new)  # only adds or drops leading 1s: the broadcast is unchanged
-            else:
-                raise ValueError(f"elementwise: {where} reshapes a computed value {shape} -> {new}, which moves "
-                                 "its broadcast axes: a computed value may only gain or lose leading 1s (reshape "
-                                 "the group's inputs instead)")
-            continue
-        if op not in ARITY and op not in ("Sum", "Mean", "Clip"):
-            raise ValueError(f"elementwise: unsupported op {op!r} (node {node.name!r}); supported: "
-                             f"{', '.join(sorted([*ARITY, 'Sum', 'Mean', 'Clip', *_VIEW_OPS]))}")
-        args = [get(t, node) for t in node.input if t]
-        refs = [r for r, _ in args]
-        shape = tuple(np.broadcast_shapes(*(s for _, s in args))) if args else ()
-        if not refs:
-            raise ValueError(f"elementwise: {where} has no operand")
-        if op in ("Max", "Min", "Sum", "Mean"):
-            out = refs[0]
-            for r in refs[1:]:
-                out = emit(op if op in ("Max", "Min") else "Add", [out, r])
-            if op == "Mean" and len(refs) > 1:
-                out = emit("Div", [out, ("c", float(len(refs)))])
-            elif len(refs) == 1:
-                out = emit("Identity", [out])
-        elif op == "Clip":
-            # opset 11+: optional min / max inputs (an empty name skips one); before: min / max attributes
-            out = get(node.input[0], node)[0]
-            bounds = []
-            for pos, key, default in ((1, "min", None), (2, "max", None)):
-                if len(node.input) > pos and node.input[pos]:
-                    bounds.append((key, get(node.input[pos], node)[0]))
-                elif attr(node, key, default) is not None:
-                    bounds.append((key, ("c", float(attr(node, key)))))
-            for key, r in bounds:
-                out = emit("Max" if key == "min" else "Min", [out, r])
-            if not bounds:
-                out = emit("Identity", [out])
-        elif op == "Elu":
-            out = emit(op, refs, float(attr(node, "alpha", 1.0)))
-        elif op == "HardSigmoid":
-            out = emit(op, refs, (float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))))
-        elif op == "Pow":
-            out = emit("Pow", refs)
-        elif op == "LeakyRelu":
-            out = emit(op, refs, float(attr(node, "alpha", 0.01)))
-        elif op == "Gelu":
-            approx = attr(node, "approximate", b"none")
-            approx = approx.decode() if isinstance(approx, bytes) else str(approx)
-            out = emit(op, refs, approx)
-        elif op == "Cast":
-            out = emit(op, refs, _onnx_cast_target(int(attr(node, "to"))))
-        else:
-            if len(refs) != ARITY[op]:
-                raise ValueError(f"elementwise: {where} has {len(refs)} operands, {ARITY[op]} supported")
-            out = emit(op, refs)
-        env[node.output[0]] = (out, shape)
-
-    for name in outputs:
-        if name not in env:
-            raise ValueError(f"elementwise: output {name!r} is not computed by the group")
-    # drop inputs only a view op read (their reshaped alias is what the program uses); the iteration shape is
-    # the broadcast of the inputs the program reads
-    used = {r[1] for _, refs, _ in instrs for r in refs if r[0] == "x"} | {
-        env[name][0][1] for name in outputs if env[name][0][0] == "x"}
-    keep = sorted(used)
-    if not keep:
-        raise ValueError("elementwise: the group reads no tensor input (only constants)")
-    shape = tuple(np.broadcast_shapes(*(prog_inputs[i][1] for i in keep)))
-    outs = []
-    for name in outputs:
-        ref, s = env[name]
-        if ref[0] == "c":
-            raise ValueError(f"elementwise: output {name!r} is a constant")
-        if tuple(np.broadcast_shapes(s, shape)) != shape or int(np.prod(s)) != int(np.prod(shape)):
-            raise ValueError(f"elementwise: output {name!r} has shape {s}, not the iteration shape {shape}")
-        outs.append((name, ref))
-    remap = {old: new for new, old in enumerate(keep)}
-
-    def fix(r: Ref) -> Ref:
-        return ("x", remap[r[1]]) if r[0] == "x" else r
-
-    return Program(tuple(prog_inputs[i] for i in keep),
-                   tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in instrs),
-                   tuple((n, fix(r)) for n, r in outs))
-
-
-def _strip_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in shape)
-    while shape and shape[0] == 1:
-        shape = shape[1:]
-    return shape
-
-
-def _view_shape(node: Any, shape: tuple[int, ...], consts: Mapping[str, float], attr: Any,
-                constants: Mapping[str, Any] | None) -> tuple[int, ...]:
-    """Output shape of a Reshape / Unsqueeze / Squeeze / Flatten of a value of `shape`."""
-    def const_ints(i: int) -> list[int] | None:
-        if len(node.input) <= i or not node.input[i]:
-            return None
-        t = node.input[i]
-        if constants and t in constants:
-            return [int(v) for v in _const_array(constants[t]).reshape(-1)]
-        if t in consts:
-            return [int(consts[t])]
-        what = "axes" if node.op_type != "Reshape" else "shape"
-        raise ValueError(f"elementwise: {node.op_type} {node.name!r}: its {what} input {t!r} is not a constant")
-
-    r = len(shape)
-    if node.op_type == "Unsqueeze":
-        axes = attr(node, "axes") or const_ints(1) or []
-        out_r = r + len(axes)
-        axes = sorted(a % out_r for a in axes)
-        out, it = [], iter(shape)
-        for d in range(out_r):
-            out.append(1 if d in axes else next(it))
-        return tuple(out)
-    if node.op_type == "Squeeze":
-        axes = attr(node, "axes") or const_ints(1)
-        axes = {a % r for a in axes} if axes else {d for d in range(r) if shape[d] == 1}
-        return tuple(d for i, d in enumerate(shape) if i not in axes)
-    if node.op_type == "Flatten":
-        ax = int(attr(node, "axis", 1)) % (r + 1) if r else 0
-        return (int(np.prod(shape[:ax])), int(np.prod(shape[ax:])))
-    target = const_ints(1) or []
-    out = [shape[i] if d == 0 and not attr(node, "allowzero", 0) else d for i, d in enumerate(target)]
-    if -1 in out:
-        known = int(np.prod([d for d in out if d != -1]))
-        out[out.index(-1)] = int(np.prod(shape)) // max(known, 1)
-    if int(np.prod(out)) != int(np.prod(shape)):
-        raise ValueError(f"elementwise: Reshape {node.name!r} of {shape} to {target} changes the element count")
-    return tuple(out)

@@ -89,6 +89,8 @@ class Instance:
         source: the whole .cu text.
         problem, config, arch: what it was built for.
         smem_bytes: shared memory per block the config needs (static + dynamic).
+        include_dirs: include folders the source needs beyond plugins/include (a library's headers).
+        nvcc_flags: nvcc flags the source needs beyond kernels.compile's.
     """
 
     name: str
@@ -98,6 +100,8 @@ class Instance:
     config: Mapping[str, int] = field(default_factory=dict)
     arch: str = "sm_80"
     smem_bytes: int = 0
+    include_dirs: tuple[str, ...] = ()
+    nvcc_flags: tuple[str, ...] = ()
 
 
 class KernelFamily(ABC):

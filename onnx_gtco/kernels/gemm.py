@@ -20,17 +20,24 @@ which needs K and N multiples of a chunk, 8 elements (f16 / bf16) or 4 (f32) (`c
 that reason); 0 is the slower fallback
 with element-wise predicated loads for any K and N (attention's QKᵀ and PV with 197 tokens). `configs` offers
 VEC = 1 where it applies and VEC = 0 otherwise.
+
+Config "impl" (optional, default "mma") picks the implementation: "mma" is gemm.cuh above; "cutlass" a CUTLASS 3.x
+Hopper instance for the sm_90a slot (onnx_gtco.kernels.cutlass, its own config keys), offered by `configs` for
+sm_90a. Every implementation exports the same entry point and computes the same reference.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from onnx_gtco.config import TARGETS
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.family import (
     ARCHS,
     Config,
@@ -73,6 +80,16 @@ def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
     return stages * (a_stage + b_stage) * (4 if tf32 else 2)
 
 
+IMPLS: dict[str, str] = {"cutlass": "onnx_gtco.kernels.cutlass"}
+"""Implementations besides "mma" -> their module (check, configs, instantiate, ARCH)."""
+
+
+def _impl(config: Config) -> ModuleType | None:
+    """The module of config["impl"], None for "mma" (KeyError for an unknown one: check names it)."""
+    impl = config.get("impl", "mma")
+    return None if impl == "mma" else importlib.import_module(IMPLS[str(impl)])
+
+
 def _flags(problem: Problem) -> tuple[bool, bool, str, bool]:
     return (bool(problem.flag("trans_b", False)), bool(problem.flag("bias", False)),
             str(problem.flag("activation", "none") or "none"), bool(problem.flag("residual", False)))
@@ -110,8 +127,20 @@ class GemmFamily(KernelFamily):
     optional: Mapping[str, int] = {"VEC": 1}
     """Parameters a config may leave out, with their defaults."""
 
+    impls: tuple[str, ...] = ("mma", cublaslt.IMPL)
+    """Implementations a configuration's "impl" names (absent: "mma", these generated kernels); another one's
+    configuration carries its own parameters and is checked and instantiated by its module."""
+
     # ---------------------------------------------------------------------------------------------------------
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
+        impl = config.get("impl", "mma")
+        if impl == cublaslt.IMPL:
+            return cublaslt.check(problem, config, arch)
+        if impl != "mma":
+            if impl not in IMPLS:
+                return f"impl {impl!r}: choose one of {', '.join((*self.impls, *IMPLS))}"
+            return _impl(config).check(problem, config, arch)  # type: ignore[union-attr]
+        config = {k: v for k, v in config.items() if k != "impl"}
         if problem.family != self.name:
             return f"problem is for family {problem.family!r}, not {self.name!r}"
         if arch not in ARCHS:
@@ -163,7 +192,12 @@ class GemmFamily(KernelFamily):
 
     # ---------------------------------------------------------------------------------------------------------
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
-        """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU."""
+        """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU; on sm_90a the
+        CUTLASS instances."""
+        own = [(impl, module) for impl, module in ((i, importlib.import_module(m)) for i, m in IMPLS.items())
+               if module.ARCH == arch]
+        if own:
+            return [{"impl": impl, **c} for impl, module in own for c in module.configs(problem, arch)]
         if arch not in ARCHS:
             return []  # check rejects every configuration for it
         big = [
@@ -195,28 +229,27 @@ class GemmFamily(KernelFamily):
 
     # ---------------------------------------------------------------------------------------------------------
     def instance_name(self, problem: Problem, config: Config, arch: str) -> str:
-        trans_b, bias, act, res = _flags(problem)
+        if config.get("impl") == cublaslt.IMPL:
+            return cublaslt.instance(problem, int(config["RANK"]), arch).name
+        impl = _impl(config)
+        if impl is not None:
+            return str(impl.instance_name(problem, config, flag_suffix(problem)))
         parts = [self.name, arch.replace("_", ""), problem.dtype,
                  f"{config['BM']}x{config['BN']}x{config['BK']}", f"w{config['WM']}x{config['WN']}",
                  f"s{config['STAGES']}"]
         if not config.get("VEC", 1):
             parts.append("sc")
-        if trans_b:
-            parts.append("tb")
-        if bias:
-            parts.append("bias")
-        if act != "none":
-            parts.append(act)
-        if res:
-            parts.append("res")
-        if _out_dtype(problem) != problem.dtype:
-            parts.append("of32")
-        return "_".join(parts)
+        return "_".join(parts) + (f"_{flag_suffix(problem)}" if flag_suffix(problem) else "")
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         why = self.check(problem, config, arch)
         if why is not None:
             raise ValueError(why)
+        if config.get("impl") == cublaslt.IMPL:
+            return cublaslt.instance(problem, int(config["RANK"]), arch)
+        impl = _impl(config)
+        if impl is not None:
+            return impl.instantiate(problem, config, arch, flag_suffix(problem))  # type: ignore[no-any-return]
         trans_b, bias, act, res = _flags(problem)
         name = self.instance_name(problem, config, arch)
         symbol = f"gtco_{name}"
@@ -316,6 +349,21 @@ class GemmFamily(KernelFamily):
             out[key] = np.full(shape, 0xFFFF, np.uint16).view(np_dtype(dt)) if dt != "f32" else np.full(
                 shape, np.nan, np.float32)
         return out
+
+
+def flag_suffix(problem: Problem) -> str:
+    """`tb_bias_gelu_erf_res_of32`: the epilogue and layout part of every GEMM instance name ("" for none)."""
+    trans_b, bias, act, res = _flags(problem)
+    parts = ["tb"] if trans_b else []
+    if bias:
+        parts.append("bias")
+    if act != "none":
+        parts.append(act)
+    if res:
+        parts.append("res")
+    if _out_dtype(problem) != problem.dtype:
+        parts.append("of32")
+    return "_".join(parts)
 
 
 def gemm_problem(dtype: str, batch: int, m: int, n: int, k: int, *, b_batched: bool = False, trans_b: bool = False,

@@ -5,8 +5,11 @@ generated per node (an Elementwise node's program, bind_elementwise.node_problem
 operand flags the instance is built with (a LayerNorm whose residual sum is read outside writes it, a GEMM with a
 bias input adds it, an attention node with a mask input reads it), so the instance's own argument checks and the
 node agree. One
-instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90 for 9.x. An emulated build
-(plugins/emu) has one device, an sm_80.
+instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90 for 9.x, and sm_90a for 9.0
+GPUs, the arch-specific slot (wgmma: the CUTLASS GEMMs, kernels.cutlass). A node has an sm_90a instance of its own
+where `tuned` names a configuration for sm_90a (the tuner's or the caller's choice); otherwise that slot holds its
+sm_90 instance, so a 9.0 device runs what every 9.x runs and no build compiles CUTLASS kernels unasked (each takes
+30-60 s of nvcc). An emulated build (plugins/emu) has one device, an sm_80.
 
 A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, a
 causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32 model optimized with
@@ -27,8 +30,10 @@ from onnx_gtco.kernels.select import node_problem, select_instance, with_out_dty
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
-ARCH_SLOTS = ("sm_80", "sm_90")
+ARCH_SLOTS = ("sm_80", "sm_90", "sm_90a")
 """gtco::kArchSlots, in slot order (gtco::arch_slot in plugins/ort/gtco_ort.h)."""
+FALLBACK_SLOTS: Mapping[str, str] = {"sm_90a": "sm_90"}
+"""An arch-specific slot -> the slot whose instance it holds for a node without a configuration of its own."""
 EMULATED_ARCH = "sm_80"
 """The emulated device's arch (gtco_device_cc() returns 80 in an emulated build)."""
 
@@ -100,9 +105,18 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     problem = device_problem(node, binding)
     if isinstance(problem, str):
         return problem
+    tuned = tuned or {}
     out = []
     for arch in archs:
-        config = (tuned or {}).get(arch)
+        config = tuned.get(arch)
+        fallback = FALLBACK_SLOTS.get(arch)
+        if fallback is not None:  # its own instance only where asked for and fitting, else the fallback slot's
+            inst = select_config(problem, arch, config) if config else "no configuration"
+            if isinstance(inst, str):
+                arch, config = fallback, tuned.get(fallback)
+            else:
+                out.append(inst)
+                continue
         inst = select_config(problem, arch, config)
         if isinstance(inst, str) and config:  # a tuned config that does not fit this node: the default
             inst = select_config(problem, arch)
@@ -112,4 +126,4 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     return tuple(out)
 
 
-__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "device_instances", "device_problem", "select_config"]
+__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "device_instances", "device_problem", "select_config"]

@@ -6,9 +6,9 @@
    (binders.py) maps its operands onto the C++ roles or says why it cannot. Registration is per op type (a registered
    op type hides the model-local function of *every* node of that name, facts §4/5): an op type is registered only
    when every one of its nodes binds; otherwise all its nodes keep their functions and the report says why.
-2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80 and sm_90 for CUDA, the sm_80
-   one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one. Dynamic
-   shapes (plugin.dispatch): every bound node checks the declared ranges (the plan's, else the `gtco.dynamic`
+2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80, sm_90 and sm_90a for CUDA,
+   the sm_80 one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one.
+   Dynamic shapes (plugin.dispatch): every bound node checks the declared ranges (the plan's, else the `gtco.dynamic`
    metadata) of its symbolic input dims on each call, and a node whose run-time extent is symbolic gets a dispatch
    table per arch (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
 3. One glue `.cc`, plugins/ort/glue.cc.j2 filled with plain data (generate_glue): includes plugins/ort/gtco_ort.h
@@ -62,7 +62,14 @@ from onnx_gtco.kernels.toolchain import (
 )
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import MAX_ROLES, Binder, Binding, FusedNode
-from onnx_gtco.plugin.device import ARCH_SLOTS, EMULATED_ARCH, device_instances, device_problem, select_config
+from onnx_gtco.plugin.device import (
+    ARCH_SLOTS,
+    EMULATED_ARCH,
+    FALLBACK_SLOTS,
+    device_instances,
+    device_problem,
+    select_config,
+)
 from onnx_gtco.plugin.dispatch import (
     BUCKETS,
     NodeDynamic,
@@ -387,9 +394,14 @@ def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
             if checked:
                 out[r.node] = NodeDynamic(ranges=checked)
             continue
-        tables = []
+        tables: list[tuple[tuple[int | None, Instance], ...]] = []
         for slot, arch in enumerate(archs):
             given = (dispatch or {}).get(r.node, {}).get(arch)
+            own = device[r.node][slot]
+            if given is None and arch in FALLBACK_SLOTS:  # the fallback slot's table, or the one own instance
+                fallback = FALLBACK_SLOTS[arch]
+                tables.append(tables[archs.index(fallback)] if own.arch == fallback else ((top, own),))
+                continue
             if given is not None:
                 check_table(given, r.node, arch)
                 rows: Sequence[tuple[int | None, Mapping[str, int] | None]] = given
@@ -452,6 +464,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     nodes = fused_nodes(model, planned)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
+    if emulated and tuned:  # the emulation runs the generated kernels only: a library's configuration gives way
+        tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") == "mma"} for n, per in tuned.items()}
     device, kernel_skips = select_device(nodes, results, archs, tuned) if archs else ({}, {})
     dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch)
     source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic)

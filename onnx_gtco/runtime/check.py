@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shlex
+import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,13 @@ from onnx import helper
 from onnx_gtco.errors import CheckError, GtcoError, LibraryError, OutputError, first_line
 from onnx_gtco.ir.export import writable_parent, write_bytes_atomic
 from onnx_gtco.ir.load import read_model
-from onnx_gtco.runtime.cuda_ep import load_cuda_libraries, require_cuda_ep
+from onnx_gtco.runtime.cuda_ep import (
+    load_cuda_libraries,
+    profile_events,
+    profiled_options,
+    require_cuda_ep,
+    require_fused_on_cuda,
+)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -171,7 +178,9 @@ def _as_tolerance(t: float | Tolerance, flag: str) -> Tolerance:
     return tol
 
 
-def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, library: bool = False):
+def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, library: bool = False,
+             profile_dir: str | None = None):
+    """A session of `model` on `provider` (its CUDA EP proven on "cuda"), profiled into `profile_dir` if given."""
     import onnxruntime as ort
 
     name = PROVIDERS.get(provider)
@@ -184,6 +193,8 @@ def _session(model: onnx.ModelProto | str | os.PathLike[str], provider: str, lib
         load_cuda_libraries()
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if profile_dir is not None:
+        profiled_options(so, profile_dir)
     if library:
         from onnx_gtco.runtime.session import make_session
 
@@ -432,6 +443,8 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     Raises:
         CheckError: a model or the inputs cannot be read or run, the two models' outputs differ in names, a
             tolerance names an output the models do not have, or samples < 1 or seed < 0.
+        CudaProviderError: on "cuda", ORT gave a session no CUDA EP, or a fused node of the rewritten model did
+            not run on it (its profile, runtime.cuda_ep.require_fused_on_cuda).
         OutputError: save_inputs cannot be written.
     """
     rt, at = _as_tolerance(rtol, "rtol"), _as_tolerance(atol, "atol")
@@ -465,7 +478,10 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     else:
         feeds_list = [dict(f) for f in inputs]
     s_orig = _session(original if not isinstance(original, onnx.ModelProto) else orig_model, provider)
-    s_new = _session(rewritten if not isinstance(rewritten, onnx.ModelProto) else new_model, provider, library)
+    # on the CUDA EP, ORT's profile of the rewritten model's runs shows where each fused node ran
+    placement = tempfile.TemporaryDirectory(prefix="gtco-check-") if provider == "cuda" else None
+    s_new = _session(rewritten if not isinstance(rewritten, onnx.ModelProto) else new_model, provider, library,
+                     placement.name if placement is not None else None)
     acc: dict[str, dict] = {n: {"abs": [], "rel": [], "cos": 1.0, "nan": False, "ok": True, "need_atol": 0.0,
                                 "need_rtol": 0.0} for n in names}
     for feeds in feeds_list:
@@ -488,6 +504,9 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
             a["ok"] = a["ok"] and not nan_bad and _within(diff, r64, o_atol, o_rtol)
             a["need_atol"] = max(a["need_atol"], need_atol)
             a["need_rtol"] = max(a["need_rtol"], need_rtol)
+    if placement is not None:
+        with placement:
+            require_fused_on_cuda(new_model, profile_events(s_new), "check --provider cuda")
     if save_inputs is not None:
         write_bytes_atomic(inputs_npz(feeds_list), save_inputs)
     out = []

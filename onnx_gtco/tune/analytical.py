@@ -8,6 +8,9 @@ how much of its load latency the pipeline hides. We keep that shape, per family:
   share of the Tensor Core peak, derated for small warp tiles (less operand reuse per ldmatrix) and padded edges,
   plus its global loads at the SM's share of the bandwidth, of which a STAGES-deep pipeline hides all but
   1 / STAGES (a resident second block hides more). Scalar loads (VEC = 0) cost 4x.
+* A cuBLASLt GEMM (impl "cublaslt"): its roofline time at kernels.cublaslt.EFFICIENCY of the peak, an assumption
+  (the library's kernels are not ours to model tile by tile); it ranks the library against the generated kernels
+  where no GPU measures both.
 * Row-wise families (layernorm, softmax) and elementwise: DRAM bytes at bandwidth, derated for narrow accesses
   (VEC), too few threads in flight and partial waves.
 
@@ -22,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from onnx_gtco.config import TARGETS
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.family import Problem
 
 # The hardware facts (SMs, threads per SM, peaks, bandwidth, shared memory) are config.TARGETS'. LAUNCH_US is this
@@ -174,7 +178,10 @@ def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
 
 
 def estimate_us(problem: Problem, config: Mapping[str, int], arch: str) -> float:
-    """Predicted time of `config` on `problem` for `arch`, in microseconds (see the module docstring)."""
+    """Predicted time of `config` on `problem` for `arch`, in microseconds (see the module docstring). A cuBLASLt
+    configuration (impl "cublaslt") is the roofline at an assumed efficiency (kernels.cublaslt.estimate_us)."""
+    if config.get("impl") == cublaslt.IMPL:
+        return cublaslt.estimate_us(problem, arch, LAUNCH_US)
     try:
         model = _MODELS[problem.family]
     except KeyError:

@@ -7,15 +7,16 @@ exists; a plain `optimize` on a machine that never tuned opens nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import onnx
 
 from onnx_gtco.config import tune_storage_env
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.progress import detail, stage
-from onnx_gtco.tune.driver import TaskResult, best_configs, tune
+from onnx_gtco.tune.driver import TaskResult, best_configs, impl_times, tune
 from onnx_gtco.tune.search import AnalyticalMeasurer, Measurer, storage_url
 from onnx_gtco.tune.tasks import ShapeOf, Task, model_tasks
 
@@ -81,12 +82,15 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
             for node in t.nodes:
                 tuned[node] = {arch: best[t.key][0]}
     by_key = {r.task.key: r for r in results}
+    by_impl = impl_times(tasks, measurer.device, url)
+    timing = "analytical" if measurer.name == AnalyticalMeasurer.name else "measured"
     entries = []
     for t in tasks:
         r = by_key.get(t.key)
         entry = r.to_json() if r else {"task": t.key, "describe": t.describe(), "weight": t.weight, "measured": 0}
         if t.key in best:
             entry["best_config"], entry["best_us"] = best[t.key]
+        entry |= implementations(t, best.get(t.key), by_impl.get(t.key, {}), timing)
         entries.append(entry)
     predicted = sum(t.weight * best[t.key][1] for t in tasks if t.key in best)
     report = {"storage": redact(url), "measurer": measurer.name, "device": measurer.device, "arch": arch,
@@ -94,6 +98,19 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
               "tasks_found": len(best), "tasks": entries, "untuned": skipped,
               "kernel_time_us": round(predicted, 3) if best else None}
     return report, tuned
+
+
+def implementations(task: Task, best: tuple[dict[str, Any], float] | None, times: Mapping[str, float],
+                    timing: str) -> dict[str, Any]:
+    """What a report entry says of a GEMM task's implementations: which one won ("impl": "mma", "cublaslt", ...),
+    the cuBLASLt candidate's best time beside it ("cublaslt_us"; None where none ran: not offered, or every trial
+    failed), whether the times were "measured" or "analytical" (the model's ranking, no GPU), and the nodes it
+    serves. Empty for the other families."""
+    if task.problem.family != "gemm":
+        return {}
+    return {"impl": str(best[0].get("impl", "mma")) if best else None, "cublaslt_us": times.get(cublaslt.IMPL),
+            "cublaslt": cublaslt.unsupported(task.problem) or "offered", "timing": timing,
+            "nodes": list(task.nodes)}
 
 
 def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, patience: int, workers: int,
@@ -118,4 +135,4 @@ def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, pa
     return results
 
 
-__all__ = ["Tuned", "measured_costs", "pick_measurer", "redact", "tune_model", "wanted"]
+__all__ = ["Tuned", "implementations", "measured_costs", "pick_measurer", "redact", "tune_model", "wanted"]

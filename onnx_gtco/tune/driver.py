@@ -18,6 +18,7 @@ from onnx_gtco.tune.search import (
     MEMORY_PREFIX,
     Measurer,
     best,
+    best_by_impl,
     finished,
     open_storage,
     storage_url,
@@ -149,4 +150,13 @@ def best_configs(tasks: Sequence[Task], device: str, storage: str | None = None
     return out
 
 
-__all__ = ["TaskResult", "best_configs", "tune"]
+def impl_times(tasks: Sequence[Task], device: str, storage: str | None = None) -> dict[str, dict[str, float]]:
+    """task key -> implementation -> its fastest time on `device` (search.best_by_impl), for the tasks the storage
+    has a study of; no measuring."""
+    store = open_storage(storage_url(storage))
+    names = {s.study_name for s in optuna.get_all_study_summaries(store)}
+    return {t.key: best_by_impl(optuna.load_study(study_name=study_name(t, device), storage=store))
+            for t in tasks if study_name(t, device) in names}
+
+
+__all__ = ["TaskResult", "best_configs", "impl_times", "tune"]

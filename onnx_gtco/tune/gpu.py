@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from onnx_gtco.errors import BuildError
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.compile import compile_instance
+from onnx_gtco.kernels.cublas_headers import installed_library
 from onnx_gtco.kernels.family import Instance, c_args, entry_point, from_storage, np_dtype, rel_error
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
@@ -94,6 +96,8 @@ class GpuMeasurer:
         lib = shared_library(inst)
         if isinstance(lib, Measurement):
             return lib
+        if config.get("impl") == cublaslt.IMPL:
+            load_cublaslt()
         sets = []
         for r in range(self.rotate):
             host = family.random_inputs(p, self.seed + r)
@@ -111,7 +115,8 @@ class GpuMeasurer:
             code = fn(ctypes.byref(sets[0][2]), stream.ptr)
             stream.synchronize()
             if code != 0:
-                return Measurement(None, error_kind="runtime", detail=f"{inst.symbol} returned {code}")
+                why = _cublaslt_error(str(lib)) if config.get("impl") == cublaslt.IMPL else ""
+                return Measurement(None, error_kind="runtime", detail=f"{inst.symbol} returned {code}{why}")
             want = family.reference(p, sets[0][0])
             for name, out in sets[0][1].items():
                 got = from_storage(cp.asnumpy(out), family.outputs(p)[name][1])
@@ -131,6 +136,21 @@ class GpuMeasurer:
                 times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0)
         q = statistics.quantiles(times, n=10)
         return Measurement(statistics.median(times), q[-1] - q[0], runs=self.reps)
+
+
+def load_cublaslt() -> None:
+    """Load libcublasLt globally, as ONNX Runtime's CUDA EP does, from the nvidia-cublas package where installed (a
+    cuBLASLt instance finds it loaded; without it the instance reports that it is absent)."""
+    lib = installed_library()
+    if lib is not None:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def _cublaslt_error(lib: str) -> str:
+    fn = ctypes.CDLL(lib).gtco_cublaslt_error
+    fn.restype = ctypes.c_char_p
+    why = fn().decode()
+    return f": {why}" if why else ""
 
 
 def _nvcc_version() -> str:

@@ -13,6 +13,7 @@ URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -24,6 +25,7 @@ import optuna
 
 from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
@@ -132,13 +134,51 @@ def search_space(task: Task) -> dict[str, list[int]]:
     return space
 
 
-def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, int]]:
-    """The family's valid configurations ranked by the analytical model, best first."""
+IMPL_SPACES: dict[str, dict[str, list[int]]] = {cublaslt.IMPL: {"RANK": list(cublaslt.RANKS)}}
+"""The parameters of each implementation other than the family's own kernels ("mma")."""
+
+
+def impls(task: Task) -> list[str]:
+    """The implementations a trial of `task` may pick: "mma" (the family's generated kernels), then each library
+    implementation of the family (GemmFamily.impls) that can compute the task's problem."""
+    family = FAMILIES[task.problem.family]
+    others = [i for i in getattr(family, "impls", ()) if i in IMPL_SPACES]
+    return ["mma", *(i for i in others if family.check(
+        task.problem, {"impl": i, **{k: v[0] for k, v in IMPL_SPACES[i].items()}}, task.arch) is None)]
+
+
+def suggest(trial: optuna.Trial, task: Task) -> dict[str, Any]:
+    """A trial's configuration: with several implementations, "impl" first, then that implementation's parameters
+    (a conditional space); with the family's kernels only, their parameters (no "impl")."""
+    choices = impls(task)
+    if len(choices) == 1:
+        return {k: trial.suggest_categorical(k, v) for k, v in search_space(task).items()}
+    impl = trial.suggest_categorical("impl", choices)
+    space = search_space(task) if impl == "mma" else IMPL_SPACES[impl]
+    return {"impl": impl, **{k: trial.suggest_categorical(k, v) for k, v in space.items()}}
+
+
+def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, Any]]:
+    """Valid configurations ranked by the analytical model, best first: the best of each implementation (so every
+    implementation is measured), then the next best of any up to `n`."""
     family = FAMILIES[task.problem.family]
     keys = list(search_space(task))
-    configs = [{k: c[k] for k in keys if k in c} for c in family.configs(task.problem, task.arch)]
-    ranked = sorted(configs, key=lambda c: estimate_us(task.problem, c, task.arch))
-    return ranked[:n]
+    choices = impls(task)
+    per_impl: list[list[dict[str, Any]]] = []
+    for impl in choices:
+        if impl == "mma":
+            configs: list[dict[str, Any]] = [{k: c[k] for k in keys if k in c}
+                                             for c in family.configs(task.problem, task.arch)]
+        else:
+            configs = [{k: v for k, v in zip(IMPL_SPACES[impl], values, strict=True)}
+                       for values in itertools.product(*IMPL_SPACES[impl].values())]
+        if len(choices) > 1:
+            configs = [{"impl": impl, **c} for c in configs]
+        per_impl.append(sorted(configs, key=lambda c: estimate_us(task.problem, c, task.arch)))
+    firsts = [r[0] for r in per_impl if r]
+    rest = sorted((c for r in per_impl for c in r[1:]), key=lambda c: estimate_us(task.problem, c, task.arch))
+    picked = firsts[:n] + rest[:max(0, n - len(firsts))]
+    return sorted(picked, key=lambda c: estimate_us(task.problem, c, task.arch))
 
 
 def study_name(task: Task, device: str) -> str:
@@ -199,7 +239,7 @@ def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str =
         numbers.append(trial.number)
         if worker:
             trial.set_user_attr("worker", worker)
-        config = {k: trial.suggest_categorical(k, v) for k, v in search_space(task).items()}
+        config = suggest(trial, task)
         why = FAMILIES[task.problem.family].check(task.problem, config, task.arch)
         if why is not None:
             for k, v in measurer.environment().items():
@@ -224,11 +264,21 @@ def times(study: optuna.Study) -> list[float | None]:
     return [t.value if t.state == optuna.trial.TrialState.COMPLETE else None for t in done]
 
 
+def best_by_impl(study: optuna.Study) -> dict[str, float]:
+    """The fastest successful time of each implementation the study measured ("mma" for a trial without "impl")."""
+    out: dict[str, float] = {}
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        impl = str(t.params.get("impl", "mma"))
+        if t.value is not None and math.isfinite(t.value):
+            out[impl] = min(out.get(impl, math.inf), float(t.value))
+    return out
+
+
 def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     return min(done, key=lambda t: (t.value, t.number)) if done else None
 
 
-__all__ = ["ERROR_KINDS", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer", "analytical_guesses",
-           "best", "finished", "open_storage", "run_trial", "search_space", "storage_url", "study_for", "study_name",
-           "times"]
+__all__ = ["ERROR_KINDS", "IMPL_SPACES", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
+           "analytical_guesses", "best", "best_by_impl", "finished", "impls", "open_storage", "run_trial",
+           "search_space", "storage_url", "study_for", "study_name", "suggest", "times"]

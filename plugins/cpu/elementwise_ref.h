@@ -97,7 +97,10 @@ void run(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {
             x[decltype(i)::value] = to_f32(in[In::template offset<Shape>(e)]);
         });
         Program::body(x, y);
-        for (int o = 0; o < Program::NOUT; ++o) static_cast<T*>(a->out[o])[e] = from_f32<T>(y[o]);
+        gtco::ew::for_each<Program::NOUT>([&](auto o) {
+            using Out = typename gtco::ew::input_at<decltype(o)::value, typename Program::Outputs>::type;
+            static_cast<T*>(a->out[decltype(o)::value])[Out::template offset<Shape>(e)] = from_f32<T>(y[decltype(o)::value]);
+        });
     }
 }
 

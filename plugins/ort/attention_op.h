@@ -127,18 +127,20 @@ struct AttentionGlue {
         if (!ref::layout_dims(lq, q.shape, H, Dh, bq, sq)) return bad("q", q, lq);
         if (!ref::layout_dims(lk, k.shape, H, Dh, bk, sk)) return bad("k", k, lk);
         if (WithV && !ref::layout_dims(lv, v.shape, H, Dh, bv, sv)) return bad("v", v, lv);
-        std::string shapes = "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) +
-                             (WithV ? ", v " + shape_str(v.shape) : std::string());
-        if (bk != bq || (WithV && bv != bq)) return ref.fail("batch sizes differ: " + shapes);
-        if (WithV && sv != sk) return ref.fail("k and v have different sequence lengths: " + shapes);
+        auto shapes = [&] {  // for messages only
+            return "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) +
+                   (WithV ? ", v " + shape_str(v.shape) : std::string());
+        };
+        if (bk != bq || (WithV && bv != bq)) return ref.fail("batch sizes differ: " + shapes());
+        if (WithV && sv != sk) return ref.fail("k and v have different sequence lengths: " + shapes());
         if (at.seq_q >= 0 && sq != at.seq_q)
-            return ref.fail(shapes + " give seq_q=" + std::to_string(sq) + "; the node says seq_q=" +
+            return ref.fail(shapes() + " give seq_q=" + std::to_string(sq) + "; the node says seq_q=" +
                             std::to_string(at.seq_q));
         if (at.seq_k >= 0 && sk != at.seq_k)
-            return ref.fail(shapes + " give seq_k=" + std::to_string(sk) + "; the node says seq_k=" +
+            return ref.fail(shapes() + " give seq_k=" + std::to_string(sk) + "; the node says seq_k=" +
                             std::to_string(at.seq_k));
         if (!at.batch_dims.empty() && (at.batch_dims.size() != 1 || at.batch_dims[0] != bq))
-            return ref.fail(shapes + " give batch " + std::to_string(bq) + "; the node says batch_dims=" +
+            return ref.fail(shapes() + " give batch " + std::to_string(bq) + "; the node says batch_dims=" +
                             shape_str(at.batch_dims));
         // additive terms
         if (mask.present && !at.mask) return ref.fail("has a mask input but its attribute mask=0", ORT_FAIL);
@@ -188,7 +190,7 @@ struct AttentionGlue {
                 dst[r][0] = a.sb, dst[r][1] = a.sh, dst[r][2] = a.sq, dst[r][3] = a.sk;
                 *bmod[r] = a.sb != 0 ? static_cast<int32_t>(bq) : 1;  // per-batch addend: b % B; else b % 1 = 0
             }
-            if (bq > INT32_MAX || sq > INT32_MAX || sk > INT32_MAX) return ref.fail("sizes too large: " + shapes);
+            if (bq > INT32_MAX || sq > INT32_MAX || sk > INT32_MAX) return ref.fail("sizes too large: " + shapes());
             args.batch = static_cast<int32_t>(bq), args.heads = static_cast<int32_t>(H);
             args.seq_q = static_cast<int32_t>(sq), args.seq_k = static_cast<int32_t>(sk);
             args.head_dim = static_cast<int32_t>(Dh);

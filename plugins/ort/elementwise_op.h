@@ -52,19 +52,25 @@ struct Elementwise {
             return s;
         };
         std::vector<Input> ins(static_cast<size_t>(spec.n_inputs));
-        std::string got, built;
+        std::vector<std::vector<int64_t>> want(static_cast<size_t>(spec.n_inputs));
         bool ok = true;
         for (int i = 0; i < spec.n_inputs; ++i) {
-            Input& x = ins[static_cast<size_t>(i)];
-            x = get_input(ctx, i);
-            const std::vector<int64_t> want = next_shape(node->ranks[i]);
-            const std::string sep = i ? ", " : "";
-            got += sep + (x.present ? describe(x.type, x.shape) : std::string("(missing)"));
-            built += sep + describe(node->types[i], want);
-            ok = ok && x.present && x.type == node->types[i] && x.shape == want;
+            const size_t u = static_cast<size_t>(i);
+            ins[u] = get_input(ctx, i);
+            want[u] = next_shape(node->ranks[i]);
+            ok = ok && ins[u].present && ins[u].type == node->types[i] && ins[u].shape == want[u];
         }
+        // the operands as the call gives them, for messages only (no string on the success path)
+        auto got = [&] {
+            std::string s;
+            for (size_t i = 0; i < ins.size(); ++i)
+                s += (i ? ", " : "") + (ins[i].present ? describe(ins[i].type, ins[i].shape) : "(missing)");
+            return "inputs " + s;
+        };
         if (!ok) {
-            return ref.fail("inputs " + got + "; the kernel was built for " + built +
+            std::string built;
+            for (size_t i = 0; i < ins.size(); ++i) built += (i ? ", " : "") + describe(node->types[i], want[i]);
+            return ref.fail(got() + "; the kernel was built for " + built +
                             " (the elementwise program is generated per static shape)");
         }
         std::vector<void*> outs(static_cast<size_t>(spec.n_outputs));
@@ -79,7 +85,7 @@ struct Elementwise {
         for (int r = 0; r < GTCO_EW_MAX_OUT && r < kMaxRoles; ++r)
             if (spec.out[r] >= 0) args.out[r] = outs[static_cast<size_t>(spec.out[r])];
         args.n = node->n;
-        if (Cuda) return run_instance(ctx, ref, args, "inputs " + got);
+        if (Cuda) return run_instance(ctx, ref, args, got);
         if (node->run == nullptr) return ref.fail("the library has no host function for this node", ORT_FAIL);
         const uint64_t n = static_cast<uint64_t>(node->n);
         constexpr int64_t kChunk = 1 << 14;

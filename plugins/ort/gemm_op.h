@@ -18,10 +18,12 @@
 // plan below. It takes what the reference takes except: a transposed A, a beta other than 1, a bias other
 // than a row of N, and batch dims that do not step A and B by one stride each (a broadcast inner batch dim); those
 // are run-time errors naming the shapes (the build gives such nodes no instance where it can tell). A Qkv node
-// launches the one instance once per projection, with that projection's N.
+// launches the one instance once per projection, with that projection's N. The instance may be a cuBLASLt one
+// (gtco/cublaslt.h, the same entry-point ABI); gemm_glue::run_gemm then reports cuBLASLt's reason for a failure.
 #pragma once
 
 #include "gemm_ref.h"
+#include "gtco/cublaslt_shape.h"
 #include "gtco_ort.h"
 
 namespace gtco {
@@ -45,10 +47,12 @@ inline OrtStatus* check_type(const NodeRef& ref, const Input& t, const char* rol
     return nullptr;
 }
 
-// "m=197 (built for 196)" style check of one size attribute; nullptr when it matches or is unknown.
-inline OrtStatus* check_size(const NodeRef& ref, const char* what, int64_t got, int64_t built, const std::string& ctx) {
+// "m=197 (built for 196)" style check of one size attribute; nullptr when it matches or is unknown. `ctx()`
+// describes the operands (a callable: built on failure only, like every message here).
+template <class Describe>
+inline OrtStatus* check_size(const NodeRef& ref, const char* what, int64_t got, int64_t built, const Describe& ctx) {
     if (built >= 0 && got != built) {
-        return ref.fail(ctx + " give " + what + "=" + std::to_string(got) + "; the kernel was built for " + what +
+        return ref.fail(ctx() + " give " + what + "=" + std::to_string(got) + "; the kernel was built for " + what +
                         "=" + std::to_string(built));
     }
     return nullptr;
@@ -56,16 +60,17 @@ inline OrtStatus* check_size(const NodeRef& ref, const char* what, int64_t got, 
 
 // GemmArgs sizes and batch strides of a planned GEMM for the device kernel (pointers left to the caller), or the
 // error when the kernel cannot run it (see the top of this file).
+template <class Describe>
 inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool trans_a, float alpha, float beta,
-                              bool has_bias, int64_t bias_m, int64_t bias_n, const std::string& operands,
+                              bool has_bias, int64_t bias_m, int64_t bias_n, const Describe& operands,
                               GemmArgs& args) {
-    if (trans_a) return ref.fail("the device kernel reads A row-major; this node transposes A (" + operands + ")");
+    if (trans_a) return ref.fail("the device kernel reads A row-major; this node transposes A (" + operands() + ")");
     if (beta != 1.0f) {
         return ref.fail("the device kernel does not scale the bias (beta=" + std::to_string(beta) + ")");
     }
     if (has_bias && (bias_m != 1 || bias_n != p.n)) {
         return ref.fail("the device kernel adds a bias row of N=" + std::to_string(p.n) + "; this bias is [" +
-                        std::to_string(bias_m) + ", " + std::to_string(bias_n) + "] over " + operands);
+                        std::to_string(bias_m) + ", " + std::to_string(bias_n) + "] over " + operands());
     }
     // one stride per operand: entry e of A (B) starts at e * stride (B may be shared: stride 0)
     auto stride = [&](const std::vector<int64_t>& off, int64_t& s) {
@@ -77,7 +82,7 @@ inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool t
     };
     int64_t sa = 0, sb = 0;
     if (!stride(p.a_off, sa) || !stride(p.b_off, sb) || (p.batch > 1 && sa == 0)) {
-        return ref.fail(operands + ": the batch dims broadcast in a way the device kernel cannot stride (it "
+        return ref.fail(operands() + ": the batch dims broadcast in a way the device kernel cannot stride (it "
                         "steps A per batch entry and B per entry or not at all)");
     }
     args.batch = p.batch, args.m = p.m, args.n = p.n, args.k = p.k;
@@ -86,6 +91,18 @@ inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool t
     args.stride_y = p.m * p.n;
     args.alpha = alpha;
     return nullptr;
+}
+
+// run_instance, and where the node's chosen implementation is cuBLASLt (gtco/cublaslt.h) the reason it gave when
+// it could not run (libcublasLt absent, no algorithm of the chosen rank, a first call under graph capture).
+template <class Describe>
+OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs& args, const Describe& operands) {
+    if (!lt::is_instance(ref.fn_name)) return run_instance(ctx, ref, args, operands);
+    lt::last_error().clear();
+    OrtStatus* st = run_instance(ctx, ref, args, operands);
+    if (st == nullptr || lt::last_error().empty()) return st;
+    Ort::GetApi().ReleaseStatus(st);
+    return ref.fail("cuBLASLt instance " + ref.fn_name + " on " + operands() + ": " + lt::last_error(), ORT_FAIL);
 }
 
 }  // namespace gemm_glue
@@ -172,12 +189,12 @@ struct Gemm {
         ref::GemmPlan p;
         std::string why = ref::plan_gemm(a.shape, b.shape, at.trans_a != 0, at.trans_b != 0, p);
         if (!why.empty()) return ref.fail(why);
-        const std::string operands = "A " + shape_str(a.shape) + " and B " + shape_str(b.shape);
+        auto operands = [&] { return "A " + shape_str(a.shape) + " and B " + shape_str(b.shape); };
         if (OrtStatus* st = gemm_glue::check_size(ref, "m", p.m, at.m, operands)) return st;
         if (OrtStatus* st = gemm_glue::check_size(ref, "n", p.n, at.n, operands)) return st;
         if (OrtStatus* st = gemm_glue::check_size(ref, "k", p.k, at.k, operands)) return st;
         if (at.batch_known && !at.batch.empty() && at.batch != p.batch_dims) {
-            return ref.fail(operands + " give batch dims " + shape_str(p.batch_dims) +
+            return ref.fail(operands() + " give batch dims " + shape_str(p.batch_dims) +
                             "; the kernel was built for " + shape_str(at.batch));
         }
         if ((at.bias != 0) != bias.present) {
@@ -191,11 +208,11 @@ struct Gemm {
         ref::GemmIO<T, TO> io;
         if (bias.present) {
             why = ref::plan_bias(bias.shape, p, io.bias_m, io.bias_n);
-            if (!why.empty()) return ref.fail(why + " (" + operands + ")");
+            if (!why.empty()) return ref.fail(why + " (" + operands() + ")");
         }
         if (res.present && res.shape != p.out_shape) {
             return ref.fail("residual " + shape_str(res.shape) + " differs from the output shape " +
-                            shape_str(p.out_shape) + " of " + operands);
+                            shape_str(p.out_shape) + " of " + operands());
         }
         if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
         TO* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<TO>();
@@ -206,7 +223,7 @@ struct Gemm {
                 return st;
             }
             args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data, args.y = y;
-            return run_instance(ctx, ref, args, operands);
+            return gemm_glue::run_gemm(ctx, ref, args, operands);
         }
         io.a = static_cast<const T*>(a.data);
         io.b = static_cast<const T*>(b.data);
@@ -224,6 +241,8 @@ struct Gemm {
 // Q/K/V (or gate/up) projections that share their input, as one op: y_p = A @ W_p (+ bias_p).
 struct Qkv {
     static constexpr int kMaxProj = 3;
+    static constexpr const char* kWeight[kMaxProj] = {"W0", "W1", "W2"};  // role names, for messages
+    static constexpr const char* kBias[kMaxProj] = {"bias0", "bias1", "bias2"};
     enum InRole { IN_A = 0, IN_W0 = 1, IN_W1 = 2, IN_W2 = 3, IN_BIAS0 = 4, IN_BIAS1 = 5, IN_BIAS2 = 6 };
     enum OutRole { OUT_Y0 = 0, OUT_Y1 = 1, OUT_Y2 = 2 };
 
@@ -265,18 +284,19 @@ struct Qkv {
         int64_t bias_n[kMaxProj] = {1, 1, 1}, bias_m[kMaxProj] = {1, 1, 1};
         int64_t n_sum = 0;
         for (int i = 0; i < np; ++i) {
-            const std::string wn = "W" + std::to_string(i), bn = "bias" + std::to_string(i);
+            const char* wn = kWeight[i];
+            const char* bn = kBias[i];
             w[i] = get_input(ctx, spec.in[IN_W0 + i]);
             bias[i] = get_input(ctx, spec.in[IN_BIAS0 + i]);
-            if (!w[i].present) return ref.fail("input " + wn + " is missing");
-            if (OrtStatus* st = gemm_glue::check_type<D>(ref, w[i], wn.c_str())) return st;
-            if (OrtStatus* st = gemm_glue::check_type<D>(ref, bias[i], bn.c_str())) return st;
+            if (!w[i].present) return ref.fail(std::string("input ") + wn + " is missing");
+            if (OrtStatus* st = gemm_glue::check_type<D>(ref, w[i], wn)) return st;
+            if (OrtStatus* st = gemm_glue::check_type<D>(ref, bias[i], bn)) return st;
             if (w[i].shape.size() != 2) {
-                return ref.fail("weight " + wn + " " + shape_str(w[i].shape) + " is not 2-D [K, N]");
+                return ref.fail(std::string("weight ") + wn + " " + shape_str(w[i].shape) + " is not 2-D [K, N]");
             }
             std::string why = ref::plan_gemm(a.shape, w[i].shape, false, false, plan[i]);
             if (!why.empty()) return ref.fail(why);
-            const std::string operands = "A " + shape_str(a.shape) + " and " + wn + " " + shape_str(w[i].shape);
+            auto operands = [&] { return "A " + shape_str(a.shape) + " and " + wn + " " + shape_str(w[i].shape); };
             if (OrtStatus* st = gemm_glue::check_size(ref, "m", plan[i].m, at.m, operands)) return st;
             if (OrtStatus* st = gemm_glue::check_size(ref, "k", plan[i].k, at.k, operands)) return st;
             if (at.ns_known) {
@@ -293,7 +313,7 @@ struct Qkv {
             }
             if (bias[i].present) {
                 why = ref::plan_bias(bias[i].shape, plan[i], bias_m[i], bias_n[i]);
-                if (!why.empty()) return ref.fail(bn + ": " + why);
+                if (!why.empty()) return ref.fail(bn + (": " + why));
             }
         }
         if (at.n_out >= 0 && n_sum != at.n_out) {
@@ -307,15 +327,15 @@ struct Qkv {
         }
         if (Cuda) {
             for (int i = 0; i < np; ++i) {
-                const std::string operands = "A " + shape_str(a.shape) + " and W" + std::to_string(i) + " " +
-                                             shape_str(w[i].shape);
+                auto operands = [&] { return "A " + shape_str(a.shape) + " and " + kWeight[i] + " " +
+                                             shape_str(w[i].shape); };
                 GemmArgs args{};
                 if (OrtStatus* st = gemm_glue::device_args(ref, plan[i], false, 1.0f, 1.0f, bias[i].present,
                                                            bias_m[i], bias_n[i], operands, args)) {
                     return st;
                 }
                 args.a = a.data, args.b = w[i].data, args.bias = bias[i].data, args.y = y[i];
-                if (OrtStatus* st = run_instance(ctx, ref, args, operands)) return st;
+                if (OrtStatus* st = gemm_glue::run_gemm(ctx, ref, args, operands)) return st;
             }
             return nullptr;
         }

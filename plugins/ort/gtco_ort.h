@@ -36,6 +36,7 @@
 #include <stdexcept>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gtco/args.h"
@@ -89,11 +90,13 @@ constexpr int kMaxRoles = 8;
 using InstanceFn = int (*)(const void* args, void* stream);
 
 // Instances per GPU generation: slot 0 is built for sm_80 and runs on every 8.x GPU (A100, A10, L4, L40, ...),
-// slot 1 for sm_90 (H100, H200). Other generations have no instance (-1).
-constexpr int kArchSlots = 2;
+// slot 1 for sm_90 (9.x), slot 2 for sm_90a, the arch-specific code (wgmma) that runs on 9.0 only (H100, H200); a
+// node without sm_90a code of its own has its sm_90 instance there. Other generations have no instance (-1).
+constexpr int kArchSlots = 3;
 inline int arch_slot(int cc) {
     if (cc >= 80 && cc < 90) return 0;
-    if (cc >= 90 && cc < 100) return 1;
+    if (cc == 90) return 2;
+    if (cc > 90 && cc < 100) return 1;
     return -1;
 }
 
@@ -218,11 +221,15 @@ inline Input get_input(Ort::KernelContext& ctx, int index) {
     return in;
 }
 
-// Launch the node's instance on `args` on the session's compute stream (no stream in an emulated build). `what`
+// Launch the node's instance on `args` on the session's compute stream (no stream in an emulated build). `what()`
 // describes the operands for the message when the instance refuses them (GTCO_EBADSHAPE: a size it was not built
-// for, a misaligned pointer or stride, an operand it expects missing).
-template <class Args>
-OrtStatus* run_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args& args, const std::string& what) {
+// for, a misaligned pointer or stride, an operand it expects missing). It is a callable, called on that failure
+// only: the success path of a call builds no string (CUDA graph capture, ORT's enable_cuda_graph, wants a launch
+// path with no avoidable host work; see also launch.cuh).
+template <class Args, class Describe>
+OrtStatus* run_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args& args, const Describe& what) {
+    static_assert(std::is_invocable_r_v<std::string, const Describe&>,
+                  "run_instance: describe the operands with a callable (a lambda), built on failure only");
 #if defined(GTCO_EMULATED_DEVICE)
     void* stream = nullptr;
     (void)ctx;
@@ -233,7 +240,7 @@ OrtStatus* run_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args&
     const int rc = ref.fn(&args, stream);
     if (rc == GTCO_OK) return nullptr;
     if (rc == GTCO_EBADSHAPE) {
-        return ref.fail("instance " + ref.fn_name + " does not take " + what +
+        return ref.fail("instance " + ref.fn_name + " does not take " + what() +
                         " (a size it was not built for, a misaligned operand or a missing one)");
     }
     return ref.fail("instance " + ref.fn_name + " failed to launch (code " + std::to_string(rc) + ")", ORT_FAIL);
@@ -305,12 +312,20 @@ struct FusedKernel {
     NodeRef ref;
     const NodeSpec* spec;
     typename Family::Attrs attrs;
+    std::vector<NodeRef> entries;  // a device kernel's NodeRef per dispatch entry, made once (no copy per call)
 
     FusedKernel(const OrtKernelInfo* info, const std::string& op_type, const NodeSpec* s)
         : spec(s), attrs(Family::read_attrs(info)) {
         ref.op_type = op_type;
         ref.node = Ort::ConstKernelInfo(info).GetNodeName();
-        if (Cuda) choose_instance(*spec, ref);
+        if (!Cuda) return;
+        choose_instance(*spec, ref);
+        for (int e = 0; e < spec->n_dispatch; ++e) {
+            NodeRef at = ref;
+            at.fn = spec->dispatch[e].fn[ref.slot];
+            at.fn_name = spec->dispatch[e].name[ref.slot] ? spec->dispatch[e].name[ref.slot] : "?";
+            entries.push_back(std::move(at));
+        }
     }
 
     OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -327,10 +342,7 @@ struct FusedKernel {
             if (Cuda && spec->n_dispatch > 0) {  // a dynamic node: the entry for this call's extent
                 const int e = dispatch_entry(ctx, *spec);
                 if (spec->launches != nullptr) spec->launches[e].fetch_add(1, std::memory_order_relaxed);
-                NodeRef at = ref;
-                at.fn = spec->dispatch[e].fn[ref.slot];
-                at.fn_name = spec->dispatch[e].name[ref.slot] ? spec->dispatch[e].name[ref.slot] : "?";
-                return Family::template compute<D, Cuda>(ctx, at, *spec, attrs);
+                return Family::template compute<D, Cuda>(ctx, entries[static_cast<size_t>(e)], *spec, attrs);
             }
             return Family::template compute<D, Cuda>(ctx, ref, *spec, attrs);
         } catch (const Ort::Exception& e) {
@@ -363,7 +375,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family,
                 return make_status(ORT_INVALID_GRAPH,
                                    name + " node '" + node + "' is not a node this gtco library was built for "
                                    "(rebuild it for this model with onnx_gtco.plugin.library.build_library, or set the "
-                                   "session config entry gtco.register=0 to run the model-local functions)");
+                                   "session config entry gtco.register=none to run the model-local functions)");
             }
             *kernel = new Kernel(info, name, spec);
             return nullptr;

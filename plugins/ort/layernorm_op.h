@@ -93,7 +93,7 @@ struct LayerNorm {
             if (hidden > INT32_MAX) return ref.fail("hidden size " + std::to_string(hidden) + " is too large");
             GtcoLayerNormArgs args{a.data, b.data, gamma.data, beta.data, y, sum, rows,
                                    static_cast<int32_t>(hidden), at.epsilon};
-            return run_instance(ctx, ref, args, "x " + shape_str(a.shape));
+            return run_instance(ctx, ref, args, [&] { return "x " + shape_str(a.shape); });
         }
         ref::layernorm<T>(static_cast<const T*>(a.data), static_cast<const T*>(b.data),
                           static_cast<const T*>(gamma.data), gamma.numel(), static_cast<const T*>(beta.data),

@@ -47,7 +47,7 @@ struct Softmax {
         if (Cuda) {
             if (cols > INT32_MAX) return ref.fail("rows of " + std::to_string(cols) + " elements are too long");
             GtcoSoftmaxArgs args{x.data, nullptr, y, rows, static_cast<int32_t>(cols), 1.0f, 1, 1, 1};
-            return run_instance(ctx, ref, args, "x " + shape_str(x.shape));
+            return run_instance(ctx, ref, args, [&] { return "x " + shape_str(x.shape); });
         }
         ref::softmax<T>(static_cast<const T*>(x.data), y, rows, cols, S::load, S::store);
         return nullptr;

@@ -111,6 +111,10 @@ def test_symbolic_batch_file_binds_each_batch(tmp_path: Path) -> None:
     b1, b3 = (b["roofline"] for b in doc["batches"])
     assert b3["flops"] == pytest.approx(3 * b1["flops"])  # every FLOP of an encoder scales with the batch
     assert all(v["status"] == "ok" and v["runs"] == 5 for b in doc["batches"] for v in b["variants"])
+    # what ORT's own session optimizations fused is said beside its time (the model has none of these ops)
+    for b in doc["batches"]:
+        note = next(v["note"] for v in b["variants"] if v["name"] == "ort-fp32")
+        assert "ORT session fusions: " in note and "SkipLayerNormalization" in note and "Gelu 1" in note
 
 
 def test_rewritten_model_is_timed_as_ours_and_a_failing_baseline_is_reported(
@@ -367,3 +371,21 @@ def test_ours_is_timed_on_exactly_the_file_optimize_wrote(tmp_path: Path, monkey
     gtco = json.loads((out / "bench.json").read_text())["batches"][0]["variants"][-1]
     assert gtco["name"] == "gtco" and gtco["status"] == "ok", gtco
     assert gtco["note"].startswith(f"fp16 from {seen['src'].name}")
+
+
+def test_session_fusions_count_the_contrib_ops_ort_adds(tmp_path: Path) -> None:
+    """The count is of what the session added: a model that carries a contrib op already is not credited with it,
+    and the optimized copy ORT writes for the count is removed."""
+    model = models.build("bert-tiny", depth=2)
+    fused = variants.session_fusions(model, "cpu", tmp_path)
+    assert fused["Gelu"] == 2 and fused["SkipLayerNormalization"] >= 2
+    from onnxruntime.transformers.fusion_gelu import FusionGelu
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    # the same model with its GELUs as contrib ops already: the session is not credited with them
+    pre = OnnxModel(onnx.load_from_string(model.SerializeToString()))
+    FusionGelu(pre).apply()
+    pre.prune_graph()
+    assert sum(n.op_type == "Gelu" for n in pre.model.graph.node) == 2
+    assert "Gelu" not in variants.session_fusions(pre.model, "cpu", tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -61,6 +61,7 @@ def session(model: onnx.ModelProto, lib: Path | None = None) -> ort.InferenceSes
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     if lib is not None:
+        so.add_session_config_entry("gtco.register", "all")  # a CPU session: every CPU kernel too
         so.register_custom_ops_library(str(lib))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 

@@ -13,7 +13,14 @@ import pytest
 from kernel_helpers import INCLUDE, nvcc_missing, run_exe
 from onnx import TensorProto, helper
 
-from onnx_gtco.kernels.elementwise import ARITY, CAST_TARGETS, FAMILY, elementwise_problem, program_from_onnx
+from onnx_gtco.kernels.elementwise import (
+    ARITY,
+    CAST_TARGETS,
+    FAMILY,
+    elementwise_problem,
+    program_from_onnx,
+    source_shape,
+)
 from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import from_storage, np_dtype, rel_error, to_storage
 from onnx_gtco.kernels.ptxas import parse_ptxas
@@ -176,9 +183,126 @@ def mask_logic():
             {"m": (0, 1), "x": (-2.0, 2.0), "thr": (-0.5, 0.5)})
 
 
+def ints(*values):
+    return np.array(values, np.int64)
+
+
+def window_partition():
+    """Swin's window partition, layout ops alone: Pad of zeros -> Reshape -> Transpose -> Reshape [windows, 49, C]
+    (the last Reshape is no view of the transposed input: the kernel iterates the 6-d shape and writes densely)."""
+    nodes = [node("Pad", ["x", "pads"], "p"), node("Reshape", ["p", "split"], "r"),
+             node("Transpose", ["r"], "t", perm=[0, 1, 3, 2, 4, 5]), node("Reshape", ["t", "merge"], "y")]
+    consts = {"pads": ints(*[0] * 8), "split": ints(1, 2, 7, 2, 7, 24), "merge": ints(4, 49, 24)}
+
+    def ref(v):
+        return {"y": v["x"].reshape(1, 2, 7, 2, 7, 24).transpose(0, 1, 3, 2, 4, 5).reshape(4, 49, 24)}
+    return nodes, [("x", (1, 14, 14, 24))], ["y"], consts, ref, {}
+
+
+def window_reverse_residual():
+    """Window reverse then the residual Add and a per-channel scale: the Add reads the transposed windows and the
+    shortcut [1, H, W, C] and gamma [C] through the last Reshape, in the 6-d iteration shape."""
+    nodes = [node("Reshape", ["w", "split"], "r"), node("Transpose", ["r"], "t", perm=[0, 1, 3, 2, 4, 5]),
+             node("Reshape", ["t", "merge"], "m"), node("Add", ["m", "s"], "a"), node("Mul", ["a", "gamma"], "g"),
+             node("Reshape", ["g", "tokens"], "y")]
+    consts = {"split": ints(1, 2, 2, 7, 7, 16), "merge": ints(1, 14, 14, 16), "tokens": ints(1, 196, 16)}
+
+    def ref(v):
+        m = v["w"].reshape(1, 2, 2, 7, 7, 16).transpose(0, 1, 3, 2, 4, 5).reshape(1, 14, 14, 16)
+        return {"y": ((m + v["s"]) * v["gamma"]).reshape(1, 196, 16)}
+    return nodes, [("w", (4, 49, 16)), ("s", (1, 14, 14, 16)), ("gamma", (16,))], ["y"], consts, ref, {}
+
+
+def head_split():
+    """qkv [B, N, 3, H, D] -> Transpose -> Slice + Squeeze per part (offset views of one input) -> q * scale, k^T
+    (stored transposed) and v copied as it is: three outputs."""
+    nodes = [node("Transpose", ["qkv"], "t", perm=[2, 0, 3, 1, 4]),
+             node("Slice", ["t", "zero", "one", "axis0"], "qs"), node("Squeeze", ["qs", "axis0"], "q"),
+             node("Mul", ["q", "scale"], "yq"), node("Slice", ["t", "one", "two", "axis0"], "ks"),
+             node("Squeeze", ["ks", "axis0"], "k"), node("Transpose", ["k"], "yk", perm=[0, 1, 3, 2]),
+             node("Slice", ["t", "two", "three", "axis0"], "vs"), node("Squeeze", ["vs", "axis0"], "yv")]
+    consts = {"zero": ints(0), "one": ints(1), "two": ints(2), "three": ints(3), "axis0": ints(0),
+              "scale": scalar(0.125)}
+
+    def ref(v):
+        t = v["qkv"].transpose(2, 0, 3, 1, 4)
+        return {"yq": t[0] * 0.125, "yk": t[1].transpose(0, 1, 3, 2), "yv": t[2]}
+    return nodes, [("qkv", (2, 9, 3, 4, 16))], ["yq", "yk", "yv"], consts, ref, {}
+
+
+def strided_slice():
+    """Patch merging's x[:, 1::2, 0::2] (steps and a start, a Shifted view), + bias, Relu."""
+    nodes = [node("Slice", ["x", "starts", "ends", "axes", "steps"], "s"), node("Add", ["s", "bias"], "a"),
+             node("Relu", ["a"], "y")]
+    consts = {"starts": ints(1, 0), "ends": ints(16, 16), "axes": ints(1, 2), "steps": ints(2, 2)}
+
+    def ref(v):
+        return {"y": np.maximum(v["x"][:, 1::2, 0::2] + v["bias"], 0.0)}
+    return nodes, [("x", (2, 16, 16, 32)), ("bias", (32,))], ["y"], consts, ref, {}
+
+
+def transpose_gelu():
+    """A channels-first map read as tokens (Transpose) + bias, Gelu: the innermost dim of the view walks the
+    input with a stride, gathered per element."""
+    nodes = [node("Transpose", ["x"], "t", perm=[0, 2, 1]), node("Add", ["t", "bias"], "a"),
+             node("Gelu", ["a"], "y")]
+
+    def ref(v):
+        a = v["x"].transpose(0, 2, 1) + v["bias"]
+        return {"y": 0.5 * a * (1 + _erf(a / SQRT2))}
+    return nodes, [("x", (2, 24, 40)), ("bias", (24,))], ["y"], {}, ref, {}
+
+
+def roll(tensor, shift, axis, prefix):
+    """torch.roll(tensor, shift, axis) as exporters write it: Concat(x[-shift:], x[:-shift]) along the axis."""
+    nodes = [node("Slice", [tensor, f"{prefix}_k", f"{prefix}_end", f"{prefix}_axis"], f"{prefix}_hi"),
+             node("Slice", [tensor, "zero", f"{prefix}_k", f"{prefix}_axis"], f"{prefix}_lo"),
+             node("Concat", [f"{prefix}_hi", f"{prefix}_lo"], f"{prefix}_y", axis=axis)]
+    return nodes, {f"{prefix}_k": ints(-shift), f"{prefix}_end": ints(2**62), f"{prefix}_axis": ints(axis)}
+
+
+def np_roll(x, shift, axis):
+    return np.concatenate([np.take(x, range(x.shape[axis] - shift, x.shape[axis]), axis),
+                           np.take(x, range(x.shape[axis] - shift), axis)], axis)
+
+
+def shifted_window_partition():
+    """Swin's shifted window partition: roll by -3 along H then W (Slice + Slice + Concat each), Reshape ->
+    Transpose -> Reshape into [windows, 49, C], times a scale: the rolls are terms of the split dims."""
+    rh, ch = roll("x", -3, 1, "h")
+    rw, cw = roll("h_y", -3, 2, "w")
+    nodes = [*rh, *rw, node("Reshape", ["w_y", "split"], "r"), node("Transpose", ["r"], "t", perm=[0, 1, 3, 2, 4, 5]),
+             node("Reshape", ["t", "merge"], "m"), node("Mul", ["m", "scale"], "y")]
+    consts = {**ch, **cw, "zero": ints(0), "split": ints(1, 2, 7, 2, 7, 8), "merge": ints(4, 49, 8),
+              "scale": scalar(0.5)}
+
+    def ref(v):
+        x = np_roll(np_roll(v["x"], 11, 1), 11, 2)  # a roll by -3 of 14 is one by 11
+        return {"y": x.reshape(1, 2, 7, 2, 7, 8).transpose(0, 1, 3, 2, 4, 5).reshape(4, 49, 8) * 0.5}
+    return nodes, [("x", (1, 14, 14, 8))], ["y"], consts, ref, {}
+
+
+def window_reverse_roll_back():
+    """Window reverse (the last Reshape merges dims whose strides do not: terms), the roll back by +3 along H and W,
+    and the residual Add."""
+    rh, ch = roll("m", 3, 1, "h")
+    rw, cw = roll("h_y", 3, 2, "w")
+    nodes = [node("Reshape", ["w", "split"], "r"), node("Transpose", ["r"], "t", perm=[0, 1, 3, 2, 4, 5]),
+             node("Reshape", ["t", "merge"], "m"), *rh, *rw, node("Add", ["w_y", "s"], "y")]
+    consts = {**ch, **cw, "zero": ints(0), "split": ints(1, 2, 2, 7, 7, 8), "merge": ints(1, 14, 14, 8)}
+
+    def ref(v):
+        m = v["w"].reshape(1, 2, 2, 7, 7, 8).transpose(0, 1, 3, 2, 4, 5).reshape(1, 14, 14, 8)
+        return {"y": np_roll(np_roll(m, 3, 1), 3, 2) + v["s"]}
+    return nodes, [("w", (4, 49, 8)), ("s", (1, 14, 14, 8))], ["y"], consts, ref, {}
+
+
 CHAINS = {"gelu_erf_bias": gelu_erf_bias, "conv_activations": conv_activations, "mask_logic": mask_logic,
           "gelu_tanh_pow": gelu_tanh_pow, "normalize": normalize, "bert_mask": bert_mask,
-          "where_cast_two_outputs": where_cast_two_outputs, "activations_rank6": activations_rank6}
+          "where_cast_two_outputs": where_cast_two_outputs, "activations_rank6": activations_rank6,
+          "window_partition": window_partition, "window_reverse_residual": window_reverse_residual,
+          "head_split": head_split, "strided_slice": strided_slice, "transpose_gelu": transpose_gelu,
+          "shifted_window_partition": shifted_window_partition, "window_reverse_roll_back": window_reverse_roll_back}
 
 
 def build(chain, dtype):
@@ -191,6 +315,11 @@ def make_inputs(prog, prob, seed, ranges):
     """The family's seeded inputs, with the inputs named in `ranges` drawn uniformly from (lo, hi) instead (ints
     for integer inputs)."""
     ins = FAMILY.random_inputs(prob, seed)
+    first = {}
+    for i, (name, _, _) in enumerate(prog.inputs):  # views of one tensor read the same array, as when bound
+        if name in first:
+            ins[f"x{i}"] = ins[f"x{first[name]}"]
+        first.setdefault(name, i)
     rng = np.random.default_rng(seed + 1000)
     for i, (name, shape, kind) in enumerate(prog.inputs):
         if name in ranges:
@@ -234,10 +363,10 @@ def run(emu, prob, cfg, ins, header_edit=None):
 
 
 def onnx_values(prog, prob, ins):
-    """The (rounded) inputs in float64 by tensor name, in the program's shapes."""
+    """The (rounded) inputs in float64 by tensor name, in the program's shapes (a view's: its tensor's)."""
     return {name: (from_storage(ins[f"x{i}"], prob.dtype) if kind == "float" else
-                   ins[f"x{i}"].astype(np.float64)).reshape(shape)
-            for i, (name, shape, kind) in enumerate(prog.inputs)}
+                   ins[f"x{i}"].astype(np.float64)).reshape(source_shape(prob, i))
+            for i, (name, _, kind) in enumerate(prog.inputs)}
 
 
 def assert_close(got, want, dtype, what):
@@ -278,6 +407,20 @@ GRID = [  # chain, dtype, config
     ("conv_activations", "bf16", {"THREADS": 64, "VEC": 8}),
     ("mask_logic", "f16", {"THREADS": 64, "VEC": 8}),
     ("mask_logic", "f32", {"THREADS": 128, "VEC": 2}),
+    ("window_partition", "f16", {"THREADS": 64, "VEC": 8}),
+    ("window_partition", "f32", {"THREADS": 128, "VEC": 1}),
+    ("window_reverse_residual", "f16", {"THREADS": 128, "VEC": 8}),
+    ("window_reverse_residual", "bf16", {"THREADS": 64, "VEC": 2}),
+    ("head_split", "f16", {"THREADS": 64, "VEC": 8}),
+    ("head_split", "f32", {"THREADS": 256, "VEC": 4}),
+    ("strided_slice", "f16", {"THREADS": 128, "VEC": 8}),
+    ("strided_slice", "bf16", {"THREADS": 64, "VEC": 4}),
+    ("transpose_gelu", "f16", {"THREADS": 64, "VEC": 8}),
+    ("transpose_gelu", "f32", {"THREADS": 128, "VEC": 2}),
+    ("shifted_window_partition", "f16", {"THREADS": 64, "VEC": 8}),
+    ("shifted_window_partition", "f32", {"THREADS": 128, "VEC": 1}),
+    ("window_reverse_roll_back", "f16", {"THREADS": 128, "VEC": 8}),
+    ("window_reverse_roll_back", "bf16", {"THREADS": 64, "VEC": 4}),
 ]
 
 
@@ -292,7 +435,8 @@ def test_matches_fp64_reference(emu, chain, dtype, cfg):
     family_ref = FAMILY.reference(prob, ins)
     assert len(got) == len(prog.outputs)
     for k, (name, _) in enumerate(prog.outputs):
-        w = np.broadcast_to(want[name], got[f"y{k}"].shape)
+        w = np.asarray(want[name])  # a reshape of the group's own output (its last Reshape) is the dense layout
+        w = w.reshape(got[f"y{k}"].shape) if w.size == got[f"y{k}"].size else np.broadcast_to(w, got[f"y{k}"].shape)
         assert_close(got[f"y{k}"], w, dtype, f"{name} vs the ONNX reference")
         assert_close(got[f"y{k}"], family_ref[f"y{k}"], dtype, f"{name} vs FAMILY.reference")
 
@@ -469,10 +613,17 @@ def test_check_rejects_with_reason(prob, cfg, arch, reason):
     ([node("Cast", ["x"], "y", to=TensorProto.INT64)], {}, "Cast to INT64 is not supported"),
     ([node("Add", ["x", "w"], "y")], {"w": np.ones(8, np.float32)}, "constant 'w' read by Add"),
     ([node("Add", ["x", "nowhere"], "y")], {}, "reads 'nowhere'"),
-    ([node("Relu", ["x"], "r"), node("Unsqueeze", ["r", "ax"], "y")], {"ax": np.array([2])},
-     "moves its broadcast axes"),
-    ([node("Relu", ["x"], "r"), node("Reshape", ["r", "sh"], "y")], {"sh": np.array([8, 4])},
-     "moves its broadcast axes"),
+    ([node("Relu", ["x"], "r"), node("Unsqueeze", ["r", "ax"], "u"), node("Add", ["u", "x"], "y")],
+     {"ax": np.array([2])}, "do not broadcast"),
+    ([node("Relu", ["x"], "r"), node("Reshape", ["r", "sh"], "u"), node("Neg", ["u"], "n"),
+      node("Add", ["n", "r"], "y")], {"sh": np.array([8, 4])}, "do not broadcast"),
+    ([node("Relu", ["x"], "r"), node("Transpose", ["r"], "y")], {}, "layout op is folded only into the load"),
+    ([node("Slice", ["x", "s", "e", "a", "st"], "y")], {"s": np.array([3]), "e": np.array([0]),
+                                                        "a": np.array([1]), "st": np.array([-1])}, "positive steps"),
+    ([node("Pad", ["x", "p"], "y")], {"p": np.array([0, 1, 0, 0])}, "only a Pad of zeros"),
+    ([node("Relu", ["x"], "r"), node("Reshape", ["r", "sh"], "u"), node("Reshape", ["x", "sh"], "xr"),
+      node("Neg", ["xr"], "r2"), node("Add", ["u", "r2"], "y")], {"sh": np.array([32])},
+     "reads the computed value 'r2'"),
     ([node("Relu", ["x"], "y")], {}, "output 'z' is not computed"),
 ])
 def test_program_from_onnx_rejects_with_reason(nodes, consts, reason):
@@ -558,3 +709,19 @@ def test_ptxas_no_spills(tmp_path, arch):
     for k in kernels:
         assert k.arch == arch and k.registers > 0, k
         assert not k.spills and k.stack_frame_bytes == 0, k
+
+
+@pytest.mark.parametrize(("chain", "reads"), [
+    ("window_partition", 1), ("window_reverse_residual", 3), ("head_split", 3), ("strided_slice", 2),
+    ("transpose_gelu", 2), ("shifted_window_partition", 1), ("window_reverse_roll_back", 2)])
+def test_layout_ops_fold_into_the_loads(chain, reads):
+    """Every layout op of the chain is an index map of a kernel operand: the program reads the listed number of
+    operands (head split: one view per part), each of its tensor's own size, and computes only the chain's
+    elementwise ops."""
+    nodes, inputs, _, _, _, _ = CHAINS[chain]()
+    prog, prob, _, _ = build(CHAINS[chain], "f32")
+    assert len(prog.inputs) == reads
+    sizes = {name: math.prod(shape) for name, shape in inputs}
+    assert all(math.prod(source_shape(prob, i)) == sizes[name] for i, (name, _, _) in enumerate(prog.inputs))
+    computing = [n.op_type for n in nodes if n.op_type in ARITY]
+    assert [op for op, _, _ in prog.instrs] == computing

@@ -633,6 +633,7 @@ def _one_node_session(model: onnx.ModelProto, fn: FusedNode, feeds: dict[int, np
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     if lib is not None:
+        so.add_session_config_entry("gtco.register", "all")  # the CPU kernels too
         so.register_custom_ops_library(str(lib))
     sess = ort.InferenceSession(one.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return lambda: sess.run(None, {fn.inputs[i].name: x for i, x in feeds.items()})[0]

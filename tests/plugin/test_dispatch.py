@@ -97,3 +97,26 @@ def test_a_given_dispatch_table_is_used(bert16) -> None:
     with pytest.raises(GtcoError, match="not ascending"):
         dynamic_nodes(nodes, results, ("sm_80",), device, RANGES, {attn.node.name: {"sm_80": [(200, small),
                                                                                                 (32, large)]}})
+
+
+def test_the_sm90a_slot_takes_the_sm90_table_or_its_one_cutlass_instance(bert16) -> None:
+    from onnx_gtco.kernels.gemm import FAMILY as GEMM
+    from onnx_gtco.plugin.device import ARCH_SLOTS, device_problem
+
+    nodes = fused_nodes(bert16)
+    results, _ = bind_nodes(nodes)
+    by_family = {n.node.name.split("/")[1]: (n, r) for n, r in zip(nodes, results, strict=True)}
+    gemm_node, gemm_result = by_family["gemm"]
+    problem = device_problem(gemm_node, gemm_result.binding)
+    assert not isinstance(problem, str)
+    config = GEMM.configs(problem, "sm_90a")[0]
+    tuned = {gemm_node.node.name: {"sm_90a": config}}
+    device, _ = select_device(nodes, results, ARCH_SLOTS, tuned)
+    dyn = dynamic_nodes(nodes, results, ARCH_SLOTS, device, RANGES)
+    attn = dyn[by_family["attention"][0].node.name]
+    assert attn.tables[2] == attn.tables[1] and len(attn.tables[1]) > 1  # no sm_90a instance: the sm_90 table
+    own = device[gemm_node.node.name][2]
+    assert own.arch == "sm_90a" and own.config["impl"] == "cutlass"
+    assert dyn[gemm_node.node.name].tables[2] == ((1600, own),)  # one CUTLASS instance takes every extent
+    source, _, _ = generate_glue(nodes, results, bind_nodes(nodes)[1], device, False, dyn)
+    assert own.symbol in source

@@ -32,10 +32,13 @@ h = helper.make_node
 
 
 def _model(name: str, nodes: list[onnx.NodeProto], inputs: dict[str, tuple[int, list[int | str]]],
-           outputs: dict[str, list[int | str]], consts: dict[str, np.ndarray], elem: int) -> onnx.ModelProto:
-    """A model whose float tensors are `elem` (inputs given as (element type or 0 for `elem`, shape))."""
+           outputs: dict[str, list[int | str]], consts: dict[str, np.ndarray], elem: int,
+           ints: dict[str, list[int]] | None = None) -> onnx.ModelProto:
+    """A model whose float tensors are `elem` (inputs given as (element type or 0 for `elem`, shape)); `ints`: int64
+    initializers (shapes, axes, pads, slice bounds)."""
     dt = helper.tensor_dtype_to_np_dtype(elem)
     inits = [numpy_helper.from_array(np.asarray(v, dt), k) for k, v in consts.items()]
+    inits += [numpy_helper.from_array(np.asarray(v, np.int64), k) for k, v in (ints or {}).items()]
     ins = [helper.make_tensor_value_info(k, t or elem, s) for k, (t, s) in inputs.items()]
     outs = [helper.make_tensor_value_info(k, elem, s) for k, s in outputs.items()]
     graph = helper.make_graph(nodes, name, ins, outs, inits)
@@ -92,8 +95,58 @@ def assorted(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
                   {"lo": -0.5, "hi": 1.5, "p": 3.0}, elem)
 
 
+def window_partition(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Pad of zeros -> Reshape -> Transpose -> Reshape (Swin's window partition): layout ops alone, a copy kernel
+    whose last Reshape (no view of the transposed input) is where it writes densely."""
+    nodes = [h("Pad", ["x", "pads"], ["p"], name="pad"), h("Reshape", ["p", "split"], ["r"], name="split"),
+             h("Transpose", ["r"], ["t"], name="perm", perm=[0, 1, 3, 2, 4, 5]),
+             h("Reshape", ["t", "merge"], ["y"], name="merge")]
+    ints = {"pads": [0] * 8, "split": [1, 2, 3, 2, 3, 4], "merge": [4, 9, 4]}
+    return _model("window_partition", nodes, {"x": (0, [1, 6, 6, 4])}, {"y": [4, 9, 4]}, {}, elem, ints)
+
+
+def window_reverse(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Window reverse (Reshape -> Transpose -> Reshape) + shortcut, * gamma[4]: the Add computes in the transposed
+    6-d shape and reads the shortcut and gamma through the same reshape."""
+    nodes = [h("Reshape", ["w", "split"], ["r"], name="split"),
+             h("Transpose", ["r"], ["t"], name="perm", perm=[0, 1, 3, 2, 4, 5]),
+             h("Reshape", ["t", "merge"], ["m"], name="merge"), h("Add", ["m", "s"], ["a"], name="res"),
+             h("Mul", ["a", "gamma"], ["y"], name="gamma")]
+    ints = {"split": [1, 2, 2, 3, 3, 4], "merge": [1, 6, 6, 4]}
+    return _model("window_reverse", nodes, {"w": (0, [4, 9, 4]), "s": (0, [1, 6, 6, 4])}, {"y": [1, 6, 6, 4]},
+                  {"gamma": np.linspace(0.5, 1.5, 4)}, elem, ints)
+
+
+def head_split(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """qkv [1, 5, 3, 2, 8] -> Transpose -> Slice/Squeeze per part (an offset view each) -> q * scale, k^T (stored
+    transposed) and v as is."""
+    nodes = [h("Transpose", ["qkv"], ["t"], name="perm", perm=[2, 0, 3, 1, 4]),
+             h("Slice", ["t", "zero", "one", "axis0"], ["qs"], name="sq"),
+             h("Squeeze", ["qs", "axis0"], ["q"], name="q"), h("Mul", ["q", "scale"], ["y1"], name="scale"),
+             h("Slice", ["t", "one", "two", "axis0"], ["ks"], name="sk"),
+             h("Squeeze", ["ks", "axis0"], ["k"], name="k"),
+             h("Transpose", ["k"], ["y2"], name="kt", perm=[0, 1, 3, 2]),
+             h("Slice", ["t", "two", "three", "axis0"], ["vs"], name="sv"),
+             h("Squeeze", ["vs", "axis0"], ["y3"], name="v")]
+    ints = {"zero": [0], "one": [1], "two": [2], "three": [3], "axis0": [0]}
+    return _model("head_split", nodes, {"qkv": (0, [1, 5, 3, 2, 8])},
+                  {"y1": [1, 2, 5, 8], "y2": [1, 2, 8, 5], "y3": [1, 2, 5, 8]}, {"scale": 0.35}, elem, ints)
+
+
+def strided(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Slice with steps 2 (patch merging's x[:, 1::2, 0::2]) -> + bias[3] -> Relu."""
+    nodes = [h("Slice", ["x", "starts", "ends", "axes", "steps"], ["s"], name="slice"),
+             h("Add", ["s", "bias"], ["a"], name="bias"), h("Relu", ["a"], ["y"], name="relu")]
+    ints = {"starts": [1, 0], "ends": [8, 8], "axes": [1, 2], "steps": [2, 2]}
+    return _model("strided", nodes, {"x": (0, [2, 8, 8, 3])}, {"y": [2, 4, 4, 3]}, {"bias": [0.1, -0.2, 0.3]},
+                  elem, ints)
+
+
 MODELS: dict[str, Callable[..., onnx.ModelProto]] = {
-    "gelu": gelu, "residual": residual, "where": where, "two_outputs": two_outputs, "assorted": assorted}
+    "gelu": gelu, "residual": residual, "where": where, "two_outputs": two_outputs, "assorted": assorted,
+    "window_partition": window_partition, "window_reverse": window_reverse, "head_split": head_split,
+    "strided": strided}
+LAYOUT_MODELS = ("window_partition", "window_reverse", "head_split", "strided")
 
 
 def feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
@@ -109,7 +162,7 @@ def feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "1",
+def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "all",
             profile: Path | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.add_session_config_entry("gtco.register", register)
@@ -150,7 +203,7 @@ def test_cpu_kernel_matches_function(name: str, cpu_libs, tmp_path: Path) -> Non
     assert not lib.skipped(), lib.skipped()
     for seed in (0, 1, 2):
         x = feeds(rewritten, seed)
-        want = session(rewritten, register="0").run(None, x)  # the model-local function
+        want = session(rewritten, register="none").run(None, x)  # the model-local function
         got = session(rewritten, lib.path).run(None, x)
         assert len(got) == len(want)
         for w, g in zip(want, got, strict=True):
@@ -159,7 +212,7 @@ def test_cpu_kernel_matches_function(name: str, cpu_libs, tmp_path: Path) -> Non
     sess = session(rewritten, lib.path, profile=tmp_path)
     sess.run(None, feeds(rewritten, 0))
     assert "Elementwise_f32" in ran_ops(sess)  # the custom op ran (a registered op type hides the function)
-    sess = session(rewritten, lib.path, register="0", profile=tmp_path)
+    sess = session(rewritten, lib.path, register="none", profile=tmp_path)
     sess.run(None, feeds(rewritten, 0))
     assert "Elementwise_f32" not in ran_ops(sess)  # the function's own ops ran
 
@@ -205,7 +258,7 @@ def test_nodes_of_one_program_share_its_host_function(tmp_path: Path) -> None:
     assert source.count("static const gtco::ElementwiseNode gtco_elementwise_node_") == 2
     lib = build_library(rewritten, tmp_path, cuda=False)
     x = feeds(rewritten, 0)
-    want = session(rewritten, register="0").run(None, x)
+    want = session(rewritten, register="none").run(None, x)
     for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -215,14 +268,14 @@ def test_nodes_of_one_program_share_its_host_function(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[onnx.ModelProto, LibraryResult]]:
     out = {}
-    for name in ("gelu", "residual", "where", "two_outputs"):
+    for name in ("gelu", "residual", "where", "two_outputs", *LAYOUT_MODELS):
         rewritten = optimize(MODELS[name](TensorProto.FLOAT16)).model
         lib = build_library(rewritten, tmp_path_factory.mktemp(f"ew_emu_{name}"), cuda=False, emulated=True)
         out[name] = rewritten, lib
     return out
 
 
-@pytest.mark.parametrize("name", ["gelu", "residual", "where", "two_outputs"])
+@pytest.mark.parametrize("name", ["gelu", "residual", "where", "two_outputs", *LAYOUT_MODELS])
 def test_emulated_device_kernel_matches_fp32_original(name: str, emulated, tmp_path: Path) -> None:
     rewritten, lib = emulated[name]
     assert elementwise_types(rewritten) == {"Elementwise_f16"}
@@ -257,7 +310,7 @@ def test_cuda_build_compiles_the_instances_and_runs_the_host_function_on_cpu(tmp
         for r in k["kernels"]:
             assert r["spill_store_bytes"] == 0 and r["stack_frame_bytes"] == 0, k
     x = {k: v.astype(np.float16) for k, v in feeds(rewritten, 0).items()}
-    want = session(rewritten, register="0").run(None, x)
+    want = session(rewritten, register="none").run(None, x)
     for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=2e-3, atol=2e-3)
 
@@ -324,3 +377,12 @@ def test_binder_reasons() -> None:
     m = _model("wide", nodes, {k: (0, [4, 8]) for k in names}, {"y": [4, 8]}, {}, TensorProto.FLOAT)
     reasons = [binder.bind(n) for n in fused_nodes(optimize(m).model) if n.family == "elementwise"]
     assert reasons and all(isinstance(r, str) and "at most 8" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("name", LAYOUT_MODELS)
+def test_layout_ops_fold_into_one_node(name: str) -> None:
+    """Every layout op of the chain joins the one Elementwise node (none is left for ORT to run)."""
+    rewritten = optimize(MODELS[name]()).model
+    assert [n.op_type for n in rewritten.graph.node] == ["Elementwise_f32"], [n.op_type for n in rewritten.graph.node]
+    (node,) = fused_nodes(rewritten)
+    assert isinstance(ElementwiseBinder().bind(node), Binding), ElementwiseBinder().bind(node)

@@ -567,6 +567,7 @@ def session(model: onnx.ModelProto, library: Path | None) -> ort.InferenceSessio
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if library is not None:
+        so.add_session_config_entry("gtco.register", "all")  # its CPU kernels (it has no CUDA ones)
         so.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 

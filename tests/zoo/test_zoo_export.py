@@ -111,3 +111,28 @@ def test_program_is_the_torch_module_and_is_reused(tmp_path: pathlib.Path,
     assert zoo.save_program("deit-s", tmp_path) == path and path.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["deit-s.pt2",
                                                                                         "deit-s.pt2.json"]
+
+
+def test_export_at_another_batch_is_its_own_file_and_matches_torch(tmp_path: pathlib.Path) -> None:
+    """--batch N (the GPU suite's larger batches): a static export at batch N beside the batch-1 one, named apart,
+    computing what the torch module computes on N rows, and reused while current."""
+    path = zoo.export("deit-s", "torchscript", tmp_path, batch=3)
+    assert path == tmp_path / "deit-s.b3.torchscript.onnx" == zoo.onnx_path(tmp_path, "deit-s", "torchscript", 3)
+    model = onnx.load(str(path))
+    assert [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim] == [3, 3, 224, 224]
+    feeds = zoo.make_inputs("deit-s", seed=TEST_SEED, batch=3)
+    assert not np.array_equal(feeds["pixel_values"][0], feeds["pixel_values"][1])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, feeds)
+    want = zoo.run_torch("deit-s", TEST_SEED, batch=3)["logits"]
+    assert got.shape == want.shape == (3, 1000)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    stamp = path.stat().st_mtime_ns
+    assert zoo.export("deit-s", "torchscript", tmp_path, batch=3) == path and path.stat().st_mtime_ns == stamp
+    assert not zoo.onnx_path(tmp_path, "deit-s", "torchscript").exists()
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        zoo.export("deit-s", "torchscript", tmp_path, batch=0)
+    assert zoo.main(["--out", str(tmp_path), "--models", "deit-s", "--exporters", "torchscript", "--batch", "3"],
+                    print_fn=lambda line: None) == 0
+    with pytest.raises(SystemExit):
+        zoo.main(["--batch", "two"])

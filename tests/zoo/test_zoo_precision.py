@@ -18,7 +18,7 @@ from onnx_gtco.runtime.check import compare, default_tolerances
 
 pytestmark = [pytest.mark.zoo, pytest.mark.slow]
 
-WITHOUT_KERNEL = {"conv": "no plugin kernel for family 'conv' yet"}
+WITHOUT_KERNEL = {"conv": "no conv kernel family (the node runs its function)"}
 """Families with no device kernel yet, and the reason the report gives."""
 BOOL_OUTPUT = re.compile(r"output '[^']+' is bool; the kernel writes b?f16")
 """Elementwise groups that write a bool tensor other nodes read: the elementwise kernel writes floats only. BERT's

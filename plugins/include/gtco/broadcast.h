@@ -7,7 +7,16 @@
 //     Shape<D0, D1, ...>           the collapsed iteration dims, outermost first (none: one element)
 //     In<E, S0, S1, ...>           an operand of element type E with element strides S over those dims (0: the
 //                                  operand is broadcast along that dim)
+//     Shifted<B, In<E, S...>>      the same operand read from element B on: a view of its tensor that starts
+//                                  inside it (a Slice, or one part of a split)
+//     Rolled<Op, Roll<...>...>     Op plus one term per Roll<N, R, Q, M, S, W...>: ((sum_j i_j * W_j + R) % N / Q % M)
+//                                  * S over the iteration indices i_j: a torch.roll (Slice + Slice + Concat) of a
+//                                  source dim (Q = 1, M = N), which may since have been split over several iteration
+//                                  dims (window partition), or one of the dims a reshape merged although their strides
+//                                  do not merge (window reverse)
 //     Inputs<In<...>, In<...>>     the program's operands, kernel input i being the i-th
+// The strides of an operand that a layout op (Transpose, Slice, Reshape of a strided view) reads are any element
+// strides of its tensor, not only those of a broadcast: the index map of the view, folded into the load.
 // and In<...>::offset<Shape>(e) is the operand's element offset at flat output index e: a sum of terms
 // (e / pos_j % D_j) * S_j with every divisor and modulus a constant, e itself when the operand has the iteration
 // shape, 0 when it is broadcast everywhere.
@@ -46,6 +55,8 @@ template <typename E, uint64_t... S>
 struct In {
     using type = E;
     static constexpr int rank = sizeof...(S);
+    static constexpr uint64_t base = 0;  // element offset of the view (Shifted)
+    static constexpr bool rolls_inner = false;  // a Roll walks the innermost dim (Rolled)
     GTCO_HD static constexpr uint64_t stride(int j) {
         constexpr uint64_t s[] = {S..., 0};
         return s[j];
@@ -76,6 +87,14 @@ struct In {
         }
     }
 
+    // every stride but the innermost a multiple of V: a V-aligned run along the innermost dim starts V-aligned
+    template <uint64_t V>
+    GTCO_HD static constexpr bool outer_multiple_of() {
+        for (int j = 0; j + 1 < rank; ++j)
+            if (stride(j) % V != 0) return false;
+        return true;
+    }
+
   private:
     // (e / pos_j % D_j) * S_j, without the division by 1, the modulus of the outermost dim (e < n) or the
     // multiplication by 1
@@ -92,6 +111,67 @@ struct In {
     template <class Sh, typename I, int... J>
     GTCO_HD static I terms(I e, std::integer_sequence<int, J...>) {
         return (term<Sh::pos(J), Sh::dim(J), stride(J), J == 0>(e) + ...);
+    }
+};
+
+template <uint64_t Base, class Op>
+struct Shifted : Op {
+    static constexpr uint64_t base = Base;
+    template <class Sh, typename I>
+    GTCO_HD static I offset(I e) {
+        return static_cast<I>(Base) + Op::template offset<Sh>(e);
+    }
+};
+
+// ((sum_j i_j * W_j + R) % N / Q % M) * S, i_j the index along collapsed iteration dim j
+template <uint64_t N, uint64_t R, uint64_t Q, uint64_t M, uint64_t S, uint64_t... W>
+struct Roll {
+    GTCO_HD static constexpr uint64_t weight(int j) {
+        constexpr uint64_t w[] = {W..., 0};
+        return w[j];
+    }
+    template <class Sh, typename I, int... J>
+    GTCO_HD static I term(I e, std::integer_sequence<int, J...>) {
+        I t = (index<Sh, J>(e) + ... + static_cast<I>(R)) % static_cast<I>(N);
+        if constexpr (Q != 1) t = t / static_cast<I>(Q);
+        if constexpr (M * Q < N) t = t % static_cast<I>(M);
+        return t * static_cast<I>(S);
+    }
+    // a run of V consecutive elements along the innermost dim keeps the term, a multiple of V
+    template <uint64_t V, int Rank>
+    GTCO_HD static constexpr bool aligned() {
+        return (Rank == 0 || weight(Rank - 1) == 0) && S % V == 0;
+    }
+
+  private:
+    template <class Sh, int J, typename I>
+    GTCO_HD static I index(I e) {
+        if constexpr (weight(J) == 0) {
+            return 0;
+        } else {
+            I t = Sh::pos(J) == 1 ? e : e / static_cast<I>(Sh::pos(J));
+            if constexpr (J > 0) t = t % static_cast<I>(Sh::dim(J));
+            return t * static_cast<I>(weight(J));
+        }
+    }
+};
+
+template <class Op, class... Rolls>
+struct Rolled : Op {
+    static constexpr bool rolls_inner = ((Op::rank > 0 && Rolls::weight(Op::rank - 1) != 0) || ...);
+    GTCO_HD static constexpr bool scalar() { return false; }
+    template <class Sh>
+    GTCO_HD static constexpr bool dense() {
+        return false;
+    }
+    template <uint64_t V>
+    GTCO_HD static constexpr bool outer_multiple_of() {
+        return Op::template outer_multiple_of<V>() && (Rolls::template aligned<V, Op::rank>() && ...);
+    }
+    template <class Sh, typename I>
+    GTCO_HD static I offset(I e) {
+        constexpr auto dims = std::make_integer_sequence<int, Op::rank>{};
+        return Op::template offset<Sh>(e) + (Rolls::template term<Sh>(e, dims) + ...);
     }
 };
 

@@ -159,13 +159,17 @@ GTCO_HD constexpr Access access() {
     constexpr bool storage = std::is_same<typename Op::type, T>::value;
     constexpr bool inner = Sh::rank > 0 && Sh::dim(Sh::rank - 1) % VEC == 0;
     constexpr uint64_t last = Sh::rank > 0 ? Op::stride(Sh::rank - 1) : 0;
-    if (storage && (Op::template dense<Sh>() || (inner && last == 1))) return Access::vec;
-    if (Op::scalar() || (inner && last == 0)) return Access::one;
+    // a view (Shifted, permuted strides) is vector-read only where every run of VEC starts aligned
+    constexpr bool aligned = Op::base % VEC == 0;
+    constexpr bool walks_inner = inner && last == 1 && Op::template outer_multiple_of<VEC>();
+    if (storage && aligned && (Op::template dense<Sh>() || walks_inner)) return Access::vec;
+    if (Op::scalar() || (inner && last == 0 && !Op::rolls_inner)) return Access::one;
     return Access::gather;
 }
 
-// Program: T (storage of the outputs and of the float operands), Shape, Inputs (gtco/broadcast.h), NOUT and
-// `static void body(const float (&x)[NIN], float (&y)[NOUT])`.
+// Program: T (storage of the outputs and of the float operands), Shape, Inputs (gtco/broadcast.h), NOUT, Outputs (an
+// In<T, strides...> per output: where element e is stored; dense but for an output a Transpose folds into the
+// store) and `static void body(const float (&x)[NIN], float (&y)[NOUT])`.
 template <class Program, int THREADS, int VEC>
 struct Elementwise {
     using T = typename Program::T;
@@ -181,6 +185,14 @@ struct Elementwise {
     using E = typename Op<I>::type;
     template <int I>
     static constexpr Access access_of = access<Sh, Op<I>, T, VEC>();
+    template <int O>
+    using Out = typename input_at<O, typename Program::Outputs>::type;
+    template <int... O>
+    static constexpr bool all_dense(std::integer_sequence<int, O...>) {
+        return (Out<O>::template dense<Sh>() && ...);
+    }
+    // the vector path stores VEC consecutive elements at once only where every output is dense
+    static constexpr bool dense_out = all_dense(std::make_integer_sequence<int, NOUT>{});
     // only the vector path needs aligned pointers, and it never runs when N < VEC
     static constexpr bool vector_path = VEC > 1 && N >= static_cast<uint64_t>(VEC);
     // bit i: the vector path reads input i with vector loads
@@ -236,16 +248,28 @@ struct Elementwise {
                     GTCO_UNROLL
                     for (int o = 0; o < NOUT; ++o) yv[o][k] = y[o];
                 }
-                GTCO_UNROLL
-                for (int o = 0; o < NOUT; ++o) store_vec_at<T, VEC>(out[o] + base, yv[o]);
+                if constexpr (dense_out) {
+                    GTCO_UNROLL
+                    for (int o = 0; o < NOUT; ++o) store_vec_at<T, VEC>(out[o] + base, yv[o]);
+                } else {
+                    GTCO_UNROLL
+                    for (int k = 0; k < VEC; ++k) {
+                        for_each<NOUT>([&](auto o) {
+                            constexpr int O = decltype(o)::value;
+                            out[O][Out<O>::template offset<Sh>(static_cast<idx_t>(base + k))] = from_f32<T>(yv[O][k]);
+                        });
+                    }
+                }
                 return;
             }
         }
         for (idx_t e = base; e < N && e < base + VEC; ++e) {
             for_each<NIN>([&](auto i) { x[decltype(i)::value] = load<decltype(i)::value>(in, e); });
             Program::body(x, y);
-            GTCO_UNROLL
-            for (int o = 0; o < NOUT; ++o) out[o][e] = from_f32<T>(y[o]);
+            for_each<NOUT>([&](auto o) {
+                constexpr int O = decltype(o)::value;
+                out[O][Out<O>::template offset<Sh>(e)] = from_f32<T>(y[O]);
+            });
         }
     }
 
@@ -259,7 +283,7 @@ struct Elementwise {
             if (args->in[i] == nullptr) return GTCO_EBADSHAPE;
         for (int o = 0; o < NOUT; ++o) {
             if (args->out[o] == nullptr) return GTCO_EBADSHAPE;
-            vec_ok = vec_ok && (!vector_path || aligned_to(args->out[o], sizeof(T) * VEC));
+            vec_ok = vec_ok && (!vector_path || !dense_out || aligned_to(args->out[o], sizeof(T) * VEC));
         }
         for (int i = 0; i < NIN; ++i)
             vec_ok = vec_ok && (!(kVecLoaded >> i & 1u) || aligned_to(args->in[i], sizeof(T) * VEC));

@@ -20,14 +20,19 @@
                                         : (gtco::emu::launch((kernel), (grid), (block), __VA_ARGS__), 0))
 #else
 #include <cuda_runtime.h>
+
+#include "gtco/smem_opt_in.h"
 #define GTCO_EXPORT extern "C" __attribute__((visibility("default")))
+// A launch does nothing else on the host: no allocation, no synchronization, no string, so ORT can capture it in a
+// CUDA graph (enable_cuda_graph) and replay it.
 #define GTCO_LAUNCH(kernel, grid, block, stream, ...)                                                     \
     ((kernel)<<<(grid), (block), 0, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__),                    \
      cudaGetLastError() == cudaSuccess ? 0 : GTCO_ELAUNCH)
-// With dynamic shared memory; above 48 KiB the kernel must first opt in (cudaFuncSetAttribute).
+// With dynamic shared memory; above 48 KiB the kernel opts in first, once per kernel and device
+// (gtco/smem_opt_in.h: the site's record is the static of a lambda of this expansion).
 #define GTCO_LAUNCH_SMEM(kernel, grid, block, smem_bytes, stream, ...)                                    \
-    (((smem_bytes) > 48 * 1024 &&                                                                         \
-      cudaFuncSetAttribute((kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, (smem_bytes)) != cudaSuccess) \
+    (!gtco::smem_opt_in([]() -> gtco::SmemOptIn& { static gtco::SmemOptIn site; return site; }(),         \
+                        (kernel), (smem_bytes))                                                           \
          ? GTCO_ELAUNCH                                                                                   \
          : ((kernel)<<<(grid), (block), (smem_bytes), static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__),    \
             cudaGetLastError() == cudaSuccess ? 0 : GTCO_ELAUNCH))
