@@ -87,12 +87,6 @@ def _same_shape(node: ir.Node) -> bool:
     return shape is not None and shape == _static_dims(dst) and src.dtype is not None and src.dtype == dst.dtype
 
 
-def _zero_pad(node: ir.Node) -> bool:
-    """Pad whose pads are all zero (negative pads crop, so the same shape alone does not say no-op)."""
-    pads = _const(node, 1)
-    return pads is not None and not pads.any() and _same_shape(node)
-
-
 def _whole_slice(node: ir.Node) -> bool:
     """Slice with positive steps whose output keeps the input's shape: it takes every element, in order."""
     steps = _const(node, 4)
@@ -115,9 +109,10 @@ def _single_input(node: ir.Node) -> bool:
 # it started from is a no-op as a whole.
 _ROW_MAJOR = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
+# A Pad of zero pads stays: it is the elementwise node that Swin's window partition (Reshape, Transpose) joins to
+# run as one fused copy; without it those layout ops would run unfused.
 _NO_OP_WHEN: dict[str, Callable[[ir.Node], bool]] = {
     "Expand": _same_shape,
-    "Pad": _zero_pad,
     "Slice": _whole_slice,
     "Transpose": _identity_transpose,
     "Concat": _single_input,

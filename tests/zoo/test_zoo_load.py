@@ -1,7 +1,6 @@
 """Loading real exports: every zoo model has static shapes, so its shape arithmetic folds away entirely (TorchScript
 computes Swin's window padding and partition shapes from Shape / Gather / Mod chains; they fold through the Pads they
-feed) and no layout op that static shapes show to be a no-op stays; the loaded model computes what the export
-does."""
+feed); the loaded model computes what the export does."""
 
 from __future__ import annotations
 
@@ -32,9 +31,6 @@ def test_static_export_loads_without_shape_arithmetic(zoo_case: tuple[str, str],
     constants = {t.name for t in loaded.graph.initializer}
     foldable = [n.name for n in loaded.graph.node if all(not i or i in constants for i in n.input)]
     assert not foldable, f"{zoo_case}: nodes of constant inputs only survive loading: {foldable[:8]}"
-    pads = [n.name for n in loaded.graph.node if n.op_type == "Pad" and n.input[1] in constants
-            and not onnx.numpy_helper.to_array(next(t for t in loaded.graph.initializer if t.name == n.input[1])).any()]
-    assert not pads, f"{zoo_case}: Pads of zero pads survive loading: {pads}"
 
     diffs = compare(original, loaded, "cpu", rtol=1e-5, atol=1e-6)
     assert all(d.ok for d in diffs), [(d.name, d.ok) for d in diffs]
