@@ -6,7 +6,7 @@ selection, tuning and the library read a node back through `decode`, the one dec
 role order, and the node's `roles` / `out_roles` attributes name them (an absent role is left out: ORT's custom
 ops take no empty name among variadic inputs, so a role's index cannot be fixed by an empty placeholder); the
 inputs after the roles are what else the group's nodes read (a GELU's constants, a head split's shapes), in the
-order the group reads them. Families with `roles=None` (elementwise, conv) keep that order for all their inputs.
+order the group reads them. Families with `roles=None` (elementwise) keep that order for all their inputs.
 
 A fused node's op type names its kernel family and I/O dtype: `Attention_f16`, `BmmSoftmax_f32`, `Gemm_bf16`.
 """
@@ -179,9 +179,13 @@ SPECS: dict[str, OpSpec] = {s.family: s for s in (
     OpSpec("gemm", ("a", "b", "bias", "residual"), ("y",),
            (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
             Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE)),
-    OpSpec("conv", None, None, (Attr("kernel", INTS), Attr("stride", INTS), Attr("pads", INTS),
-                                Attr("dilations", INTS), Attr("groups", INT, 1), *_EPILOGUE,
-                                Attr("affine", BOOL, False), Attr("post_activation", STR, "none"))),
+    # y = post_act(act(affine(conv(x, w) + bias)) + residual); affine: v * scale + shift, or with batchnorm
+    # (v - mean) * scale / sqrt(var + epsilon) + shift (patterns/conv.py)
+    OpSpec("conv", ("x", "w", "bias", "scale", "shift", "mean", "var", "residual"), ("y",),
+           (Attr("kernel", INTS), Attr("stride", INTS), Attr("pads", INTS), Attr("dilations", INTS),
+            Attr("groups", INT, 1), *_EPILOGUE, Attr("scale", BOOL, False), Attr("shift", BOOL, False),
+            Attr("batchnorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5), Attr("affine", BOOL, False),
+            Attr("post_activation", STR, "none"))),
     # y = LayerNorm(a [+ b]) * gamma + beta; sum = a + b when read outside
     OpSpec("layernorm", ("a", "b", "gamma", "beta"), ("y", "sum"),
            (Attr("epsilon", FLOAT, 1e-5), Attr("axis", INT, -1), Attr("hidden", DIM), Attr("residual", BOOL, False),

@@ -26,7 +26,7 @@ def _enum(header: str, struct: str, enum: str) -> list[str]:
 
 @pytest.mark.parametrize(("family", "header", "struct"), [
     ("gemm", "gemm_op.h", "Gemm"), ("qkv", "gemm_op.h", "Qkv"), ("layernorm", "layernorm_op.h", "LayerNorm"),
-    ("softmax", "softmax_op.h", "Softmax"),
+    ("softmax", "softmax_op.h", "Softmax"), ("conv", "conv_op.h", "Conv"),
 ])
 def test_cpp_role_enums_follow_the_spec(family: str, header: str, struct: str) -> None:
     spec = SPECS[family]

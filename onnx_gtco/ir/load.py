@@ -16,6 +16,9 @@ from onnx_gtco.errors import FoldError, ModelError, OpsetNotConvertedError, Unsu
 from onnx_gtco.ir.view import outer_scope_inputs, subgraphs
 
 MIN_OPSET = 13
+MAX_FOLD_ROUNDS = 8
+"""Rounds of folding and shape inference at most: the folders run a static model's shape arithmetic to its end in
+one or two; a round in which onnx-graphsurgeon folds nothing ends it sooner."""
 CONVERT_TO_OPSET = 17
 
 
@@ -203,17 +206,21 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     its shapes inferred.
 
     Shapes first, so folding sees static extents (TorchScript exports compute reshape targets from Shape nodes);
-    fold, infer again (folding reveals more), fold what that exposes, and infer the final graph. Folding is an
-    optimization: when onnx-graphsurgeon fails on the model, or the folded model fails onnx.checker or strict shape
-    inference (which the rewritten model's check applies), or lost a graph output, the unfolded model is kept.
+    then rounds of folding (onnxscript's node-by-node folder, which infers shapes as it goes and drops the layout
+    ops static shapes show to be no-ops, to its fixpoint, then onnx-graphsurgeon's, which folds constants of any
+    size) and shape inference until onnx-graphsurgeon finds nothing more to fold, and infer the final graph.
+    Folding is an optimization: when a folder fails on the model, or the folded model fails onnx.checker or strict
+    shape inference (which the rewritten model's check applies), or lost a graph output, the unfolded model is kept.
     A model that onnx cannot infer strictly to begin with (a few standard ops' function bodies) keeps its folding
     where the unfolded model fails the same way.
     """
     folded = model
     try:
-        for _ in range(2):
-            folded = infer_shapes(folded, name)
-            folded = _fold_constants(folded)
+        for _ in range(MAX_FOLD_ROUNDS):
+            simplified = _simplified(infer_shapes(folded, name))
+            folded = _fold_constants(simplified)
+            if _computing_nodes(folded) == _computing_nodes(simplified):
+                break  # onnxscript's folder ran to its fixpoint, and onnx-graphsurgeon found nothing more
     except (ModelError, FoldError):
         return infer_shapes(model, name)
     if [o.name for o in folded.graph.output] != [o.name for o in model.graph.output]:
@@ -228,6 +235,11 @@ def _folded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         if str(e) == folded_error:
             return infer_shapes(folded, name)
     return infer_shapes(model, name)
+
+
+def _computing_nodes(model: onnx.ModelProto) -> int:
+    """The main graph's nodes other than Constant (onnx-graphsurgeon turns those into initializers)."""
+    return sum(n.op_type != "Constant" for n in model.graph.node)
 
 
 def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
@@ -251,15 +263,10 @@ def _toposorted(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 _INFER_VALUE_LIMIT = 4096
 
 
-def infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
-    """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model.
-
-    `strict`: the model is checked (onnx.checker, weights aside) and an error inferring any node fails (onnx
-    otherwise skips the node and goes on).
-
-    Raises:
-        ModelError: the check or shape inference failed.
-    """
+def _weights_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """A copy of the model whose initializers of more than _INFER_VALUE_LIMIT elements (or external data) are graph
+    inputs of their type and shape instead, and those initializers (shapes are what inference and folding need of
+    them; their bytes are not copied)."""
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import,
                                       functions=model.functions))
@@ -270,11 +277,26 @@ def infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onn
     graph.output.extend(model.graph.output)
     graph.value_info.extend(model.graph.value_info)
     declared = {v.name for v in model.graph.input}
+    hidden = []
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) <= _INFER_VALUE_LIMIT:
             graph.initializer.append(t)
         elif t.name not in declared:
             graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            hidden.append(t)
+    return skeleton, hidden
+
+
+def infer_shapes(model: onnx.ModelProto, name: str, strict: bool = False) -> onnx.ModelProto:
+    """Shape inference (symbolic dims kept, data propagation on) on a weightless copy; returns a new model.
+
+    `strict`: the model is checked (onnx.checker, weights aside) and an error inferring any node fails (onnx
+    otherwise skips the node and goes on).
+
+    Raises:
+        ModelError: the check or shape inference failed.
+    """
+    skeleton, _ = _weights_as_inputs(model)
     try:
         if strict:
             onnx.checker.check_model(skeleton)
@@ -440,6 +462,30 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     folded.metadata_props.extend(model.metadata_props)
     folded.producer_name, folded.producer_version = model.producer_name, model.producer_version
     return folded
+
+
+def _simplified(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx_gtco.ir.simplify on the model with its large weights as graph inputs (they are not folded, and not
+    serialising them keeps it fast), the weights put back after; the model's metadata kept.
+
+    Raises:
+        FoldError: onnxscript's optimizer failed on the model.
+    """
+    from onnx_gtco.ir.simplify import simplify
+
+    skeleton, hidden = _weights_as_inputs(model)
+    try:
+        out = simplify(skeleton)
+    except Exception as e:  # onnxscript raises what its passes and the reference evaluator raise
+        raise FoldError(f"{type(e).__name__}: {e}") from e
+    hidden_names = {t.name for t in hidden}
+    read = {t for n in out.graph.node for t in (*n.input, *outer_scope_inputs(n))} | {o.name for o in out.graph.output}
+    inputs = [v for v in out.graph.input if v.name not in hidden_names]
+    del out.graph.input[:]
+    out.graph.input.extend(inputs)
+    out.graph.initializer.extend(t for t in hidden if t.name in read)
+    copy_fields(model, out, skip=("graph", "opset_import", "functions", "ir_version"))
+    return out
 
 
 def _shape_slices_split(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -9,7 +9,7 @@ from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._act import find_activation
 from onnx_gtco.patterns._epilogue import const_add, residual_add
 from onnx_gtco.patterns._util import dims, sole_reader
-from onnx_gtco.patterns.base import Match, Reject, is_op
+from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
 MAX_AFFINE = 3  # per-channel Mul/Add steps (bias, FrozenBatchNorm's scale and shift)
 
@@ -17,12 +17,17 @@ MAX_AFFINE = 3  # per-channel Mul/Add steps (bias, FrozenBatchNorm's scale and s
 class ConvPattern:
     """A Conv and the per-channel and elementwise ops a conv kernel applies before storing.
 
-    Formula: ``y = post_act(act(conv(x, W) * a + b) + residual)``; a and b are per-channel constants (a bias
-    Add, DETR's FrozenBatchNorm Mul/Add, or a BatchNormalization in inference form), each step optional.
+    Formula: ``y = post_act(act(affine(conv(x, w) + bias)) + residual)``, each step optional, where affine is
+    ``v * scale + shift`` (DETR's FrozenBatchNorm Mul/Add, either alone) or a BatchNormalization in inference form,
+    ``(v - mean) * scale / sqrt(var + epsilon) + shift``; bias, scale, shift, mean and var are per-channel
+    constants (or one value), bias being the Conv's own or an Add of a constant straight after it.
 
-        x -> Conv -> [Mul a] -> [Add b] -> [act] -> [Add residual] -> [post act] -> y
+        x -> Conv -> [Add bias] -> [Mul scale] -> [Add shift] -> [act] -> [Add residual] -> [post act] -> y
+                                -> [BatchNormalization]
 
-    Every prefix is a candidate. attrs: kernel, stride, pads, dilations, groups, bias, affine, activation,
+    Every prefix is a candidate; the affine steps stop at one that does not continue this order (a second Mul, a
+    BatchNormalization after a Mul). Roles: x, w, bias, scale, shift, mean, var, residual; output y. attrs: kernel,
+    stride, pads, dilations, groups, bias, scale, shift, batchnorm, epsilon, affine (any of the three), activation,
     residual, post_activation.
     """
 
@@ -35,34 +40,65 @@ class ConvPattern:
 
     def _site(self, view: GraphView, conv: Node) -> Iterator[Match | Reject]:
         attrs = self._attrs(view, conv)
+        roles = {"x": conv.inputs[0], "w": conv.inputs[1]} | ({"bias": conv.inputs[2]} if attrs["bias"] else {})
         group, out = {conv.id}, conv.outputs[0]
-        yield Match(frozenset(group), "conv", dict(attrs))
+
+        def match() -> Match:
+            return Match(frozenset(group), "conv", dict(attrs), dict(roles), {"y": out})
+
+        yield match()
         for _ in range(MAX_AFFINE):
             step, why = self._affine(view, out)
             if why:
                 yield Reject(self.name, conv.name, why)
-            if step is None:
+            if step is None or not self._takes(step, roles, out, attrs):
                 break
             group.add(step.id)
             out = step.outputs[0]
-            attrs["bias" if step.op_type == "Add" and not attrs["affine"] else "affine"] = True
-            yield Match(frozenset(group), "conv", dict(attrs))
+            yield match()
         act = find_activation(view, out)
         if act is not None:
             group |= act[1]
             out, attrs["activation"] = act[2], act[0]
-            yield Match(frozenset(group), "conv", dict(attrs))
+            yield match()
         res, why = residual_add(view, out, group)
         if why:
             yield Reject(self.name, conv.name, why)
         if res is None:
             return
         group.add(res.id)
+        roles["residual"] = other_input(res, out) or ""
         out, attrs["residual"] = res.outputs[0], True
-        yield Match(frozenset(group), "conv", dict(attrs))
+        yield match()
         post = find_activation(view, out)
         if post is not None:
-            yield Match(frozenset(group | post[1]), "conv", attrs | {"post_activation": post[0]})
+            group |= post[1]
+            out, attrs["post_activation"] = post[2], post[0]
+            yield match()
+
+    @staticmethod
+    def _takes(step: Node, roles: dict[str, str], out: str, attrs: dict[str, Any]) -> bool:
+        """Whether the affine `step` (reading `out`) continues bias -> scale -> shift or bias -> BatchNormalization;
+        if so its constants take their roles and attrs."""
+        if step.op_type == "BatchNormalization":
+            if roles.keys() & {"scale", "shift"}:
+                return False
+            roles.update(zip(("scale", "shift", "mean", "var"), step.inputs[1:5], strict=True))
+            attrs.update(scale=True, shift=True, batchnorm=True, affine=True,
+                         epsilon=float(step.attrs.get("epsilon", 1e-5)))
+            return True
+        const = other_input(step, out) or ""
+        if step.op_type == "Mul":
+            role = "scale" if not roles.keys() & {"scale", "shift"} else None
+        else:
+            role = "bias" if not roles.keys() & {"bias", "scale", "shift"} else "shift"
+            role = None if role in roles else role
+        if role is None:
+            return False
+        roles[role] = const
+        attrs[role] = True
+        attrs["affine"] = attrs["affine"] or role != "bias"
+        return True
 
     @staticmethod
     def _affine(view: GraphView, out: str) -> tuple[Node | None, str | None]:
@@ -87,5 +123,6 @@ class ConvPattern:
             "dilations": tuple(int(d) for d in conv.attrs.get("dilations", (1,) * n)),
             "groups": int(conv.attrs.get("group", 1)),
             "bias": len(conv.inputs) > 2 and bool(conv.inputs[2]),
+            "scale": False, "shift": False, "batchnorm": False, "epsilon": None,
             "affine": False, "activation": "none", "residual": False, "post_activation": "none",
         }

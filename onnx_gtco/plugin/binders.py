@@ -5,7 +5,7 @@ A family with no binder here keeps running its model-local function (the library
 
 from __future__ import annotations
 
-from onnx_gtco.plugin import bind_attention, bind_gemm
+from onnx_gtco.plugin import bind_attention, bind_conv, bind_gemm
 from onnx_gtco.plugin.bind_elementwise import ElementwiseBinder
 from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
 from onnx_gtco.plugin.bind_softmax import SoftmaxBinder
@@ -13,7 +13,7 @@ from onnx_gtco.plugin.binding import Binder
 
 BINDERS: dict[str, Binder] = {
     b.family: b for b in (LayerNormBinder(), SoftmaxBinder(), ElementwiseBinder(), *bind_gemm.BINDERS,
-                          *bind_attention.BINDERS)}
+                          *bind_attention.BINDERS, *bind_conv.BINDERS)}
 
 
 def binder_for(family: str) -> Binder | None:

@@ -5,9 +5,10 @@ A representative subset, about two minutes under ASan from a cold cache (the who
 longer): the library end to end on the CPU EP with small models (test_plugin_library.py: LayerNorm + Softmax,
 fp16, decomposed LayerNorm, BERT-tiny, wrong shapes, register modes), the GEMM/QKV reference kernels and their ORT
 glue through the harness (test_gemm_glue.py), and the attention reference kernels (test_attention_glue.py
-reference tests: layouts, masks, broadcasts, fully masked rows, causal, bf16). Left out: what needs nvcc or a GPU,
-the ViT-224 library tests, the elementwise libraries (70 s of compiling under ASan), the emulated device path
-(minutes), header syntax checks (no code runs) and the load test.
+reference tests: layouts, masks, broadcasts, fully masked rows, causal, bf16), and the conv kernel on every conv
+form against its float64 reference, fp32 and fp16, and its operand checks (test_conv_glue.py). Left out: what
+needs nvcc or a GPU, the ViT-224 library tests, the elementwise libraries (70 s of compiling under ASan), the
+emulated device path (minutes), header syntax checks (no code runs) and the load test.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ["tests/plugin/test_plugin_library.py", "tests/plugin/test_gemm_glue.py",
-          "tests/plugin/test_attention_glue.py"]
+          "tests/plugin/test_attention_glue.py", "tests/plugin/test_conv_glue.py"]
 SELECT = ("(test_plugin_library and (small_model or float16 or decomposed or wrong_shape or register_modes))"
-          " or (test_gemm_glue and not header_compiles) or (test_attention_glue and reference)")
+          " or (test_gemm_glue and not header_compiles) or (test_attention_glue and reference)"
+          " or (test_conv_glue and (float64_reference or bad_operands))")
 
 # A shared library with a heap read one past the end, built by run_compile like the plugin's glue, loaded with
 # ctypes like ORT loads the plugin: ASan must stop the process at it.

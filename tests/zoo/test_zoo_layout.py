@@ -15,14 +15,15 @@ from onnx_gtco.plugin.coverage import model_coverage
 
 pytestmark = [pytest.mark.zoo, pytest.mark.slow]
 
-# What each export may leave unfused at most, and which op types those are. Swin-T (dynamo): the Reshapes between a
-# GEMM and the LayerNorm plus residual that both read it, the patch embedding's NCHW -> NHWC Transpose before a
-# LayerNorm and the final ReduceMean (every block's head merge is in its attention node, the shifted ones too).
-# SegFormer-B0: its token <-> map Reshape + Transpose pairs sit between a Conv and a LayerNorm or GEMM (they fold
-# into those kernels' loads or stores, not into an elementwise group), the decoder's Resizes and Concat.
-# The torchscript export of Swin-T computes its window shapes at run time (Shape/Gather/Mod): not covered here.
+# What each export may leave unfused at most, and which op types those are. Swin-T (both exports; TorchScript's
+# window shapes fold to static extents when it loads): the Reshapes between a GEMM and the LayerNorm plus residual
+# that both read it, the patch embedding's NCHW -> NHWC Transpose before a LayerNorm and the final ReduceMean (every
+# block's head split and merge is in its attention node, the shifted windows' too). SegFormer-B0: its token <-> map
+# Reshape + Transpose pairs sit between a Conv and a LayerNorm or GEMM (they fold into those kernels' loads or
+# stores, not into an elementwise group), the decoder's Resizes and Concat.
 BOUNDS = {
     ("swin-t", "dynamo"): (11, {"Reshape", "Transpose", "ReduceMean"}),
+    ("swin-t", "torchscript"): (11, {"Reshape", "Transpose", "ReduceMean"}),
     ("segformer-b0", "dynamo"): (73, {"Reshape", "Transpose", "Resize", "Concat"}),
     ("segformer-b0", "torchscript"): (73, {"Reshape", "Transpose", "Resize", "Concat"}),
 }
@@ -47,12 +48,13 @@ def test_layout_ops_fold(case: tuple[str, str], zoo_dir: pathlib.Path) -> None:
     assert not missing, missing
 
 
-def test_swin_shifted_windows_run_on_the_attention_kernel(zoo_dir: pathlib.Path) -> None:
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_swin_shifted_windows_run_on_the_attention_kernel(exporter: str, zoo_dir: pathlib.Path) -> None:
     """Swin-T's 12 blocks are attention nodes with device kernels: the 7 plain windows and the 5 shifted ones, whose
     shift mask [1, nW, 1, 49, 49] is read at batch row b % nW (nW 64, 16, 4, 4, 4 in stages 1-3)."""
     import export_zoo
 
-    path = export_zoo.export("swin-t", "dynamo", zoo_dir)
+    path = export_zoo.export("swin-t", exporter, zoo_dir)
     model = optimize(onnx.load(str(path)), GtcoConfig()).model
     attention = {n.name: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
                  for n in model.graph.node if n.op_type.startswith("Attention_")}

@@ -1,0 +1,146 @@
+// The Conv family's ORT glue: op types Conv_f32 / Conv_f16 / Conv_bf16.
+//
+//     y = post_act(act(affine(conv(x, w) + bias)) + residual)
+//
+// affine is v * scale + shift (either alone), or with batchnorm=1 (v - mean) * scale / sqrt(var + epsilon) + shift.
+// Node attributes (onnx_gtco/patterns/conv.py): kernel, stride, pads, dilations (ints, ONNX Conv's), groups,
+// bias, scale, shift, batchnorm, residual (ints: whether the node has that operand), epsilon (float), activation,
+// post_activation (strings, names of onnx_gtco/patterns/_act.py), precision. Roles come from the generated node
+// table (onnx_gtco/plugin/bind_conv.py). Inputs the group swallowed that are no role (the constants of a
+// decomposed activation) are not read: the binder checked, at build time, that the chain computes the named one.
+//
+// CPU EP: plugins/cpu/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). The family
+// has no device kernel: the build registers no device op for it, and a device call is an error.
+#pragma once
+
+#include "conv_ref.h"
+#include "gtco_ort.h"
+
+namespace gtco {
+
+struct Conv {
+    enum InRole { IN_X = 0, IN_W, IN_BIAS, IN_SCALE, IN_SHIFT, IN_MEAN, IN_VAR, IN_RESIDUAL };
+    enum OutRole { OUT_Y = 0 };
+
+    struct Attrs {
+        std::vector<int64_t> kernel, stride, pads, dilations;
+        int64_t groups = 1, bias = 0, scale = 0, shift = 0, batchnorm = 0, residual = 0;
+        float epsilon = 1e-5f;
+        std::string activation, post_activation;
+        bool acts_known = false;
+        ref::Act act = ref::Act::kNone, post_act = ref::Act::kNone;
+    };
+
+    static Attrs read_attrs(const OrtKernelInfo* info) {
+        Attrs a;
+        attr_ints(info, "kernel", a.kernel);
+        attr_ints(info, "stride", a.stride);
+        attr_ints(info, "pads", a.pads);
+        attr_ints(info, "dilations", a.dilations);
+        attr_int(info, "groups", a.groups);
+        attr_int(info, "bias", a.bias);
+        attr_int(info, "scale", a.scale);
+        attr_int(info, "shift", a.shift);
+        attr_int(info, "batchnorm", a.batchnorm);
+        attr_int(info, "residual", a.residual);
+        attr_float(info, "epsilon", a.epsilon);
+        a.activation = attr_string(info, "activation", "none");
+        a.post_activation = attr_string(info, "post_activation", "none");
+        a.acts_known = ref::parse_act(a.activation, a.act) && ref::parse_act(a.post_activation, a.post_act);
+        return a;
+    }
+
+    // A per-channel operand in fp32 (`out`: its values, `step`: 0 for one value, 1 for one per channel), or the
+    // error when the node's attribute and the input disagree or its shape is not per channel.
+    template <DType D>
+    static OrtStatus* channels(const NodeRef& ref, const Input& in, const char* role, bool wanted, int64_t oc,
+                               size_t rank, std::vector<float>& out, int64_t& step) {
+        using S = Storage<D>;
+        if (wanted != in.present) {
+            return ref.fail(std::string("the node's attributes ") + (wanted ? "name" : "rule out") + " a " + role +
+                            " input but the node " + (in.present ? "has one" : "has none"));
+        }
+        if (!in.present) return nullptr;
+        if (!ref::plan_channels(in.shape, oc, rank, step)) {
+            return ref.fail(std::string(role) + " " + shape_str(in.shape) + " is neither one value nor one per "
+                            "output channel (" + std::to_string(oc) + ")");
+        }
+        const auto* v = static_cast<const typename S::type*>(in.data);
+        out.resize(static_cast<size_t>(step ? oc : 1));
+        for (size_t i = 0; i < out.size(); ++i) out[i] = S::load(v[i]);
+        return nullptr;
+    }
+
+    template <DType D, bool Cuda>
+    static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        using S = Storage<D>;
+        using T = typename S::type;
+        if constexpr (Cuda) {
+            (void)ctx, (void)spec, (void)at;
+            return ref.fail("the conv family has no device kernel", ORT_NOT_IMPLEMENTED);
+        } else {
+            if (!at.acts_known) {
+                return ref.fail("activation '" + at.activation + "' or '" + at.post_activation +
+                                "' is not one this library implements", ORT_NOT_IMPLEMENTED);
+            }
+            Input in[IN_RESIDUAL + 1];
+            static const char* const kNames[] = {"x", "w", "bias", "scale", "shift", "mean", "var", "residual"};
+            for (int r = IN_X; r <= IN_RESIDUAL; ++r) {
+                in[r] = get_input(ctx, spec.in[r]);
+                if (in[r].present && in[r].type != S::onnx) {
+                    return ref.fail(std::string("input ") + kNames[r] + " of type " + type_str(in[r].type) + " " +
+                                    shape_str(in[r].shape) + "; this kernel takes " + S::name + " only");
+                }
+            }
+            if (!in[IN_X].present || !in[IN_W].present) return ref.fail("input x or w is missing");
+            ref::ConvPlan p;
+            const std::string why = ref::plan_conv(in[IN_X].shape, in[IN_W].shape, at.kernel, at.stride, at.pads,
+                                                   at.dilations, at.groups, p);
+            if (!why.empty()) return ref.fail(why);
+            const size_t rank = p.out_shape.size();
+            std::vector<float> bias, vals[4];
+            int64_t bias_step = 0, steps[4] = {0, 0, 0, 0};
+            const bool want[4] = {at.scale != 0, at.shift != 0, at.batchnorm != 0, at.batchnorm != 0};
+            if (OrtStatus* st = channels<D>(ref, in[IN_BIAS], "bias", at.bias != 0, p.oc, rank, bias, bias_step)) {
+                return st;
+            }
+            for (int i = 0; i < 4; ++i) {
+                if (OrtStatus* st = channels<D>(ref, in[IN_SCALE + i], kNames[IN_SCALE + i], want[i], p.oc, rank,
+                                                vals[i], steps[i])) {
+                    return st;
+                }
+            }
+            const Input& res = in[IN_RESIDUAL];
+            if ((at.residual != 0) != res.present) {
+                return ref.fail(std::string("the node attribute residual=") + std::to_string(at.residual) +
+                                " but the node " + (res.present ? "has" : "has no") + " residual input");
+            }
+            if (res.present && res.shape != p.out_shape) {
+                return ref.fail("residual " + shape_str(res.shape) + " differs from the output shape " +
+                                shape_str(p.out_shape));
+            }
+            if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
+            std::vector<float> bias_c(static_cast<size_t>(p.oc)), a, b;
+            for (int64_t c = 0; c < p.oc; ++c) bias_c[static_cast<size_t>(c)] = bias.empty() ? 0.0f : bias[c * bias_step];
+            ref::AffineIn aff;
+            const float** ptrs[4] = {&aff.scale, &aff.shift, &aff.mean, &aff.var};
+            int64_t* step_of[4] = {&aff.scale_step, &aff.shift_step, &aff.mean_step, &aff.var_step};
+            for (int i = 0; i < 4; ++i) {
+                *ptrs[i] = vals[i].empty() ? nullptr : vals[i].data();
+                *step_of[i] = steps[i];
+            }
+            ref::fold_affine(aff, at.batchnorm != 0, at.epsilon, p.oc, a, b);
+            ref::ConvIO<T> io;
+            io.x = static_cast<const T*>(in[IN_X].data);
+            io.w = static_cast<const T*>(in[IN_W].data);
+            io.residual = static_cast<const T*>(res.data);
+            io.y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
+            io.bias = bias_c.data(), io.a = a.data(), io.b = b.data();
+            io.act = at.act, io.post_act = at.post_act;
+            ref::conv(p, io, S::load, S::store);
+            return nullptr;
+        }
+    }
+};
+
+}  // namespace gtco
