@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,31 @@ def _onnx_cast_target(to: int) -> str:
         raise ValueError(f"elementwise: Cast to {TensorProto.DataType.Name(to)} is not supported (float and bool "
                          "targets only)")
     return names[to]
+
+
+def _widens_input(node: Any, attr: Callable[..., Any], env: Mapping[str, tuple[Ref, tuple[int, ...]]],
+                  flat: Mapping[str, tuple[int, ...]], prog_inputs: Sequence[tuple[str, tuple[int, ...], str]]) -> bool:
+    """Whether a Cast converts a float group input (or a view of one) to f32."""
+    src = node.input[0] if node.input else ""
+    if _onnx_cast_target(int(attr(node, "to"))) != "f32" or src not in env or src in flat:
+        return False
+    ref = env[src][0]
+    return ref[0] == "x" and prog_inputs[ref[1]][2] == "float"
+
+
+def _moved_to_output(node: Any, attr: Callable[..., Any], env: Mapping[str, tuple[Ref, tuple[int, ...]]],
+                     transposed: Mapping[str, Any], flat: Mapping[str, Any], outputs: Sequence[str],
+                     nodes: Sequence[Any],
+                     prog_inputs: Sequence[tuple[str, tuple[int, ...], str]]) -> bool:
+    """Whether a Cast to a float type only writes a group output that is a float input's view, a Transpose of one or
+    a free reshape of a computed value (no node of the group reads it, so only the store sees its rounding)."""
+    src, dst = (node.input[0] if node.input else ""), node.output[0]
+    if _onnx_cast_target(int(attr(node, "to"))) not in ("f32", "f16", "bf16") or dst not in outputs:
+        return False
+    if any(dst in n.input for n in nodes) or src not in env:
+        return False
+    ref = env[src][0]
+    return src in transposed or src in flat or (ref[0] == "x" and prog_inputs[ref[1]][2] == "float")
 
 
 def _kind_of_elem_type(t: int) -> str:
@@ -266,6 +291,22 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                 big_consts.add(node.output[0])  # a shape or axes operand, unless a computing op reads it
             else:
                 consts[node.output[0]] = float(arr.reshape(()))
+            continue
+        if op == "Cast" and _widens_input(node, attr, env, flat, prog_inputs):
+            # a float input widened to f32 (a half group's boundary Cast): the program computes in f32, so this is
+            # what loading the input does already; the Cast's readers read the input, and layout ops after it fold
+            # into that input's load like any other
+            env[node.output[0]] = env[node.input[0]]
+            continue
+        if op == "Cast" and _moved_to_output(node, attr, env, transposed, flat, outputs, nodes,
+                                                           prog_inputs):
+            # a moved float input narrowed where the group writes it (a half group's boundary Cast): the store
+            # rounds to the output's type as the Cast does, and a transposed store stays one
+            env[node.output[0]] = env[node.input[0]]
+            if node.input[0] in transposed:
+                transposed[node.output[0]] = transposed[node.input[0]]
+            if node.input[0] in flat:
+                flat[node.output[0]] = flat[node.input[0]]
             continue
         if op in LAYOUT_OPS:
             ins = [get(t, node) for t in (node.input if op == "Concat" else node.input[:1])]

@@ -18,6 +18,11 @@ VIEW_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")  # injective and free:
 LAYOUT_OPS = ("Transpose", "Slice", "Pad", "Concat")  # injective index maps: folded into the load of a group input
 
 
+MAX_SHARED_READERS = 4
+"""A node whose result more members than this read (BERT's attention mask, read by every layer) joins none of their
+groups, which read it as an input: joined, one group would span every layer, and the plan's states grow with it."""
+
+
 class ElementwisePattern:
     """Maximal connected groups of elementwise nodes, split where a group would not be convex, and pairs.
 
@@ -127,7 +132,7 @@ class ElementwisePattern:
 
         for j in parent:
             for i in self._feeds(view, view.nodes[j]):
-                if i in parent:
+                if i in parent and len(view.succs[i] & parent.keys()) <= MAX_SHARED_READERS:
                     parent[find(i)] = find(j)
         comps: dict[int, list[int]] = {}
         for i in sorted(parent):

@@ -80,3 +80,27 @@ def test_int8_chain_is_rejected_with_the_reason(kit) -> None:
     assert [(r.anchor, r.reason) for r in rejects] == [
         ("shift", "3 elementwise nodes compute only integers (int8): no fused kernel for quantized elementwise "
                   "chains")]
+
+
+def test_a_value_every_layer_reads_joins_none_of_their_groups(kit) -> None:
+    """BERT's mask, computed once and read by every layer: each layer's group reads it as an input. Joined, one
+    candidate would span every layer (and the plan's states grow with it); four readers still join."""
+    from onnx_gtco.patterns.elementwise import MAX_SHARED_READERS
+
+    for readers, shared in ((MAX_SHARED_READERS + 2, False), (MAX_SHARED_READERS, True)):
+        g = kit.graph()
+        g.input("mask", [1, 8])
+        g.op("Neg", ["mask"], "prep")
+        for k in range(readers):
+            g.input(f"s{k}", [1, 8])
+            g.op("Softmax", [f"s{k}"], f"sm{k}", axis=-1)  # each layer's scores, computed outside the rule
+            g.op("Add", [f"sm{k}", "prep"], f"add{k}")
+            g.op("Relu", [f"add{k}"], f"relu{k}")
+            g.output(f"relu{k}")
+        view = g.view()
+        matches, _ = kit.run(RULE, view)
+        groups = kit.groups(view, matches)
+        spans = [grp for grp in groups if len({n for n in grp if n.startswith(("add", "relu"))}) > 2]
+        assert bool(spans) == shared, groups
+        if not shared:  # each layer's own pair, the shared node in none
+            assert sorted(map(sorted, groups)) == sorted(sorted({f"add{k}", f"relu{k}"}) for k in range(readers))

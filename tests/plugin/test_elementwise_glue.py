@@ -386,3 +386,25 @@ def test_layout_ops_fold_into_one_node(name: str) -> None:
     assert [n.op_type for n in rewritten.graph.node] == ["Elementwise_f32"], [n.op_type for n in rewritten.graph.node]
     (node,) = fused_nodes(rewritten)
     assert isinstance(ElementwiseBinder().bind(node), Binding), ElementwiseBinder().bind(node)
+
+
+@pytest.mark.parametrize("name", LAYOUT_MODELS)
+def test_layout_chain_optimized_to_fp16_runs_its_kernel(name: str, tmp_path: Path) -> None:
+    """An fp32 model optimized with --precision fp16: the node's function widens its half inputs and narrows its
+    outputs with Casts around the layout chain; the program reads through them (a load converts, a store rounds), so
+    the chain still folds into one emulated device kernel, which matches the fp32 original."""
+    from onnx_gtco.config import GtcoConfig
+
+    original = MODELS[name]()
+    result = optimize(original, GtcoConfig(precision="fp16"))
+    assert elementwise_types(result.model) == {"Elementwise_f16"}
+    lib = build_library(result.model, tmp_path, cuda=False, emulated=True, planned=result.planned())
+    assert lib.cuda_op_types == ["Elementwise_f16"], (lib.skipped(), lib.kernel_skips)
+    for seed in (0, 1):
+        x = feeds(original, seed)
+        want = session(original).run(None, x)
+        got = session(result.model, lib.path).run(None, x)
+        for w, g in zip(want, got, strict=True):
+            assert g.shape == w.shape and np.isfinite(g).all()
+            err = rel_error(g.astype(np.float32), w)
+            assert 0 < err < 5e-3, f"{name} seed {seed}: ‖err‖/‖ref‖ = {err:.2e}"
