@@ -24,7 +24,7 @@ def test_a_missing_variable_is_an_error() -> None:
         render("ort/glue.cc.j2", emulated=False)
     with pytest.raises(jinja2.UndefinedError, match="'outputs' was not provided"):
         macro("include/gtco/elementwise.cu.j2", "program", storage="float", qualifier="", dims=[4],
-              inputs=[{"type": "T", "strides": [1]}], body=["x[0]"])
+              inputs=[{"type": "T", "strides": [1], "base": 0, "rolls": []}], body=["x[0]"])
 
 
 def _compile(source: Path, ort_dir: Path) -> subprocess.CompletedProcess[str]:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 CPU = ["CPUExecutionProvider"]
 SESSIONS, THREADS = 2, 8
 LOAD_SECONDS = float(os.environ.get("GTCO_LOAD_SECONDS", "30"))
-OP_TYPES = ["Attention_f32", "Gemm_f32", "Layernorm_f32"]
+OP_TYPES = ["Attention_f32", "Conv_f32", "Gemm_f32", "Layernorm_f32"]
 
 
 @pytest.fixture(scope="module")
