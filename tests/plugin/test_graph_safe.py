@@ -110,6 +110,95 @@ def test_the_launch_path_makes_no_call_a_captured_run_must_not_make() -> None:
     assert len(re.findall(r"\bcudaFuncSetAttribute\(", opt_in)) == 1
 
 
+def test_the_cutlass_instance_path_leaves_allocation_and_attributes_to_the_graph_safe_helpers() -> None:
+    """A CUTLASS instance's entry point (plugins/cuda/cutlass_gemm.cu.j2) neither allocates its workspace per call
+    nor lets GemmUniversalAdapter::initialize set the shared memory attribute per call: it takes the workspace from
+    gtco/scratch.h and the opt-in from gtco/smem_opt_in.h."""
+    text = (PLUGINS / "cuda" / "cutlass_gemm.cu.j2").read_text()
+    code = "\n".join(line.split("//")[0] for line in text.splitlines())
+    assert not FORBIDDEN.search(code), FORBIDDEN.search(code)
+    assert not re.search(r"\.(initialize|run)\(", code), "the adapter object's initialize/run set attributes per call"
+    assert "gtco::stream_scratch(" in code and "gtco::smem_opt_in(" in code
+
+
+SCRATCH_CUDA = textwrap.dedent("""
+    // stand-in for the CUDA runtime: counts what the scratch helper calls
+    #pragma once
+    #include <cstddef>
+    #include <cstdlib>
+    typedef int cudaError_t;
+    typedef void* cudaStream_t;
+    enum { cudaSuccess = 0, cudaErrorMemoryAllocation = 2 };
+    enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
+    extern int g_device, g_malloc, g_free, g_sync, g_capturing, g_oom;
+    inline cudaError_t cudaGetDevice(int* d) { *d = g_device; return cudaSuccess; }
+    inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+    inline cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* s) {
+        *s = g_capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+        return cudaSuccess;
+    }
+    inline cudaError_t cudaStreamSynchronize(cudaStream_t) { ++g_sync; return cudaSuccess; }
+    inline cudaError_t cudaMalloc(void** p, size_t n) {
+        if (g_oom) return cudaErrorMemoryAllocation;
+        ++g_malloc; *p = std::malloc(n); return cudaSuccess;
+    }
+    inline cudaError_t cudaFree(void* p) { ++g_free; std::free(p); return cudaSuccess; }
+""")
+
+SCRATCH_DRIVER = textwrap.dedent("""
+    #include <cstdio>
+    #include "gtco/scratch.h"
+    int g_device = 0, g_malloc = 0, g_free = 0, g_sync = 0, g_capturing = 0, g_oom = 0;
+    static int s1, s2;
+    static void report(const char* what, const void* p, const char* why) {
+        std::printf("%s %d %d %d %d %d\\n", what, g_malloc, g_free, g_sync, p ? 1 : 0, why ? 1 : 0);
+    }
+    int main() {
+        const char* why = nullptr;
+        void* first = gtco::stream_scratch(&s1, 1000, why);
+        void* p = first;
+        for (int i = 0; i < 100; ++i) p = gtco::stream_scratch(&s1, 1000 - i, why);
+        report("repeat", p == first ? p : nullptr, why);        // 101 calls: one allocation, one buffer
+        p = gtco::stream_scratch(&s2, 1000, why);
+        report("stream2", p != first ? p : nullptr, why);       // another stream: its own buffer
+        g_device = 1;
+        p = gtco::stream_scratch(&s1, 10, why);
+        report("device1", p != first ? p : nullptr, why);       // another device: its own buffer
+        g_device = 0;
+        g_capturing = 1;
+        p = gtco::stream_scratch(&s1, 1000, why);
+        report("captured_fits", p == first ? p : nullptr, why); // under capture, the buffer made earlier
+        p = gtco::stream_scratch(&s1, 4000, why);
+        report("captured_grow", p, why);                        // under capture, no allocation: a reason
+        g_capturing = 0;
+        p = gtco::stream_scratch(&s1, 4000, why);
+        report("grow", p, why);                                 // uncaptured: sync the stream, free, allocate
+        g_oom = 1;
+        p = gtco::stream_scratch(&s2, 8000, why);
+        report("oom", p, why);
+        p = gtco::stream_scratch(&s1, 0, why);
+        report("empty", p, why);                                // no workspace asked: none made
+        return 0;
+    }
+""")
+
+
+def test_scratch_is_made_once_per_device_and_stream_and_never_under_capture(tmp_path: Path) -> None:
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "cuda_runtime.h").write_text(SCRATCH_CUDA)
+    (tmp_path / "driver.cc").write_text(SCRATCH_DRIVER)
+    exe = tmp_path / "driver"
+    subprocess.run([find_cxx(), "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{tmp_path / 'fake'}",
+                    f"-I{PLUGINS / 'include'}", str(tmp_path / "driver.cc"), "-o", str(exe)], check=True,
+                   capture_output=True, text=True, timeout=120)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=30).stdout.split("\n")
+    got = {w: tuple(int(v) for v in rest) for w, *rest in (line.split() for line in out if line)}
+    # (allocations, frees, stream syncs, got a buffer, has a reason)
+    assert got == {"repeat": (1, 0, 0, 1, 0), "stream2": (2, 0, 0, 1, 0), "device1": (3, 0, 0, 1, 0),
+                   "captured_fits": (3, 0, 0, 1, 0), "captured_grow": (3, 0, 0, 0, 1), "grow": (4, 1, 1, 1, 0),
+                   "oom": (4, 2, 2, 0, 1), "empty": (4, 2, 2, 0, 0)}
+
+
 RUN_INSTANCE_TU = textwrap.dedent("""
     #include <string>
     #include "gtco_ort.h"

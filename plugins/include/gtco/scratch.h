@@ -1,0 +1,67 @@
+// Device scratch for kernels that need a workspace (CUTLASS's stream-K partials and tile flags): one buffer per
+// device and stream, made on an uncaptured call and kept. A call under CUDA graph capture (ORT's enable_cuda_graph)
+// may use the buffer an earlier call made, but cannot make or grow one: cudaMalloc is not capturable, and a
+// stream-ordered cudaMallocAsync inside the captured graph would be an allocation on every replay. ORT runs a model
+// once before it captures, so a captured call finds its buffer.
+//
+// Keyed by stream as well as device: two streams never share a workspace that their kernels write. Buffers live as
+// long as the process (the library is unloaded with it).
+//
+// Plain C++ over the CUDA runtime API, so it also builds with g++ against a stand-in cuda_runtime.h that records
+// the calls (tests/plugin/test_graph_safe.py).
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+namespace gtco {
+
+struct ScratchBuffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+};
+
+// A device buffer of at least `bytes` for `stream` on the current device, or null with `why` set.
+inline void* stream_scratch(void* stream, size_t bytes, const char*& why) {
+    why = nullptr;
+    if (bytes == 0) return nullptr;
+    static std::mutex lock;
+    static auto* buffers = new std::map<std::pair<int, void*>, ScratchBuffer>();  // never destroyed: see above
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+        why = "cudaGetDevice failed";
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> g(lock);
+    ScratchBuffer& buf = (*buffers)[{device, stream}];
+    if (buf.bytes >= bytes) return buf.ptr;
+    const auto cuda_stream = static_cast<cudaStream_t>(stream);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(cuda_stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+        why = "the kernel's workspace is made on an uncaptured call and this is the first call of this size inside "
+              "a CUDA graph capture; run the model once before capturing";
+        return nullptr;
+    }
+    if (buf.ptr != nullptr) {  // growing: the smaller buffer may still be read by work queued on this stream
+        if (cudaStreamSynchronize(cuda_stream) != cudaSuccess) {
+            why = "cudaStreamSynchronize before growing the workspace failed";
+            return nullptr;
+        }
+        cudaFree(buf.ptr);
+        buf = ScratchBuffer{};
+    }
+    void* ptr = nullptr;
+    if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+        cudaGetLastError();  // clear it, so that the caller's own launch check does not report it
+        why = "cudaMalloc of the kernel's workspace failed";
+        return nullptr;
+    }
+    buf = ScratchBuffer{ptr, bytes};
+    return ptr;
+}
+
+}  // namespace gtco
