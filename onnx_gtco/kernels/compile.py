@@ -15,7 +15,6 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from onnx_gtco import progress
@@ -25,7 +24,7 @@ from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
-from onnx_gtco.kernels.toolchain import cache_root, nvcc_compile
+from onnx_gtco.kernels.toolchain import cache_root, headers_digest, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 TIMEOUT_S = 1200.0  # a CUTLASS instance takes about 60 s of one core, several times that on a busy machine
@@ -51,17 +50,6 @@ class CompiledInstance:
                          "stack_frame_bytes": k.stack_frame_bytes, "spill_store_bytes": k.spill_store_bytes,
                          "spill_load_bytes": k.spill_load_bytes} for k in self.kernels],
         }
-
-
-@lru_cache(maxsize=1)
-def headers_digest() -> str:
-    """Hash of every file under plugins/include and plugins/emu (a header change rebuilds every kernel)."""
-    h = hashlib.sha256()
-    for root in (INCLUDE_DIR, INCLUDE_DIR.parent / "emu"):
-        for path in sorted(root.rglob("*")):
-            if path.is_file():
-                h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def describe(instance: Instance) -> str:

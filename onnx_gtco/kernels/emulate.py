@@ -16,17 +16,18 @@ import numpy as np
 
 from onnx_gtco.errors import EmulationError
 from onnx_gtco.kernels.family import Field, Instance
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx, run_compile
+from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx, headers_digest, run_compile
 
 INCLUDE_DIR = PLUGINS_DIR / "include"
 RUN_TIMEOUT_S = 300.0
 
 
 def build_emulated(instance: Instance, out_dir: str | os.PathLike[str], extra: Sequence[str] = ("-O2",)) -> Path:
-    """Compile `instance.source` for the emulation; cached in `out_dir` by a hash of the source and flags."""
+    """Compile `instance.source` for the emulation; cached in `out_dir` by a hash of the source, the flags and the
+    headers it includes (plugins/include and plugins/emu: an emulation change rebuilds)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256((instance.source + "\0" + " ".join(extra)).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([instance.source, *extra, headers_digest()]).encode()).hexdigest()[:16]
     lib = out / f"{instance.name}.{key}.emu.so"
     if lib.exists():
         return lib

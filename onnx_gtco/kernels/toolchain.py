@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from onnx_gtco.config import SANITIZE_ENV, cache_base, compiler_environ, compiler_override, sanitizer_env
@@ -26,6 +28,17 @@ def _plugins_dir() -> Path:
 
 
 PLUGINS_DIR = _plugins_dir()
+
+
+@lru_cache(maxsize=1)
+def headers_digest() -> str:
+    """Hash of every file under plugins/include and plugins/emu (a header change rebuilds every kernel)."""
+    h = hashlib.sha256()
+    for root in (PLUGINS_DIR / "include", PLUGINS_DIR / "emu"):
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def cache_root() -> Path:

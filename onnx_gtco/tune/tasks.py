@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from onnx_gtco.kernels.compile import headers_digest
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import model_dtypes, node_problem
+from onnx_gtco.kernels.toolchain import headers_digest
 
 if TYPE_CHECKING:
     from onnx_gtco.ir.view import GraphView

@@ -1,7 +1,7 @@
 // CPU emulation of the CUDA surface that gtco kernels use, so kernel numerics can be checked without a GPU.
 //
 // Compile a kernel source with `g++ -std=c++17 -pthread -DGTCO_EMULATE -x c++ kernel.cu`. Each block's threads
-// run as real std::threads; __syncthreads is a reusable barrier; warp collectives (mma, ldmatrix, shuffles)
+// run as fibers, one at a time; __syncthreads is a reusable barrier; warp collectives (mma, ldmatrix, shuffles)
 // exchange registers through a per-warp buffer. The fragment layouts follow the PTX ISA text (sections named at
 // each function). README.md in this folder says what this can and cannot catch.
 #pragma once
@@ -9,18 +9,22 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
+#include <deque>
+#include <functional>
 #include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <setjmp.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include "../include/gtco/half_bits.h"  // the fp16 / bf16 conversions (shared with plugins/cpu)
 
@@ -110,23 +114,42 @@ inline float __uint_as_float(unsigned u) { return gtco::emu::bits_f32(u); }
 inline unsigned __float_as_uint(float f) { return gtco::emu::f32_bits(f); }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Runtime: per-thread context, barriers, block-local shared memory, launch
+// Runtime: the block's threads as fibers, barriers, block-local shared memory, launch
+//
+// A launch runs the block's threads as fibers (user-space contexts, each on a stack of its own) on the calling OS
+// thread, one at a time: a thread runs until it waits at a barrier (__syncthreads, a warp collective, the end of a
+// block), then the next runnable thread runs. A cooperative switch costs tens of nanoseconds where waking an OS
+// thread costs microseconds, and every warp collective takes 32 of them: this is what decides how large a model
+// the emulation can run. A wait that no runnable thread can release is a deadlock, and is reported at once.
 // ---------------------------------------------------------------------------------------------------------------
 namespace gtco::emu {
 
 #ifndef GTCO_EMU_SMEM_BYTES
 #define GTCO_EMU_SMEM_BYTES (227 * 1024)  // the sm_90 per-block opt-in maximum
 #endif
-#ifndef GTCO_EMU_TIMEOUT_S
-#define GTCO_EMU_TIMEOUT_S 60  // a barrier that waits longer than this is reported as a deadlock
+#ifndef GTCO_EMU_STACK_BYTES
+#define GTCO_EMU_STACK_BYTES (256 * 1024)  // per emulated thread, above a guard page
+#endif
+
+// A fiber is first entered with makecontext/setcontext (or swapcontext). Later switches save with _setjmp and
+// resume with _longjmp, which, unlike swapcontext, make no system call for the signal mask. Under _FORTIFY_SOURCE
+// (whose longjmp check refuses a jump to another stack) and AddressSanitizer (which follows stack switches through
+// swapcontext) every switch is a swapcontext instead: slower, equally correct.
+#if (defined(_FORTIFY_SOURCE) && _FORTIFY_SOURCE > 0) || defined(__SANITIZE_ADDRESS__)
+#define GTCO_EMU_SWAPCONTEXT 1
+#else
+#define GTCO_EMU_SWAPCONTEXT 0
 #endif
 
 struct ThreadCtx;
+struct Scheduler;
 inline thread_local ThreadCtx* t_ctx = nullptr;
+inline thread_local Scheduler* t_sched = nullptr;
 
 [[noreturn]] inline void fail(const char* what);
 
-// A reusable barrier. drop() removes an exited thread from the count, as the hardware does for exited warps.
+// A reusable barrier over the block's fibers. drop() removes an exited thread from the count, as the hardware does
+// for exited warps. A waiting thread is parked until the last arrival of its generation releases it.
 class Barrier {
 public:
     void reset(int n) {
@@ -134,39 +157,16 @@ public:
         arrived_ = 0;
         dropped_ = 0;
         released_dropped_ = 0;
+        waiters_.clear();
     }
     // Returns how many threads had exited (dropped) when this barrier generation was released.
-    int wait(const char* what) {
-        std::unique_lock<std::mutex> lk(m_);
-        const uint64_t gen = gen_;
-        if (++arrived_ == expected_) {
-            release();
-            return released_dropped_;
-        }
-        if (!cv_.wait_for(lk, std::chrono::seconds(GTCO_EMU_TIMEOUT_S), [&] { return gen_ != gen; })) {
-            lk.unlock();
-            fail(what);
-        }
-        return released_dropped_;  // no later generation can be released before this thread arrives again
-    }
-    void drop() {
-        std::lock_guard<std::mutex> lk(m_);
-        --expected_;
-        ++dropped_;
-        if (arrived_ > 0 && arrived_ == expected_) release();
-    }
+    inline int wait(const char* what);
+    inline void drop();
 
 private:
-    void release() {
-        released_dropped_ = dropped_;
-        arrived_ = 0;
-        ++gen_;
-        cv_.notify_all();
-    }
-    std::mutex m_;
-    std::condition_variable cv_;
+    inline void release();
     int expected_ = 0, arrived_ = 0, dropped_ = 0, released_dropped_ = 0;
-    uint64_t gen_ = 0;
+    std::vector<int> waiters_;  // the parked fibers of this generation, in arrival order
 };
 
 constexpr int kSlotWords = 12;  // per lane: mma needs 4 + 2 + 4 words, then one word for the op tag
@@ -175,6 +175,8 @@ struct Warp {
     Barrier bar;
     int lanes = 32;                          // threads of the block that fall in this warp
     uint32_t slot[2][32][kSlotWords] = {};  // double-buffered: one barrier per collective is enough
+    uint64_t mma_seq[2] = {0, 0};            // the collective (ThreadCtx::seq) whose D mma_d[buffer] holds
+    float mma_d[2][16][8] = {};              // an mma's D, computed once by the first lane of the warp to read it
 };
 
 struct Block {
@@ -194,10 +196,60 @@ struct ThreadCtx {
     Block* block = nullptr;
     Warp* warp = nullptr;
     int tid = 0, lane = 0, phase = 0;
+    uint64_t seq = 0;  // warp collectives entered in this block (the same count on every lane of a warp)
     size_t smem_offset = 0;
     std::vector<CpAsyncCopy> cp_open;                  // issued since the last commit_group
     std::vector<std::vector<CpAsyncCopy>> cp_groups;  // committed, oldest first
 };
+
+struct Fiber {
+    ucontext_t uc{};
+#if !GTCO_EMU_SWAPCONTEXT
+    jmp_buf jb{};
+#endif
+    void* stack = nullptr;  // GTCO_EMU_STACK_BYTES above a guard page (StackPool)
+    bool started = false;
+    ThreadCtx t;
+    uint3 thread_idx{0, 0, 0}, block_idx{0, 0, 0};
+};
+
+// One launch: its fibers, the queue of runnable ones, and the launching code's context to return to.
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    std::deque<int> ready;
+    int current = -1;
+    int live = 0;  // fibers not finished
+    ucontext_t host{};
+    std::function<void(int)> run;  // a fiber's whole life: every block of the grid, for one thread index
+};
+
+// Fiber stacks, kept for the next launch on this OS thread (a launch per kernel call adds up to many).
+class StackPool {
+public:
+    static constexpr size_t kGuard = 4096;
+    void* take() {
+        if (!free_.empty()) {
+            void* s = free_.back();
+            free_.pop_back();
+            return s;
+        }
+        void* m = mmap(nullptr, kGuard + GTCO_EMU_STACK_BYTES, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED || mprotect(m, kGuard, PROT_NONE) != 0) {
+            std::fprintf(stderr, "gtco-emu: error: cannot map a thread's stack\n");
+            std::_Exit(3);
+        }
+        return static_cast<char*>(m) + kGuard;
+    }
+    void give(void* s) { free_.push_back(s); }
+    ~StackPool() {
+        for (void* s : free_) munmap(static_cast<char*>(s) - kGuard, kGuard + GTCO_EMU_STACK_BYTES);
+    }
+
+private:
+    std::vector<void*> free_;
+};
+inline thread_local StackPool t_stacks;
 
 inline ThreadCtx& ctx() {
     if (t_ctx == nullptr) {
@@ -210,13 +262,99 @@ inline ThreadCtx& ctx() {
 inline std::atomic<bool> g_failed{false};
 
 [[noreturn]] inline void fail(const char* what) {
-    if (g_failed.exchange(true))  // one report per process: the first failing thread prints and exits
+    if (g_failed.exchange(true))  // one report per process: launches on other OS threads may fail at once too
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     std::fprintf(stderr, "gtco-emu: error: %s (block (%u,%u,%u), thread (%u,%u,%u))\n", what, blockIdx.x, blockIdx.y,
                  blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
     std::fflush(stderr);
     std::_Exit(3);
 }
+
+// The CUDA built-ins belong to the OS thread: the fiber about to run gets its own.
+inline void enter(Scheduler& s, int next) {
+    Fiber& f = s.fibers[static_cast<size_t>(next)];
+    s.current = next;
+    t_ctx = &f.t;
+    threadIdx = f.thread_idx;
+    blockIdx = f.block_idx;
+}
+
+inline void switch_away(Scheduler& s, const char* deadlock);
+
+inline void fiber_main(int lo, int hi) {
+    auto& s = *reinterpret_cast<Scheduler*>(static_cast<uintptr_t>(static_cast<unsigned>(lo)) |
+                                            (static_cast<uintptr_t>(static_cast<unsigned>(hi)) << 32));
+    s.run(s.current);
+    --s.live;
+    switch_away(s, "deadlock: a thread finished while the others wait at a barrier it cannot reach");
+}
+
+inline void make_fiber(Scheduler& s, Fiber& f) {
+    f.started = true;
+    getcontext(&f.uc);
+    f.uc.uc_stack.ss_sp = f.stack;
+    f.uc.uc_stack.ss_size = GTCO_EMU_STACK_BYTES;
+    f.uc.uc_link = nullptr;
+    const auto p = reinterpret_cast<uintptr_t>(&s);
+    makecontext(&f.uc, reinterpret_cast<void (*)()>(fiber_main), 2, static_cast<int>(p & 0xffffffffu),
+                static_cast<int>(p >> 32));
+}
+
+// Leave the running fiber (parked at a barrier, or finished) for the next runnable one; when every fiber has
+// finished, return to the launching code. Returns when the fiber is resumed.
+inline void switch_away(Scheduler& s, const char* deadlock) {
+    if (s.ready.empty()) {
+        if (s.live > 0) fail(deadlock);  // every live thread waits, and none of them can release the others
+        setcontext(&s.host);
+    }
+    const int next = s.ready.front();
+    s.ready.pop_front();
+    Fiber& cur = s.fibers[static_cast<size_t>(s.current)];
+    cur.block_idx = blockIdx;
+    if (next == s.current) return;  // released by itself (drop): runs on
+    Fiber& to = s.fibers[static_cast<size_t>(next)];
+    const bool fresh = !to.started;
+    if (fresh) make_fiber(s, to);
+#if GTCO_EMU_SWAPCONTEXT
+    enter(s, next);
+    swapcontext(&cur.uc, &to.uc);
+#else
+    if (_setjmp(cur.jb) == 0) {
+        enter(s, next);
+        if (fresh) setcontext(&to.uc);
+        _longjmp(to.jb, 1);
+    }
+#endif
+}
+
+inline int Barrier::wait(const char* what) {
+    if (++arrived_ == expected_) {
+        release();
+        return released_dropped_;
+    }
+    Scheduler& s = *t_sched;
+    waiters_.push_back(s.current);
+    switch_away(s, what);      // resumed by release()
+    return released_dropped_;  // no later generation can be released before this thread arrives again
+}
+
+inline void Barrier::drop() {
+    --expected_;
+    ++dropped_;
+    if (arrived_ > 0 && arrived_ == expected_) release();
+}
+
+inline void Barrier::release() {
+    released_dropped_ = dropped_;
+    arrived_ = 0;
+    Scheduler& s = *t_sched;
+    for (int w : waiters_) s.ready.push_back(w);
+    waiters_.clear();
+}
+
+// Every thread of the block runs the same GTCO_SHARED declarations in the same order, so a per-thread bump
+// offset gives all of them the same address.
+inline void finish_thread(ThreadCtx& t);
 
 inline bool in_shared(const void* p, size_t bytes) {
     const auto* c = static_cast<const unsigned char*>(p);
@@ -228,10 +366,6 @@ inline void check_shared(const void* p, size_t bytes, size_t align, const char* 
     if (!in_shared(p, bytes)) fail(what);
     if (reinterpret_cast<uintptr_t>(p) % align != 0) fail(what);
 }
-
-// Every thread of the block runs the same GTCO_SHARED declarations in the same order, so a per-thread bump
-// offset gives all of them the same address.
-inline void finish_thread(ThreadCtx& t);
 
 template <typename T>
 T* shared_alloc(size_t count) {
@@ -253,6 +387,10 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
         std::fprintf(stderr, "gtco-emu: error: launch with %d threads per block (1..1024)\n", nthreads);
         std::_Exit(3);
     }
+    if (t_sched != nullptr) {
+        std::fprintf(stderr, "gtco-emu: error: a launch from inside a kernel (dynamic parallelism is not emulated)\n");
+        std::_Exit(3);
+    }
     const int nwarps = (nthreads + 31) / 32;
     Block blk;
     blk.warps = std::vector<Warp>(static_cast<size_t>(nwarps));
@@ -263,41 +401,57 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
     auto prepare = [&] {
         blk.bar.reset(nthreads);
         for (int w = 0; w < nwarps; ++w) {
-            blk.warps[w].lanes = (w + 1) * 32 <= nthreads ? 32 : nthreads - w * 32;
-            blk.warps[w].bar.reset(blk.warps[w].lanes);
+            Warp& wp = blk.warps[static_cast<size_t>(w)];
+            wp.lanes = (w + 1) * 32 <= nthreads ? 32 : nthreads - w * 32;
+            wp.bar.reset(wp.lanes);
+            wp.mma_seq[0] = wp.mma_seq[1] = 0;  // a block's collectives count from 1
         }
         std::memset(blk.smem, 0xff, GTCO_EMU_SMEM_BYTES);
     };
     prepare();
-    auto body = [&](int tid) {
-        ThreadCtx t;
-        t.block = &blk;
-        t.tid = tid;
-        t.warp = &blk.warps[tid / 32];
-        t.lane = tid % 32;
-        t_ctx = &t;
-        threadIdx = uint3{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)};
-        blockDim = block;
-        gridDim = grid;
+    Scheduler s;
+    s.fibers = std::vector<Fiber>(static_cast<size_t>(nthreads));
+    for (int tid = 0; tid < nthreads; ++tid) {
+        Fiber& f = s.fibers[static_cast<size_t>(tid)];
+        f.stack = t_stacks.take();
+        f.thread_idx = uint3{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)};
+        f.t.block = &blk;
+        f.t.tid = tid;
+        f.t.warp = &blk.warps[static_cast<size_t>(tid / 32)];
+        f.t.lane = tid % 32;
+        s.ready.push_back(tid);
+    }
+    s.live = nthreads;
+    s.run = [&](int tid) {
+        ThreadCtx& t = s.fibers[static_cast<size_t>(tid)].t;
         for (unsigned bz = 0; bz < grid.z; ++bz)
             for (unsigned by = 0; by < grid.y; ++by)
                 for (unsigned bx = 0; bx < grid.x; ++bx) {
                     blockIdx = uint3{bx, by, bz};
                     t.smem_offset = 0;
                     t.phase = 0;
+                    t.seq = 0;
                     phase.wait("deadlock before a block started");
                     std::apply(kernel, params);
                     finish_thread(t);
                     phase.wait("deadlock at the end of a block");
                     if (tid == 0) prepare();
                 }
-        t_ctx = nullptr;
     };
-    std::vector<std::thread> pool;
-    pool.reserve(static_cast<size_t>(nthreads - 1));
-    for (int tid = 1; tid < nthreads; ++tid) pool.emplace_back(body, tid);
-    body(0);
-    for (auto& th : pool) th.join();
+    blockDim = block;
+    gridDim = grid;
+    t_sched = &s;
+    const int first = s.ready.front();
+    s.ready.pop_front();
+    Fiber& f0 = s.fibers[static_cast<size_t>(first)];
+    make_fiber(s, f0);
+    enter(s, first);
+    swapcontext(&s.host, &f0.uc);  // back here when every fiber has finished
+    t_sched = nullptr;
+    t_ctx = nullptr;
+    threadIdx = uint3{0, 0, 0};
+    blockIdx = uint3{0, 0, 0};
+    for (Fiber& f : s.fibers) t_stacks.give(f.stack);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -342,6 +496,7 @@ inline const uint32_t (*exchange(Op op, const uint32_t* words, int n))[kSlotWord
     if (w.lanes != 32) fail("warp collective in a warp with fewer than 32 threads (blockDim not a multiple of 32)");
     uint32_t(*buf)[kSlotWords] = w.slot[t.phase];
     t.phase ^= 1;
+    ++t.seq;
     for (int i = 0; i < n; ++i) buf[t.lane][i] = words[i];
     buf[t.lane][kSlotWords - 1] = op;
     if (w.bar.wait("deadlock in a warp collective (did every lane of the warp reach it?)") != 0)
@@ -428,19 +583,41 @@ inline const uint32_t (*mma_exchange(const uint32_t* a, const uint32_t* b, const
     return exchange(kMma, words, 10);
 }
 
-// This lane's four D = A * B + C elements from the warp's whole A (16 x K) and B (K x 8): fp32 products summed in
-// fp32, k ascending, then this lane's C (from mma_exchange's `buf`) added.
-template <int K>
-void mma_lane_result(float* d, const float (&A)[16][K], const float (&B)[K][8], const uint32_t (*buf)[kSlotWords]) {
-    const int lane = ctx().lane;
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const Coord p = c_coord(lane, i);
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) acc += A[p.row][k] * B[k][p.col];
-        out[i] = acc + bits_f32(buf[lane][6 + i]);
+// D = A * B + C for the whole warp from its A (16 x K), B (K x 8) and every lane's C (from mma_exchange's `buf`):
+// fp32 products summed in fp32, k ascending, then C added. Computed once per collective, by the first lane of the
+// warp that asks (the lanes run one at a time); the others read it. `decode` fills A and B from `buf`.
+template <int K, typename Decode>
+void mma_lane_result(float* d, const uint32_t (*buf)[kSlotWords], Decode decode) {
+    ThreadCtx& t = ctx();
+    Warp& w = *t.warp;
+    const int b = t.phase ^ 1;  // the exchange buffer this collective used
+    float (&D)[16][8] = w.mma_d[b];
+    if (w.mma_seq[b] != t.seq) {
+        float A[16][K], B[K][8];
+        decode(A, B);
+        typedef float Quad __attribute__((vector_size(16)));  // 4 columns at once, in fp32 (SSE on any x86-64)
+        for (int r = 0; r < 16; ++r) {
+            Quad lo = {}, hi = {};
+            for (int k = 0; k < K; ++k) {
+                Quad b0, b1;
+                std::memcpy(&b0, &B[k][0], sizeof b0);
+                std::memcpy(&b1, &B[k][4], sizeof b1);
+                const float a = A[r][k];
+                lo += a * b0;  // products and sums rounded to fp32 one by one (ISO C++: no contraction)
+                hi += a * b1;
+            }
+            float sum[8];
+            std::memcpy(sum, &lo, sizeof lo);
+            std::memcpy(sum + 4, &hi, sizeof hi);
+            for (int c = 0; c < 8; ++c)  // C of (r, c): element (r / 8) * 2 + c % 2 of lane (r % 8) * 4 + c / 2
+                D[r][c] = sum[c] + bits_f32(buf[(r % 8) * 4 + c / 2][6 + (r / 8) * 2 + c % 2]);
+        }
+        w.mma_seq[b] = t.seq;
     }
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
+    for (int i = 0; i < 4; ++i) {
+        const Coord p = c_coord(t.lane, i);
+        d[i] = D[p.row][p.col];
+    }
 }
 
 // D = A * B + C with 16-bit inputs and fp32 products summed in fp32, k ascending (the hardware's internal order
@@ -448,22 +625,28 @@ void mma_lane_result(float* d, const float (&A)[16][K], const float (&B)[K][8], 
 template <bool BF16>
 void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
     const auto* buf = mma_exchange(a, b, c);
-    auto elem = [](uint32_t reg, int i) {
+    static const std::vector<float> f16_table = [] {  // every fp16 value in fp32: decoding is a load
+        std::vector<float> t(65536);
+        for (uint32_t h = 0; h < 65536; ++h) t[h] = f16_bits_to_f32(static_cast<uint16_t>(h));
+        return t;
+    }();
+    const float* f16 = f16_table.data();
+    auto elem = [f16](uint32_t reg, int i) {
         const auto h = static_cast<uint16_t>(i & 1 ? reg >> 16 : reg & 0xffffu);
-        return BF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+        return BF16 ? bf16_bits_to_f32(h) : f16[h];
     };
-    float A[16][16], B[16][8];
-    for (int l = 0; l < 32; ++l) {
-        for (int i = 0; i < 8; ++i) {
-            const Coord p = a_coord(l, i);
-            A[p.row][p.col] = elem(buf[l][i / 2], i);
+    mma_lane_result<16>(d, buf, [&](float (&A)[16][16], float (&B)[16][8]) {
+        for (int l = 0; l < 32; ++l) {
+            for (int i = 0; i < 8; ++i) {
+                const Coord p = a_coord(l, i);
+                A[p.row][p.col] = elem(buf[l][i / 2], i);
+            }
+            for (int i = 0; i < 4; ++i) {
+                const Coord p = b_coord(l, i);
+                B[p.row][p.col] = elem(buf[l][4 + i / 2], i);
+            }
         }
-        for (int i = 0; i < 4; ++i) {
-            const Coord p = b_coord(l, i);
-            B[p.row][p.col] = elem(buf[l][4 + i / 2], i);
-        }
-    }
-    mma_lane_result(d, A, B, buf);
+    });
 }
 
 // cvt.rna.tf32.f32 (PTX ISA, "cvt"): fp32 rounded to 10 mantissa bits, to nearest with ties away from zero (add
@@ -489,18 +672,18 @@ inline Coord b_coord_tf32(int lane, int i) {  // b0, b1 of the 8x8 B (row = k, c
 inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
     const auto* buf = mma_exchange(a, b, c);
     auto elem = [](uint32_t reg) { return bits_f32(reg & 0xffffe000u); };
-    float A[16][8], B[8][8];
-    for (int l = 0; l < 32; ++l) {
-        for (int i = 0; i < 4; ++i) {
-            const Coord p = a_coord_tf32(l, i);
-            A[p.row][p.col] = elem(buf[l][i]);
+    mma_lane_result<8>(d, buf, [&](float (&A)[16][8], float (&B)[8][8]) {
+        for (int l = 0; l < 32; ++l) {
+            for (int i = 0; i < 4; ++i) {
+                const Coord p = a_coord_tf32(l, i);
+                A[p.row][p.col] = elem(buf[l][i]);
+            }
+            for (int i = 0; i < 2; ++i) {
+                const Coord p = b_coord_tf32(l, i);
+                B[p.row][p.col] = elem(buf[l][4 + i]);
+            }
         }
-        for (int i = 0; i < 2; ++i) {
-            const Coord p = b_coord_tf32(l, i);
-            B[p.row][p.col] = elem(buf[l][4 + i]);
-        }
-    }
-    mma_lane_result(d, A, B, buf);
+    });
 }
 
 }  // namespace gtco::emu
