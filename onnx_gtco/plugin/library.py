@@ -57,6 +57,7 @@ from onnx_gtco.kernels.toolchain import (
     cache_root,
     find_cxx,
     find_nvcc,
+    headers_digest,
     run_compile,
     sanitize_flags,
 )
@@ -323,20 +324,33 @@ def _probe_object(tmp: Path, log: list[str]) -> Path:
 
 
 def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str]) -> list[Path]:
-    """g++ -DGTCO_EMULATE each instance into an object of the library (plugins/emu runs its grid on host threads)."""
+    """g++ -DGTCO_EMULATE each instance into an object of the library (plugins/emu runs its grid on fibers), cached
+    under cache_root()/emu by a hash of the source, the command and the headers, as nvcc's objects are: models
+    share most instances, and a full-size model's emulated library is built once per precision and tested more."""
     cxx = find_cxx()
+    cache = cache_root() / "emu"
 
     def one(inst: Instance) -> Path:
-        src, obj = tmp / f"{inst.name}.emu.cc", tmp / f"{inst.name}.emu.o"
+        src = tmp / f"{inst.name}.emu.cc"
+        flags = ["-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
+                 f"-I{PLUGINS / 'include'}"]
+        key = hashlib.sha256("\0".join([inst.source, cxx, *flags, headers_digest()]).encode()).hexdigest()[:16]
+        cached = cache / f"{inst.name}.{key}.o"
+        if cached.exists():
+            return cached
+        cache.mkdir(parents=True, exist_ok=True)
+        part = cached.with_name(f"{cached.name}.{os.getpid()}.{id(inst)}.tmp")
         src.write_text(inst.source)
-        cmd = [cxx, "-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
-               f"-I{PLUGINS / 'include'}", "-c", str(src), "-o", str(obj)]
+        cmd = [cxx, *flags, "-c", str(src), "-o", str(part)]
         try:
             res = run_compile(cmd, src, timeout_s=600)
+            part.replace(cached)
         except BuildError as e:
             raise BuildError(f"emulated kernel {inst.name}: {e}") from None
+        finally:
+            part.unlink(missing_ok=True)
         log.append(" ".join(cmd) + "\n" + res.stderr)
-        return obj
+        return cached
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(instances), os.cpu_count() or 1))) as pool:
         return list(pool.map(one, instances))

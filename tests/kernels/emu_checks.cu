@@ -41,6 +41,12 @@ __global__ void divergent_collectives(float* out) {
     else gtco::ldmatrix_x2(r, tile + (threadIdx.x % 16) * 8);
 }
 
+// Bug: half of the warp waits in a shuffle, the other half at __syncthreads: neither can ever be released.
+__global__ void deadlock(float* out) {
+    if (threadIdx.x < 16) out[threadIdx.x] = gtco::warp_sum(1.0f);
+    else __syncthreads();
+}
+
 // Bug: more shared memory than a block can have.
 __global__ void too_much_shared(float* out) {
     GTCO_SHARED(float, big, 64 * 1024);
@@ -64,6 +70,8 @@ int main(int argc, char** argv) {
         gtco::emu::launch(misaligned_ldmatrix, dim3(1), dim3(32), out);
     } else if (!std::strcmp(mode, "divergent")) {
         gtco::emu::launch(divergent_collectives, dim3(1), dim3(32), out);
+    } else if (!std::strcmp(mode, "deadlock")) {
+        gtco::emu::launch(deadlock, dim3(1), dim3(32), out);
     } else if (!std::strcmp(mode, "too_much_shared")) {
         gtco::emu::launch(too_much_shared, dim3(1), dim3(32), out);
     } else {

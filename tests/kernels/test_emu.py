@@ -24,6 +24,7 @@ def test_syncthreads_after_some_threads_exited(exe):
     ("misaligned_ldmatrix", "ldmatrix: a row address is not 16-byte aligned shared memory"),
     ("divergent", "lanes of one warp are in different warp collectives"),
     ("too_much_shared", "GTCO_SHARED: shared memory exceeds GTCO_EMU_SMEM_BYTES"),
+    ("deadlock", "deadlock in __syncthreads (did every thread reach it?)"),  # at once: no timeout to wait out
 ])
 def test_bug_is_reported(exe, mode, message):
     proc = subprocess.run([str(exe), mode], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
