@@ -78,3 +78,28 @@ def test_ort_optimizer_fuses_the_ort_form_and_keeps_its_outputs(
     for key, out, expected in zip(want, _run(fused_bytes, short), _run(str(path), short), strict=True):
         assert out.shape[:1] == (2,) and out.shape == expected.shape, key
         np.testing.assert_allclose(out, expected, rtol=RTOL, atol=ATOL, err_msg=f"batch 2 x 64 tokens, {key}")
+
+
+def test_bench_times_ort_transformers_on_the_ort_form(zoo_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The bench's ort-transformers-fp16 on the zoo's bert-base with its ORT form (what tools/gpu_suite runs, here on
+    the CPU EP): its note lists the 12 fused Attention and its outputs match the zoo export's within fp16 error."""
+    from onnx_gtco.bench import variants
+    from onnx_gtco.bench.run import bind_dims, check_ort_model
+    from onnx_gtco.runtime.check import make_inputs
+
+    src = zoo.export("bert-base", "torchscript", zoo_dir)
+    ort_form = zoo.export("bert-base", zoo.ORT_FORM, zoo_dir)
+    model = bind_dims(onnx.load(str(src)), 1, {}, src.name)
+    check_ort_model(onnx.load(str(ort_form), load_external_data=False), model, ort_form.name)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    feeds = make_inputs(model, 0)
+    args = zoo.ORT_OPTIMIZER_ARGS["bert-base"]
+    ctx = variants.Context(model, path, tmp_path, "cpu", "fp32", "sm_90", args["model_type"], feeds,
+                           variants.reference_outputs(path, feeds), 3, 1, ort_model=ort_form,
+                           num_heads=args["num_heads"], hidden_size=args["hidden_size"])
+    r = variants.run_variant("ort-transformers-fp16", ctx)
+    assert r.status == "ok", r.reason
+    assert r.note.startswith("optimize_model(model_type='bert', num_heads=12, hidden_size=768) of bert-base.ort.onnx "
+                             "then fp16; fused ops: Attention 12, "), r.note
+    assert r.accuracy is not None and r.accuracy.cosine > 0.9999 and r.accuracy.max_abs_err < 0.05, r.accuracy
