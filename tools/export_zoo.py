@@ -77,7 +77,8 @@
 #   ``Where``) matches none of its Softmax paths; transformers 5's eager ``MatMul * scale + mask`` matches
 #   ``Softmax/Add/Mul/MatMul`` and its mask ``Where/Expand/And/Reshape/Reshape/Gather/Flatten``;
 # * dynamic dims: with static ones the optimizer's first step (ORT's own level-1 graph optimizations) removes that
-#   mask's no-op ``Expand`` and merges its two ``Reshape``s, and the mask path no longer matches;
+#   mask's no-op ``Expand`` and merges its two ``Reshape``s, and the mask path no longer matches (``opt_level=0``
+#   skips that step and fuses a static export too, but then ORT's EmbedLayerNormalization fusion does not apply);
 # * TorchScript, not dynamo: dynamo builds the same mask from ``GatherND`` (no ``Gather/Flatten``);
 # * ``num_heads`` / ``hidden_size`` given: transformers 5 reshapes q to ``(b, s, -1, 64)``, so ORT cannot read the
 #   head count from the graph (it falls back to the arguments, 0 by default, and gives up).
