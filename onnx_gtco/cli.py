@@ -253,6 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         baselines=tuple(n for a in args.baselines for n in a.split(",") if n) if args.baselines
                         else BenchOptions.baselines,
                         runs=args.runs, warmup=args.warmup, quick=args.quick, model_type=args.model_type,
+                        ort_model=args.ort_model, num_heads=args.num_heads, hidden_size=args.hidden_size,
                         dims=_dims(args.dim), seed=args.seed, remeasure_peaks=args.remeasure_peaks, out=str(out_dir))
     opts = dataclasses.replace(opts, command=opts.as_command())
     opts.validate()
@@ -396,6 +397,14 @@ def parser() -> argparse.ArgumentParser:
                    help="keep only this run's matmul and copy peaks (else the best of every run on this device)")
     p.add_argument("--model-type", default=None,
                    help="model type for ORT's transformer optimizer (default: bert for token ids, vit for images)")
+    p.add_argument("--ort-model", default=None, metavar="ORT",
+                   help="the file ORT's transformer optimizer gets instead of MODEL (ort-transformers-fp16): the same "
+                   "model in the graph form its fusions match, with MODEL's inputs and outputs (e.g. "
+                   "tools/export_zoo.py --exporters ort); default: MODEL")
+    p.add_argument("--num-heads", type=int, default=0, metavar="N",
+                   help="num_heads for ORT's transformer optimizer (default 0: read from the graph)")
+    p.add_argument("--hidden-size", type=int, default=0, metavar="N",
+                   help="hidden_size for ORT's transformer optimizer (default 0: read from the graph)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=INT",
                    help="size of a symbolic input dim other than the batch (repeatable; no default: required for "
                    "each such dim)")

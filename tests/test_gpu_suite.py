@@ -408,3 +408,30 @@ def test_a_zoo_row_exports_at_its_batch_and_benches_torch_compile_of_that_progra
     bench = commands["vit-b16.b8: bench"]
     assert bench[bench.index("--torch-program") + 1] == str(tmp_path / "zoo" / "vit-b16.b8.pt2")
     assert commands["vit-b16.b1: optimize"][4] == str(tmp_path / "zoo" / "vit-b16.torchscript.onnx")
+    assert "--ort-model" not in bench and export[export.index("--exporters") + 1] == "torchscript"
+
+
+def test_the_bert_row_gives_ort_transformers_the_zoo_ort_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BERT-base: the export step also writes the zoo's ORT form (the graph ORT's transformer optimizer fuses
+    Attention in), and the bench's ort-transformers-fp16 baseline optimizes it with the zoo's optimizer arguments;
+    ours and every other baseline keep the zoo's own export. No other row has an ORT form (the zoo has none)."""
+    commands: dict[str, list[str]] = {}
+
+    def fake_run(name, cmd, **kwargs):
+        commands[name] = list(cmd)
+        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
+
+    monkeypatch.setattr(suite, "_probe", lambda code, args, env, timeout_s=120.0: [])
+    monkeypatch.setattr(suite, "run_command", fake_run)
+    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
+    bert = next(m for m in suite.GPU_MODELS if m.name == "bert-base")
+    zoo = _zoo()
+    assert bert.ort_form == zoo.ORT_OPTIMIZER_ARGS["bert-base"]
+    assert [m.name for m in suite.GPU_MODELS if m.ort_form] == list(zoo.ORT_MODELS)
+    suite.run_model(ctx, bert, 60.0)
+    export, bench = commands["bert-base.b1: export"], commands["bert-base.b1: bench"]
+    assert export[export.index("--exporters") + 1] == "torchscript,ort"
+    assert commands["bert-base.b1: optimize"][4] == str(tmp_path / "zoo" / "bert-base.torchscript.onnx") == bench[4]
+    i = bench.index("--ort-model")
+    assert bench[i:i + 8] == ["--ort-model", str(tmp_path / "zoo" / "bert-base.ort.onnx"), "--model-type", "bert",
+                              "--num-heads", "12", "--hidden-size", "768"]

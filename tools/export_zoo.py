@@ -64,7 +64,31 @@
 # * GELU: ``Div/Erf/Add/Mul/Mul`` with ``torchscript``, the ``Gelu`` op with ``dynamo`` (opset 20). LayerNorm
 #   is ``LayerNormalization`` with both. No ONNX ``Attention`` op appears (it needs opset 23).
 #
-# Usage: ``python tools/export_zoo.py [--out DIR] [--models a,b] [--exporters torchscript,dynamo] [--force]
+# The ORT form (``--exporters ort``, bert-base only): the graph form on which ONNX Runtime's transformer optimizer
+# (``onnxruntime.transformers.optimizer.optimize_model``) fuses attention, for the bench's
+# ``ort-transformers-fp16`` baseline at its best. Same module and weights as the zoo's bert-base (same seed and
+# init; only the attention implementation differs), exported the way ORT's BERT guide does: TorchScript exporter,
+# opset 17, ``attn_implementation="eager"``, and the batch and sequence dims of every input dynamic. Optimized with
+# ``model_type="bert", num_heads=12, hidden_size=768`` (the default opt_level) ORT 1.32 fuses EmbedLayerNormalization 1,
+# Attention 12, BiasGelu 12, SkipLayerNormalization 24. Every part of that recipe is needed (ORT's
+# ``fusion_attention.py`` matches fixed paths):
+#
+# * eager, not SDPA: the SDPA graph (``Mul(q, sqrt(s))``, ``Where(IsNaN)`` after the Softmax, a bool-mask
+#   ``Where``) matches none of its Softmax paths; transformers 5's eager ``MatMul * scale + mask`` matches
+#   ``Softmax/Add/Mul/MatMul`` and its mask ``Where/Expand/And/Reshape/Reshape/Gather/Flatten``;
+# * dynamic dims: with static ones the optimizer's first step (ORT's own level-1 graph optimizations) removes that
+#   mask's no-op ``Expand`` and merges its two ``Reshape``s, and the mask path no longer matches (``opt_level=0``
+#   skips that step and fuses a static export too, but then ORT's EmbedLayerNormalization fusion does not apply);
+# * TorchScript, not dynamo: dynamo builds the same mask from ``GatherND`` (no ``Gather/Flatten``);
+# * ``num_heads`` / ``hidden_size`` given: transformers 5 reshapes q to ``(b, s, -1, 64)``, so ORT cannot read the
+#   head count from the graph (it falls back to the arguments, 0 by default, and gives up).
+#
+# No ViT-B/16 form fuses with ORT 1.32 (``model_type="vit"`` runs the same BERT fusion): transformers 5 ViT eager
+# is ``Softmax(MatMul * scale)`` with no mask ``Add`` (ORT's no-mask path wants ``Softmax/Div/MatMul``, the old
+# ``/ sqrt(d)`` form), its SDPA form has no ``Add`` either, and timm's one fused qkv ``Linear`` feeds one MatMul
+# where ORT wants three.
+#
+# Usage: ``python tools/export_zoo.py [--out DIR] [--models a,b] [--exporters torchscript,dynamo,ort] [--force]
 # [--programs] [--batch N]``. ``--batch`` exports at another static batch size (the GPU suite's larger batches),
 # as ``<name>.b<N>.<exporter>.onnx``. ``--programs`` also saves each model's torch.export program as
 # ``<out>/<name>.pt2`` (for the torch-compile baseline of ``onnx-gtco bench --torch-program``).
@@ -100,6 +124,19 @@ MODELS: tuple[str, ...] = (
     "vit-b16", "deit-s", "swin-t", "detr-r50", "setr", "segformer-b0", "bert-base", "minilm",
 )
 EXPORTERS: tuple[str, ...] = ("torchscript", "dynamo")
+ORT_FORM = "ort"
+"""The export form ORT's transformer optimizer fuses (see the module comment); asked for like an exporter."""
+ORT_MODELS: tuple[str, ...] = ("bert-base",)
+"""The models that have an ORT form."""
+FORMS: tuple[str, ...] = (*EXPORTERS, ORT_FORM)
+ORT_ATTN = "eager"
+ORT_DYNAMIC_DIMS: dict[str, dict[int, str]] = {"ids": {0: "batch", 1: "sequence"}, "mask": {0: "batch", 1: "sequence"},
+                                               "segment": {0: "batch", 1: "sequence"}}
+"""Input kind -> the dims the ORT form leaves dynamic, with their names."""
+ORT_OPTIMIZER_ARGS: dict[str, dict[str, Any]] = {
+    "bert-base": {"model_type": "bert", "num_heads": 12, "hidden_size": 768},
+}
+"""The arguments of ``optimize_model`` that the ORT form of each model is made for."""
 
 SEED = 0
 """``torch.manual_seed`` used before building every model (random init) and for the example inputs."""
@@ -189,6 +226,8 @@ def _text(vocab: int, segments: bool) -> tuple[InputSpec, ...]:
 
 _SDPA_TIMM = "timm fused_attn=True: F.scaled_dot_product_attention"
 _SDPA_HF = f'transformers attn_implementation="{TRANSFORMERS_ATTN}": F.scaled_dot_product_attention'
+_ORT_EAGER_HF = (f'transformers attn_implementation="{ORT_ATTN}": softmax(q @ k^T * scale + mask) @ v (the ORT form: '
+                 "the graph ORT's transformer optimizer fuses)")
 
 SPECS: dict[str, ZooModel] = {
     "vit-b16": ZooModel("vit-b16", "timm vit_base_patch16_224", _image(224), ("logits",), _SDPA_TIMM),
@@ -288,8 +327,15 @@ def sidecar_path(out_dir: str | os.PathLike[str], name: str, exporter: str, batc
 def _check_name(name: str, exporter: str | None = None) -> None:
     if name not in SPECS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    if exporter is not None and exporter not in EXPORTERS:
-        raise ValueError(f"unknown exporter {exporter!r}; choose from {', '.join(EXPORTERS)}")
+    if exporter is not None and exporter not in FORMS:
+        raise ValueError(f"unknown exporter {exporter!r}; choose from {', '.join(FORMS)}")
+    if exporter == ORT_FORM and name not in ORT_MODELS:
+        raise ValueError(f"{name} has no ORT form; only {', '.join(ORT_MODELS)} has one")
+
+
+def ort_dynamic_axes(name: str) -> dict[str, dict[int, str]]:
+    """Input name -> the dims the ORT form of ``name`` leaves dynamic (index -> dim name)."""
+    return {i.name: dict(ORT_DYNAMIC_DIMS[i.kind]) for i in SPECS[name].inputs if i.kind in ORT_DYNAMIC_DIMS}
 
 
 def make_inputs(name: str, seed: int = SEED, batch: int = 1) -> dict[str, Any]:
@@ -428,7 +474,7 @@ def _minilm_dir() -> pathlib.Path:
     return path
 
 
-def _build_raw(name: str) -> Any:
+def _build_raw(name: str, attention: str) -> Any:
     import transformers
 
     if name == "vit-b16":
@@ -443,18 +489,18 @@ def _build_raw(name: str) -> Any:
         return setr_naive(encoder)
     if name == "detr-r50":
         # Default config = facebook/detr-resnet-50: timm resnet50 backbone, use_pretrained_backbone=False.
-        config = transformers.DetrConfig(attn_implementation=TRANSFORMERS_ATTN)
+        config = transformers.DetrConfig(attn_implementation=attention)
         if config.backbone_config.to_dict().get("use_pretrained_backbone"):
             raise ZooError("DetrConfig would download a pretrained backbone")
         return transformers.DetrForObjectDetection(config)
     if name == "segformer-b0":
-        config = transformers.SegformerConfig(attn_implementation=TRANSFORMERS_ATTN)
+        config = transformers.SegformerConfig(attn_implementation=attention)
         return transformers.SegformerForSemanticSegmentation(config)
     if name == "bert-base":
-        return transformers.BertModel(transformers.BertConfig(attn_implementation=TRANSFORMERS_ATTN))
+        return transformers.BertModel(transformers.BertConfig(attn_implementation=attention))
     if name == "minilm":
         model, info = transformers.BertModel.from_pretrained(
-            str(_minilm_dir()), add_pooling_layer=False, attn_implementation=TRANSFORMERS_ATTN,
+            str(_minilm_dir()), add_pooling_layer=False, attn_implementation=attention,
             local_files_only=True, output_loading_info=True,
         )
         # The checkpoint also holds a pooler, which sentence-transformers never uses: it is left out.
@@ -488,15 +534,18 @@ def _perturb_uniform_tensors(model: Any) -> int:
 
 
 @functools.cache
-def build_torch(name: str) -> Any:
+def build_torch(name: str, attention: str = TRANSFORMERS_ATTN) -> Any:
     """Builds (once per process) the eval-mode fp32 CPU torch module that is exported for ``name``.
 
     The module takes the inputs of ``SPECS[name].inputs`` positionally and returns a tuple of tensors
     named ``SPECS[name].outputs``. Random weights come from ``torch.manual_seed(SEED)`` and the library's
     init, all-equal tensors then get seeded noise (see the module comment); minilm keeps its real weights.
+    The weights do not depend on ``attention``.
 
     Args:
         name: Model name from ``MODELS``.
+        attention: The ``attn_implementation`` of a transformers model (the ORT form's ``"eager"``); timm
+            models take their pinned attention path whatever it says.
 
     Returns:
         The wrapped ``torch.nn.Module``.
@@ -516,7 +565,7 @@ def build_torch(name: str) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            raw = _build_raw(name)
+            raw = _build_raw(name, attention)
     finally:
         hf_log.set_verbosity(verbosity)
         if progress:
@@ -564,16 +613,20 @@ def _versions() -> dict[str, str]:
 
 def _cache_key(name: str, exporter: str, batch: int = 1) -> dict[str, Any]:
     spec = spec_at(name, batch)
-    return {
+    key = {
         "recipe": RECIPE_VERSION,
         "name": name,
         "exporter": exporter,
-        "requested_opset": TORCHSCRIPT_OPSET if exporter == "torchscript" else None,
+        "requested_opset": TORCHSCRIPT_OPSET if exporter in ("torchscript", ORT_FORM) else None,
         "seed": SEED,
         "inputs": [i.as_json() for i in spec.inputs],
         "outputs": list(spec.outputs),
         "versions": _versions(),
     }
+    if exporter == ORT_FORM:
+        key["attention"] = ORT_ATTN
+        key["dynamic_axes"] = {k: {str(d): n for d, n in v.items()} for k, v in ort_dynamic_axes(name).items()}
+    return key
 
 
 @contextlib.contextmanager
@@ -636,7 +689,10 @@ def _sha256(path: pathlib.Path) -> str:
 def _run_exporter(
     exporter: str, spec: ZooModel, model: Any, args: tuple[Any, ...], target: pathlib.Path
 ) -> None:
-    """Runs one torch exporter into ``target``; its console output only shows up in the error of a failure."""
+    """Runs one torch exporter into ``target``; its console output only shows up in the error of a failure.
+
+    The ORT form is the TorchScript exporter's with the dims of ``ort_dynamic_axes`` left dynamic.
+    """
     import torch
 
     names = {"input_names": [i.name for i in spec.inputs], "output_names": list(spec.outputs)}
@@ -645,9 +701,10 @@ def _run_exporter(
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.no_grad():
-                if exporter == "torchscript":
+                if exporter in ("torchscript", ORT_FORM):
+                    axes = ort_dynamic_axes(spec.name) if exporter == ORT_FORM else None
                     torch.onnx.export(model, args, str(target), dynamo=False, opset_version=TORCHSCRIPT_OPSET,
-                                      do_constant_folding=True, **names)
+                                      do_constant_folding=True, dynamic_axes=axes, **names)
                 else:
                     program = torch.onnx.export(model, args, None, dynamo=True, optimize=True, **names)
                     _strip_machine_metadata(program.model)
@@ -696,7 +753,7 @@ def _summarize(path: pathlib.Path) -> dict[str, Any]:
 def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Path, batch: int) -> dict[str, Any]:
     """Builds, exports to a temp file, checks and moves it to ``final``; returns the sidecar record."""
     start = time.perf_counter()
-    model = build_torch(name)
+    model = build_torch(name, ORT_ATTN) if exporter == ORT_FORM else build_torch(name)
     build_seconds = time.perf_counter() - start
     fd, tmp_name = tempfile.mkstemp(dir=out, prefix=f".{final.stem}.", suffix=".onnx.tmp")
     os.close(fd)
@@ -723,7 +780,7 @@ def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Pat
         "opset": summary["opset"],
         "ir_version": summary["ir_version"],
         "versions": _versions(),
-        "attention": spec.attention,
+        "attention": _ORT_EAGER_HF if exporter == ORT_FORM else spec.attention,
         "notes": spec.notes,
         "init": {
             "seed": SEED,
@@ -733,6 +790,8 @@ def _export_file(name: str, exporter: str, out: pathlib.Path, final: pathlib.Pat
         },
         "inputs": [i.as_json() for i in spec.inputs],
         "outputs": list(spec.outputs),
+        **({"dynamic_axes": _cache_key(name, exporter, batch)["dynamic_axes"],
+            "ort_optimizer_args": ORT_OPTIMIZER_ARGS[name]} if exporter == ORT_FORM else {}),
         "seconds": round(build_seconds + export_seconds, 3),
         "build_seconds": round(build_seconds, 3),
         "export_seconds": round(export_seconds, 3),
@@ -755,16 +814,16 @@ def export(name: str, exporter: str, out_dir: str | os.PathLike[str], force: boo
 
     Args:
         name: Model name from ``MODELS``.
-        exporter: ``"torchscript"`` or ``"dynamo"``.
+        exporter: ``"torchscript"``, ``"dynamo"`` or ``"ort"`` (the ORT form, for a model of ``ORT_MODELS``).
         out_dir: Output directory (created if missing).
         force: Re-export even if a valid export exists.
-        batch: The static batch size of the export.
+        batch: The static batch size of the export (the ORT form's batch is dynamic: this one is traced).
 
     Returns:
         Path of ``onnx_path(out_dir, name, exporter, batch)``.
 
     Raises:
-        ValueError: Unknown model or exporter.
+        ValueError: Unknown model or exporter, or the ORT form of a model without one.
         MissingDependencyError: torch / timm / transformers / onnxscript missing.
         ZooError: The export failed (the message carries the exporter's log tail).
     """
@@ -863,9 +922,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="output directory (default: $GTCO_ZOO_DIR or ~/.cache/onnx-gtco/zoo)")
     parser.add_argument("--models", type=lambda v: _split(v, MODELS, "model"), default=list(MODELS),
                         help=f"comma-separated subset of {','.join(MODELS)} (default: all)")
-    parser.add_argument("--exporters", type=lambda v: _split(v, EXPORTERS, "exporter"),
+    parser.add_argument("--exporters", type=lambda v: _split(v, FORMS, "exporter"),
                         default=list(EXPORTERS),
-                        help=f"comma-separated subset of {','.join(EXPORTERS)} (default: both)")
+                        help=f"comma-separated subset of {','.join(FORMS)} (default: {','.join(EXPORTERS)}); "
+                        f"{ORT_FORM}: the form ORT's transformer optimizer fuses, for {','.join(ORT_MODELS)} (other "
+                        "models are passed over), as <name>.ort.onnx")
     parser.add_argument("--force", action="store_true", help="re-export even if a valid export exists")
     parser.add_argument("--batch", type=_positive, default=1,
                         help="static batch size of the exports (default 1; past 1 the files are named "
@@ -896,6 +957,8 @@ def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = pr
     failures = 0
     for name in args.models:
         for exporter in args.exporters:
+            if exporter == ORT_FORM and name not in ORT_MODELS:
+                continue
             try:
                 final, reused = _export(name, exporter, out, force=args.force, batch=args.batch)
             except Exception as exc:  # report and go on with the next export

@@ -49,6 +49,11 @@ class BenchOptions:
         runs, warmup: timed and untimed runs per variant; runs >= MIN_RUNS unless quick.
         quick: allow fewer runs (smoke tests; the numbers are not for reporting).
         model_type: the ORT transformer optimizer's model type; None infers vit or bert from the inputs.
+        ort_model: the .onnx file ORT's transformer optimizer gets for ort-transformers-fp16 instead of `model`:
+            the same model in the graph form its fusions match (tools/export_zoo.py's ORT form), taking `model`'s
+            inputs and giving its outputs by name, each input dim symbolic or the size `model`'s has. None: `model`.
+        num_heads, hidden_size: the optimizer's `num_heads` / `hidden_size` (0, 0: it reads them from the graph,
+            which fails where the graph reshapes to (..., -1, head_size), as transformers 5 does).
         dims: sizes of other symbolic input dims (e.g. a sequence length).
         seed: seed of the inputs.
         remeasure_peaks: keep only this run's measured peaks, forgetting the best of earlier runs on the device.
@@ -68,6 +73,9 @@ class BenchOptions:
     warmup: int = 10
     quick: bool = False
     model_type: str | None = None
+    ort_model: str | None = None
+    num_heads: int = 0
+    hidden_size: int = 0
     dims: dict[str, int] = field(default_factory=dict)
     seed: int = 0
     remeasure_peaks: bool = False
@@ -103,6 +111,12 @@ class BenchOptions:
             if self.model_type not in MODEL_TYPES:
                 raise GtcoError(f"unknown --model-type {self.model_type!r}; ORT's transformer optimizer knows "
                                 f"{', '.join(MODEL_TYPES)}")
+        if self.ort_model is not None and not Path(self.ort_model).is_file():
+            raise GtcoError(f"--ort-model {self.ort_model}: no such file")
+        if not ((self.num_heads == 0 and self.hidden_size == 0)
+                or (self.num_heads > 0 and self.hidden_size > 0 and self.hidden_size % self.num_heads == 0)):
+            raise GtcoError(f"--num-heads {self.num_heads} --hidden-size {self.hidden_size}: give both, the hidden "
+                            "size a multiple of the head count (or neither: ORT reads them from the graph)")
 
     def as_command(self) -> str:
         """The equivalent `onnx-gtco bench` command line, every option spelled out (recorded in the JSON)."""
@@ -114,6 +128,8 @@ class BenchOptions:
         argv += ["--torch-program", self.torch_program] if self.torch_program else []
         argv += ["--target", self.target] if self.target else []
         argv += ["--model-type", self.model_type] if self.model_type else []
+        argv += ["--ort-model", self.ort_model] if self.ort_model else []
+        argv += ["--num-heads", str(self.num_heads), "--hidden-size", str(self.hidden_size)] if self.num_heads else []
         argv += [a for k, v in self.dims.items() for a in ("--dim", f"{k}={v}")]
         argv += ["--quick"] if self.quick else []
         argv += ["--remeasure-peaks"] if self.remeasure_peaks else []
@@ -159,6 +175,29 @@ def bind_dims(model: onnx.ModelProto, batch: int, dims: dict[str, int], name: st
                 raise GtcoError(f"{name}: input {vi.name!r} has the symbolic dim {d.dim_param or '?'!r}; give its "
                                 f"size with --dim {d.dim_param or 'NAME'}=INT")
     return out
+
+
+def check_ort_model(ort_model: onnx.ModelProto, model: onnx.ModelProto, name: str) -> None:
+    """Raise GtcoError unless `ort_model` takes `model`'s (bound) inputs and gives its outputs: the same names in
+    the same order, every input dim symbolic or the size `model`'s has."""
+    def inputs(m: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+        inits = {t.name for t in m.graph.initializer}
+        return [vi for vi in m.graph.input if vi.name not in inits]
+
+    want, got = inputs(model), inputs(ort_model)
+    if [vi.name for vi in got] != [vi.name for vi in want]:
+        raise GtcoError(f"{name}: its inputs {[vi.name for vi in got]} are not the model's {[vi.name for vi in want]}")
+    if [o.name for o in ort_model.graph.output] != [o.name for o in model.graph.output]:
+        raise GtcoError(f"{name}: its outputs {[o.name for o in ort_model.graph.output]} are not the model's "
+                        f"{[o.name for o in model.graph.output]}")
+    for a, b in zip(got, want, strict=True):
+        dims_a, dims_b = a.type.tensor_type.shape.dim, b.type.tensor_type.shape.dim
+        sizes = [d.dim_value if d.HasField("dim_value") else None for d in dims_a]
+        if len(dims_a) != len(dims_b) or any(s is not None and s != d.dim_value for s, d in zip(sizes, dims_b,
+                                                                                                 strict=True)):
+            shape = [s if s is not None else "?" for s in sizes]
+            raise GtcoError(f"{name}: input {a.name!r} of shape {shape} cannot take the model's "
+                            f"{[d.dim_value for d in dims_b]}")
 
 
 def infer_model_type(model: onnx.ModelProto) -> str:
@@ -287,6 +326,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         bind_dims(source(batch), batch, opts.dims, opts.model)
         if rewritten is not None:  # its inputs must take the same feeds; a fixed batch must match
             bind_dims(onnx.load(str(rewritten), load_external_data=False), batch, opts.dims, str(rewritten))
+        if opts.ort_model is not None:
+            check_ort_model(onnx.load(opts.ort_model, load_external_data=False),
+                            bind_dims(source(batch), batch, opts.dims, opts.model), opts.ort_model)
     target = GtcoConfig.from_env(target=opts.target).target
     try:
         peaks, cached = roofline.device_peaks(opts.provider, remeasure=opts.remeasure_peaks)
@@ -310,7 +352,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             ctx = Context(model, path, work_dir, opts.provider, opts.gtco_precision, target,
                           opts.model_type or infer_model_type(model), feeds, reference, opts.runs, opts.warmup,
                           rewritten=rewritten,
-                          torch_program=Path(opts.torch_program) if opts.torch_program else None)
+                          torch_program=Path(opts.torch_program) if opts.torch_program else None,
+                          ort_model=Path(opts.ort_model) if opts.ort_model else None, num_heads=opts.num_heads,
+                          hidden_size=opts.hidden_size)
             variants = []
             for name in names:
                 r = run_variant(name, ctx)

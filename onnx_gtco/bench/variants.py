@@ -45,6 +45,9 @@ class Context:
         runs, warmup: timed and untimed runs per variant.
         rewritten: an already optimized model to time as ours (its library beside it), else None.
         torch_program: the model's torch.export program file for torch-compile, else None (onnx2torch).
+        ort_model: the file ORT's transformer optimizer gets for ort-transformers-fp16 (the same model in the graph
+            form its fusions match, its inputs and outputs the original's), else None (`path`).
+        num_heads, hidden_size: that optimizer's num_heads / hidden_size (0: it reads them from the graph).
     """
 
     model: onnx.ModelProto
@@ -60,6 +63,9 @@ class Context:
     warmup: int
     rewritten: Path | None = None
     torch_program: Path | None = None
+    ort_model: Path | None = None
+    num_heads: int = 0
+    hidden_size: int = 0
     _fp16: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -174,18 +180,33 @@ def _ort_fp16(ctx: Context) -> tuple[Timed, str]:
                    f"{_fusions_note(half, ctx)}")
 
 
+def bind_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """`model` (changed in place) with every symbolic dim of its graph inputs set to the size its feed has: a
+    model exported with dynamic dims then runs with static shapes, as every other variant does."""
+    for vi in model.graph.input:
+        if vi.name in feeds:
+            for d, size in zip(vi.type.tensor_type.shape.dim, feeds[vi.name].shape, strict=False):
+                if not d.HasField("dim_value"):
+                    d.dim_value = int(size)
+    return model
+
+
 def _ort_transformers_fp16(ctx: Context) -> tuple[Timed, str]:
     from onnxruntime.transformers.optimizer import optimize_model
 
+    src = ctx.ort_model or ctx.path
     with _quiet("onnxruntime.transformers"):
-        opt = optimize_model(str(ctx.path), model_type=ctx.model_type, num_heads=0, hidden_size=0,
-                             use_gpu=ctx.provider == "cuda")
+        opt = optimize_model(str(src), model_type=ctx.model_type, num_heads=ctx.num_heads,
+                             hidden_size=ctx.hidden_size, use_gpu=ctx.provider == "cuda")
         fused = {k: v for k, v in (opt.get_fused_operator_statistics() or {}).items() if v}
         opt.convert_float_to_float16(keep_io_types=True)
-    timed = ctx.time(_ort_session(opt.model.SerializeToString(), ctx))
+    model = bind_inputs(opt.model, ctx.feeds)  # after the fusions: ORT's own first pass folds static shapes
+    timed = ctx.time(_ort_session(model.SerializeToString(), ctx))
     ops = ", ".join(f"{k} {v}" for k, v in sorted(fused.items())) or "none"
-    return timed, (f"optimize_model(model_type={ctx.model_type!r}) then fp16; fused ops: {ops}; "
-                   f"{_fusions_note(opt.model, ctx)}")
+    args = f"model_type={ctx.model_type!r}" + (f", num_heads={ctx.num_heads}, hidden_size={ctx.hidden_size}"
+                                               if ctx.num_heads else "")
+    what = f" of {ctx.ort_model.name}" if ctx.ort_model is not None else ""
+    return timed, (f"optimize_model({args}){what} then fp16; fused ops: {ops}; {_fusions_note(model, ctx)}")
 
 
 def require_placement(ctx: Context, path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from onnx_gtco import models
 from onnx_gtco.bench import BASELINES, roofline, variants
 from onnx_gtco.bench.output import format_table
-from onnx_gtco.bench.run import BenchOptions, bind_dims, infer_model_type, ours_over
+from onnx_gtco.bench.run import BenchOptions, bind_dims, check_ort_model, infer_model_type, ours_over
 from onnx_gtco.bench.stats import accuracy, summarize
 from onnx_gtco.cli import main
 from onnx_gtco.errors import GtcoError
@@ -184,6 +184,9 @@ def test_torch_compile_compiles_the_models_torch_program(tmp_path: Path, make_ml
     (["--runs", "10"], "at least 100 timed runs"),
     (["--model-type", "resnet"], "unknown --model-type 'resnet'"),
     (["--torch-program", "missing.pt2"], "--torch-program missing.pt2: no such file"),
+    (["--ort-model", "missing.onnx"], "--ort-model missing.onnx: no such file"),
+    (["--num-heads", "12"], "--num-heads 12 --hidden-size 0: give both"),
+    (["--num-heads", "5", "--hidden-size", "768"], "the hidden size a multiple of the head count"),
 ])
 def test_argument_errors_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,6 +204,70 @@ def test_fixed_batch_that_differs_and_missing_model_are_errors(tmp_path: Path, m
     assert "fixed batch of 4; --batch 2 needs a model with a symbolic batch dim" in capsys.readouterr().err
     assert main(["bench", str(tmp_path / "nope.onnx"), "--provider", "cpu", "--out", str(tmp_path / "o")]) == 2
     assert "neither a file nor a built-in model" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_ort_transformers_optimizes_the_given_ort_model_with_its_heads(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ort-model / --num-heads / --hidden-size: ORT's transformer optimizer gets that file (the same model in the
+    graph form its fusions match) with those arguments, its dynamic dims then take the feeds' sizes, the note says
+    which file and what it fused, and the outputs are checked against the original's like every variant's."""
+    from onnxruntime.transformers import optimizer
+
+    src, ort_form = tmp_path / "bert.onnx", tmp_path / "bert.ort.onnx"
+    onnx.save(models.build("bert-tiny", depth=1), str(src))
+    onnx.save(models.build("bert-tiny", batch="B", depth=1), str(ort_form))  # same weights, a symbolic batch
+    calls: list[tuple[str, dict[str, object]]] = []
+    real = optimizer.optimize_model
+
+    def recording(path, **kw):
+        calls.append((Path(path).name, kw))
+        return real(path, **kw)
+
+    monkeypatch.setattr(optimizer, "optimize_model", recording)
+    seen: list[list[list[int]]] = []
+    time_ort = variants.time_ort
+
+    def recording_time(make, *args, **kw):  # the static shapes of what the variant times
+        sess = make(False)
+        seen.append([list(i.shape) for i in sess.get_inputs()])
+        return time_ort(make, *args, **kw)
+
+    monkeypatch.setattr(variants, "time_ort", recording_time)
+    out = tmp_path / "out"
+    assert main(["bench", str(src), "--provider", "cpu", "--baselines", "ort-transformers-fp16", "--ort-model",
+                 str(ort_form), "--num-heads", "2", "--hidden-size", "128", "--runs", "3", "--warmup", "1",
+                 "--quick", "--out", str(out)]) == 0
+    assert [(name, kw["num_heads"], kw["hidden_size"], kw["model_type"]) for name, kw in calls] == [
+        ("bert.ort.onnx", 2, 128, "bert")]
+    assert seen[0] == [[1, 128]] * len(seen[0])
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["command"].endswith(f"--ort-model {ort_form} --num-heads 2 --hidden-size 128 --quick")
+    v = doc["batches"][0]["variants"][0]
+    assert (v["name"], v["status"]) == ("ort-transformers-fp16", "ok"), v
+    assert v["note"].startswith("optimize_model(model_type='bert', num_heads=2, hidden_size=128) of bert.ort.onnx "
+                                "then fp16; fused ops: ")
+    assert v["cosine"] > 0.999
+
+
+def test_an_ort_model_must_take_the_models_inputs_and_give_its_outputs(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    bert = models.build("bert-tiny", batch=2, depth=1)
+    check_ort_model(models.build("bert-tiny", batch="B", depth=1), bert, "ort.onnx")
+    with pytest.raises(GtcoError, match=r"ort.onnx: its inputs \['pixel_values'\] are not the model's"):
+        check_ort_model(models.build("vit-tiny", depth=1), bert, "ort.onnx")
+    with pytest.raises(GtcoError, match=r"ort.onnx: input 'input_ids' of shape \[3, 128\] cannot take the model's "
+                                        r"\[2, 128\]"):
+        check_ort_model(models.build("bert-tiny", batch=3, depth=1), bert, "ort.onnx")
+    renamed = models.build("bert-tiny", batch="B", depth=1)
+    renamed.graph.output[0].name = "other"
+    with pytest.raises(GtcoError, match="its outputs"):
+        check_ort_model(renamed, bert, "ort.onnx")
+    src, vit = tmp_path / "bert.onnx", tmp_path / "vit.onnx"
+    onnx.save(models.build("bert-tiny", batch="B", depth=1), str(src))
+    onnx.save(models.build("vit-tiny", depth=1), str(vit))
+    assert main(["bench", str(src), "--provider", "cpu", "--ort-model", str(vit), "--out", str(tmp_path / "o")]) == 2
+    assert "are not the model's" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
