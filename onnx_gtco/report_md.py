@@ -338,16 +338,31 @@ def _tuning(r: dict[str, Any]) -> list[str]:
         lines += ["", *_table(["task", "weight", "trials", "first µs", "best µs", "gain"], rows)]
     gemms = [x for x in tasks if "impl" in x]
     if gemms:
-        kind = ("predicted by the analytical model (no GPU measured them)" if gemms[0].get("timing") == "analytical"
-                else "measured on the GPU")
-        rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x.get("impl") or "-", _us(x.get("best_us")),
-                 _us(x.get("cublaslt_us")) if x.get("cublaslt_us") is not None else
-                 ("-" if x.get("cublaslt") == "offered" else f"not offered: {x.get('cublaslt')}")] for x in gemms]
+        kind = ("predicted by the analytical model (no GPU measured them; its cuBLASLt and CUTLASS prices rest on "
+                "assumed efficiencies)" if gemms[0].get("timing") == "analytical" else "measured on the GPU")
+        rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x.get("impl") or "-",
+                 _config(x.get("best_config")), _us(x.get("best_us")), _candidate(x, "cublaslt"),
+                 _candidate(x, "cutlass")] for x in gemms]
         lines += ["", f"GEMM implementations, times {kind}:", "",
-                  *_table(["nodes", "implementation", "best µs", "cuBLASLt µs"], rows)]
+                  *_table(["nodes", "implementation", "configuration", "best µs", "cuBLASLt µs", "CUTLASS µs"],
+                          rows)]
     if t.get("untuned"):
         lines += ["", "Fused nodes without a tuning task:", "", *_reasons(t["untuned"])]
     return lines
+
+
+def _config(config: dict[str, Any] | None) -> str:
+    """A configuration as `KEY=value` pairs, less its "impl" (its own column)."""
+    return " ".join(f"{k}={v}" for k, v in (config or {}).items() if k != "impl") or "-"
+
+
+def _candidate(entry: dict[str, Any], impl: str) -> str:
+    """A library implementation's best time in a GEMM task's entry, "-" where offered but no trial succeeded, or
+    why it was not offered."""
+    if entry.get(f"{impl}_us") is not None:
+        return _us(entry[f"{impl}_us"])
+    why = entry.get(impl)
+    return "-" if why in (None, "offered") else f"not offered: {why}"
 
 
 def _dynamic(r: dict[str, Any]) -> list[str]:

@@ -13,6 +13,10 @@ CUTLASS functor (quick_gelu, relu6), TF32 with a [K, N] B (wgmma reads tf32 oper
 are not 16-byte multiples (TMA), GEMM problem flags it does not know (a layout beyond dense row-major A, y and
 residual: the head-split / head-merge layouts have no flag in the GEMM problem yet).
 
+The tuner offers this implementation on GEMM tasks for TARGET (sm_90), building its trials for the sm_90a slot;
+where no GPU measures them, `estimate_us` prices a configuration tile by tile from the assumed numbers in
+`ASSUMED` (one place, each with where it comes from).
+
 Config (all keys required but "impl", which selects this module from the GEMM family):
     TILE_M, TILE_N, TILE_K  CTA tile; TILE_K * element size a multiple of the 128-byte swizzle
     CLUSTER_M, CLUSTER_N    thread-block cluster (TMA multicast), at most 2 CTAs
@@ -30,6 +34,7 @@ import importlib.metadata
 import importlib.util
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,11 @@ from onnx_gtco.kernels.render import render
 
 ARCH = "sm_90a"
 """The only arch: wgmma and setmaxnreg need the arch-specific target, whose cubin runs on 9.0 devices only."""
+TARGET = "sm_90"
+"""The config.TARGETS entry (the H100-SXM5) whose hardware runs the sm_90a instances: tuning tasks for it offer
+the CUTLASS implementation, built for its sm_90a slot (plugin.device.FALLBACK_SLOTS), and the cost model reads its
+SMs, peaks and bandwidth."""
+IMPL = "cutlass"
 PACKAGE = "nvidia-cutlass"
 TEMPLATE = "cuda/cutlass_gemm.cu.j2"
 NVCC_FLAGS = ("--expt-relaxed-constexpr",)
@@ -182,7 +192,7 @@ def _check_shape(problem: Problem, c: Config) -> str | None:
         return "stream-K needs the cooperative schedule (CUTLASS's ping-pong kernel has no stream-K)"
     stages = c["STAGES"]
     smem = stages * (tm + tn) * tk * nbytes + EPILOGUE_SMEM_BOUND
-    limit = TARGETS["sm_90"].smem_kib * 1024
+    limit = TARGETS[TARGET].smem_kib * 1024
     if stages and smem > limit:
         return (f"{stages} stages of {tm}x{tk} + {tn}x{tk} tiles and the epilogue need about {smem // 1024} KiB "
                 f"(> {limit // 1024} KiB)")
@@ -283,11 +293,111 @@ def configs(problem: Problem, arch: str) -> list[dict[str, Any]]:
         tiles = problem.size("batch") * math.ceil(problem.size("M") / 128) * math.ceil(problem.size("N") / 128)
     except KeyError:
         tiles = 0
-    sms = TARGETS["sm_90"].sms
+    sms = TARGETS[TARGET].sms
     if tiles and tiles % sms and tiles % sms < sms // 2:  # a mostly idle last wave: stream-K splits its K
         cands.insert(0, cands.pop(1))
     return [c for c in cands if check(problem, c, arch) is None]
 
 
-__all__ = ["ARCH", "SPACE", "check", "configs", "epilogue_tree", "include_dirs", "instance_name", "instantiate",
-           "template_params", "unsupported", "version"]
+# ------------------------------------------------------------------------------------------------------------------
+# The analytical model of an instance (the tuner's price of a configuration where no GPU measures it)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The numbers `estimate_us` assumes, all in one place. No CUTLASS instance has been timed on a GPU yet, so each
+    is an assumption until one is (the GPU measurer, or tools/kernel_bench): then these are the numbers to revisit.
+
+    Attributes:
+        mainloop_efficiency: per SCHEDULE, the share of the Tensor Core peak (config.TARGETS: tc_tflops, or
+            tf32_tflops for f32) a warp-specialized TMA / wgmma mainloop sustains while its operands arrive in time.
+            0.80 for both: what the sm_90 GEMMs of cuBLAS (the same design) sustain on large square fp16 problems,
+            750-790 of 989 TFLOP/s (torch.matmul on an H200 at 4096-10240 cubed, NVIDIA/tilus#86). No measurement
+            separates the two schedules: they differ here by what they overlap (ping-pong hides one warp group's
+            epilogue behind the other's mainloop) and what they allow (cooperative: 256-row tiles and stream-K), not
+            by a guessed factor.
+        l2_gbps: the rate, all SMs together, at which TMA brings operand tiles from L2 into shared memory. A CTA
+            reads (TILE_M / CLUSTER_N + TILE_N / CLUSTER_M) x K operand elements per tile (TMA multicast shares the
+            A tile across the cluster's N and the B tile across its M), so at this rate a 128x128 fp16 tile is
+            L2-bound at under a third of the peak, and bigger tiles or a 2-CTA cluster relieve it. 4200 GB/s is
+            fitted, not measured, and stands for whatever else short-K tiles lose too: with it, cuBLAS's times on
+            the four large projection GEMMs of docs/benchmarks.md (ViT-B qkv, fc1, fc2 and SETR fc1 at fp16 on one
+            H100) are 0.78-1.18x this model's best configurations' (geometric mean 1.01), where without the L2 term
+            the model predicts 43-70% of them. (cuBLAS's 53.8 us on DETR's K = 256 FFN, far from every model, is
+            left out, as kernels.cublaslt.EFFICIENCY singles it out.)
+    """
+
+    mainloop_efficiency: Mapping[str, float]
+    l2_gbps: float
+
+
+ASSUMED = Assumptions(mainloop_efficiency={"cooperative": 0.80, "pingpong": 0.80}, l2_gbps=4200.0)
+MIN_ITERS_PER_SK_UNIT = 8
+"""CUTLASS's stream-K rule (PersistentTileSchedulerSm90StreamKParams::min_iters_per_sk_unit_), not an assumption:
+a tile of at most this many K iterations is never split, and a stream-K unit takes at least this many."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def estimate_us(problem: Problem, config: Config, launch_us: float) -> float:
+    """Predicted time of a valid `config` on `problem` (microseconds), on TARGET's hardware, from ASSUMED:
+
+    * one tile on one SM: its mainloop is the slower of its MMA work at `mainloop_efficiency` of the SM's share of
+      the peak and its operand tiles at the SM's share of `l2_gbps`; its epilogue writes the tile (and reads the
+      residual) at the SM's share of the DRAM bandwidth. Cooperative: the epilogue follows the mainloop. Ping-pong:
+      it hides behind the other warp group's next mainloop, but for each CTA's last tile.
+    * the grid: one persistent CTA per SM (whole clusters); tiles rounded up to whole clusters. The data-parallel
+      scheduler runs ceil(tiles / CTAs) waves, its last one partly idle (wave quantization). Stream-K follows
+      CUTLASS's heuristic: where the last wave is less than half full and a tile has more than
+      MIN_ITERS_PER_SK_UNIT K iterations, the last two waves' tiles are split by K iterations over the CTAs, each
+      split tile paying one fp32 partial tile written and read through the workspace.
+    * the pipeline's fill: a CTA's first MMA waits for its first stage, one K iteration's operands; plus
+      `launch_us`.
+
+    As in the mma kernels' model (tune.analytical), a CTA gets its SM's share of the L2 and DRAM bandwidth however
+    few CTAs run, which is pessimistic for a grid of fewer tiles than SMs. The model does not see the raster order
+    (which tiles share L2 lines) nor the stage count beyond what fits (`check`): it never ranks one raster or stage
+    count above another, and leaves them to the measurements."""
+    t = TARGETS[TARGET]
+    a = ASSUMED
+    sizes = dict(problem.sizes)
+    batch, m, n, k = sizes.get("batch", 1), sizes["M"], sizes["N"], sizes["K"]
+    rows, groups = (m, batch) if sizes.get("b_batched", 0) else (batch * m, 1)  # a weight GEMM folds its batch
+    tm, tn, tk = config["TILE_M"], config["TILE_N"], config["TILE_K"]
+    cm, cn = config["CLUSTER_M"], config["CLUSTER_N"]
+    _, _, _, residual, out_dtype = _flags(problem)
+    elem = _BYTES[problem.dtype]
+
+    k_iters = math.ceil(k / tk)
+    peak = (t.tf32_tflops if problem.dtype == "f32" else t.tc_tflops) * 1e6 / t.sms  # FLOP per us, one SM
+    compute = 2.0 * tm * tn * tk * k_iters / (peak * a.mainloop_efficiency[config["SCHEDULE"]])
+    l2_per_sm = a.l2_gbps * 1e3 / t.sms  # bytes per us
+    load = (tm / cn + tn / cm) * tk * k_iters * elem / l2_per_sm
+    mainloop = max(compute, load)
+    epilogue = tm * tn * _BYTES[out_dtype] * (2 if residual else 1) / (t.dram_gbps * 1e3 / t.sms)
+    hidden = config["SCHEDULE"] == "pingpong"
+    between = max(0.0, epilogue - mainloop) if hidden else epilogue  # epilogue cost between a CTA's tiles
+
+    cluster = cm * cn
+    tiles = groups * _round_up(math.ceil(rows / tm), cm) * _round_up(math.ceil(n / tn), cn)
+    ctas = t.sms // cluster * cluster
+    full, tail = divmod(tiles, ctas)
+    dp_waves = max(full - 1, 0)
+    units = min(ctas, (tiles - dp_waves * ctas) * k_iters // MIN_ITERS_PER_SK_UNIT // cluster * cluster)
+    if (config["TILE_SCHEDULER"] == "streamk" and tail and k_iters > MIN_ITERS_PER_SK_UNIT and 2 * tail < ctas
+            and units):
+        share = (tiles - dp_waves * ctas) / units  # tiles' worth of K iterations per stream-K unit
+        fixup = 2 * tm * tn * 4 / l2_per_sm if share % 1 else 0.0  # a split tile's fp32 partials, out and in
+        body = dp_waves * (mainloop + between) + share * mainloop + fixup + epilogue
+    else:
+        waves = math.ceil(tiles / ctas)
+        body = waves * mainloop + (waves - 1) * between + epilogue
+    fill = load / k_iters  # the first stage's operands, before the first MMA
+    return body + fill + launch_us
+
+
+__all__ = ["ARCH", "ASSUMED", "IMPL", "MIN_ITERS_PER_SK_UNIT", "SPACE", "TARGET", "Assumptions", "check",
+           "configs", "epilogue_tree", "estimate_us", "include_dirs", "instance_name", "instantiate", "template_params",
+           "unsupported", "version"]

@@ -11,6 +11,11 @@ how much of its load latency the pipeline hides. We keep that shape, per family:
 * A cuBLASLt GEMM (impl "cublaslt"): its roofline time at kernels.cublaslt.EFFICIENCY of the peak, an assumption
   (the library's kernels are not ours to model tile by tile); it ranks the library against the generated kernels
   where no GPU measures both.
+* A CUTLASS GEMM (impl "cutlass", sm_90a instances on the sm_90 target's hardware): kernels.cutlass.estimate_us,
+  tile by tile from the assumptions in kernels.cutlass.ASSUMED: a mainloop at a share of the Tensor Core peak or
+  bound by its operand tiles' L2 traffic (cluster multicast halves one operand's), the epilogue after it
+  (cooperative) or hidden behind the other warp group's mainloop (ping-pong), waves of persistent CTAs over the
+  SMs with the last one partly idle, or stream-K splitting the tail as CUTLASS's heuristic does.
 * Row-wise families (layernorm, softmax) and elementwise: DRAM bytes at bandwidth, derated for narrow accesses
   (VEC), too few threads in flight and partial waves.
 
@@ -25,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from onnx_gtco.config import TARGETS
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.family import Problem
 
 # The hardware facts (SMs, threads per SM, peaks, bandwidth, shared memory) are config.TARGETS'. LAUNCH_US is this
@@ -179,9 +184,15 @@ def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
 
 def estimate_us(problem: Problem, config: Mapping[str, int], arch: str) -> float:
     """Predicted time of `config` on `problem` for `arch`, in microseconds (see the module docstring). A cuBLASLt
-    configuration (impl "cublaslt") is the roofline at an assumed efficiency (kernels.cublaslt.estimate_us)."""
+    configuration (impl "cublaslt") is the roofline at an assumed efficiency (kernels.cublaslt.estimate_us); a
+    CUTLASS one (impl "cutlass", for cutlass.TARGET or its sm_90a slot) is priced tile by tile on that target's
+    hardware from assumed efficiencies (kernels.cutlass.estimate_us)."""
     if config.get("impl") == cublaslt.IMPL:
         return cublaslt.estimate_us(problem, arch, LAUNCH_US)
+    if config.get("impl") == cutlass.IMPL:
+        if arch not in (cutlass.TARGET, cutlass.ARCH):
+            raise ValueError(f"a CUTLASS configuration runs on {cutlass.TARGET} ({cutlass.ARCH}) only, not {arch}")
+        return cutlass.estimate_us(problem, config, LAUNCH_US)
     try:
         model = _MODELS[problem.family]
     except KeyError:

@@ -14,14 +14,15 @@ from typing import Any
 import onnx
 
 from onnx_gtco.config import tune_storage_env
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.progress import detail, stage
-from onnx_gtco.tune.driver import TaskResult, best_configs, impl_times, tune
-from onnx_gtco.tune.search import AnalyticalMeasurer, Measurer, storage_url
+from onnx_gtco.tune.driver import TaskResult, best_configs, impl_bests, tune
+from onnx_gtco.tune.search import AnalyticalMeasurer, Measurer, config_arch, offered, storage_url
 from onnx_gtco.tune.tasks import ShapeOf, Task, model_tasks
 
-Tuned = dict[str, dict[str, dict[str, int]]]
-"""node name -> arch -> configuration."""
+Tuned = dict[str, dict[str, dict[str, Any]]]
+"""node name -> arch slot -> configuration (a GEMM won by CUTLASS: its sm_90a slot and, where another implementation
+was measured, the best of those for sm_90)."""
 
 
 def _default_db() -> Path:
@@ -76,13 +77,13 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
     tasks, skipped = model_tasks(model, arch, shape_of)
     results = _tune_shown(tasks, trials, measurer, url, patience, workers, progress) if trials > 0 else []
     best = best_configs(tasks, measurer.device, url)
+    by_impl = impl_bests(tasks, measurer.device, url)
     tuned: Tuned = {}
     for t in tasks:
         if t.key in best:
             for node in t.nodes:
-                tuned[node] = {arch: best[t.key][0]}
+                tuned[node] = slots(t, best[t.key][0], by_impl.get(t.key, {}))
     by_key = {r.task.key: r for r in results}
-    by_impl = impl_times(tasks, measurer.device, url)
     timing = "analytical" if measurer.name == AnalyticalMeasurer.name else "measured"
     entries = []
     for t in tasks:
@@ -90,7 +91,8 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
         entry = r.to_json() if r else {"task": t.key, "describe": t.describe(), "weight": t.weight, "measured": 0}
         if t.key in best:
             entry["best_config"], entry["best_us"] = best[t.key]
-        entry |= implementations(t, best.get(t.key), by_impl.get(t.key, {}), timing)
+        times = {impl: us for impl, (_, us) in by_impl.get(t.key, {}).items()}
+        entry |= implementations(t, best.get(t.key), times, timing)
         entries.append(entry)
     predicted = sum(t.weight * best[t.key][1] for t in tasks if t.key in best)
     report = {"storage": redact(url), "measurer": measurer.name, "device": measurer.device, "arch": arch,
@@ -100,17 +102,33 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
     return report, tuned
 
 
+def slots(task: Task, best: dict[str, Any], bests: Mapping[str, tuple[dict[str, Any], float]]
+          ) -> dict[str, dict[str, Any]]:
+    """The library's arch slot -> the configuration a node of `task` gets there: the task's best for its arch; where
+    that is a CUTLASS configuration (sm_90a code, built for the sm_90a slot that 9.0 GPUs pick), the sm_90 slot,
+    which other 9.x GPUs run, gets the best of the other implementations (none measured: its default)."""
+    arch = config_arch(task, best)
+    if arch == task.arch:
+        return {arch: best}
+    others = [v for impl, v in bests.items() if impl != best.get("impl")]
+    rest = min(others, key=lambda v: v[1])[0] if others else None
+    return {arch: best, **({task.arch: rest} if rest is not None else {})}
+
+
 def implementations(task: Task, best: tuple[dict[str, Any], float] | None, times: Mapping[str, float],
                     timing: str) -> dict[str, Any]:
-    """What a report entry says of a GEMM task's implementations: which one won ("impl": "mma", "cublaslt", ...),
-    the cuBLASLt candidate's best time beside it ("cublaslt_us"; None where none ran: not offered, or every trial
-    failed), whether the times were "measured" or "analytical" (the model's ranking, no GPU), and the nodes it
-    serves. Empty for the other families."""
+    """What a report entry says of a GEMM task's implementations: which one won ("impl": "mma", "cublaslt",
+    "cutlass") with its configuration and time (the entry's best_config and best_us), the library candidates' best
+    times beside it ("cublaslt_us", "cutlass_us"; None where none ran: not offered, or every trial failed) and
+    whether each was offered ("cublaslt", "cutlass": "offered" or why not), whether the times were "measured" or
+    "analytical" (the model's ranking, no GPU), and the nodes it serves. Empty for the other families."""
     if task.problem.family != "gemm":
         return {}
-    return {"impl": str(best[0].get("impl", "mma")) if best else None, "cublaslt_us": times.get(cublaslt.IMPL),
-            "cublaslt": cublaslt.unsupported(task.problem) or "offered", "timing": timing,
-            "nodes": list(task.nodes)}
+    why = offered(task)
+    return {"impl": str(best[0].get("impl", "mma")) if best else None,
+            "cublaslt_us": times.get(cublaslt.IMPL), "cublaslt": why.get(cublaslt.IMPL, "not a GEMM implementation"),
+            "cutlass_us": times.get(cutlass.IMPL), "cutlass": why.get(cutlass.IMPL, "not a GEMM implementation"),
+            "timing": timing, "nodes": list(task.nodes)}
 
 
 def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, patience: int, workers: int,
@@ -135,4 +153,4 @@ def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, pa
     return results
 
 
-__all__ = ["Tuned", "implementations", "measured_costs", "pick_measurer", "redact", "tune_model", "wanted"]
+__all__ = ["Tuned", "implementations", "measured_costs", "pick_measurer", "redact", "slots", "tune_model", "wanted"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 
@@ -18,13 +19,14 @@ from onnx_gtco.tune.search import (
     MEMORY_PREFIX,
     Measurer,
     best,
-    best_by_impl,
+    best_trials_by_impl,
     finished,
     open_storage,
     storage_url,
     study_for,
     study_name,
     times,
+    to_config,
 )
 from onnx_gtco.tune.tasks import Task
 
@@ -78,7 +80,7 @@ def _result(task: Task, study: optuna.Study, measured: int, stop: str) -> TaskRe
                 if start is not None and t.datetime_complete is not None:
                     secs = (t.datetime_complete - start).total_seconds()
                 break
-    return TaskResult(task, len(done), measured, dict(b.params) if b else None, b.value if b else None,
+    return TaskResult(task, len(done), measured, to_config(b.params) if b else None, b.value if b else None,
                       ok[0].value if ok else None, to90, secs, stop)
 
 
@@ -146,17 +148,26 @@ def best_configs(tasks: Sequence[Task], device: str, storage: str | None = None
             continue
         b = best(optuna.load_study(study_name=study_name(t, device), storage=store))
         if b is not None and b.value is not None and math.isfinite(b.value):
-            out[t.key] = (dict(b.params), float(b.value))
+            out[t.key] = (to_config(b.params), float(b.value))
     return out
+
+
+def impl_bests(tasks: Sequence[Task], device: str, storage: str | None = None
+               ) -> dict[str, dict[str, tuple[dict[str, Any], float]]]:
+    """task key -> implementation -> its fastest configuration and time on `device` (search.best_trials_by_impl),
+    for the tasks the storage has a study of; no measuring."""
+    store = open_storage(storage_url(storage))
+    names = {s.study_name for s in optuna.get_all_study_summaries(store)}
+    return {t.key: {impl: (to_config(trial.params), float(trial.value))
+                    for impl, trial in best_trials_by_impl(
+                        optuna.load_study(study_name=study_name(t, device), storage=store)).items()}
+            for t in tasks if study_name(t, device) in names}
 
 
 def impl_times(tasks: Sequence[Task], device: str, storage: str | None = None) -> dict[str, dict[str, float]]:
     """task key -> implementation -> its fastest time on `device` (search.best_by_impl), for the tasks the storage
     has a study of; no measuring."""
-    store = open_storage(storage_url(storage))
-    names = {s.study_name for s in optuna.get_all_study_summaries(store)}
-    return {t.key: best_by_impl(optuna.load_study(study_name=study_name(t, device), storage=store))
-            for t in tasks if study_name(t, device) in names}
+    return {key: {impl: us for impl, (_, us) in per.items()} for key, per in impl_bests(tasks, device, storage).items()}
 
 
-__all__ = ["TaskResult", "best_configs", "impl_times", "tune"]
+__all__ = ["TaskResult", "best_configs", "impl_bests", "impl_times", "tune"]

@@ -1,9 +1,11 @@
 """The GPU measurer: compile a configuration, run it on the GPU, check its answer, time it.
 
 One trial:
-1. compile: the instance is built by kernels.compile (nvcc -Xptxas -v for the task's arch, cached by content): a
-   compiler error is error kind "compile", a spill or stack frame in the ptxas report is "resource"; the object is
-   linked into a shared library (nvcc -shared, the CUDA runtime of the machine). This step needs nvcc only.
+1. compile: the instance is built by kernels.compile (nvcc -Xptxas -v, cached by content) for the arch its
+   configuration runs on (search.config_arch: the task's, or sm_90a for a CUTLASS one, which only a 9.0 GPU runs:
+   on another the trial fails with "runtime" unbuilt); a compiler error is error kind "compile", a spill or stack
+   frame in the ptxas report is "resource"; the object is linked into a shared library (nvcc -shared, the CUDA
+   runtime of the machine). This step needs nvcc only.
 2. run: the instance's C entry point (family.c_args / entry_point) on `rotate` sets of seeded inputs in device
    memory (CuPy), on a CuPy stream; a non-zero return code is "runtime".
 3. check: the first run's outputs against the family's fp64 reference; a relative error over the family's
@@ -21,17 +23,18 @@ import statistics
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from onnx_gtco.errors import BuildError
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.compile import compile_instance
 from onnx_gtco.kernels.cublas_headers import installed_library
 from onnx_gtco.kernels.family import Instance, c_args, entry_point, from_storage, np_dtype, rel_error
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
-from onnx_gtco.tune.search import Measurement
+from onnx_gtco.tune.search import Measurement, config_arch
 from onnx_gtco.tune.tasks import Task
 
 TOLERANCE = {"f16": 2e-3, "bf16": 8e-3, "f32": 1e-5}
@@ -85,19 +88,35 @@ class GpuMeasurer:
     def environment(self) -> dict[str, str]:
         return dict(self._env)
 
-    def measure(self, task: Task, config: Mapping[str, int]) -> Measurement:
-        cp = self.cp
-        family = FAMILIES[task.problem.family]
-        p = task.problem
-        if task.arch != self.arch:
-            return Measurement(None, error_kind="runtime",
-                               detail=f"the task is built for {task.arch}; this GPU runs {self.arch} code")
-        inst = family.instantiate(p, config, task.arch)
+    def measure(self, task: Task, config: Mapping[str, Any]) -> Measurement:
+        inst = self.instance(task, config)
+        if isinstance(inst, Measurement):
+            return inst
         lib = shared_library(inst)
         if isinstance(lib, Measurement):
             return lib
         if config.get("impl") == cublaslt.IMPL:
             load_cublaslt()
+        return self.run(task, config, inst, lib)
+
+    def instance(self, task: Task, config: Mapping[str, Any]) -> Instance | Measurement:
+        """The trial's instance, built for the arch the configuration runs on (search.config_arch: a CUTLASS one
+        for sm_90a), or why this GPU cannot run it (error kind "runtime")."""
+        if task.arch != self.arch:
+            return Measurement(None, error_kind="runtime",
+                               detail=f"the task is built for {task.arch}; this GPU runs {self.arch} code")
+        arch = config_arch(task, config)
+        if arch == cutlass.ARCH and self.cc != 90:
+            return Measurement(None, error_kind="runtime",
+                               detail=f"{self.device}: {cutlass.ARCH} code (the CUTLASS GEMMs) runs on 9.0 GPUs only")
+        return FAMILIES[task.problem.family].instantiate(task.problem, dict(config), arch)
+
+    def run(self, task: Task, config: Mapping[str, Any], inst: Instance, lib: Path) -> Measurement:
+        """Launch the built instance on seeded inputs, check its first answer against the fp64 reference (a wrong
+        one fails the trial), then time it."""
+        cp = self.cp
+        family = FAMILIES[task.problem.family]
+        p = task.problem
         sets = []
         for r in range(self.rotate):
             host = family.random_inputs(p, self.seed + r)
@@ -117,13 +136,9 @@ class GpuMeasurer:
             if code != 0:
                 why = _cublaslt_error(str(lib)) if config.get("impl") == cublaslt.IMPL else ""
                 return Measurement(None, error_kind="runtime", detail=f"{inst.symbol} returned {code}{why}")
-            want = family.reference(p, sets[0][0])
-            for name, out in sets[0][1].items():
-                got = from_storage(cp.asnumpy(out), family.outputs(p)[name][1])
-                err = rel_error(got, want[name])
-                if not np.isfinite(err) or err > TOLERANCE[p.dtype]:
-                    return Measurement(None, error_kind="wrong_answer",
-                                       detail=f"{name}: relative error {err:.3g} against the fp64 reference")
+            wrong = wrong_answer(task, sets[0][0], {k: cp.asnumpy(v) for k, v in sets[0][1].items()})
+            if wrong is not None:
+                return wrong
             for i in range(self.warmup):
                 fn(ctypes.byref(sets[i % self.rotate][2]), stream.ptr)
             times = []
@@ -136,6 +151,22 @@ class GpuMeasurer:
                 times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0)
         q = statistics.quantiles(times, n=10)
         return Measurement(statistics.median(times), q[-1] - q[0], runs=self.reps)
+
+
+def wrong_answer(task: Task, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]
+                 ) -> Measurement | None:
+    """The failed Measurement (error kind "wrong_answer") when an output of a run on `inputs` (as stored: 16-bit
+    outputs as their bits) is off the family's fp64 reference by more than TOLERANCE or not finite, else None."""
+    family = FAMILIES[task.problem.family]
+    p = task.problem
+    want = family.reference(p, dict(inputs))
+    for name, out in outputs.items():
+        got = from_storage(np.asarray(out), family.outputs(p)[name][1])
+        err = rel_error(got, want[name])
+        if not np.isfinite(err) or err > TOLERANCE[p.dtype]:
+            return Measurement(None, error_kind="wrong_answer",
+                               detail=f"{name}: relative error {err:.3g} against the fp64 reference")
+    return None
 
 
 def load_cublaslt() -> None:
@@ -171,4 +202,4 @@ def gpu_available() -> bool:
         return False
 
 
-__all__ = ["GpuMeasurer", "gpu_available", "shared_library"]
+__all__ = ["GpuMeasurer", "gpu_available", "shared_library", "wrong_answer"]

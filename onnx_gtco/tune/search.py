@@ -13,6 +13,7 @@ URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -25,7 +26,8 @@ import optuna
 
 from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
@@ -116,7 +118,7 @@ class AnalyticalMeasurer:
         delay = tune_test_delay_s()
         if delay > 0:  # test hook: a measurement that takes time, so tests can kill a worker mid-trial
             time.sleep(delay)
-        return Measurement(estimate_us(task.problem, config, task.arch), 0.0, runs=1)
+        return Measurement(predict_us(task, config), 0.0, runs=1)
 
     def environment(self) -> dict[str, str]:
         return {"measurer": self.name, "gpu": "none (analytical model)", "driver": "", "toolchain": ""}
@@ -134,17 +136,57 @@ def search_space(task: Task) -> dict[str, list[int]]:
     return space
 
 
-IMPL_SPACES: dict[str, dict[str, list[int]]] = {cublaslt.IMPL: {"RANK": list(cublaslt.RANKS)}}
+IMPL_SPACES: dict[str, dict[str, list[Any]]] = {
+    cublaslt.IMPL: {"RANK": list(cublaslt.RANKS)},
+    cutlass.IMPL: {k: list(v) for k, v in cutlass.SPACE.items()},
+}
 """The parameters of each implementation other than the family's own kernels ("mma")."""
+OFFERED = "offered"
+
+
+def config_arch(task: Task, config: Mapping[str, Any]) -> str:
+    """The arch a configuration of `task` is checked and built for: a CUTLASS configuration of a task for
+    cutlass.TARGET (sm_90) is built for cutlass.ARCH (sm_90a), the slot the library picks on 9.0 devices (the H100 and
+    H200 that TARGET models); everything else for the task's arch."""
+    if config.get("impl") == cutlass.IMPL and task.arch == cutlass.TARGET:
+        return cutlass.ARCH
+    return task.arch
+
+
+def offered(task: Task) -> dict[str, str]:
+    """Each library implementation of the task's family (GemmFamily.impls and cutlass) -> "offered", or why a trial
+    may not pick it: cuBLASLt where its mapping cannot express the group; CUTLASS on a task for another target than
+    cutlass.TARGET (its instances are sm_90a code, which runs on 9.0 GPUs only), without the nvidia-cutlass headers,
+    or where its mapping cannot express the group. Empty for a family with its own kernels only."""
+    family = FAMILIES[task.problem.family]
+    out: dict[str, str] = {}
+    for impl in (i for i in getattr(family, "impls", ()) if i in IMPL_SPACES and i != cutlass.IMPL):
+        first = {"impl": impl, **{k: v[0] for k, v in IMPL_SPACES[impl].items()}}
+        out[impl] = family.check(task.problem, first, task.arch) or OFFERED
+    if task.problem.family == "gemm":
+        out[cutlass.IMPL] = _cutlass_offered(task)
+    return out
+
+
+def _cutlass_offered(task: Task) -> str:
+    if task.arch != cutlass.TARGET:
+        return (f"the CUTLASS GEMMs are {cutlass.ARCH} code, run on 9.0 GPUs only: tasks for {cutlass.TARGET} offer "
+                f"them, this one is for {task.arch}")
+    headers = cutlass.include_dirs()
+    if isinstance(headers, str):
+        return headers
+    why = cutlass.unsupported(task.problem)
+    if why is not None:
+        return why
+    if not cutlass.configs(task.problem, cutlass.ARCH):
+        return "no CUTLASS configuration passes its check for this problem"
+    return OFFERED
 
 
 def impls(task: Task) -> list[str]:
     """The implementations a trial of `task` may pick: "mma" (the family's generated kernels), then each library
-    implementation of the family (GemmFamily.impls) that can compute the task's problem."""
-    family = FAMILIES[task.problem.family]
-    others = [i for i in getattr(family, "impls", ()) if i in IMPL_SPACES]
-    return ["mma", *(i for i in others if family.check(
-        task.problem, {"impl": i, **{k: v[0] for k, v in IMPL_SPACES[i].items()}}, task.arch) is None)]
+    implementation that `offered` offers."""
+    return ["mma", *(i for i, why in offered(task).items() if why == OFFERED)]
 
 
 def suggest(trial: optuna.Trial, task: Task) -> dict[str, Any]:
@@ -154,13 +196,63 @@ def suggest(trial: optuna.Trial, task: Task) -> dict[str, Any]:
     if len(choices) == 1:
         return {k: trial.suggest_categorical(k, v) for k, v in search_space(task).items()}
     impl = trial.suggest_categorical("impl", choices)
-    space = search_space(task) if impl == "mma" else IMPL_SPACES[impl]
-    return {"impl": impl, **{k: trial.suggest_categorical(k, v) for k, v in space.items()}}
+    if impl == "mma":
+        return {"impl": impl, **{k: trial.suggest_categorical(k, v) for k, v in search_space(task).items()}}
+    names = param_names(task, impl)
+    return {"impl": impl, **{k: trial.suggest_categorical(names[k], v) for k, v in IMPL_SPACES[impl].items()}}
+
+
+def param_names(task: Task, impl: str) -> dict[str, str]:
+    """An implementation's config key -> its parameter name in the study: the key, but `impl`_KEY where the family's
+    own kernels have a parameter of that name (CUTLASS's STAGES beside the mma kernels' STAGES: one name in a study
+    has one value space)."""
+    own = search_space(task)
+    return {k: f"{impl}_{k}" if impl != "mma" and k in own else k for k in IMPL_SPACES.get(impl, own)}
+
+
+def to_params(task: Task, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A configuration as the study's parameters (param_names), e.g. for enqueue_trial."""
+    impl = str(config.get("impl", "mma"))
+    if impl == "mma":
+        return dict(config)
+    names = param_names(task, impl)
+    return {names.get(k, k): v for k, v in config.items()}
+
+
+def to_config(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's parameters as the configuration they name (the inverse of to_params)."""
+    impl = str(params.get("impl", "mma"))
+    if impl == "mma":
+        return dict(params)
+    prefix = f"{impl}_"
+    return {k.removeprefix(prefix): v for k, v in params.items()}
+
+
+def check(task: Task, config: Mapping[str, Any]) -> str | None:
+    """Why `config` cannot run `task` (the family's check, for the arch the configuration is built for), or None."""
+    return FAMILIES[task.problem.family].check(task.problem, dict(config), config_arch(task, config))
+
+
+def predict_us(task: Task, config: Mapping[str, Any]) -> float:
+    """The analytical model's time of a valid `config` of `task`."""
+    return estimate_us(task.problem, config, task.arch)
+
+
+@functools.cache
+def _cutlass_ranked(problem: Problem) -> tuple[dict[str, Any], ...]:
+    """Every valid CUTLASS configuration of `problem` with the heuristic raster order, best first by the analytical
+    model (a few thousand combinations; the model and the check take microseconds each). The model does not see
+    the raster order, so the others would only repeat each time; the study's sampler tries them."""
+    space = {**cutlass.SPACE, "RASTER": ("heuristic",)}
+    valid = (c for c in (dict(zip(space, v, strict=True)) for v in itertools.product(*space.values()))
+             if cutlass.check(problem, c, cutlass.ARCH) is None)
+    return tuple(sorted(valid, key=lambda c: estimate_us(problem, {"impl": cutlass.IMPL, **c}, cutlass.TARGET)))
 
 
 def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, Any]]:
     """Valid configurations ranked by the analytical model, best first: the best of each implementation (so every
-    implementation is measured), then the next best of any up to `n`."""
+    implementation is measured), then the next best of any up to `n`. The family's kernels offer their rule-of-thumb
+    configurations (family.configs); cuBLASLt every rank; CUTLASS its whole valid space, ranked."""
     family = FAMILIES[task.problem.family]
     keys = list(search_space(task))
     choices = impls(task)
@@ -169,22 +261,27 @@ def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, Any]]:
         if impl == "mma":
             configs: list[dict[str, Any]] = [{k: c[k] for k in keys if k in c}
                                              for c in family.configs(task.problem, task.arch)]
+        elif impl == cutlass.IMPL:
+            configs = [dict(c) for c in _cutlass_ranked(task.problem)[:n]]
         else:
             configs = [{k: v for k, v in zip(IMPL_SPACES[impl], values, strict=True)}
                        for values in itertools.product(*IMPL_SPACES[impl].values())]
         if len(choices) > 1:
             configs = [{"impl": impl, **c} for c in configs]
-        per_impl.append(sorted(configs, key=lambda c: estimate_us(task.problem, c, task.arch)))
+        per_impl.append(sorted(configs, key=lambda c: predict_us(task, c)))
     firsts = [r[0] for r in per_impl if r]
-    rest = sorted((c for r in per_impl for c in r[1:]), key=lambda c: estimate_us(task.problem, c, task.arch))
+    rest = sorted((c for r in per_impl for c in r[1:]), key=lambda c: predict_us(task, c))
     picked = firsts[:n] + rest[:max(0, n - len(firsts))]
-    return sorted(picked, key=lambda c: estimate_us(task.problem, c, task.arch))
+    return sorted(picked, key=lambda c: predict_us(task, c))
 
 
 def study_name(task: Task, device: str) -> str:
     """A study per task and device: times measured on one GPU (or by the analytical model) never mix with
-    another's."""
-    return f"{task.key}@{device}"
+    another's. A task that offers CUTLASS has a study per nvidia-cutlass version: its trials time that version's
+    instances, and a study's "impl" choices cannot change once it has trials (Optuna's categorical space is fixed),
+    so installing the package, or another version, starts a new study."""
+    tag = f"+cutlass-{cutlass.version()}" if cutlass.IMPL in impls(task) else ""
+    return f"{task.key}{tag}@{device}"
 
 
 def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: str, seed: int = 0) -> optuna.Study:
@@ -198,7 +295,7 @@ def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: st
                                      "arch": task.arch, "version": task.version})
         study.set_user_attr("describe", task.describe())
         for config in analytical_guesses(task):
-            study.enqueue_trial(config, skip_if_exists=True)
+            study.enqueue_trial(to_params(task, config), skip_if_exists=True)
     return study
 
 
@@ -240,7 +337,7 @@ def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str =
         if worker:
             trial.set_user_attr("worker", worker)
         config = suggest(trial, task)
-        why = FAMILIES[task.problem.family].check(task.problem, config, task.arch)
+        why = check(task, config)
         if why is not None:
             for k, v in measurer.environment().items():
                 trial.set_user_attr(k, v)
@@ -264,14 +361,19 @@ def times(study: optuna.Study) -> list[float | None]:
     return [t.value if t.state == optuna.trial.TrialState.COMPLETE else None for t in done]
 
 
-def best_by_impl(study: optuna.Study) -> dict[str, float]:
-    """The fastest successful time of each implementation the study measured ("mma" for a trial without "impl")."""
-    out: dict[str, float] = {}
+def best_trials_by_impl(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
+    """The fastest successful trial of each implementation the study measured ("mma" for a trial without "impl")."""
+    out: dict[str, optuna.trial.FrozenTrial] = {}
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         impl = str(t.params.get("impl", "mma"))
-        if t.value is not None and math.isfinite(t.value):
-            out[impl] = min(out.get(impl, math.inf), float(t.value))
+        if t.value is not None and math.isfinite(t.value) and (impl not in out or t.value < out[impl].value):
+            out[impl] = t
     return out
+
+
+def best_by_impl(study: optuna.Study) -> dict[str, float]:
+    """The fastest successful time of each implementation the study measured ("mma" for a trial without "impl")."""
+    return {impl: float(t.value) for impl, t in best_trials_by_impl(study).items()}
 
 
 def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -279,6 +381,7 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     return min(done, key=lambda t: (t.value, t.number)) if done else None
 
 
-__all__ = ["ERROR_KINDS", "IMPL_SPACES", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
-           "analytical_guesses", "best", "best_by_impl", "finished", "impls", "open_storage", "run_trial",
-           "search_space", "storage_url", "study_for", "study_name", "suggest", "times"]
+__all__ = ["ERROR_KINDS", "IMPL_SPACES", "OFFERED", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
+           "analytical_guesses", "best", "best_by_impl", "best_trials_by_impl", "check", "config_arch", "finished",
+           "impls", "offered", "open_storage", "param_names", "predict_us", "run_trial", "search_space",
+           "storage_url", "study_for", "study_name", "suggest", "times", "to_config", "to_params"]

@@ -82,3 +82,32 @@ def test_cublaslt_candidates_compute_the_reference(problem: Problem) -> None:
     got = m.measure(task, {"impl": "cublaslt", "RANK": 0})
     assert got.error_kind is None, got  # checked against the fp64 reference before it is timed
     assert got.median_us and got.median_us > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_cutlass_candidates_compute_the_reference_and_a_faulty_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnx_gtco.kernels import cutlass
+    from onnx_gtco.tune import gpu as gpu_mod
+
+    m = GpuMeasurer()
+    if m.cc != 90:
+        pytest.skip(f"{m.device}: the CUTLASS instances are sm_90a code, which 9.0 GPUs run")
+    if isinstance(cutlass.include_dirs(), str):
+        pytest.skip(str(cutlass.include_dirs()))
+    task = Task(PROBLEM, m.arch, template_version())
+    best = next(g for g in analytical_guesses(task) if g.get("impl") == "cutlass")  # the model's best CUTLASS guess
+    good = m.measure(task, best)
+    assert good.error_kind is None, good  # checked against the fp64 reference before it is timed
+    assert good.median_us and good.median_us > 0 and good.runs >= 20
+    real = gpu_mod.FAMILIES["gemm"]
+
+    class Faulty(type(real)):  # type: ignore[misc]
+        def instantiate(self, problem: Problem, config, arch: str):
+            inst = real.instantiate(problem, config, arch)
+            return replace(inst, name=inst.name + "_fault",
+                           source=inst.source.replace("{{p.alpha}}", "{{2.0f * p.alpha}}"))
+
+    monkeypatch.setitem(gpu_mod.FAMILIES, "gemm", Faulty())
+    bad = m.measure(task, best)
+    assert bad.error_kind == "wrong_answer", bad  # twice the product is a wrong answer, not a fast one

@@ -24,9 +24,10 @@ def _task(arch: str = "sm_90", **kw: object) -> Task:
 
 
 def test_cublaslt_is_offered_only_where_the_mapping_expresses_the_group() -> None:
-    assert impls(_task()) == ["mma", "cublaslt"]
-    assert impls(_task(activation="gelu_erf")) == ["mma"]
-    assert impls(_task(activation="relu", residual=True)) == ["mma"]
+    assert impls(_task("sm_80")) == ["mma", "cublaslt"]
+    assert impls(_task("sm_80", activation="gelu_erf")) == ["mma"]
+    assert impls(_task("sm_80", activation="relu", residual=True)) == ["mma"]
+    assert "cublaslt" not in impls(_task(activation="gelu_erf"))  # whatever else an sm_90 task offers
 
 
 def test_gemm_family_routes_a_cublaslt_configuration() -> None:
@@ -46,20 +47,20 @@ def test_gemm_family_routes_a_cublaslt_configuration() -> None:
 
 
 def test_analytical_guesses_hold_every_implementation_ranked_by_the_model() -> None:
-    task = _task()
+    task = _task("sm_80")
     guesses = analytical_guesses(task)
     assert {g["impl"] for g in guesses} == {"mma", "cublaslt"}
     times = [estimate_us(task.problem, g, task.arch) for g in guesses]
     assert times == sorted(times)
     lt = next(g for g in guesses if g["impl"] == "cublaslt")
     assert estimate_us(task.problem, lt, task.arch) == cublaslt.estimate_us(task.problem, task.arch, LAUNCH_US)
-    only_mma = analytical_guesses(_task(activation="gelu_erf"))
+    only_mma = analytical_guesses(_task("sm_80", activation="gelu_erf"))
     assert only_mma and all("impl" not in g for g in only_mma)
 
 
 @pytest.mark.parametrize("m", [8, 4096])
 def test_tuning_without_a_gpu_ranks_the_implementations_analytically(m: int) -> None:
-    task = _task(m=m)
+    task = _task("sm_80", m=m)
     url = f"memory:impl-{m}"
     (result,) = tune([task], trials=12, measurer=AnalyticalMeasurer(), storage=url, patience=50)
     by_impl = impl_times([task], "analytical", url)[task.key]
@@ -68,7 +69,8 @@ def test_tuning_without_a_gpu_ranks_the_implementations_analytically(m: int) -> 
     assert result.best_config is not None and result.best_us == pytest.approx(min(by_impl.values()))
     want = min(by_impl, key=by_impl.__getitem__)
     entry = implementations(task, (result.best_config, result.best_us), by_impl, "analytical")
-    assert entry == {"impl": want, "cublaslt_us": by_impl["cublaslt"], "cublaslt": "offered",
+    assert entry.pop("cutlass").startswith("the CUTLASS GEMMs are sm_90a code")
+    assert entry == {"impl": want, "cublaslt_us": by_impl["cublaslt"], "cublaslt": "offered", "cutlass_us": None,
                      "timing": "analytical", "nodes": ["fc1_0", "fc1_1"]}
 
 
