@@ -435,3 +435,43 @@ def test_the_bert_row_gives_ort_transformers_the_zoo_ort_form(tmp_path: Path, mo
     i = bench.index("--ort-model")
     assert bench[i:i + 8] == ["--ort-model", str(tmp_path / "zoo" / "bert-base.ort.onnx"), "--model-type", "bert",
                               "--num-heads", "12", "--hidden-size", "768"]
+
+
+def test_the_kernel_bench_runs_one_call_per_shape_set_and_merges_them(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the kernel bench is a call of tools/kernel_bench.py per shape set, each under the 10-minute command
+    limit with a --time-budget-s inside it; their files are merged into OUT/kernel-bench, and a failed set fails the
+    step with its reason while the others' numbers stay."""
+    calls: list[tuple[list[str], float]] = []
+
+    def fake_run(name, cmd, *, env, timeout_s, log, cwd=suite.ROOT):
+        calls.append((list(cmd), timeout_s))
+        kset, out = cmd[cmd.index("--set") + 1], Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        ok = kset != "setr"
+        (out / "results.json").write_text(json.dumps({"device": "H100", "built": [f"{kset}_inst"], "results": [
+            {"case": f"{kset} row", "all_ok": ok}]}))
+        (out / "results.md").write_text(f"| {kset} table |\n")
+        return suite.Step(name, "ok" if ok else "failed", "" if ok else "exit 1: wrong", 1.0, str(log))
+
+    monkeypatch.setattr(suite, "run_command", fake_run)
+    monkeypatch.setattr(suite.shutil, "which", lambda *a: "/usr/bin/nvcc")
+    ctx = suite.Context(tmp_path, {}, suite.Budget(120), False, "sm_90", 2, 1, None, tmp_path / "zoo")
+    step = suite.run_kernel_bench(ctx, suite.STEP_TIMEOUT_S["kernel-bench"], 20)
+    assert [c[c.index("--set") + 1] for c, _ in calls] == [n for n, _ in suite.KERNEL_BENCH_SETS]
+    for cmd, timeout_s in calls:
+        assert timeout_s <= suite.KERNEL_BENCH_CALL_S < 600
+        assert float(cmd[cmd.index("--time-budget-s") + 1]) < timeout_s
+        assert cmd[cmd.index("--arch") + 1] == "sm_90" and cmd[cmd.index("--reps") + 1] == "20"
+        assert "--compile-only" not in cmd
+    assert step.status == "failed" and step.reason.startswith("1 of 4 cases") and "setr: exit 1: wrong" in step.reason
+    assert step.detail["sets"] == {"vit-b16": "ok", "bert-base": "ok", "setr": "failed", "detr": "ok"}
+    merged = json.loads((tmp_path / "kernel-bench" / "results.json").read_text())
+    assert [r["case"] for r in merged["results"]] == [f"{n} row" for n, _ in suite.KERNEL_BENCH_SETS]
+    md = (tmp_path / "kernel-bench" / "results.md").read_text()
+    assert "#### vit-b16" in md and "| detr table |" in md and "This call failed: exit 1: wrong." in md
+
+    calls.clear()  # little budget left: one call's time at most, split by weight; a set past it is skipped
+    ctx.budget = suite.Budget(1)
+    step = suite.run_kernel_bench(ctx, 60.0, None)
+    assert sum(t for _, t in calls) <= 60.0 and step.detail["sets"]["detr"] == "skipped"
