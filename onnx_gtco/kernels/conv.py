@@ -1,5 +1,6 @@
 """The convolution family: ``y = post_act(act((conv(x, w) + bias) * a + b) + residual)`` as an implicit GEMM on
-Tensor Cores (plugins/include/gtco/conv.cuh, over gemm.cuh's tiles, fragments and pipeline).
+Tensor Cores (plugins/include/gtco/conv.cuh, over gemm.cuh's tiles, fragments and pipeline) for groups == 1, and as
+a direct convolution on CUDA cores for grouped and depthwise convs (groups != 1).
 
 M = N·OH·OW output pixels, N(gemm) = OC, K = C·KH·KW; A is gathered from the NCHW input by im2col addressing in
 the loader (zero outside the input: padding, ragged M and K), B is the weight [OC, C·KH·KW] (gemm.cuh's TRANS_B
@@ -10,21 +11,24 @@ dtype "f16" / "bf16": mma.m16n8k16, fp32 accumulation and epilogue. dtype "f32":
 rounded by cvt.rna), as the GEMM family; `reference` then convolves the TF32-rounded x and w.
 
 Problem sizes: "N", "C", "H", "W", "OC", "KH", "KW", "SH", "SW" (strides), "DH", "DW" (dilations), "PT", "PL",
-"PB", "PR" (pads top, left, bottom, right). Flags: "groups" (only 1 has a kernel), "bias", "scale", "shift",
-"batchnorm" (bools: which per-channel operands the node has), "epsilon" (a run-time argument), "activation",
-"residual", "post_activation".
+"PB", "PR" (pads top, left, bottom, right). Flags: "groups" (absent: 1), "bias", "scale", "shift", "batchnorm"
+(bools: which per-channel operands the node has), "epsilon" (a run-time argument), "activation", "residual",
+"post_activation".
 
-Only groups == 1: a grouped or depthwise conv is groups independent GEMMs of K = C/groups·KH·KW and OC/groups
-columns each (depthwise: K = 9, N = 1), which this tile shape would run at a few percent of its columns; such nodes
-keep their function until a grouped (or a direct depthwise) kernel exists.
+Grouped and depthwise convs: groups independent GEMMs of K = C/groups·KH·KW and OC/groups columns each (depthwise:
+K = 9, N = 1), which a Tensor Core tile would run at a few percent of its columns, so they take the direct kernel
+(conv.cuh's conv_direct_kernel): one thread per output element, consecutive threads on consecutive ox of one output
+plane, an fp32 sum over the group's C/groups channels and the KH x KW taps, the same epilogue. Its f32 instances
+compute plain fp32 products (no TF32), so `reference` rounds nothing for groups != 1.
 
-Arrays of a run: "x" [N, C, H, W]; "w" [OC, C, KH, KW]; "bias", "scale", "shift", "mean", "var" [OC] (or [1]: one
+Arrays of a run: "x" [N, C, H, W]; "w" [OC, C/groups, KH, KW]; "bias", "scale", "shift", "mean", "var" [OC] (or [1]: one
 value); "residual" and "y" [N, OC, OH, OW]. The kernel is generic in every size (run-time arguments checked by the
 launcher), so one built instance serves every conv with the same flags; the sizes choose the tile and VEC.
 
 Config: GEMM's BM, BN, BK, WM, WN, STAGES, with WM·WN·32 threads a multiple of BM (each thread gathers one row of
 A); "VEC" 1 loads the weights by 16-byte cp.async chunks (K a multiple of 8 halves / 4 floats), 0 element by
-element (a 7x7 stem on 3 channels: K = 147).
+element (a 7x7 stem on 3 channels: K = 147). "DIRECT" 1 (groups != 1 only, and only there) is the direct kernel,
+whose one parameter is "THREADS" per block (128 or 256); it ignores the GEMM keys.
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def out_hw(problem: Problem) -> tuple[int, int]:
     return oh, ow
 
 
+def groups_of(problem: Problem) -> int:
+    """The conv's groups (1 where the flag is absent)."""
+    return int(problem.flag("groups", 1) or 1)
+
+
 def gemm_sizes(problem: Problem) -> tuple[int, int, int]:
     """The implicit GEMM's (M, N, K) = (N·OH·OW, OC, C·KH·KW)."""
     oh, ow = out_hw(problem)
@@ -100,7 +109,8 @@ def conv_problem(dtype: str, n: int, c: int, h: int, w: int, oc: int, kh: int, k
 
 
 class ConvFamily(KernelFamily):
-    """Implicit-GEMM convolution over gemm.cuh's Tensor Core tiles with the conv group's epilogue fused."""
+    """Implicit-GEMM convolution over gemm.cuh's Tensor Core tiles (groups == 1), direct convolution on CUDA cores
+    (grouped and depthwise), with the conv group's epilogue fused."""
 
     name = "conv"
     space: Mapping[str, tuple[int, ...]] = {
@@ -111,8 +121,10 @@ class ConvFamily(KernelFamily):
         "WN": (1, 2, 4),
         "STAGES": (2, 3, 4),
         "VEC": (1, 0),
+        "DIRECT": (0, 1),
+        "THREADS": (128, 256),
     }
-    optional: Mapping[str, int] = {"VEC": 1}
+    optional: Mapping[str, int] = {"VEC": 1, "DIRECT": 0, "THREADS": 128}
 
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
         if problem.family != self.name:
@@ -121,18 +133,6 @@ class ConvFamily(KernelFamily):
             return f"arch {arch!r}: choose one of {ARCHS}"
         if problem.dtype not in _CTYPE:
             return f"dtype {problem.dtype}: the conv kernels take f16, bf16 or f32 (TF32)"
-        groups = int(problem.flag("groups", 1) or 1)
-        if groups != 1:
-            return (f"groups={groups}: the implicit GEMM runs groups == 1 only (a grouped or depthwise conv is "
-                    f"{groups} GEMMs of OC/groups columns each, a few percent of a tile's work; it keeps its "
-                    "function)")
-        missing = [k for k in self.space if k not in config and k not in self.optional]
-        if missing:
-            return f"config lacks {', '.join(missing)}"
-        config = {**self.optional, **config}
-        for key, allowed in self.space.items():
-            if config[key] not in allowed:
-                return f"{key}={config[key]} is outside the space {allowed}"
         try:
             sizes = {k: problem.size(k) for k in SIZES}
         except KeyError as e:
@@ -141,6 +141,9 @@ class ConvFamily(KernelFamily):
             return f"sizes must be positive ({sizes})"
         if min(sizes[k] for k in ("PT", "PL", "PB", "PR")) < 0:
             return "pads must not be negative"
+        groups = groups_of(problem)
+        if groups < 1 or sizes["C"] % groups or sizes["OC"] % groups:
+            return f"groups={groups} does not divide C={sizes['C']} and OC={sizes['OC']}"
         oh, ow = out_hw(problem)
         if oh < 1 or ow < 1:
             return "the dilated kernel is larger than the padded input"
@@ -150,6 +153,22 @@ class ConvFamily(KernelFamily):
                 return f"{key} {flags[key]!r} is not fused by the conv epilogue (have: {', '.join(ACTIVATIONS)})"
         if flags["batchnorm"] and not (flags["scale"] and flags["shift"]):
             return "batchnorm needs scale and shift (with mean and var)"
+        direct = {**self.optional, **config}["DIRECT"]
+        if direct not in self.space["DIRECT"]:
+            return f"DIRECT={direct} is outside the space {self.space['DIRECT']}"
+        if direct:
+            return self._check_direct(problem, {**self.optional, **config}, groups)
+        if groups != 1:
+            return (f"groups={groups}: the implicit GEMM runs groups == 1 only (a grouped or depthwise conv is "
+                    f"{groups} GEMMs of OC/groups columns each, a few percent of a tile's work); use the direct "
+                    "kernel (DIRECT=1)")
+        missing = [k for k in self.space if k not in config and k not in self.optional]
+        if missing:
+            return f"config lacks {', '.join(missing)}"
+        config = {**self.optional, **config}
+        for key, allowed in self.space.items():
+            if config[key] not in allowed:
+                return f"{key}={config[key]} is outside the space {allowed}"
         m, n, k = gemm_sizes(problem)
         if max(m + 256, k + 64, n + 128) >= 2 ** 31:
             return f"M={m}, K={k} or N={n} past the kernel's 32-bit index math"
@@ -180,11 +199,28 @@ class ConvFamily(KernelFamily):
             return f"OC={n}: {math.ceil(n / bn)} column tiles exceed the grid's y limit 65535"
         return None
 
+    def _check_direct(self, problem: Problem, config: Config, groups: int) -> str | None:
+        """The direct kernel's side of `check` (sizes, flags and groups' divisibility already checked)."""
+        if groups == 1:
+            return ("DIRECT=1 with groups == 1: the direct kernel is for grouped and depthwise convs; a groups == 1 "
+                    "conv is one implicit GEMM on Tensor Cores (DIRECT=0)")
+        if config["THREADS"] not in self.space["THREADS"]:
+            return f"THREADS={config['THREADS']} is outside the space {self.space['THREADS']}"
+        oh, ow = out_hw(problem)
+        total = problem.size("N") * problem.size("OC") * oh * ow
+        if total + config["THREADS"] >= 2 ** 31:
+            return f"{total} output elements past the direct kernel's 32-bit index math"
+        return None
+
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         """8-warp 128x128 tiles for big convs, 4-warp 128x64 / 64x64 ones when the big ones would not fill the GPU
-        or OC is small (a 64-channel ResNet stage wastes half a 128-wide tile)."""
+        or OC is small (a 64-channel ResNet stage wastes half a 128-wide tile). Grouped and depthwise convs: the
+        direct kernel, 256 threads a block, then 128."""
         if arch not in ARCHS:
             return []
+        if groups_of(problem) != 1:
+            direct = [{"DIRECT": 1, "THREADS": t} for t in (256, 128)]
+            return [c for c in direct if self.check(problem, c, arch) is None]
         big = [
             {"BM": 128, "BN": 128, "BK": 32, "WM": 4, "WN": 2, "STAGES": 3},
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 4},
@@ -205,11 +241,14 @@ class ConvFamily(KernelFamily):
 
     def instance_name(self, problem: Problem, config: Config, arch: str) -> str:
         c = {**self.optional, **config}
+        suffix = flag_suffix(problem)
+        if c["DIRECT"]:
+            name = "_".join([self.name, arch.replace("_", ""), problem.dtype, "direct", f"t{c['THREADS']}"])
+            return name + (f"_{suffix}" if suffix else "")
         parts = [self.name, arch.replace("_", ""), problem.dtype, f"{c['BM']}x{c['BN']}x{c['BK']}",
                  f"w{c['WM']}x{c['WN']}", f"s{c['STAGES']}"]
         if not c["VEC"]:
             parts.append("sc")
-        suffix = flag_suffix(problem)
         return "_".join(parts) + (f"_{suffix}" if suffix else "")
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
@@ -221,6 +260,22 @@ class ConvFamily(KernelFamily):
         epi = sum(bit for key, bit in _EPI_BITS.items() if f[key])
         name = self.instance_name(problem, c, arch)
         symbol = f"gtco_{name}"
+        acts = (f"gtco::Act::{ACTIVATIONS[f['activation']]}, gtco::Act::{ACTIVATIONS[f['post_activation']]}")
+        if c["DIRECT"]:
+            c = {"DIRECT": 1, "THREADS": c["THREADS"]}
+            source = (
+                f"// Generated by onnx_gtco.kernels.conv: {name}\n"
+                f"// y = {f['post_activation']}({f['activation']}(affine(conv(x, w){' + bias' if f['bias'] else ''}))"
+                f"{' + residual' if f['residual'] else ''}); direct (grouped), {c['THREADS']} threads, {arch}\n"
+                f"#include \"gtco/conv.cuh\"\n"
+                f"\n"
+                f"GTCO_EXPORT int {symbol}(const ConvArgs* args, void* stream) {{\n"
+                f"    return gtco::launch_conv_direct<{_CTYPE[problem.dtype]}, {c['THREADS']}, /*EPI=*/{epi}, {acts}>"
+                f"(args, stream);\n"
+                f"}}\n")
+            return Instance(name=name, symbol=symbol, source=source, problem=problem, config=c, arch=arch,
+                            smem_bytes=0)
+        c = {k: v for k, v in c.items() if k not in ("DIRECT", "THREADS")}  # the direct kernel's keys
         targs = (f"{_CTYPE[problem.dtype]}, {c['BM']}, {c['BN']}, {c['BK']}, {c['WM']}, {c['WN']}, {c['STAGES']}, "
                  f"/*EPI=*/{epi}, gtco::Act::{ACTIVATIONS[f['activation']]}, "
                  f"gtco::Act::{ACTIVATIONS[f['post_activation']]}, /*VEC=*/{'true' if c['VEC'] else 'false'}")
@@ -243,7 +298,7 @@ class ConvFamily(KernelFamily):
         f = _flags(problem)
         oh, ow = out_hw(problem)
         shapes: dict[str, tuple[int, ...]] = {"x": (s["N"], s["C"], s["H"], s["W"]),
-                                              "w": (s["OC"], s["C"], s["KH"], s["KW"])}
+                                              "w": (s["OC"], s["C"] // groups_of(problem), s["KH"], s["KW"])}
         for key in CHANNEL_OPERANDS:
             if f["batchnorm"] if key in ("mean", "var") else f[key]:
                 shapes[key] = (s["OC"],)
@@ -261,7 +316,8 @@ class ConvFamily(KernelFamily):
         fields += [Field(name, "i64", v) for name, v in (
             ("n", s["N"]), ("c", s["C"]), ("in_h", s["H"]), ("in_w", s["W"]), ("oc", s["OC"]), ("kh", s["KH"]),
             ("kw", s["KW"]), ("oh", oh), ("ow", ow), ("stride_h", s["SH"]), ("stride_w", s["SW"]),
-            ("pad_t", s["PT"]), ("pad_l", s["PL"]), ("dil_h", s["DH"]), ("dil_w", s["DW"]))]
+            ("pad_t", s["PT"]), ("pad_l", s["PL"]), ("dil_h", s["DH"]), ("dil_w", s["DW"]),
+            ("groups", groups_of(problem)))]
         fields += [Field(f"{k}_step", "i64", int(k in present and np.asarray(arrays[k]).size > 1))
                    for k in CHANNEL_OPERANDS]
         fields.append(Field("epsilon", "f32", float(problem.flag("epsilon", 1e-5))))
@@ -277,16 +333,20 @@ class ConvFamily(KernelFamily):
         dt = problem.dtype
         x = from_storage(np.asarray(inputs["x"]), dt)
         w = from_storage(np.asarray(inputs["w"]), dt)
-        if dt == "f32":  # the Tensor Core multiplies TF32 operands
+        groups = groups_of(problem)
+        if dt == "f32" and groups == 1:  # the Tensor Core multiplies TF32 operands (the direct kernel fp32 ones)
             x, w = (tf32_round(v).astype(np.float64) for v in (x, w))
         oh, ow = out_hw(problem)
         xp = np.pad(x, ((0, 0), (0, 0), (s["PT"], s["PB"]), (s["PL"], s["PR"])))
+        cg, ocg = s["C"] // groups, s["OC"] // groups
         y = np.zeros((s["N"], s["OC"], oh, ow))
         for ky in range(s["KH"]):
             for kx in range(s["KW"]):
                 y0, x0 = ky * s["DH"], kx * s["DW"]
                 win = xp[:, :, y0:y0 + s["SH"] * (oh - 1) + 1:s["SH"], x0:x0 + s["SW"] * (ow - 1) + 1:s["SW"]]
-                y += np.einsum("nchw,oc->nohw", win, w[:, :, ky, kx])
+                for g in range(groups):
+                    y[:, g * ocg:(g + 1) * ocg] += np.einsum(
+                        "nchw,oc->nohw", win[:, g * cg:(g + 1) * cg], w[g * ocg:(g + 1) * ocg, :, ky, kx])
 
         def chan(key: str, default: float) -> np.ndarray:
             if key not in inputs:
@@ -314,7 +374,7 @@ class ConvFamily(KernelFamily):
         """Standard normal x, w scaled by 1/sqrt(K) (so conv(x, w) is O(1)); bias, shift, mean and residual at
         0.5 scale; scale in [0.5, 1.5], var in [0.5, 2] (positive, as BatchNormalization's)."""
         rng = np.random.default_rng(seed)
-        _, _, k = gemm_sizes(problem)
+        k = gemm_sizes(problem)[2] // groups_of(problem)  # the sum's length: C/groups·KH·KW
         out: dict[str, np.ndarray] = {}
         for key, shape in self.input_shapes(problem).items():
             if key == "scale":

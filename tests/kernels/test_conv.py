@@ -1,7 +1,9 @@
 """The conv family (plugins/include/gtco/conv.cuh, onnx_gtco/kernels/conv.py): implicit-GEMM convolutions through
 the CPU emulation against a float64 reference on ragged shapes (1x1, 3x3, 7x7, strides, asymmetric pads, dilation
 2, ViT's 16x16 / 16 patchify), every dtype and epilogue, deliberate faults that the comparison catches, `check`'s
-reasons, the launcher's argument checks, and nvcc/ptxas resources for sm_80 and sm_90."""
+reasons, the launcher's argument checks, and nvcc/ptxas resources for sm_80 and sm_90; the same for the direct
+kernel of grouped and depthwise convs (depthwise 3x3 stride 1 and 2, groups 2 and 4 with several channels a group,
+dilation 2, a channel multiplier, asymmetric pads)."""
 
 from __future__ import annotations
 
@@ -56,10 +58,39 @@ GRID = [
 ]
 FAULTS = {"pad_added": "GTCO_CONV_TEST_FAULT=1", "no_row_dilation": "GTCO_CONV_TEST_FAULT=2"}
 
+# Grouped and depthwise convs, the direct kernel: (N, C, H, W, OC, KH, KW, stride, pads, dilation, groups), ragged
+# planes (no size a multiple of the block), C/groups and OC/groups above 1 where the groups are not depthwise.
+DIRECT_SHAPES = {
+    "dw3x3_p1": (2, 12, 11, 13, 12, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1), 12),   # SegFormer's Mix-FFN conv
+    "dw3x3_s2": (2, 10, 15, 14, 10, 3, 3, (2, 2), (1, 1, 1, 1), (1, 1), 10),
+    "g2": (2, 8, 9, 11, 6, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1), 2),              # 4 in, 3 out channels a group
+    "g4_d2": (1, 12, 13, 12, 8, 3, 3, (1, 1), (2, 2, 2, 2), (2, 2), 4),         # 3 in, 2 out, dilation 2
+    "dw_x2_asym": (2, 6, 10, 9, 12, 3, 2, (1, 2), (0, 1, 2, 0), (1, 1), 6),     # channel multiplier 2
+}
+DW_GELU = {"bias": True, "activation": "gelu_erf"}                                  # SegFormer's dwconv + GELU
+BN_RELU_RES = {"batchnorm": True, "activation": "relu", "residual": True}
+# (id, THREADS, dtype, flags): every dtype with both epilogues, over every direct shape
+DIRECT_GRID = [
+    ("d256-f16-gelu", 256, "f16", DW_GELU),
+    ("d128-f16-bnres", 128, "f16", BN_RELU_RES),
+    ("d256-bf16-gelu", 256, "bf16", DW_GELU),
+    ("d128-bf16-bnres", 128, "bf16", BN_RELU_RES),
+    ("d128-f32-gelu", 128, "f32", DW_GELU),
+    ("d256-f32-bnres", 256, "f32", {**BN_RELU_RES, "post_activation": "relu"}),
+]
+DIRECT_TOL = {"f16": 2e-3, "bf16": 4e-3, "f32": 1e-6}  # f32: plain fp32 products, no TF32
+DIRECT_FAULTS = {"pad_added": "GTCO_CONV_TEST_FAULT=1", "no_group_offset": "GTCO_CONV_TEST_FAULT=3"}
+
 
 def problem(dtype: str, shape: str, flags: dict) -> Problem:
     n, c, h, w, oc, kh, kw, stride, pads, dil = SHAPES[shape]
     return conv_problem(dtype, n, c, h, w, oc, kh, kw, stride=stride, pads=pads, dilation=dil, **flags)
+
+
+def direct_problem(dtype: str, shape: str, flags: dict) -> Problem:
+    n, c, h, w, oc, kh, kw, stride, pads, dil, groups = DIRECT_SHAPES[shape]
+    return conv_problem(dtype, n, c, h, w, oc, kh, kw, stride=stride, pads=pads, dilation=dil, groups=groups,
+                        **flags)
 
 
 def vec(prob: Problem) -> int:
@@ -77,6 +108,13 @@ def _builds() -> dict[tuple, tuple[Instance, tuple[str, ...]]]:
     for fault, define in FAULTS.items():
         prob = problem("f16", "3x3_d2", BLOCK_END)
         builds[("fault", fault)] = (FAMILY.instantiate(prob, {**C2, "VEC": 0}, "sm_80"), (*EMU_FLAGS, f"-D{define}"))
+    for key, threads, dtype, flags in DIRECT_GRID:
+        prob = direct_problem(dtype, "g2", flags)  # the instance serves every grouped shape
+        builds[(key,)] = (FAMILY.instantiate(prob, {"DIRECT": 1, "THREADS": threads}, "sm_80"), ())
+    for fault, define in DIRECT_FAULTS.items():
+        prob = direct_problem("f16", "g4_d2", DW_GELU)
+        builds[("direct-fault", fault)] = (FAMILY.instantiate(prob, {"DIRECT": 1, "THREADS": 128}, "sm_80"),
+                                           (*EMU_FLAGS, f"-D{define}"))
     return builds
 
 
@@ -119,6 +157,38 @@ def test_grid_matches_fp64_reference(libs, key, config, dtype, flags, shapes):
         got, inputs = run(inst, lib, prob)
         err, raw = errors(got, prob, inputs)
         assert err < TOL and raw < RAW_TOL[dtype], f"{key} {shape}: rel err {err:.3g} (rounded), {raw:.3g} (fp64)"
+
+
+@pytest.mark.parametrize(("key", "threads", "dtype", "flags"), DIRECT_GRID, ids=[g[0] for g in DIRECT_GRID])
+def test_direct_grid_matches_fp64_reference(libs, key, threads, dtype, flags):
+    for shape in DIRECT_SHAPES:
+        prob = direct_problem(dtype, shape, flags)
+        inst, lib = libs[(key,)]
+        assert inst.config == {"DIRECT": 1, "THREADS": threads}
+        got, inputs = run(inst, lib, prob, seed=3)
+        err, raw = errors(got, prob, inputs)
+        assert err < TOL and raw < DIRECT_TOL[dtype], f"{key} {shape}: rel err {err:.3g} (rounded), {raw:.3g} (fp64)"
+
+
+@pytest.mark.parametrize("fault", list(DIRECT_FAULTS))
+def test_direct_deliberate_faults_are_caught(libs, fault):
+    """A window origin that adds the padding, or every group reading the first group's input channels, fail."""
+    prob = direct_problem("f16", "g4_d2", DW_GELU)
+    inst, lib = libs[("direct-fault", fault)]
+    got, inputs = run(inst, lib, prob)
+    err, _ = errors(got, prob, inputs)
+    assert err > 0.05, f"{fault}: rel err {err:.3g} went unnoticed"
+
+
+def test_direct_launcher_rejects_groups_that_do_not_divide(libs):
+    prob = direct_problem("f16", "g2", DW_GELU)
+    inst, lib = libs[("d256-f16-gelu",)]
+    inputs = FAMILY.random_inputs(prob, 0)
+    arrays = {**inputs, **FAMILY.allocate_outputs(prob)}
+    fields = [Field(f.name, f.kind, 4 if f.name == "groups" else f.value)  # 4 divides C = 8, not OC = 6
+              for f in FAMILY.args_fields(prob, arrays)]
+    with pytest.raises(EmulationError, match="returned error code 1"):
+        run_emulated(lib, inst.symbol, fields, arrays, ["y"])
 
 
 def test_one_value_per_channel_operands(libs):
@@ -172,6 +242,7 @@ def test_wrong_padding_in_the_reference_is_caught(libs):
     ("step 2", {"scale_step": 2}),
     ("zero channels", {"c": 0}),
     ("K not a chunk multiple for VEC", {"c": 3}),
+    ("groups 2 to the implicit GEMM", {"groups": 2}),
 ])
 def test_launcher_rejects_bad_arguments(libs, what, change):
     prob = problem("f16", "1x1", {"bias": True})
@@ -192,7 +263,10 @@ def test_launcher_rejects_bad_arguments(libs, what, change):
 # check / configs
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("prob_kw", "config", "words"), [
-    ({"groups": 4}, C2, "groups=4"),
+    ({"groups": 4}, C2, "use the direct kernel"),
+    ({}, {"DIRECT": 1, "THREADS": 256}, "DIRECT=1 with groups == 1"),
+    ({"groups": 4}, {"DIRECT": 1, "THREADS": 64}, "THREADS=64"),
+    ({"groups": 3}, {"DIRECT": 1, "THREADS": 128}, "does not divide"),
     ({}, {**C2, "VEC": 1, "kw": 3}, None),
     ({"activation": "hardswish"}, C2, "not fused"),
     ({}, {**C3, "WM": 2, "WN": 1}, "multiple of BM"),
@@ -215,8 +289,12 @@ def test_configs_are_valid_for_the_target_shapes(arch):
     for prob in NVCC_PROBLEMS.values():
         configs = FAMILY.configs(prob, arch)
         assert configs and all(FAMILY.check(prob, c, arch) is None for c in configs), prob
-        assert configs[0]["VEC"] == vec(prob)
-    assert FAMILY.configs(conv_problem("f16", 1, 16, 8, 8, 16, 3, 3, groups=16), arch) == []
+        if prob.flag("groups", 1) == 1:
+            assert configs[0]["VEC"] == vec(prob) and not any(c.get("DIRECT") for c in configs)
+        else:
+            assert all(c["DIRECT"] == 1 for c in configs)
+            assert all(FAMILY.check(prob, {**c, "VEC": 1}, arch) is not None for c in FAMILY.configs(
+                NVCC_PROBLEMS["r50_3x3"], arch))  # no GEMM config passes a grouped problem
 
 
 def test_instance_name_and_source():
@@ -224,6 +302,9 @@ def test_instance_name_and_source():
     assert inst.name == "conv_sm90_bf16_64x64x32_w2x2_s3_bn_res_post_relu"
     assert inst.symbol == "gtco_" + inst.name and '#include "gtco/conv.cuh"' in inst.source
     assert "gtco::launch_conv<__nv_bfloat16, 64, 64, 32, 2, 2, 3, /*EPI=*/30" in inst.source
+    dw = FAMILY.instantiate(direct_problem("f16", "dw3x3_p1", DW_GELU), {"DIRECT": 1, "THREADS": 256}, "sm_80")
+    assert dw.name == "conv_sm80_f16_direct_t256_bias_gelu_erf" and dw.smem_bytes == 0
+    assert "gtco::launch_conv_direct<__half, 256, /*EPI=*/1, gtco::Act::kGeluErf, gtco::Act::kNone>" in dw.source
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,6 +324,14 @@ NVCC_PROBLEMS = {
     # SegFormer's overlapping patch embedding (7x7 / 4, pad 3) and its 1x1 fuse conv, TF32
     "segformer_embed": conv_problem("f32", 1, 3, 512, 512, 64, 7, 7, stride=(4, 4), pads=(3, 3, 3, 3), bias=True),
     "segformer_fuse": conv_problem("f32", 1, 1024, 128, 128, 256, 1, 1, batchnorm=True, activation="relu"),
+    # grouped: SegFormer-B0's Mix-FFN depthwise 3x3 (stage 1, 128 channels at 128x128) + GELU in fp16 and TF32's
+    # fp32, a ResNeXt 3x3 (32 groups of 4) with BN + ReLU + residual in bf16
+    "segformer_dw": conv_problem("f16", 1, 128, 128, 128, 128, 3, 3, pads=(1, 1, 1, 1), groups=128, bias=True,
+                                 activation="gelu_erf"),
+    "segformer_dw_f32": conv_problem("f32", 1, 256, 64, 64, 256, 3, 3, pads=(1, 1, 1, 1), groups=256, bias=True,
+                                     activation="gelu_erf"),
+    "resnext_g32": conv_problem("bf16", 1, 128, 56, 56, 128, 3, 3, stride=(2, 2), pads=(1, 1, 1, 1), groups=32,
+                                batchnorm=True, activation="relu", residual=True),
 }
 
 
@@ -250,6 +339,7 @@ def _nvcc_cases() -> list[tuple[str, str, dict]]:
     cases = [(key, arch, FAMILY.configs(prob, arch)[0]) for key, prob in NVCC_PROBLEMS.items()
              for arch in ("sm_80", "sm_90")]
     cases += [("r50_3x3", "sm_80", c) for c in FAMILY.configs(NVCC_PROBLEMS["r50_3x3"], "sm_80")[1:]]
+    cases += [("segformer_dw", "sm_80", c) for c in FAMILY.configs(NVCC_PROBLEMS["segformer_dw"], "sm_80")[1:]]
     return cases
 
 
@@ -275,11 +365,12 @@ def ptxas_reports(tmp_path_factory):
 @pytest.mark.nvcc
 @pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
 @pytest.mark.parametrize("case", range(len(NVCC_CASES)),
-                         ids=[f"{k}-{a}-{c['BM']}x{c['BN']}x{c['BK']}w{c['WM']}x{c['WN']}s{c['STAGES']}v{c['VEC']}"
+                         ids=[f"{k}-{a}-t{c['THREADS']}" if c.get("DIRECT") else
+                              f"{k}-{a}-{c['BM']}x{c['BN']}x{c['BK']}w{c['WM']}x{c['WN']}s{c['STAGES']}v{c['VEC']}"
                               for k, a, c in NVCC_CASES])
 def test_ptxas_no_spills(ptxas_reports, case):
     inst, kernels = ptxas_reports[case]
-    convs = [k for k in kernels if "conv_kernel" in k.name]
+    convs = [k for k in kernels if "conv_kernel" in k.name or "conv_direct_kernel" in k.name]
     assert len(convs) == 1, kernels
     k = convs[0]
     print(f"{inst.name}: {k.registers} registers, spills {k.spills}, stack {k.stack_frame_bytes} B")

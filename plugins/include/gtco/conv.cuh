@@ -5,7 +5,8 @@
 //
 // a and b are folded per output channel in the epilogue from the node's constants: a = scale, b = shift (either
 // alone), or with BN (an inference BatchNormalization) a = scale / sqrt(var + epsilon), b = shift - mean * a, as
-// plugins/cpu/conv_ref.h's fold_affine does. groups == 1 only (ConvFamily.check says why others are refused).
+// plugins/cpu/conv_ref.h's fold_affine does. The implicit GEMM runs groups == 1; grouped and depthwise convs run
+// conv_direct_kernel (at the end of this file).
 //
 // The GEMM (gemm.cuh's tile machinery: GemmTile, gemm_detail::mma_ktile, the same STAGES ring of shared stages):
 //   M = n * oh * ow output pixels (row m = (image, oy, ox)), N = oc output channels, K = c * kh * kw in w's order
@@ -41,6 +42,63 @@ namespace gtco {
 
 // Epilogue operands an instance is built with (the EPI bit set).
 enum ConvEpi : int { kConvBias = 1, kConvScale = 2, kConvShift = 4, kConvBn = 8, kConvRes = 16 };
+
+// The epilogue both conv kernels share (the implicit GEMM's fragments and the direct kernel's single sums).
+namespace conv_detail {
+
+// Output channel c's fold of the per-channel operands: v = (acc + add) * mul + post.
+template <class T, int EPI>
+GTCO_DEVICE void channel_affine(const ConvArgs& p, int c, float& add, float& mul, float& post) {
+    add = 0.0f;
+    if constexpr ((EPI & kConvBias) != 0) add = gemm_detail::to_f32(static_cast<const T*>(p.bias)[c * p.bias_step]);
+    const float s = (EPI & kConvScale) != 0 ? gemm_detail::to_f32(static_cast<const T*>(p.scale)[c * p.scale_step]) : 1.0f;
+    const float t = (EPI & kConvShift) != 0 ? gemm_detail::to_f32(static_cast<const T*>(p.shift)[c * p.shift_step]) : 0.0f;
+    if constexpr ((EPI & kConvBn) != 0) {
+        const float mean = gemm_detail::to_f32(static_cast<const T*>(p.mean)[c * p.mean_step]);
+        const float var = gemm_detail::to_f32(static_cast<const T*>(p.var)[c * p.var_step]);
+        mul = s / sqrtf(var + p.epsilon);
+        post = t - mean * mul;
+    } else {
+        mul = s, post = t;
+    }
+}
+
+// y[off] = post_act(act((acc + add) * mul + post) + residual[off]).
+template <class T, int EPI, Act ACT, Act POST>
+GTCO_DEVICE void store_out(float acc, float add, float mul, float post, const T* R, T* Y, int64_t off) {
+    float v = gemm_detail::activate<ACT>((acc + add) * mul + post);
+    if constexpr ((EPI & kConvRes) != 0) v += gemm_detail::to_f32(R[off]);
+    Y[off] = gemm_detail::from_f32<T>(gemm_detail::activate<POST>(v));
+}
+
+// The argument checks both launchers share: sizes, pads, the window origin's int math, operand pointers present
+// or absent against the instance (EPI), steps of 0 or 1, element alignment. groups is checked by each launcher.
+template <class T, int EPI>
+bool args_ok(const ConvArgs& p) {
+    const int64_t sizes[] = {p.n, p.c, p.in_h, p.in_w, p.oc, p.kh, p.kw, p.oh, p.ow,
+                             p.stride_h, p.stride_w, p.dil_h, p.dil_w, p.groups};
+    for (int64_t s : sizes)
+        if (s < 1 || s > INT_MAX) return false;
+    if (p.pad_t < 0 || p.pad_l < 0 || p.pad_t > INT_MAX / 2 || p.pad_l > INT_MAX / 2) return false;
+    if (p.in_h * p.in_w > INT_MAX || p.kh * p.kw > INT_MAX / p.c) return false;
+    if (p.oh * p.stride_h + p.kh * p.dil_h > INT_MAX / 2 || p.ow * p.stride_w + p.kw * p.dil_w > INT_MAX / 2)
+        return false;
+    if (p.x == nullptr || p.w == nullptr || p.y == nullptr) return false;
+    const void* ops[] = {p.bias, p.scale, p.shift, p.mean, p.var, p.residual};
+    const bool want[] = {(EPI & kConvBias) != 0, (EPI & kConvScale) != 0, (EPI & kConvShift) != 0,
+                         (EPI & kConvBn) != 0,   (EPI & kConvBn) != 0,    (EPI & kConvRes) != 0};
+    for (int i = 0; i < 6; ++i) {
+        if ((ops[i] != nullptr) != want[i]) return false;
+        if (!gemm_detail::aligned(ops[i], sizeof(T))) return false;
+    }
+    const int64_t steps[] = {p.bias_step, p.scale_step, p.shift_step, p.mean_step, p.var_step};
+    for (int64_t s : steps)
+        if (s != 0 && s != 1) return false;
+    return gemm_detail::aligned(p.x, sizeof(T)) && gemm_detail::aligned(p.w, sizeof(T)) &&
+           gemm_detail::aligned(p.y, sizeof(T));
+}
+
+}  // namespace conv_detail
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int EPI, Act ACT, Act POST, bool VEC>
 __global__ void __launch_bounds__(WM * WN * 32) conv_kernel(const ConvArgs p) {
@@ -189,21 +247,7 @@ __global__ void __launch_bounds__(WM * WN * 32) conv_kernel(const ConvArgs p) {
         const int col0 = n0 + wn * TN + ni * 8 + 2 * tig;
         float add[2], mul[2], post[2];  // v = (acc + add) * mul + post, per column
         GTCO_UNROLL
-        for (int j = 0; j < 2; ++j) {
-            const int c = col0 + j < N ? col0 + j : 0;
-            add[j] = 0.0f, mul[j] = 1.0f, post[j] = 0.0f;
-            if constexpr ((EPI & kConvBias) != 0) add[j] = gemm_detail::to_f32(static_cast<const T*>(p.bias)[c * p.bias_step]);
-            const float s = (EPI & kConvScale) != 0 ? gemm_detail::to_f32(static_cast<const T*>(p.scale)[c * p.scale_step]) : 1.0f;
-            const float t = (EPI & kConvShift) != 0 ? gemm_detail::to_f32(static_cast<const T*>(p.shift)[c * p.shift_step]) : 0.0f;
-            if constexpr ((EPI & kConvBn) != 0) {
-                const float mean = gemm_detail::to_f32(static_cast<const T*>(p.mean)[c * p.mean_step]);
-                const float var = gemm_detail::to_f32(static_cast<const T*>(p.var)[c * p.var_step]);
-                mul[j] = s / sqrtf(var + p.epsilon);
-                post[j] = t - mean * mul[j];
-            } else {
-                mul[j] = s, post[j] = t;
-            }
-        }
+        for (int j = 0; j < 2; ++j) conv_detail::channel_affine<T, EPI>(p, col0 + j < N ? col0 + j : 0, add[j], mul[j], post[j]);
         GTCO_UNROLL
         for (int mi = 0; mi < MI; ++mi) {
             GTCO_UNROLL
@@ -215,10 +259,8 @@ __global__ void __launch_bounds__(WM * WN * 32) conv_kernel(const ConvArgs p) {
                 GTCO_UNROLL
                 for (int j = 0; j < 2; ++j) {
                     if (col0 + j >= N) continue;
-                    float v = gemm_detail::activate<ACT>((acc[mi][ni][2 * h + j] + add[j]) * mul[j] + post[j]);
                     const int64_t off = base + (col0 + j) * plane;
-                    if constexpr ((EPI & kConvRes) != 0) v += gemm_detail::to_f32(R[off]);
-                    Y[off] = gemm_detail::from_f32<T>(gemm_detail::activate<POST>(v));
+                    conv_detail::store_out<T, EPI, ACT, POST>(acc[mi][ni][2 * h + j], add[j], mul[j], post[j], R, Y, off);
                 }
             }
         }
@@ -226,7 +268,7 @@ __global__ void __launch_bounds__(WM * WN * 32) conv_kernel(const ConvArgs p) {
 }
 
 // Check *args against what the instance was built for, then launch on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE
-// (a size out of range or past the kernel's 32-bit index math, an operand pointer present or absent against the
+// (a size out of range or past the kernel's 32-bit index math, groups != 1, an operand pointer present or absent against the
 // instance, a step other than 0 or 1, misaligned pointers, K not a multiple of a 16-byte chunk or w not 16-byte
 // aligned for a VEC instance) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int EPI, Act ACT, Act POST, bool VEC>
@@ -234,32 +276,12 @@ int launch_conv(const ConvArgs* args, void* stream) {
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, true>;
     if (args == nullptr) return GTCO_EBADSHAPE;
     const ConvArgs& p = *args;
-    const int64_t sizes[] = {p.n, p.c, p.in_h, p.in_w, p.oc, p.kh, p.kw, p.oh, p.ow,
-                             p.stride_h, p.stride_w, p.dil_h, p.dil_w};
-    for (int64_t s : sizes)
-        if (s < 1 || s > INT_MAX) return GTCO_EBADSHAPE;
-    if (p.pad_t < 0 || p.pad_l < 0 || p.pad_t > INT_MAX / 2 || p.pad_l > INT_MAX / 2) return GTCO_EBADSHAPE;
-    // the kernel's int math: pixels (M), K and the window origin of any pixel stay below INT_MAX
-    if (p.oh * p.ow > INT_MAX / p.n || p.n * p.oh * p.ow > INT_MAX - BM || p.kh * p.kw > INT_MAX / p.c ||
-        p.c * p.kh * p.kw > INT_MAX - BK || p.oc > INT_MAX - BN || p.in_h * p.in_w > INT_MAX)
-        return GTCO_EBADSHAPE;
-    if (p.oh * p.stride_h + p.kh * p.dil_h > INT_MAX / 2 || p.ow * p.stride_w + p.kw * p.dil_w > INT_MAX / 2)
+    if (!conv_detail::args_ok<T, EPI>(p) || p.groups != 1) return GTCO_EBADSHAPE;  // groups: conv_direct_kernel
+    // the kernel's int math: pixels (M), K and the column tiles stay below INT_MAX
+    if (p.oh * p.ow > INT_MAX / p.n || p.n * p.oh * p.ow > INT_MAX - BM || p.c * p.kh * p.kw > INT_MAX - BK ||
+        p.oc > INT_MAX - BN)
         return GTCO_EBADSHAPE;
     if ((p.oc + BN - 1) / BN > 65535) return GTCO_EBADSHAPE;  // grid y limit
-    if (p.x == nullptr || p.w == nullptr || p.y == nullptr) return GTCO_EBADSHAPE;
-    const void* ops[] = {p.bias, p.scale, p.shift, p.mean, p.var, p.residual};
-    const bool want[] = {(EPI & kConvBias) != 0, (EPI & kConvScale) != 0, (EPI & kConvShift) != 0,
-                         (EPI & kConvBn) != 0,   (EPI & kConvBn) != 0,    (EPI & kConvRes) != 0};
-    for (int i = 0; i < 6; ++i) {
-        if ((ops[i] != nullptr) != want[i]) return GTCO_EBADSHAPE;
-        if (!gemm_detail::aligned(ops[i], sizeof(T))) return GTCO_EBADSHAPE;
-    }
-    const int64_t steps[] = {p.bias_step, p.scale_step, p.shift_step, p.mean_step, p.var_step};
-    for (int64_t s : steps)
-        if (s != 0 && s != 1) return GTCO_EBADSHAPE;
-    if (!gemm_detail::aligned(p.x, sizeof(T)) || !gemm_detail::aligned(p.w, sizeof(T)) ||
-        !gemm_detail::aligned(p.y, sizeof(T)))
-        return GTCO_EBADSHAPE;
     if (VEC && ((p.c * p.kh * p.kw) % Tile::kChunk != 0 || !gemm_detail::aligned(p.w, 16))) return GTCO_EBADSHAPE;
     const dim3 grid(static_cast<unsigned>((p.n * p.oh * p.ow + BM - 1) / BM), static_cast<unsigned>((p.oc + BN - 1) / BN));
     const dim3 block(Tile::kThreads);
@@ -270,6 +292,83 @@ int launch_conv(const ConvArgs* args, void* stream) {
     } else {
         return GTCO_LAUNCH(kernel, grid, block, stream, p);
     }
+}
+
+// Grouped and depthwise convs (groups != 1): a direct convolution on CUDA cores, one thread per output element.
+// Thread i of the grid computes y's NCHW element i, so consecutive threads take consecutive ox of one output plane
+// (coalesced stores, and coalesced x loads along a row for stride 1). Output channel oc belongs to group
+// g = oc / (OC / groups) and sums its group's C / groups input channels over the KH x KW taps (stride, pad,
+// dilation; zero outside x), in fp32 (plain fp32 products for f32 I/O: no TF32 here), then the implicit GEMM's
+// epilogue (conv_detail). w is [OC, C / groups, KH, KW]. A depthwise 3x3 has 9 multiply-adds an output: memory
+// bound, where a Tensor Core tile would run at one column of its N. No shared memory and no reuse across ox (each
+// thread reads its own window; neighbours' overlapping reads hit L1).
+//
+// Test hook: GTCO_CONV_TEST_FAULT=1 adds the padding (as above); =3 reads every group's input channels from
+// channel 0 (a missing group offset).
+template <class T, int THREADS, int EPI, Act ACT, Act POST>
+__global__ void __launch_bounds__(THREADS) conv_direct_kernel(const ConvArgs p) {
+    const int H = static_cast<int>(p.in_h), W = static_cast<int>(p.in_w);
+    const int KH = static_cast<int>(p.kh), KW = static_cast<int>(p.kw);
+    const int OH = static_cast<int>(p.oh), OW = static_cast<int>(p.ow), OC = static_cast<int>(p.oc);
+    const int G = static_cast<int>(p.groups), CG = static_cast<int>(p.c) / G, OCG = OC / G;
+    const int dh = static_cast<int>(p.dil_h), dw = static_cast<int>(p.dil_w);
+    const int total = static_cast<int>(p.n) * OC * OH * OW;  // launcher: below INT_MAX - THREADS
+    const int idx = static_cast<int>(blockIdx.x) * THREADS + static_cast<int>(threadIdx.x);
+    if (idx >= total) return;
+    int t = idx / OW;
+    const int ox = idx - t * OW;
+    const int oy = t % OH;
+    t /= OH;
+    const int oc = t % OC, img = t / OC;
+#if GTCO_CONV_TEST_FAULT == 1
+    const int iy0 = oy * static_cast<int>(p.stride_h) + static_cast<int>(p.pad_t);
+    const int ix0 = ox * static_cast<int>(p.stride_w) + static_cast<int>(p.pad_l);
+#else
+    const int iy0 = oy * static_cast<int>(p.stride_h) - static_cast<int>(p.pad_t);
+    const int ix0 = ox * static_cast<int>(p.stride_w) - static_cast<int>(p.pad_l);
+#endif
+#if GTCO_CONV_TEST_FAULT == 3
+    const int c0 = 0;
+#else
+    const int c0 = oc / OCG * CG;  // the group's first input channel
+#endif
+    const int64_t plane = static_cast<int64_t>(H) * W;
+    const T* xc = static_cast<const T*>(p.x) + (static_cast<int64_t>(img) * p.c + c0) * plane;
+    const T* wk = static_cast<const T*>(p.w) + static_cast<int64_t>(oc) * CG * KH * KW;
+    float acc = 0.0f;
+    for (int ci = 0; ci < CG; ++ci, xc += plane) {
+        for (int ky = 0; ky < KH; ++ky, wk += KW) {
+            const int iy = iy0 + ky * dh;
+            if (static_cast<unsigned>(iy) >= static_cast<unsigned>(H)) continue;
+            const T* row = xc + static_cast<int64_t>(iy) * W;
+            for (int kx = 0; kx < KW; ++kx) {
+                const int ix = ix0 + kx * dw;
+                if (static_cast<unsigned>(ix) < static_cast<unsigned>(W))
+                    acc += gemm_detail::to_f32(row[ix]) * gemm_detail::to_f32(wk[kx]);
+            }
+        }
+    }
+    float add, mul, post;
+    conv_detail::channel_affine<T, EPI>(p, oc, add, mul, post);
+    conv_detail::store_out<T, EPI, ACT, POST>(acc, add, mul, post, static_cast<const T*>(p.residual),
+                                              static_cast<T*>(p.y), idx);
+}
+
+// Check *args as launch_conv does (groups may be any divisor of c and oc, the output's elements below INT_MAX),
+// then launch conv_direct_kernel on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE or GTCO_ELAUNCH.
+template <class T, int THREADS, int EPI, Act ACT, Act POST>
+int launch_conv_direct(const ConvArgs* args, void* stream) {
+    if (args == nullptr) return GTCO_EBADSHAPE;
+    const ConvArgs& p = *args;
+    if (!conv_detail::args_ok<T, EPI>(p)) return GTCO_EBADSHAPE;
+    if (p.c % p.groups != 0 || p.oc % p.groups != 0) return GTCO_EBADSHAPE;
+    if (p.oh * p.ow > INT_MAX / p.oc || p.oc * p.oh * p.ow > (INT_MAX - THREADS) / p.n) return GTCO_EBADSHAPE;
+    const int64_t total = p.n * p.oc * p.oh * p.ow;
+    const dim3 grid(static_cast<unsigned>((total + THREADS - 1) / THREADS));
+    const dim3 block(THREADS);
+    auto* kernel = &conv_direct_kernel<T, THREADS, EPI, ACT, POST>;
+    (void)stream;
+    return GTCO_LAUNCH(kernel, grid, block, stream, p);
 }
 
 }  // namespace gtco
