@@ -8,8 +8,8 @@ knows is what the C++ side computes: 1-D and 2-D convolutions with explicit pads
 The device kernel (kernels.conv, an implicit GEMM) is generic in every size, but its Problem, which picks the tile
 and the weight loads, needs x's and w's shapes, which a node's attributes do not hold: `problem` reads them from
 shape inference (plugin.device uses it in place of kernels.select.node_problem). A symbolic batch stands as 1 and
-a symbolic height or width as SPATIAL_STAND_IN, for the choice only. groups != 1 gets no instance, with the reason
-(kernels.conv.ConvFamily.check): such nodes keep their function on CUDA sessions.
+a symbolic height or width as SPATIAL_STAND_IN, for the choice only. groups != 1 (grouped and depthwise convs) gets
+the family's direct kernel; C is w's dim 1 times groups (w is [OC, C/groups, KH, KW]).
 """
 
 from __future__ import annotations
@@ -74,9 +74,6 @@ class ConvBinder:
         if isinstance(op, str):
             return op
         groups = int(op["groups"] or 1)
-        if groups != 1:
-            return (f"groups={groups}: the conv kernel is an implicit GEMM for groups == 1 (a grouped or depthwise "
-                    "conv would use a few percent of its tiles); the node runs its function")
         x, w = (node.inputs[op.inputs[r]].shape if r in op.inputs else None for r in ("x", "w"))
         if x is None or w is None or len(x) != len(w) or len(x) not in (3, 4):
             return f"x {x} or w {w} has no known rank 3 or 4 (the device kernel's tile needs it)"
@@ -93,9 +90,9 @@ class ConvBinder:
             kernel = [int(w[2]), int(w[3])]
         n = x[0] if isinstance(x[0], int) else 1
         dtype = kernel_dtype(self.family, op.dtype, str(op["precision"]))
-        return conv_problem(dtype, n, int(w[1]), spatial[0], spatial[1], int(w[0]), kernel[0], kernel[1],
+        return conv_problem(dtype, n, int(w[1]) * groups, spatial[0], spatial[1], int(w[0]), kernel[0], kernel[1],
                             stride=(strides[0], strides[1]), dilation=(dil[0], dil[1]),
-                            pads=(pads[0], pads[1], pads[2], pads[3]), bias=bool(op["bias"]),
+                            pads=(pads[0], pads[1], pads[2], pads[3]), groups=groups, bias=bool(op["bias"]),
                             scale=bool(op["scale"]), shift=bool(op["shift"]), batchnorm=bool(op["batchnorm"]),
                             epsilon=float(op["epsilon"]), activation=str(op["activation"] or "none"),
                             residual=bool(op["residual"]), post_activation=str(op["post_activation"] or "none"))

@@ -10,10 +10,9 @@
 // decomposed activation) are not read: the binder checked, at build time, that the chain computes the named one.
 //
 // CPU EP: plugins/cpu/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). Device:
-// the node's implicit-GEMM instance (gtco/conv.cuh) with ConvArgs filled from the same plan; it folds the constants
-// itself, in its epilogue, reading them from device memory (one value or one per channel: a step of 0 or 1). It
-// takes what the reference takes except groups != 1 (the build gives such nodes no instance; at run time it is an
-// error naming the shapes).
+// the node's instance (gtco/conv.cuh: the implicit GEMM for groups == 1, the direct kernel for grouped and depthwise
+// convs) with ConvArgs filled from the same plan; it folds the constants itself, in its epilogue, reading them from
+// device memory (one value or one per channel: a step of 0 or 1). It takes what the reference takes.
 #pragma once
 
 #include "conv_ref.h"
@@ -125,10 +124,6 @@ struct Conv {
             T* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
             if constexpr (Cuda) {
                 auto operands = [&] { return "x " + shape_str(in[IN_X].shape) + " and w " + shape_str(in[IN_W].shape); };
-                if (p.groups != 1) {
-                    return ref.fail(operands() + " in " + std::to_string(p.groups) + " groups: the device kernel "
-                                    "runs groups == 1 only");
-                }
                 ConvArgs args{};
                 args.x = in[IN_X].data, args.w = in[IN_W].data, args.bias = in[IN_BIAS].data;
                 args.scale = in[IN_SCALE].data, args.shift = in[IN_SHIFT].data, args.mean = in[IN_MEAN].data;
@@ -136,6 +131,7 @@ struct Conv {
                 args.n = p.n, args.c = p.c, args.in_h = p.h, args.in_w = p.w, args.oc = p.oc, args.kh = p.kh;
                 args.kw = p.kw, args.oh = p.oh, args.ow = p.ow, args.stride_h = p.sh, args.stride_w = p.sw;
                 args.pad_t = p.pad_t, args.pad_l = p.pad_l, args.dil_h = p.dh, args.dil_w = p.dw;
+                args.groups = p.groups;  // the instance is the direct kernel where groups != 1
                 args.bias_step = steps[0], args.scale_step = steps[1], args.shift_step = steps[2];
                 args.mean_step = steps[3], args.var_step = steps[4];
                 args.epsilon = at.epsilon;

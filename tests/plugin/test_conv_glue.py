@@ -2,8 +2,8 @@
 shapes real models use (ViT's 16x16 / 16 patch embedding, a ResNet bottleneck with BatchNormalization and a strided
 one with DETR's FrozenBatchNorm Mul / Add, depthwise and dilated convs, a 1-D conv), every node of each checked
 against onnx's float64 reference evaluator of the same model on seeded inputs, in fp32 and fp16. The device path
-too: an emulated build runs every groups == 1 conv on its implicit-GEMM instance (gtco/conv.cuh) against the same
-reference, and a depthwise conv keeps its op type on its function, with the reason."""
+too: an emulated build runs every conv on its instance (gtco/conv.cuh: the implicit GEMM for groups == 1, the
+direct kernel for the depthwise conv) against the same reference."""
 
 from __future__ import annotations
 
@@ -80,9 +80,8 @@ class Net:
         return onnx.shape_inference.infer_shapes(model)
 
 
-def conv_sites(elem: int, depthwise: bool = True) -> onnx.ModelProto:
-    """The conv groups of ViT, ResNet-50 / DETR and depthwise models, each ending in a graph output (`depthwise`:
-    with the depthwise conv, which has no device kernel)."""
+def conv_sites(elem: int) -> onnx.ModelProto:
+    """The conv groups of ViT, ResNet-50 / DETR and depthwise models, each ending in a graph output."""
     g, r = Net(elem), "Relu"
     patch = g.conv("img", "patch", 3, 8, 16, bias=True, kernel_shape=[16, 16], strides=[16, 16])
     stem = g.op(r, [g.bn(g.conv("img", "stem", 3, 16, 3, strides=[2, 2], pads=[1, 1, 1, 1]), "stem_bn", 16)], "s")
@@ -99,10 +98,7 @@ def conv_sites(elem: int, depthwise: bool = True) -> onnx.ModelProto:
     dw = g.op("Sigmoid", [g.conv(block, "dw", 16, 16, 3, bias=True, group=16, dilations=[2, 2],
                                  pads=[2, 2, 2, 2])], "dws")
     one_d = g.op("Add", [g.conv("seq", "c1d", 4, 6, 3, strides=[2], pads=[1, 0]), g.weight("c1d_b", 1, 6, 1)], "c1a")
-    if not depthwise:
-        g.nodes = [n for n in g.nodes if n.output[0] not in ("dw", "dws")]
-    outputs = [patch, strided, dw, one_d] if depthwise else [patch, strided, one_d]
-    return g.model({"img": [2, 3, 32, 32], "seq": [2, 4, 11]}, outputs)
+    return g.model({"img": [2, 3, 32, 32], "seq": [2, 4, 11]}, [patch, strided, dw, one_d])
 
 
 def as_float64(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -201,14 +197,17 @@ DEVICE_TOL = {TensorProto.FLOAT: 2e-3, TensorProto.FLOAT16: 5e-3}
 
 @pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["tf32", "f16"])
 def test_emulated_device_convs_match_a_float64_reference(elem: int, tmp_path: Path) -> None:
-    """Without the depthwise conv every conv group has groups == 1: the emulated build gives each its implicit-GEMM
-    instance (the patch embedding, the stem with BN, the bottlenecks with BN / FrozenBatchNorm, ReLU and the
-    residual, the strided downsample, the 1-D conv) and the outputs meet the float64 reference."""
-    built = build_longest(conv_sites(elem, depthwise=False), tmp_path, emulated=True)
-    conv_type = "Conv_" + ("f32" if elem == TensorProto.FLOAT else "f16")
-    assert built.lib.cuda_op_types == [conv_type] and not built.lib.kernel_skips, built.lib.kernel_skips
+    """The emulated build gives every conv group an instance, so the op type has its device kernel: the implicit
+    GEMM for the nine groups == 1 convs (the patch embedding, the stem with BN, the bottlenecks with BN /
+    FrozenBatchNorm, ReLU and the residual, the strided downsample, the 1-D conv), the direct kernel for the dilated
+    depthwise conv with its bias and sigmoid; the outputs meet the float64 reference."""
+    built = build_longest(conv_sites(elem), tmp_path, emulated=True)
+    dt = "f32" if elem == TensorProto.FLOAT else "f16"
+    assert built.lib.cuda_op_types == ["Conv_" + dt] and not built.lib.kernel_skips, built.lib.kernel_skips
     info = library_info(built.lib.path)
-    assert len(info["instances"]) == 9 and all(v[0].startswith("conv_sm80_") for v in info["instances"].values())
+    names = [v[0] for v in info["instances"].values()]
+    assert len(names) == 10 and all(n.startswith("conv_sm80_") for n in names), names
+    assert [n for n in names if "_direct_" in n] == [f"conv_sm80_{dt}_direct_t256_bias_sigmoid"], names
     original = onnx.load(str(built.original))
     for seed in (0, 1):
         feeds = make_inputs(original, seed)
@@ -217,17 +216,6 @@ def test_emulated_device_convs_match_a_float64_reference(elem: int, tmp_path: Pa
         for name, g, w in zip([o.name for o in original.graph.output], got, want, strict=True):
             assert g.shape == w.shape and np.isfinite(g).all(), name
             assert rel_error(g, w) < DEVICE_TOL[elem], f"{name} seed {seed}: {rel_error(g, w):.3g}"
-
-
-def test_depthwise_conv_keeps_its_function_with_the_reason(tmp_path: Path) -> None:
-    """A depthwise conv has no device instance (groups == 1 only), so its op type registers no device kernel and
-    every conv node of the model keeps its function on a CUDA session; the reasons say which node and why."""
-    built = build_longest(conv_sites(TensorProto.FLOAT), tmp_path, emulated=True)
-    skips = built.lib.kernel_skips
-    assert built.lib.cuda_op_types == [] and len(skips) == 10
-    assert skips["gtco/conv/dw"].startswith("groups=16: the conv kernel is an implicit GEMM for groups == 1")
-    assert all(why.startswith("op type Conv_f32 has no device kernel: node 'gtco/conv/dw' groups=16")
-               for node, why in skips.items() if node != "gtco/conv/dw")
 
 
 def test_fp32_sites_match_onnxruntime(sites: tuple[Built, int]) -> None:
