@@ -33,8 +33,8 @@ TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2}
 """‖err‖ / ‖ref‖ against the fp32 original (issue acceptance)."""
 HALF = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 WITHOUT_KERNEL: set[str] = set()
-"""Fused op families with no device kernel (none since conv has its implicit GEMM; a grouped conv, which it
-refuses, keeps its function, and these models have none)."""
+"""Fused op families with no device kernel: none (conv has its implicit GEMM, and a direct kernel for grouped and
+depthwise convs)."""
 
 SMALL = {
     "vit-tiny": lambda: build("vit-tiny", depth=2, image=64, seed=0),

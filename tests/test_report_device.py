@@ -19,9 +19,10 @@ from onnx_gtco.plugin.device import ARCH_SLOTS
 from onnx_gtco.plugin.library import bind_nodes, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
 
-GROUPED_REASON = ("groups=8: the conv kernel is an implicit GEMM for groups == 1 (a grouped or depthwise conv would "
-                  "use a few percent of its tiles); the node runs its function")
-"""Why a depthwise conv node has no device kernel (plugin.bind_conv): a CUDA session keeps its function."""
+SAME_PAD_REASON = ("Conv_f32 node 'gtco/conv/conv': Conv 'n0' pads by auto_pad=SAME_UPPER; the kernel takes "
+                   "explicit pads")
+"""Why a conv padded by auto_pad has no kernel (plugin.bind_conv): a CUDA session keeps its function. Since grouped
+and depthwise convs got their direct kernel, an auto_pad conv is the honest conv without one."""
 
 
 def _independent(model) -> tuple[dict[str, int], dict[str, str]]:
@@ -102,13 +103,13 @@ def test_markdown_has_the_device_section(tmp_path: Path, capsys: pytest.CaptureF
         assert f"| {w['family']} | {w['reason']} | {w['nodes']} |" in section
 
 
-def _depthwise_block() -> onnx.ModelProto:
-    """A depthwise 3x3 (no device kernel: groups=8) + ReLU, then a 1x1 conv + bias + ReLU (its implicit GEMM)."""
+def _same_pad_block() -> onnx.ModelProto:
+    """A 3x3 conv padded by auto_pad (no device kernel) + ReLU, then a 1x1 conv + bias + ReLU (its implicit GEMM)."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
-             for n, s in (("dw_w", (8, 1, 3, 3)), ("pw_w", (16, 8, 1, 1)), ("pw_b", (16,)))]
+             for n, s in (("dw_w", (8, 8, 3, 3)), ("pw_w", (16, 8, 1, 1)), ("pw_b", (16,)))]
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "dw_w"], ["d"], name="dw", pads=[1, 1, 1, 1], group=8),
+        [helper.make_node("Conv", ["x", "dw_w"], ["d"], name="dw", auto_pad="SAME_UPPER"),
          helper.make_node("Relu", ["d"], ["dr"], name="dw_relu"),
          helper.make_node("Conv", ["dr", "pw_w", "pw_b"], ["p"], name="pw"),
          helper.make_node("Relu", ["p"], ["y"], name="pw_relu")], "dwblock",
@@ -117,9 +118,9 @@ def _depthwise_block() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _optimize_depthwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, dict, str]:
+def _optimize_same_pad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, dict, str]:
     src = tmp_path / "dw.onnx"
-    save_atomic(_depthwise_block(), src)
+    save_atomic(_same_pad_block(), src)
     out = tmp_path / "dw.gtco.onnx"
     assert main(["optimize", str(src), "--no-build", "--target", "sm_90", "-o", str(out)]) == 0
     return out, json.loads(out.with_name(out.name + ".report.json").read_text()), capsys.readouterr().out
@@ -127,9 +128,9 @@ def _optimize_depthwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> t
 
 def test_nodes_without_device_kernels_count_unfused_in_the_prediction(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    _, rep, text = _optimize_depthwise(tmp_path, capsys)
+    _, rep, text = _optimize_same_pad(tmp_path, capsys)
     kernelless = [g for g in rep["groups"] if g["device_reason"] is not None]
-    assert kernelless  # the depthwise conv
+    assert kernelless  # the auto_pad conv
     for g in kernelless:  # no fictional kernel: a group that keeps its function costs what its nodes cost
         assert g["predicted_us"] == g["predicted_unfused_us"], g["name"]
     for g in rep["groups"]:
@@ -146,9 +147,9 @@ def test_nodes_without_device_kernels_count_unfused_in_the_prediction(tmp_path: 
 
 
 def test_no_device_kernel_predicts_no_speedup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every fused group without a device kernel (a depthwise conv) is predicted at its unfused cost (it was 3.7x
+    """Every fused group without a device kernel (an auto_pad conv) is predicted at its unfused cost (it was 3.7x
     on the fp32 ViT when such groups were costed as kernels that do not exist)."""
-    _, rep, _ = _optimize_depthwise(tmp_path, capsys)
+    _, rep, _ = _optimize_same_pad(tmp_path, capsys)
     without = [g for g in rep["groups"] if g["device_kernels"] == []]
     assert without
     for g in without:
@@ -156,18 +157,18 @@ def test_no_device_kernel_predicts_no_speedup(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_conv_without_a_kernel_is_no_faster_fused(tmp_path: Path) -> None:
-    """A model whose only fusable group is a depthwise conv (the conv kernel takes groups == 1 only): fused, named
-    with its reason, and predicted no faster than unfused."""
+    """A model whose only fusable group is a conv padded by auto_pad (the conv kernel takes explicit pads): fused,
+    named with its reason, and predicted no faster than unfused."""
     rng = np.random.default_rng(0)
-    w = numpy_helper.from_array(rng.standard_normal((8, 1, 3, 3)).astype(np.float32), "w")
+    w = numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32), "w")
     b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1], group=8)], "conv",
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", auto_pad="SAME_UPPER")], "conv",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], [w, b])
     result = optimize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), GtcoConfig())
     rep = result.report
     assert [g["family"] for g in rep["groups"]] == ["conv"]
-    assert rep["device"]["without"] == [{"family": "conv", "reason": GROUPED_REASON, "nodes": 1}]
+    assert rep["device"]["without"] == [{"family": "conv", "reason": SAME_PAD_REASON, "nodes": 1}]
     assert rep["predicted_us_after"] >= rep["predicted_us_before"] - 0.001
-    assert f"conv x1 keep their functions: {GROUPED_REASON}" in report.summary(rep)
+    assert f"conv x1 keep their functions: {SAME_PAD_REASON}" in report.summary(rep)
