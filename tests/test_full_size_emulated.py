@@ -23,7 +23,7 @@ from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.models import BUILTIN as MODELS
 from onnx_gtco.models import build
-from onnx_gtco.opspec import DOMAIN, split_op_type
+from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.plugin.library import build_library
 from onnx_gtco.runtime.check import make_inputs
@@ -32,8 +32,6 @@ pytestmark = pytest.mark.slow
 
 BOUND = {"fp16": 5e-3, "bf16": 2e-2, "fp32": 2e-3}
 """‖err‖ / ‖ref‖ against the fp32 original (the issue's acceptance)."""
-WITHOUT_KERNEL = {"conv"}
-"""Fused op families with no device kernel yet: their nodes run their functions (the report says so)."""
 CI = [("vit-b16", "fp16"), ("bert-base", "bf16"), ("deit-s", "fp32")]
 
 
@@ -66,8 +64,7 @@ def test_full_size_model_through_emulated_kernels(name: str, precision: str, tmp
     result = optimize(original, GtcoConfig(precision=precision))
     lib = build_library(result.model, tmp_path, cuda=False, emulated=True, planned=result.planned())
     fused = {n.op_type for n in result.model.graph.node if n.domain == DOMAIN}
-    without = {t for t in fused if split_op_type(t)[0] in WITHOUT_KERNEL}
-    assert set(lib.cuda_op_types) == fused - without, lib.kernel_skips
+    assert set(lib.cuda_op_types) == fused, lib.kernel_skips  # the patch-embedding conv included
     path = tmp_path / "model.gtco.onnx"
     onnx.save(result.model, str(path))
     x = make_inputs(original, 1)

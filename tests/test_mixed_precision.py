@@ -32,8 +32,9 @@ from onnx_gtco.runtime.check import compare, default_tolerances, make_inputs
 TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2}
 """‖err‖ / ‖ref‖ against the fp32 original (issue acceptance)."""
 HALF = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
-WITHOUT_KERNEL = {"conv"}
-"""Families that have no device kernel yet (their nodes run their functions); the report says so per node."""
+WITHOUT_KERNEL: set[str] = set()
+"""Fused op families with no device kernel (none since conv has its implicit GEMM; a grouped conv, which it
+refuses, keeps its function, and these models have none)."""
 
 SMALL = {
     "vit-tiny": lambda: build("vit-tiny", depth=2, image=64, seed=0),
@@ -283,7 +284,7 @@ def test_data_movement_ops_run_in_bf16_on_the_cpu_ep(op):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["vit-b16", "deit-s", "bert-base"])  # deit-b: vit-b16 with another head
 def test_full_size_builtins_convert_with_kernels_and_pass_check(name: str, precision: str) -> None:
-    """The full-size built-in models: dtypes kept, half the size, device kernels on every fused node but conv, and
+    """The full-size built-in models: dtypes kept, half the size, device kernels on every fused node, and
     check's defaults for the precision met against the fp32 original (through the functions)."""
     original = build(name, seed=0)
     result = optimize(original, GtcoConfig(precision=precision))

@@ -23,6 +23,7 @@ import onnx
 
 from onnx_gtco.kernels.attention import FAMILIES as ATTENTION_FAMILIES
 from onnx_gtco.kernels.attention import make_problem
+from onnx_gtco.kernels.conv import FAMILY as CONV
 from onnx_gtco.kernels.family import Instance, KernelFamily, Problem
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.kernels.gemm import gemm_problem
@@ -31,9 +32,14 @@ from onnx_gtco.kernels.softmax import FAMILY as SOFTMAX
 from onnx_gtco.opspec import FusedOp, decode_node
 
 FAMILIES: dict[str, KernelFamily] = {
-    "gemm": GEMM, "layernorm": LAYERNORM, "softmax": SOFTMAX, **{f.name: f for f in ATTENTION_FAMILIES},
+    "gemm": GEMM, "layernorm": LAYERNORM, "softmax": SOFTMAX, "conv": CONV, **{f.name: f for f in ATTENTION_FAMILIES},
 }
-"""Kernel families by name (the elementwise family is generated per group and selected by its own binder)."""
+"""Kernel families by name (the elementwise family is generated per group and selected by its own binder; the
+conv family's Problem needs the input's shape, which its binder reads: plugin.bind_conv)."""
+
+CONV_NEEDS_SHAPES = "a conv's kernel Problem needs its input's shape (the binder gives it: plugin.bind_conv)"
+"""problem_for's answer for a conv node: its attributes hold the kernel, strides, pads and dilations but not x's
+shape, so such nodes are no tuning task yet (their instance is the family's first valid configuration)."""
 
 _PRECISION_DTYPE = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 
@@ -59,6 +65,8 @@ def problem_for(op: FusedOp) -> Problem | str:
     kernel_family = "gemm" if family == "qkv" else family
     if kernel_family not in FAMILIES:
         return f"no {family} kernel family (the node runs its function)"
+    if kernel_family == "conv":
+        return CONV_NEEDS_SHAPES
     dtype = kernel_dtype(kernel_family, op.dtype, precision)
     if kernel_family == "gemm":
         return _gemm(dtype, op)

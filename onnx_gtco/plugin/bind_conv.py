@@ -4,12 +4,21 @@
 
 The rule found the roles (patterns/conv.py) and the rewrite wrote them in order (opspec); what only the binder
 knows is what the C++ side computes: 1-D and 2-D convolutions with explicit pads, the GEMM epilogue's activations.
+
+The device kernel (kernels.conv, an implicit GEMM) is generic in every size, but its Problem, which picks the tile
+and the weight loads, needs x's and w's shapes, which a node's attributes do not hold: `problem` reads them from
+shape inference (plugin.device uses it in place of kernels.select.node_problem). A symbolic batch stands as 1 and
+a symbolic height or width as SPATIAL_STAND_IN, for the choice only. groups != 1 gets no instance, with the reason
+(kernels.conv.ConvFamily.check): such nodes keep their function on CUDA sessions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from onnx_gtco.kernels.conv import conv_problem
+from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.select import kernel_dtype
 from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.bind_gemm import ACTIVATIONS
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, read
@@ -18,6 +27,8 @@ HEADER = "conv_op.h"
 CONV_IN, CONV_OUT = SPECS["conv"].roles, SPECS["conv"].outputs       # gtco::Conv::InRole / OutRole
 SPATIAL_RANKS = (1, 2)
 """Spatial ranks gtco::ref::plan_conv takes (x [N, C, W] or [N, C, H, W])."""
+SPATIAL_STAND_IN = 64
+"""Height / width a symbolic spatial dim stands as when choosing the device instance's tile."""
 PADDINGS = (b"NOTSET", b"VALID")
 """Conv auto_pad values whose pads the rule's attributes state (SAME_* pads depend on the input size)."""
 
@@ -55,6 +66,39 @@ class ConvBinder:
                     "mean": bn, "var": bn, "residual": op["residual"]}
             why = bind_roles(node, op, need, CONV_IN, CONV_OUT)  # type: ignore[arg-type]
         return f"{node.node.op_type} node {node.node.name!r}: {why}" if isinstance(why, str) else why
+
+    def problem(self, node: FusedNode) -> Problem | str:
+        """The device kernel's Problem (operand flags as the attributes say; plugin.device fixes them from the
+        binding), or why the node has no device kernel."""
+        op = read(node, self.family)
+        if isinstance(op, str):
+            return op
+        groups = int(op["groups"] or 1)
+        if groups != 1:
+            return (f"groups={groups}: the conv kernel is an implicit GEMM for groups == 1 (a grouped or depthwise "
+                    "conv would use a few percent of its tiles); the node runs its function")
+        x, w = (node.inputs[op.inputs[r]].shape if r in op.inputs else None for r in ("x", "w"))
+        if x is None or w is None or len(x) != len(w) or len(x) not in (3, 4):
+            return f"x {x} or w {w} has no known rank 3 or 4 (the device kernel's tile needs it)"
+        if not all(isinstance(d, int) for d in w):
+            return f"w {list(w)} has a symbolic dim (the weight's shape picks the kernel's weight loads)"
+        sp = len(x) - 2
+        pads = list(op["pads"] or [0] * (2 * sp))
+        strides, dil = list(op["stride"] or [1] * sp), list(op["dilations"] or [1] * sp)
+        spatial = [d if isinstance(d, int) else SPATIAL_STAND_IN for d in x[2:]]
+        if sp == 1:  # a 1-D conv runs as H = KH = 1
+            spatial, pads, strides, dil = [1, *spatial], [0, pads[0], 0, pads[1]], [1, *strides], [1, *dil]
+            kernel = [1, int(w[2])]
+        else:
+            kernel = [int(w[2]), int(w[3])]
+        n = x[0] if isinstance(x[0], int) else 1
+        dtype = kernel_dtype(self.family, op.dtype, str(op["precision"]))
+        return conv_problem(dtype, n, int(w[1]), spatial[0], spatial[1], int(w[0]), kernel[0], kernel[1],
+                            stride=(strides[0], strides[1]), dilation=(dil[0], dil[1]),
+                            pads=(pads[0], pads[1], pads[2], pads[3]), bias=bool(op["bias"]),
+                            scale=bool(op["scale"]), shift=bool(op["shift"]), batchnorm=bool(op["batchnorm"]),
+                            epsilon=float(op["epsilon"]), activation=str(op["activation"] or "none"),
+                            residual=bool(op["residual"]), post_activation=str(op["post_activation"] or "none"))
 
 
 CONV = ConvBinder()

@@ -44,6 +44,7 @@ _ROLE_FLAGS: dict[str, tuple[tuple[str, str, int], ...]] = {
     "qkv": (("bias", "in", 4),),
     "attention": (("mask", "in", 3), ("bias", "in", 4)),
     "bmm_softmax": (("mask", "in", 3), ("bias", "in", 4)),
+    "conv": (("bias", "in", 2), ("scale", "in", 3), ("shift", "in", 4), ("batchnorm", "in", 5), ("residual", "in", 7)),
 }
 
 

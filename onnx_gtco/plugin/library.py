@@ -373,12 +373,13 @@ def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
             why[r.node] = got
         else:
             found[r.node] = got
+    own = dict(why)  # each node's own reason: a sibling's reason names the node whose own reason it is
     for r in results:
         if r.node in found:
-            lacking = next((o for o in results if o.op_type == r.op_type and o.node in why), None)
+            lacking = next((o for o in results if o.op_type == r.op_type and o.node in own), None)
             if lacking is not None:
                 del found[r.node]
-                why[r.node] = f"op type {r.op_type} has no device kernel: node {lacking.node!r} {why[lacking.node]}"
+                why[r.node] = f"op type {r.op_type} has no device kernel: node {lacking.node!r} {own[lacking.node]}"
     return found, why
 
 

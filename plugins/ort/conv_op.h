@@ -9,8 +9,11 @@
 // table (onnx_gtco/plugin/bind_conv.py). Inputs the group swallowed that are no role (the constants of a
 // decomposed activation) are not read: the binder checked, at build time, that the chain computes the named one.
 //
-// CPU EP: plugins/cpu/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). The family
-// has no device kernel: the build registers no device op for it, and a device call is an error.
+// CPU EP: plugins/cpu/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). Device:
+// the node's implicit-GEMM instance (gtco/conv.cuh) with ConvArgs filled from the same plan; it folds the constants
+// itself, in its epilogue, reading them from device memory (one value or one per channel: a step of 0 or 1). It
+// takes what the reference takes except groups != 1 (the build gives such nodes no instance; at run time it is an
+// error naming the shapes).
 #pragma once
 
 #include "conv_ref.h"
@@ -50,35 +53,38 @@ struct Conv {
         return a;
     }
 
-    // A per-channel operand in fp32 (`out`: its values, `step`: 0 for one value, 1 for one per channel), or the
-    // error when the node's attribute and the input disagree or its shape is not per channel.
-    template <DType D>
-    static OrtStatus* channels(const NodeRef& ref, const Input& in, const char* role, bool wanted, int64_t oc,
-                               size_t rank, std::vector<float>& out, int64_t& step) {
-        using S = Storage<D>;
+    // Whether a per-channel operand agrees with the node's attribute and is one value or one per channel (`step`:
+    // 0 or 1), else the error.
+    static OrtStatus* check_channels(const NodeRef& ref, const Input& in, const char* role, bool wanted, int64_t oc,
+                                     size_t rank, int64_t& step) {
+        step = 0;
         if (wanted != in.present) {
             return ref.fail(std::string("the node's attributes ") + (wanted ? "name" : "rule out") + " a " + role +
                             " input but the node " + (in.present ? "has one" : "has none"));
         }
-        if (!in.present) return nullptr;
-        if (!ref::plan_channels(in.shape, oc, rank, step)) {
+        if (in.present && !ref::plan_channels(in.shape, oc, rank, step)) {
             return ref.fail(std::string(role) + " " + shape_str(in.shape) + " is neither one value nor one per "
                             "output channel (" + std::to_string(oc) + ")");
         }
+        return nullptr;
+    }
+
+    // A checked per-channel operand's values in fp32, read on the host (the CPU EP's tensors).
+    template <DType D>
+    static void channel_values(const Input& in, int64_t oc, int64_t step, std::vector<float>& out) {
+        using S = Storage<D>;
+        out.clear();
+        if (!in.present) return;
         const auto* v = static_cast<const typename S::type*>(in.data);
         out.resize(static_cast<size_t>(step ? oc : 1));
         for (size_t i = 0; i < out.size(); ++i) out[i] = S::load(v[i]);
-        return nullptr;
     }
 
     template <DType D, bool Cuda>
     static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
         using S = Storage<D>;
         using T = typename S::type;
-        if constexpr (Cuda) {
-            (void)ctx, (void)spec, (void)at;
-            return ref.fail("the conv family has no device kernel", ORT_NOT_IMPLEMENTED);
-        } else {
+        {
             if (!at.acts_known) {
                 return ref.fail("activation '" + at.activation + "' or '" + at.post_activation +
                                 "' is not one this library implements", ORT_NOT_IMPLEMENTED);
@@ -98,15 +104,11 @@ struct Conv {
                                                    at.dilations, at.groups, p);
             if (!why.empty()) return ref.fail(why);
             const size_t rank = p.out_shape.size();
-            std::vector<float> bias, vals[4];
-            int64_t bias_step = 0, steps[4] = {0, 0, 0, 0};
-            const bool want[4] = {at.scale != 0, at.shift != 0, at.batchnorm != 0, at.batchnorm != 0};
-            if (OrtStatus* st = channels<D>(ref, in[IN_BIAS], "bias", at.bias != 0, p.oc, rank, bias, bias_step)) {
-                return st;
-            }
-            for (int i = 0; i < 4; ++i) {
-                if (OrtStatus* st = channels<D>(ref, in[IN_SCALE + i], kNames[IN_SCALE + i], want[i], p.oc, rank,
-                                                vals[i], steps[i])) {
+            int64_t steps[5] = {0, 0, 0, 0, 0};  // bias, scale, shift, mean, var
+            const bool want[5] = {at.bias != 0, at.scale != 0, at.shift != 0, at.batchnorm != 0, at.batchnorm != 0};
+            for (int i = 0; i < 5; ++i) {
+                if (OrtStatus* st = check_channels(ref, in[IN_BIAS + i], kNames[IN_BIAS + i], want[i], p.oc, rank,
+                                                   steps[i])) {
                     return st;
                 }
             }
@@ -120,6 +122,30 @@ struct Conv {
                                 shape_str(p.out_shape));
             }
             if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
+            T* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
+            if constexpr (Cuda) {
+                auto operands = [&] { return "x " + shape_str(in[IN_X].shape) + " and w " + shape_str(in[IN_W].shape); };
+                if (p.groups != 1) {
+                    return ref.fail(operands() + " in " + std::to_string(p.groups) + " groups: the device kernel "
+                                    "runs groups == 1 only");
+                }
+                ConvArgs args{};
+                args.x = in[IN_X].data, args.w = in[IN_W].data, args.bias = in[IN_BIAS].data;
+                args.scale = in[IN_SCALE].data, args.shift = in[IN_SHIFT].data, args.mean = in[IN_MEAN].data;
+                args.var = in[IN_VAR].data, args.residual = res.data, args.y = y;
+                args.n = p.n, args.c = p.c, args.in_h = p.h, args.in_w = p.w, args.oc = p.oc, args.kh = p.kh;
+                args.kw = p.kw, args.oh = p.oh, args.ow = p.ow, args.stride_h = p.sh, args.stride_w = p.sw;
+                args.pad_t = p.pad_t, args.pad_l = p.pad_l, args.dil_h = p.dh, args.dil_w = p.dw;
+                args.bias_step = steps[0], args.scale_step = steps[1], args.shift_step = steps[2];
+                args.mean_step = steps[3], args.var_step = steps[4];
+                args.epsilon = at.epsilon;
+                if (p.n * p.oh * p.ow == 0) return nullptr;  // an empty output: nothing to launch
+                return run_instance(ctx, ref, args, operands);
+            }
+            std::vector<float> bias, vals[4];
+            channel_values<D>(in[IN_BIAS], p.oc, steps[0], bias);
+            for (int i = 0; i < 4; ++i) channel_values<D>(in[IN_SCALE + i], p.oc, steps[1 + i], vals[i]);
+            const int64_t bias_step = steps[0];
             std::vector<float> bias_c(static_cast<size_t>(p.oc)), a, b;
             for (int64_t c = 0; c < p.oc; ++c) bias_c[static_cast<size_t>(c)] = bias.empty() ? 0.0f : bias[c * bias_step];
             ref::AffineIn aff;
@@ -127,14 +153,14 @@ struct Conv {
             int64_t* step_of[4] = {&aff.scale_step, &aff.shift_step, &aff.mean_step, &aff.var_step};
             for (int i = 0; i < 4; ++i) {
                 *ptrs[i] = vals[i].empty() ? nullptr : vals[i].data();
-                *step_of[i] = steps[i];
+                *step_of[i] = steps[1 + i];
             }
             ref::fold_affine(aff, at.batchnorm != 0, at.epsilon, p.oc, a, b);
             ref::ConvIO<T> io;
             io.x = static_cast<const T*>(in[IN_X].data);
             io.w = static_cast<const T*>(in[IN_W].data);
             io.residual = static_cast<const T*>(res.data);
-            io.y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>();
+            io.y = y;
             io.bias = bias_c.data(), io.a = a.data(), io.b = b.data();
             io.act = at.act, io.post_act = at.post_act;
             ref::conv(p, io, S::load, S::store);

@@ -1,7 +1,9 @@
 """Conv glue: the conv binder and the CPU kernel (plugins/cpu/conv_ref.h through plugins/ort/conv_op.h) on the
 shapes real models use (ViT's 16x16 / 16 patch embedding, a ResNet bottleneck with BatchNormalization and a strided
 one with DETR's FrozenBatchNorm Mul / Add, depthwise and dilated convs, a 1-D conv), every node of each checked
-against onnx's float64 reference evaluator of the same model on seeded inputs, in fp32 and fp16."""
+against onnx's float64 reference evaluator of the same model on seeded inputs, in fp32 and fp16. The device path
+too: an emulated build runs every groups == 1 conv on its implicit-GEMM instance (gtco/conv.cuh) against the same
+reference, and a depthwise conv keeps its op type on its function, with the reason."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from onnx_gtco.plan.candidates import collect, singletons
 from onnx_gtco.plan.types import Candidate, Plan
 from onnx_gtco.plugin.bind_conv import CONV
 from onnx_gtco.plugin.binding import Binding
-from onnx_gtco.plugin.library import build_library
+from onnx_gtco.plugin.library import build_library, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.rewrite import rewrite
 from onnx_gtco.runtime.check import make_inputs
@@ -78,8 +80,9 @@ class Net:
         return onnx.shape_inference.infer_shapes(model)
 
 
-def conv_sites(elem: int) -> onnx.ModelProto:
-    """The conv groups of ViT, ResNet-50 / DETR and depthwise models, each ending in a graph output."""
+def conv_sites(elem: int, depthwise: bool = True) -> onnx.ModelProto:
+    """The conv groups of ViT, ResNet-50 / DETR and depthwise models, each ending in a graph output (`depthwise`:
+    with the depthwise conv, which has no device kernel)."""
     g, r = Net(elem), "Relu"
     patch = g.conv("img", "patch", 3, 8, 16, bias=True, kernel_shape=[16, 16], strides=[16, 16])
     stem = g.op(r, [g.bn(g.conv("img", "stem", 3, 16, 3, strides=[2, 2], pads=[1, 1, 1, 1]), "stem_bn", 16)], "s")
@@ -96,7 +99,10 @@ def conv_sites(elem: int) -> onnx.ModelProto:
     dw = g.op("Sigmoid", [g.conv(block, "dw", 16, 16, 3, bias=True, group=16, dilations=[2, 2],
                                  pads=[2, 2, 2, 2])], "dws")
     one_d = g.op("Add", [g.conv("seq", "c1d", 4, 6, 3, strides=[2], pads=[1, 0]), g.weight("c1d_b", 1, 6, 1)], "c1a")
-    return g.model({"img": [2, 3, 32, 32], "seq": [2, 4, 11]}, [patch, strided, dw, one_d])
+    if not depthwise:
+        g.nodes = [n for n in g.nodes if n.output[0] not in ("dw", "dws")]
+    outputs = [patch, strided, dw, one_d] if depthwise else [patch, strided, one_d]
+    return g.model({"img": [2, 3, 32, 32], "seq": [2, 4, 11]}, outputs)
 
 
 def as_float64(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -133,13 +139,14 @@ def longest_conv_groups(model: onnx.ModelProto) -> tuple[GraphView, Plan]:
     return view, Plan(tuple(groups[k] for k in order), 0.0)
 
 
-def build_longest(model: onnx.ModelProto, out_dir: Path) -> Built:
-    """plugin_helpers.build_model with longest_conv_groups' plan in place of the optimizer's."""
+def build_longest(model: onnx.ModelProto, out_dir: Path, emulated: bool = False) -> Built:
+    """plugin_helpers.build_model with longest_conv_groups' plan in place of the optimizer's (`emulated`: the
+    library's device kernels, run on the CPU EP through the emulation)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     original = out_dir / "original.onnx"
     onnx.save(model, str(original))
     rewritten, _ = rewrite(*longest_conv_groups(model))
-    lib = build_library(rewritten, out_dir, cuda=False)
+    lib = build_library(rewritten, out_dir, cuda=False, emulated=emulated)
     rewritten.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
     onnx.save(rewritten, str(out_dir / "model.gtco.onnx"))
     return Built(original, out_dir / "model.gtco.onnx", lib)
@@ -186,6 +193,41 @@ def test_conv_sites_match_a_float64_reference(sites: tuple[Built, int], seed: in
         err = float(np.abs(g.astype(np.float64) - w).max())
         assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g}"
         assert float(np.abs(w).max()) > 0.1, name  # the reference is not trivially small
+
+
+DEVICE_TOL = {TensorProto.FLOAT: 2e-3, TensorProto.FLOAT16: 5e-3}
+"""‖err‖ / ‖ref‖ of the emulated device kernels against float64: TF32 operands at fp32, fp16 rounding per node."""
+
+
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["tf32", "f16"])
+def test_emulated_device_convs_match_a_float64_reference(elem: int, tmp_path: Path) -> None:
+    """Without the depthwise conv every conv group has groups == 1: the emulated build gives each its implicit-GEMM
+    instance (the patch embedding, the stem with BN, the bottlenecks with BN / FrozenBatchNorm, ReLU and the
+    residual, the strided downsample, the 1-D conv) and the outputs meet the float64 reference."""
+    built = build_longest(conv_sites(elem, depthwise=False), tmp_path, emulated=True)
+    conv_type = "Conv_" + ("f32" if elem == TensorProto.FLOAT else "f16")
+    assert built.lib.cuda_op_types == [conv_type] and not built.lib.kernel_skips, built.lib.kernel_skips
+    info = library_info(built.lib.path)
+    assert len(info["instances"]) == 9 and all(v[0].startswith("conv_sm80_") for v in info["instances"].values())
+    original = onnx.load(str(built.original))
+    for seed in (0, 1):
+        feeds = make_inputs(original, seed)
+        want = ReferenceEvaluator(as_float64(original)).run(None, {k: v.astype(np.float64) for k, v in feeds.items()})
+        got = make_session(built.rewritten, CPU, library=True).run(None, feeds)
+        for name, g, w in zip([o.name for o in original.graph.output], got, want, strict=True):
+            assert g.shape == w.shape and np.isfinite(g).all(), name
+            assert rel_error(g, w) < DEVICE_TOL[elem], f"{name} seed {seed}: {rel_error(g, w):.3g}"
+
+
+def test_depthwise_conv_keeps_its_function_with_the_reason(tmp_path: Path) -> None:
+    """A depthwise conv has no device instance (groups == 1 only), so its op type registers no device kernel and
+    every conv node of the model keeps its function on a CUDA session; the reasons say which node and why."""
+    built = build_longest(conv_sites(TensorProto.FLOAT), tmp_path, emulated=True)
+    skips = built.lib.kernel_skips
+    assert built.lib.cuda_op_types == [] and len(skips) == 10
+    assert skips["gtco/conv/dw"].startswith("groups=16: the conv kernel is an implicit GEMM for groups == 1")
+    assert all(why.startswith("op type Conv_f32 has no device kernel: node 'gtco/conv/dw' groups=16")
+               for node, why in skips.items() if node != "gtco/conv/dw")
 
 
 def test_fp32_sites_match_onnxruntime(sites: tuple[Built, int]) -> None:

@@ -7,7 +7,8 @@ argument struct filled from the tensors (sizes, layout and addend strides, batch
 instance's own checks and kernel. The models are fp16 (the device kernels read and write their own dtype): the
 built-in ViT and BERT made fp16 by onnxruntime's converter, and small attention / LayerNorm models; each is compared
 with its fp32 original, the higher-precision reference, on seeded inputs. The fp32 ViT and BERT optimized with
-precision fp32 run their GEMM, QKV and attention nodes as TF32 device kernels against the same originals.
+precision fp32 run their GEMM, QKV, attention and conv nodes as TF32 device kernels against the same originals
+(the fp16 ViT's patch-embedding Conv stays fp32 and runs the TF32 conv instance too).
 
 The CUDA build is checked too where nvcc is: the same op types get device kernels, for sm_80 and sm_90 with zero
 spills, and the library still runs on the CPU EP of a CPU-only onnxruntime (its CUDA-EP kernels unused there).
@@ -36,7 +37,9 @@ from onnx_gtco.plugin.library import LibraryResult, build_library, library_info
 from onnx_gtco.runtime.session import METADATA_KEY, make_session
 
 MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels)
-    "vit": (lambda: build("vit-tiny", depth=1, image=64, seed=0), {"Layernorm_f16", "Gemm_f16", "Attention_f16"}),
+    # the patch-embedding Conv stays fp32 (fp16() blocks it): its TF32 implicit-GEMM conv instance
+    "vit": (lambda: build("vit-tiny", depth=1, image=64, seed=0),
+            {"Layernorm_f16", "Gemm_f16", "Attention_f16", "Conv_f32"}),
     "bert": (lambda: build("bert-tiny", depth=1, seq=24, batch="N", seed=0),
              {"Layernorm_f16", "Qkv_f16", "Gemm_f16", "Attention_f16"}),
     "ln_softmax": (lambda: ln_softmax_model(hidden=16), {"Layernorm_f16", "Softmax_f16"}),
@@ -168,7 +171,7 @@ def test_fp32_model_with_fp16_precision_is_converted_for_its_kernels(tmp_path: P
 
 
 TF32_TOL = 2e-3  # TF32 device kernels (fp32 I/O, 10-bit operand mantissas) against the fp32 original
-TF32_FAMILIES = ("Gemm_", "Qkv_", "Attention_", "BmmSoftmax_")
+TF32_FAMILIES = ("Gemm_", "Qkv_", "Attention_", "BmmSoftmax_", "Conv_")
 
 
 @pytest.mark.parametrize("name", ["vit", "bert", "swin_window"])

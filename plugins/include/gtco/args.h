@@ -26,6 +26,27 @@ struct GemmArgs {
     float alpha;           // scales A @ B before the bias (ONNX Gemm's alpha; 1 for a MatMul)
 };
 
+// Convolution (gtco/conv.cuh) as implicit GEMM, y = post_act(act((conv(x, w) + bias) * a + b) + residual), a
+// and b folded per output channel from scale / shift (or BatchNormalization's scale, shift, mean, var and epsilon);
+// mirrored by ConvFamily.args_fields. x [n, c, in_h, in_w] and y, residual [n, oc, oh, ow] NCHW, dense; w [oc, c,
+// kh, kw] (groups == 1). Per-channel operands hold one value (step 0) or one per output channel (step 1); null
+// when the instance has none.
+struct ConvArgs {
+    const void* x;
+    const void* w;
+    const void* bias;
+    const void* scale;
+    const void* shift;
+    const void* mean;
+    const void* var;
+    const void* residual;
+    void* y;
+    int64_t n, c, in_h, in_w, oc, kh, kw, oh, ow;
+    int64_t stride_h, stride_w, pad_t, pad_l, dil_h, dil_w;
+    int64_t bias_step, scale_step, shift_step, mean_step, var_step;
+    float epsilon;
+};
+
 // The C argument struct of both families (mirrored by onnx_gtco/kernels/attention.py field for field). All
 // strides and offsets are in elements. For bmm_softmax, v* are unused and out is P with (o_sb, o_sh, o_ss, o_sd)
 // = strides of (batch, head, query, key); for attention o_sd must be 1.
