@@ -3,8 +3,9 @@
     time_us = max(mm_flops / mm_peak + other_flops / cuda_peak,  dram_bytes / bandwidth) + launches * launch_us
 
 mm_flops run on Tensor Cores (fp16/bf16, or TF32 for fp32 compute); everything else on CUDA cores. A fused group
-reads its external inputs and writes its external outputs once; an unfused node does the same on its own. Nodes
-that only compute shapes (small integer tensors), and metadata-only ops (Reshape, Squeeze, ...), cost nothing.
+reads its external inputs and writes its external outputs once (not the constant shapes, axes, pads or bounds of its
+view and layout ops: its kernel holds those in its code); an unfused node does the same on its own. Nodes that only
+compute shapes (small integer tensors), and metadata-only ops (Reshape, Squeeze, ...), cost nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from onnx_gtco.plan.types import Candidate
 
 # Ops that never launch a kernel in ORT (they alias or reinterpret their input).
 ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Constant", "Shape", "Size"})
+# View and layout ops whose operands after the first (shape, axes, pads, bounds) are no data they read.
+OPERAND_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Slice", "Pad"})
 # FLOPs per output element of the cheaper-than-matmul ops; default 1.
 _EW_FLOPS = {"Erf": 8, "Tanh": 6, "Exp": 4, "Sqrt": 4, "Pow": 4, "Div": 2, "Gelu": 12, "Sigmoid": 5, "Log": 4}
 _NORM_FLOPS = {"Softmax": 5, "LayerNormalization": 8}
@@ -125,8 +128,18 @@ def estimate(view: GraphView, cand: Candidate) -> Estimate:
         other += b
     if not cand.fused and (nodes[0].op_type in ALIAS_OPS or _is_host(view, nodes[0])):
         return Estimate(0.0, 0.0, 0.0, 0)
-    dram = _bytes(view, view.external_inputs(cand.nodes)) + _bytes(view, view.external_outputs(cand.nodes))
+    reads = view.external_inputs(cand.nodes)
+    if cand.fused:  # a shape, axes or pads operand is compiled into the kernel, not read
+        reads = tuple(t for t in reads if not _compiled_in(view, t, nodes))
+    dram = _bytes(view, reads) + _bytes(view, view.external_outputs(cand.nodes))
     return Estimate(mm, other, dram, 1)
+
+
+def _compiled_in(view: GraphView, t: str, nodes: list[Node]) -> bool:
+    """A constant that the group's nodes read only as the shape, axes, pads or bounds of a view or layout op, which a
+    fused kernel holds in its code."""
+    return view.is_constant(t) and all(n.op_type in OPERAND_OPS and n.domain == "" and t not in n.inputs[:1]
+                                       for n in nodes if t in n.inputs)
 
 
 FUNCTION_TIE = 1e-9

@@ -495,11 +495,11 @@ def _layout_or_none(src: tuple[int, ...], shape: tuple[int, ...], strides: Seque
 def _reshape_view(old: Sequence[int], strides: Sequence[int], rolls: Sequence[Any], new: Sequence[int]
                   ) -> tuple[list[int], list[Any]] | None:
     """(strides, rolls) of `new` over a view of `old`, or None when the reshape is no view: the strides and every
-    roll's weights must each stay a view (_reshape_strides)."""
-    moved = _reshape_strides(old, strides, new)
+    roll's weights must each stay a view (reshape_strides)."""
+    moved = reshape_strides(old, strides, new)
     out = []
     for t in rolls:
-        w = _reshape_strides(old, t[5], new)
+        w = reshape_strides(old, t[5], new)
         if w is None:
             return None
         out.append((*t[:5], tuple(w)))
@@ -586,7 +586,7 @@ def _concat_roll(node: Any, views: Sequence[Any], axis: int
     return shape, [0 if d == axis else int(ta[d]) for d in range(r)], int(bb), terms
 
 
-def _reshape_strides(old: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> list[int] | None:
+def reshape_strides(old: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> list[int] | None:
     """Element strides of `new` over a view of `old` with `strides`, or None when the reshape is no view (it merges
     dims that are not contiguous): numpy's no-copy reshape rule, dims of 1 dropped first."""
     kept = [(int(d), int(st)) for d, st in zip(old, strides, strict=True) if d != 1]

@@ -9,6 +9,7 @@ constant folder infers each node's shape as it folds, so one pass runs such a ch
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -16,6 +17,8 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 import onnxscript.optimizer
+
+from onnx_gtco.ir.elementwise import contiguous_strides, reshape_strides
 
 # onnxscript's default limits (elements): an op with a larger constant input is not evaluated, a larger result is
 # not stored (onnx-graphsurgeon, which runs after, folds those)
@@ -165,14 +168,76 @@ def _collapse_reshape(graph: ir.Graph, node: ir.Node, names: set[str]) -> bool:
     return True
 
 
+# Ops that reorder elements by an index map alone; with _ROW_MAJOR ops, a chain of them whose map is the identity is a
+# no-op as a whole (SegFormer's tokens -> map -> tokens: Reshape, Transpose, Reshape, Transpose).
+_REORDER = _ROW_MAJOR | {"Transpose"}
+
+
+def _reordering_chain(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]]:
+    """The _REORDER ops of a chain ending in `node` (last first) and the value each reads, up to the chain's start or
+    the first value of no static shape."""
+    nodes: list[ir.Node] = []
+    values: list[ir.Value] = []
+    while node.op_type in _REORDER and node.domain in _DEFAULT_DOMAINS and len(node.outputs) == 1 and node.inputs:
+        value = node.inputs[0]
+        if value is None or _static_dims(value) is None:
+            break
+        nodes.append(node)
+        values.append(value)
+        producer = value.producer()
+        if producer is None:
+            break
+        node = producer
+    return nodes, values
+
+
+def _keeps_order(src: tuple[int, ...], chain: list[ir.Node]) -> bool:
+    """Whether the chain of _REORDER ops (in order) reads a dense tensor of shape `src` into its output in row-major
+    order: the view it makes (strides over the source, as numpy's no-copy reshape rule follows them) is dense."""
+    shape, strides = src, list(contiguous_strides(src))
+    for node in chain:
+        if node.op_type == "Transpose":
+            perm = node.attributes.get("perm")
+            order = [int(p) % len(shape) for p in perm.as_ints()] if perm is not None else \
+                list(range(len(shape)))[::-1]
+            shape, strides = tuple(shape[p] for p in order), [strides[p] for p in order]
+            continue
+        new = _static_dims(node.outputs[0])
+        if new is None or math.prod(new) != math.prod(shape):
+            return False
+        moved = reshape_strides(shape, strides, new)
+        if moved is None:
+            return False
+        shape, strides = new, moved
+    return all(st == want for d, st, want in zip(shape, strides, contiguous_strides(shape), strict=True) if d != 1)
+
+
+def _reordering_source(node: ir.Node) -> ir.Value | None:
+    """The start of a chain of _REORDER ops with a Transpose, ending in `node`, that gives back the start's shape,
+    type and element order (a map that is the identity), or None."""
+    out = node.outputs[0]
+    target = _static_dims(out)
+    nodes, values = _reordering_chain(node)
+    if target is None or not any(n.op_type == "Transpose" for n in nodes):
+        return None
+    for k in range(len(values) - 1, -1, -1):  # the longest chain first
+        chain = nodes[: k + 1][::-1]
+        if _static_dims(values[k]) == target and values[k].dtype == out.dtype \
+                and any(n.op_type == "Transpose" for n in chain) and _keeps_order(target, chain):
+            return values[k]
+    return None
+
+
 def _no_op_source(node: ir.Node) -> ir.Value | None:
     """The value a no-op layout node passes on unchanged, or None where the node is no no-op (or not known to be)."""
     if node.domain not in _DEFAULT_DOMAINS or len(node.outputs) != 1 or node.outputs[0].is_graph_output():
         return None
     if node.op_type in _ROW_MAJOR:
-        return _row_major_source(node)
+        return _row_major_source(node) or _reordering_source(node)
     test = _NO_OP_WHEN.get(node.op_type)
-    return node.inputs[0] if test is not None and test(node) else None
+    if test is not None and test(node):
+        return node.inputs[0]
+    return _reordering_source(node) if node.op_type == "Transpose" else None
 
 
 class _RemoveNoOpLayout(ir.passes.InPlacePass):

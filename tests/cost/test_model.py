@@ -73,6 +73,23 @@ def test_reshape_and_shape_arithmetic_are_free() -> None:
     assert [cost(_single(i)) for i in range(len(view))] == [0.0, 0.0]
 
 
+def test_a_fused_copy_does_not_read_its_shape_operand() -> None:
+    """Reshape + Transpose fused (an elementwise copy) costs what the Transpose costs alone: the Reshape's target is
+    compiled into the kernel, so the group's DRAM bytes are its data in and out, not the int64 shape too."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 32])
+    g = helper.make_graph([
+        helper.make_node("Reshape", ["x", "s"], ["r"], name="reshape"),
+        helper.make_node("Transpose", ["r"], ["t"], name="transpose", perm=[0, 2, 1]),
+        helper.make_node("Relu", ["t"], ["y"], name="relu"),
+    ], "g", [x], [y], [helper.make_tensor("s", TensorProto.INT64, [3], [1, 32, 64])])
+    view = GraphView(load_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
+    assert [n.op_type for n in view.nodes] == ["Reshape", "Transpose", "Relu"]
+    copy = estimate(view, Candidate(frozenset([0, 1]), "elementwise", "elementwise"))
+    assert copy.dram_bytes == estimate(view, _single(1)).dram_bytes == 2 * 4 * 32 * 64
+    assert estimate(view, _single(0)) == Estimate()
+
+
 def test_oversized_group_is_forbidden(mlp: onnx.ModelProto) -> None:
     view = GraphView(load_model(mlp))
     cost = cost_fn(view, GtcoConfig(max_group_size=2))

@@ -191,3 +191,46 @@ def test_chain_of_reshapes_collapses_to_one() -> None:
     run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y", "d", "e"], feed)
            for m in (original, loaded)]
     assert all(np.array_equal(a, b) for a, b in zip(*run, strict=True))
+
+
+def _tokens_map_tokens(perm: list[int]) -> onnx.ModelProto:
+    """SegFormer's stage end, x [B, H*W, C] -> Reshape [B, H, W, C] -> Transpose `perm` (the NCHW map another node
+    reads) -> Reshape [B, C, H*W] -> Transpose [B, H*W, C] (the decoder's tokens) -> Relu."""
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["m"]),
+             helper.make_node("Transpose", ["m"], ["map"], perm=perm),
+             helper.make_node("Reshape", ["map", "s2"], ["f"]),
+             helper.make_node("Transpose", ["f"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("Neg", ["map"], ["e"])]
+    inits = [_i64("s1", [2, 2, 3, 4]), _i64("s2", [2, 4, 6])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 4])
+    map_shape = [[2, 2, 3, 4][p] for p in perm]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6, 4]),
+            helper.make_tensor_value_info("e", TensorProto.FLOAT, map_shape)]
+    g = helper.make_graph([*nodes, helper.make_node("Relu", ["t"], ["y"])], "g", [x], outs, initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _same_outputs(original: onnx.ModelProto, loaded: onnx.ModelProto) -> None:
+    feed = {"x": np.random.default_rng(0).standard_normal([2, 6, 4]).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y", "e"], feed)
+           for m in (original, loaded)]
+    assert all(np.array_equal(a, b) for a, b in zip(*run, strict=True))
+
+
+def test_reshape_transpose_chain_that_gives_back_its_start_is_removed() -> None:
+    """tokens -> map -> tokens is the identity: the tokens' reader reads the chain's start; the map stays for its own
+    reader."""
+    original = _tokens_map_tokens([0, 3, 1, 2])
+    loaded = load_model(original)
+    relu = next(n for n in loaded.graph.node if n.op_type == "Relu")
+    assert relu.input[0] == "x"
+    assert sorted(_ops(loaded)) == ["Neg", "Relu", "Reshape", "Transpose"]
+    _same_outputs(original, loaded)
+
+
+def test_reshape_transpose_chain_that_moves_elements_stays() -> None:
+    """The same chain through a map of another axis order ends in the start's shape, but its elements moved."""
+    original = _tokens_map_tokens([0, 3, 2, 1])
+    loaded = load_model(original)
+    assert sorted(_ops(loaded)) == ["Neg", "Relu", "Reshape", "Reshape", "Transpose", "Transpose"]
+    _same_outputs(original, loaded)

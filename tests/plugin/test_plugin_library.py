@@ -61,9 +61,10 @@ def test_vit_with_library_matches_original(vit: Built, seed: int) -> None:
 
 def test_vit_library_registers_every_bound_family(vit: Built) -> None:
     nodes = fused_nodes(onnx.load(str(vit.rewritten)))
-    served = [n for n in nodes if n.family in ("layernorm", "gemm", "attention", "conv")]
+    served = [n for n in nodes if n.family in ("layernorm", "gemm", "attention", "conv", "elementwise")]
     assert any(n.family == "conv" for n in nodes)  # the patch embedding
-    assert vit.lib.op_types == ["Attention_f32", "Conv_f32", "Gemm_f32", "Layernorm_f32"]
+    # Elementwise_f32: the patch embedding's flatten + transpose to tokens, a fused copy
+    assert vit.lib.op_types == ["Attention_f32", "Conv_f32", "Elementwise_f32", "Gemm_f32", "Layernorm_f32"]
     info = library_info(vit.lib.path)
     assert info["op_types"] == vit.lib.op_types and info["cuda_op_types"] == []
     assert set(info["nodes"]) == {n.node.name for n in served}  # type: ignore[arg-type]

@@ -73,4 +73,5 @@ def test_export_through_emulated_kernels(name: str, exporter: str, precision: st
     for out, ref, got in zip(original.graph.output, run(original, x), run(path, x, lib.path), strict=True):
         assert got.dtype == ref.dtype and got.shape == ref.shape, out.name
         err = rel_error(got.astype(np.float64), ref.astype(np.float64))
+        print(f"{name} {exporter} {precision} {out.name}: ‖err‖/‖ref‖ = {err:.3g}")
         assert err < BOUND[precision], f"{name} {exporter} {precision} {out.name}: ‖err‖/‖ref‖ = {err:.3g}"
