@@ -29,6 +29,8 @@ CPU = ["CPUExecutionProvider"]
 SESSIONS, THREADS = 2, 8
 LOAD_SECONDS = float(os.environ.get("GTCO_LOAD_SECONDS", "30"))
 OP_TYPES = ["Attention_f32", "Conv_f32", "Gemm_f32", "Layernorm_f32"]
+COPY = "Elementwise_f32"
+"""The patch embedding's flatten + transpose, a fused copy node (4x4 patches: too small to narrow by 8 features)."""
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def _same(got: list[np.ndarray], want: list[np.ndarray]) -> bool:
 
 
 def test_concurrent_sessions_match_single_threaded(load_vit: Built, capsys: pytest.CaptureFixture[str]) -> None:
-    assert load_vit.lib.op_types == OP_TYPES  # the kernels under load are the library's, not the functions
+    assert load_vit.lib.op_types == sorted([*OP_TYPES, COPY])  # the kernels under load are the library's
     original = onnx.load(str(load_vit.original))
     feeds = [make_inputs(original, seed) for seed in range(5)]
     single = _session(load_vit.rewritten)
