@@ -54,12 +54,13 @@ def test_list_holds_every_shape_set_of_the_issue(capsys: pytest.CaptureFixture[s
 
 def test_list_offers_each_implementation_where_it_applies() -> None:
     """cutlass only for the sm_90 target (sm_90a instances) and where its mapping expresses the group; cublaslt
-    exactly where cublaslt.unsupported(problem) is None; mma everywhere; conv: ours with the reason it is skipped."""
+    exactly where cublaslt.unsupported(problem) is None; mma everywhere; conv: our conv family's instances (the
+    implicit GEMM, or the direct kernel of a grouped conv) beside cuDNN through torch and ORT."""
     for arch in ("sm_90", "sm_80"):
         for case, row in zip(kb.cases(), _rows(arch), strict=True):
             c = row["candidates"]
             if row["kind"] == "conv":
-                assert set(c) == {"ours"} and isinstance(c["ours"], str) and "conv" in c["ours"]
+                assert set(c) == {"ours"} and c["ours"] and all(n.startswith("conv_") for n in c["ours"]), row
                 assert any("ORT" in b for b in row["baselines"]) and any("cuDNN" in b for b in row["baselines"])
                 continue
             assert isinstance(c["mma"], list) and c["mma"], row
@@ -127,15 +128,21 @@ def test_markdown_marks_wrong_answers_and_gives_the_ratios() -> None:
     attn = {"set": "vit-b16", "case": "vit-b16 b1 attention", "kind": "attention", "count": 12,
             "rows": [{"instance": "attention_a", "ok": True, "us": 10.0}], "best": {"mma": ("attention_a", 10.0)},
             "baselines": {"torch SDPA": {"us": 12.0, "ok": True}}, "all_ok": True}
-    md = kb.markdown([gemm, skipped, conv, attn], "NVIDIA H100", ["torch 2.x"])
+    conv_ok = dict(conv, case="detr backbone 3x3", ours={"instance": "conv_a", "us": 20.0},
+                   rows=[{"instance": "conv_a", "ok": True, "us": 20.0},
+                         {"instance": "conv_b", "ok": False, "us": None, "error": "wrong answer"}],
+                   ratios={"ours_vs_cudnn_ort": None, "ours_vs_cudnn_torch": 1.5})
+    md = kb.markdown([gemm, skipped, conv, conv_ok, attn], "NVIDIA H100", ["torch 2.x"])
     row = next(ln for ln in md.splitlines() if ln.startswith("| vit-b16 | vit-b16 b64 fc1"))
     assert "| 200.0 | 100.0 | skip | 100.0 (cutlass) | 200.0 (mma) | 90.0 (tanh proxy) | 150.0 | 120.0 | 1.50x | " \
            "0.90x | 1.20x | 5.0e-01 | 2/3 |" in row
     assert "- vit-b16 b64 fc1 12608x3072x768 +bias+gelu_erf: `gemm_b`: wrong answer" in md
     assert "- cublaslt: activation 'gelu_erf' has no cuBLASLt epilogue" in md
     assert "| detr | detr dec fc1 | 6 | skipped: --time-budget-s spent |" in md
-    assert "| detr | detr backbone stem 7x7 | 1 | 30.0 | skip | skip | - | 1.0e-04 |" in md
+    assert "| detr | detr backbone stem 7x7 | 1 | 30.0 | skip | skip | - | - | 1.0e-04 |" in md
     assert "- ours skipped: no conv family" in md and "- ORT skipped: no CUDAExecutionProvider" in md
+    assert "| detr | detr backbone 3x3 | 1 | 30.0 | skip | 20.0 | 1.50x | - | 1.0e-04 |" in md
+    assert "- detr backbone 3x3: `conv_b` failed (excluded from ours): wrong answer" in md
     assert "`attention_a` | 10.0 / 10.0 | torch SDPA 12.0 | torch SDPA 1.20x | 1/1 |" in md
 
 

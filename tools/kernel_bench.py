@@ -39,12 +39,14 @@ so L2 holds what fits, for every candidate and baseline alike):
 
 Each conv row times F.conv2d (cuDNN, NCHW, cudnn.benchmark) plus its epilogue in torch, a one-node Conv model
 (+ Add + Relu as the model has them) on ONNX Runtime's CUDA EP (wall-clock per synchronous run with I/O bound to the
-device, so it includes ORT's per-run overhead) when onnxruntime-gpu is importable, and our conv kernel family when
-onnx_gtco.kernels has one (skipped with the reason otherwise). Attention, BMM+softmax and LayerNorm rows time the
+device, so it includes ORT's per-run overhead) when onnxruntime-gpu is importable, and our conv kernel family's
+configurations (fp16, bias and the row's activation and residual fused), each checked against its fp64 reference.
+Attention, BMM+softmax and LayerNorm rows time the
 family's configurations beside torch SDPA / unfused torch, as before.
 
 Writes results.json and results.md into --out after every row, with the ratios baseline / ours (> 1: ours faster):
-tuned / separate epilogue, CUTLASS best / cuBLASLt fused, cuDNN (ORT) / our conv. Needs torch with CUDA and nvcc.
+tuned / separate epilogue, CUTLASS best / cuBLASLt fused, cuDNN (torch and ORT) / our conv.
+Needs torch with CUDA and nvcc.
 `--compile-only` builds every instance and launches nothing (no torch, no GPU: how `tools/gpu_suite --dry-run`
 exercises this step). `--time-budget-s` stops starting rows at that time and lists the rest as skipped, so a call
 that must end under a machine's command limit still writes whole files.
@@ -54,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import math
 import os
@@ -76,6 +77,8 @@ from onnx_gtco.errors import GtcoError  # noqa: E402
 from onnx_gtco.kernels import cublaslt, cutlass  # noqa: E402
 from onnx_gtco.kernels.attention import FAMILIES as ATTENTION_FAMILIES  # noqa: E402
 from onnx_gtco.kernels.attention import make_problem  # noqa: E402
+from onnx_gtco.kernels.conv import FAMILY as CONV  # noqa: E402
+from onnx_gtco.kernels.conv import conv_problem  # noqa: E402
 from onnx_gtco.kernels.family import (  # noqa: E402
     Instance,
     KernelFamily,
@@ -143,7 +146,7 @@ class Case:
 
     @property
     def family(self) -> KernelFamily | None:
-        return {"gemm": GEMM, "layernorm": LAYERNORM, **ATTN}.get(self.kind)
+        return {"gemm": GEMM, "layernorm": LAYERNORM, "conv": CONV, **ATTN}.get(self.kind)
 
 
 def _gemm(m: int, n: int, k: int, epilogue: str) -> Problem:
@@ -264,7 +267,7 @@ def cases(sets: Iterable[str] = SETS, quick: bool = False) -> list[Case]:
                 merged[key].where.append(label)
                 continue
             shape = what.describe() if kind == "conv" else _describe(what)
-            merged[key] = Case(name, f"{label} {shape}".strip(), kind, None if kind == "conv" else what,
+            merged[key] = Case(name, f"{label} {shape}".strip(), kind, conv_of(what) if kind == "conv" else what,
                                what if kind == "conv" else None, count, [label])
         out += merged.values()
     if quick:
@@ -324,18 +327,10 @@ def fused_cublaslt(p: Problem) -> tuple[Problem, str] | str:
     return str(cublaslt.unsupported(p))
 
 
-def conv_family() -> KernelFamily | str:
-    """Our conv kernel family, or why there is none (a conv device kernel lands separately)."""
-    from onnx_gtco.kernels.select import FAMILIES
-
-    if "conv" in FAMILIES:
-        return FAMILIES["conv"]
-    if importlib.util.find_spec("onnx_gtco.kernels.conv") is not None:
-        mod = importlib.import_module("onnx_gtco.kernels.conv")
-        fam = getattr(mod, "FAMILY", None)
-        if fam is not None:
-            return fam
-    return "onnx_gtco.kernels has no conv kernel family yet (conv groups run their CPU kernel or ORT's Conv)"
+def conv_of(c: ConvShape) -> Problem:
+    """The conv kernel family's Problem of a bench conv: fp16, its bias, activation and residual fused."""
+    return conv_problem("f16", c.n, c.cin, c.h, c.w, c.cout, c.k, c.k, stride=(c.stride, c.stride),
+                        pads=(c.pad,) * 4, bias=True, activation=c.act, residual=c.residual)
 
 
 def case_instances(case: Case, arch: str, max_configs: int | None, impls: Iterable[str]) -> list[Instance]:
@@ -375,8 +370,7 @@ def listing(todo: list[Case], arch: str, max_configs: int | None, impls: Iterabl
                     if not isinstance(fused, str) else f"cublaslt fused: none ({fused})",
                     "torch matmul + epilogue", "torch addmm + epilogue", "torch.compile max-autotune"]
         elif case.kind == "conv":
-            fam = conv_family()
-            cands["ours"] = fam if isinstance(fam, str) else "conv family (configs at run time)"
+            cands["ours"] = [i.name for i in case_instances(case, arch, max_configs, ("mma",))]
             base = ["torch conv2d (cuDNN) + epilogue", "ORT CUDA EP Conv (when onnxruntime-gpu is importable)"]
         else:
             fam, p = case.family, case.problem
@@ -752,9 +746,12 @@ def time_ort_conv(c: ConvShape, dev: Mapping[str, Any], out, reps: int, torch) -
     return statistics.median(times)
 
 
-def run_conv_case(case: Case, reps: int, torch) -> dict:
+def run_conv_case(case: Case, arch: str, libs: Mapping[str, Path | str], reps: int, torch,
+                  max_configs: int | None) -> dict:
+    """A conv row: our conv family's configurations (each checked against its fp64 reference) beside cuDNN through
+    torch and through ORT's CUDA EP, on inputs of the same shapes."""
     c = case.conv
-    assert c is not None
+    assert c is not None and case.problem is not None
     F = torch.nn.functional
     host = conv_inputs(c)
     dev = {k: torch.from_numpy(v).cuda() for k, v in host.items()}
@@ -783,13 +780,19 @@ def run_conv_case(case: Case, reps: int, torch) -> dict:
             base["ORT cuDNN"] = {"name": "ORT cuDNN", "ok": False, "us": None, "error": f"{type(ex).__name__}: {ex}"}
     else:
         base["ORT cuDNN"] = {"name": "ORT cuDNN", "ok": False, "us": None, "skipped": why}
-    fam = conv_family()
-    ours: dict[str, Any] = {"skipped": fam} if isinstance(fam, str) else {
-        "skipped": "a conv family exists, but this bench does not drive it yet: add its problem mapping here"}
+    r = Runner(CONV, case.problem, reps, torch)
+    rows = [r.time(inst, libs[inst.name]) for inst in case_instances(case, arch, max_configs, ("mma",))]
+    best = min((x for x in rows if x["ok"]), key=lambda x: x["us"], default=None)
+    ours: dict[str, Any] = {"instance": best["instance"], "us": best["us"]} if best else {
+        "skipped": "no configuration of the conv family ran correctly (see its rows)"}
+
+    def ratio(name: str) -> float | None:
+        us = base.get(name, {}).get("us")
+        return us / best["us"] if best and us else None
     return {"set": case.set, "case": case.label, "kind": "conv", "count": case.count, "where": case.where,
-            "conv": vars(c), "rows": [], "ours": ours, "baselines": base,
-            "ratios": {"ours_vs_cudnn_ort": None, "ours_vs_cudnn_torch": None},
-            "all_ok": all(b["ok"] or b.get("skipped") for b in base.values())}
+            "conv": vars(c), "rows": rows, "ours": ours, "baselines": base,
+            "ratios": {"ours_vs_cudnn_ort": ratio("ORT cuDNN"), "ours_vs_cudnn_torch": ratio("torch cuDNN")},
+            "all_ok": all(x["ok"] for x in rows) and all(b["ok"] or b.get("skipped") for b in base.values())}
 
 
 # ------------------------------------------------------------------------------------------------------ torch.compile
@@ -901,11 +904,11 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
     conv = [r for r in results if r.get("kind") == "conv"]
     if conv:
         lines += ["", "| set | conv (N x C x H x W -> K x OH x OW) | x | torch cuDNN | ORT cuDNN | ours | "
-                  "ours / cuDNN (ORT) | torch err |", "|---|---|---|---|---|---|---|---|"]
+                  "cuDNN (torch) / ours | cuDNN (ORT) / ours | torch err |", "|---|---|---|---|---|---|---|---|---|"]
         for r in conv:
             if r.get("error") or r.get("skipped_reason"):
                 lines.append(f"| {r['set']} | {r['case']} | {r.get('count', 1)} | "
-                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 4)
+                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 5)
                 continue
             b = r["baselines"]
             ort_b = b.get("ORT cuDNN") or {}
@@ -915,10 +918,13 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
             lines.append(f"| {r['set']} | {r['case']} | {r['count']} | {_base_cell(tb)} | "
                          f"{'skip' if ort_b.get('skipped') else _base_cell(ort_b)} | "
                          f"{'skip' if ours.get('skipped') else _us(ours.get('us'))} | "
-                         f"{_x(r['ratios']['ours_vs_cudnn_ort'])} | {err} |")
+                         f"{_x(r['ratios'].get('ours_vs_cudnn_torch'))} | {_x(r['ratios']['ours_vs_cudnn_ort'])} | "
+                         f"{err} |")
         why = {(r.get("ours") or {}).get("skipped") for r in conv} - {None}
         why_ort = {((r.get("baselines") or {}).get("ORT cuDNN") or {}).get("skipped") for r in conv} - {None}
         lines += [""] + [f"- ours skipped: {w}" for w in sorted(why)] + [f"- ORT skipped: {w}" for w in sorted(why_ort)]
+        wrong = [(r["case"], x["instance"], x.get("error")) for r in conv for x in r.get("rows", []) if not x["ok"]]
+        lines += [f"- {case}: `{inst}` failed (excluded from ours): {err}" for case, inst, err in wrong]
     other = [r for r in results if r.get("kind") not in ("gemm", "conv")]
     if other:
         lines += ["", "| set | case | x | ours: best config | ours µs (default / best) | baseline µs | ratio vs each | "
@@ -926,7 +932,7 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
         for r in other:
             if r.get("error") or r.get("skipped_reason"):
                 lines.append(f"| {r['set']} | {r['case']} | {r.get('count', 1)} | "
-                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 4)
+                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 5)
                 continue
             best = (r.get("best") or {}).get("mma")
             default = r["rows"][0]["us"] if r["rows"] else None
@@ -1033,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
             if case.kind == "gemm":
                 r = run_gemm_case(case, args.arch, libs, args.reps, torch, args.max_configs, args.impl_list, cc)
             elif case.kind == "conv":
-                r = run_conv_case(case, args.reps, torch)
+                r = run_conv_case(case, args.arch, libs, args.reps, torch, args.max_configs)
             else:
                 r = run_family_case(case, args.arch, libs, args.reps, torch, args.max_configs)
         except Exception as e:  # one broken row must not hide the others' numbers
