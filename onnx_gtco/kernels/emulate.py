@@ -46,10 +46,13 @@ def build_emulated(instance: Instance, out_dir: str | os.PathLike[str], extra: S
 
 def run_emulated(lib: str | os.PathLike[str], symbol: str, fields: Sequence[Field],
                  arrays: Mapping[str, np.ndarray], outputs: Sequence[str],
-                 timeout_s: float = RUN_TIMEOUT_S) -> dict[str, np.ndarray]:
+                 timeout_s: float = RUN_TIMEOUT_S, calls: int = 1) -> dict[str, np.ndarray]:
     """Call `symbol(&args, nullptr)` of an emulated library on `arrays` and return the named output arrays.
 
-    `arrays` holds inputs and preallocated outputs by name; "ptr" fields name them.
+    `arrays` holds inputs and preallocated outputs by name; "ptr" fields name them. With `calls` > 1 the entry
+    point runs that many times in one process, the outputs refilled with their preallocated contents before each
+    call, and the last call's outputs are returned: what one launch leaves behind for the next (a workspace)
+    shows.
 
     Raises:
         EmulationError: the kernel faulted, returned non-zero, or ran past `timeout_s`.
@@ -60,7 +63,7 @@ def run_emulated(lib: str | os.PathLike[str], symbol: str, fields: Sequence[Fiel
         spec = Path(tmp) / "fields.txt"
         spec.write_text("\n".join(f"{f.name}\t{f.kind}\t{f.value}" for f in fields) + "\n")
         cmd = [sys.executable, "-m", "onnx_gtco.kernels._emu_runner", str(lib), symbol, str(spec), str(data),
-               ",".join(outputs)]
+               ",".join(outputs), str(calls)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:

@@ -21,6 +21,13 @@ that reason); 0 is the slower fallback
 with element-wise predicated loads for any K and N (attention's QKᵀ and PV with 197 tokens). `configs` offers
 VEC = 1 where it applies and VEC = 0 otherwise.
 
+Config "SPLITK" (optional, default 1): split-K into that many slices of the k-tiles, grid z = batch x SPLITK, the
+last block of each tile summing the fp32 partials from a workspace in split order (deterministic) and running the
+epilogue; for few output tiles over a long K. Config "EPI" (optional, default 0): 1 stages the epilogue through
+shared memory (a BM x (BN + 8) fp32 tile over the ring) so that bias, residual and y move as 16-byte chunks of
+whole rows; VEC = 1 only. Both keep the arithmetic: results are bit-identical to SPLITK = 1 / EPI = 0 up to the
+split's fp32 summation order.
+
 Config "impl" (optional, default "mma") picks the implementation: "mma" is gemm.cuh above; "cutlass" a CUTLASS 3.x
 Hopper instance for the sm_90a slot (onnx_gtco.kernels.cutlass, its own config keys), offered by `configs` for
 sm_90a. Every implementation exports the same entry point and computes the same reference.
@@ -68,9 +75,26 @@ def chunk_elems(dtype: str) -> int:
     return 4 if dtype == "f32" else 8
 
 
+EPI_PAD = 8
+"""fp32 padding of a row of the staged epilogue tile (GemmSmem::kEpiStride = BN + 8)."""
+SPLITS = (1, 2, 4, 8, 16)
+"""SPLITK values of the space (gemm.cuh takes 1..16)."""
+MIN_KTILES_PER_SPLIT = 4
+"""configs() splits K no finer than this many k-tiles per slice: fewer would not fill the cp.async pipeline."""
+
+
 def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
     """Shared memory of one block: STAGES ring slots of the A tile and the B tile, rows padded as GemmTile pads
-    them (8 elements for 16-bit types; fp32: 4 floats for k-contiguous rows, 8 for the rows of a [K, N] B)."""
+    them (8 elements for 16-bit types; fp32: 4 floats for k-contiguous rows, 8 for the rows of a [K, N] B); with
+    EPI = 1 at least the staged fp32 epilogue tile, BM rows of BN + 8 floats, which reuses the ring
+    (GemmSmem::kBytes)."""
+    ring = _ring_bytes(config, trans_b, dtype)
+    if config.get("EPI", 0):
+        return max(ring, config["BM"] * (config["BN"] + EPI_PAD) * 4)
+    return ring
+
+
+def _ring_bytes(config: Config, trans_b: bool, dtype: str) -> int:
     bm, bn, bk, stages = config["BM"], config["BN"], config["BK"], config["STAGES"]
     tf32 = dtype == "f32"
     a_pad = 4 if tf32 else 8
@@ -123,8 +147,10 @@ class GemmFamily(KernelFamily):
         "WN": (1, 2, 4, 8),
         "STAGES": (2, 3, 4),
         "VEC": (1, 0),
+        "SPLITK": SPLITS,
+        "EPI": (0, 1),
     }
-    optional: Mapping[str, int] = {"VEC": 1}
+    optional: Mapping[str, int] = {"VEC": 1, "SPLITK": 1, "EPI": 0}
     """Parameters a config may leave out, with their defaults."""
 
     impls: tuple[str, ...] = ("mma", cublaslt.IMPL)
@@ -169,8 +195,13 @@ class GemmFamily(KernelFamily):
         if config["VEC"] and (k % ch or n % ch):
             return (f"K={k}, N={n}: VEC=1 (cp.async with 16-byte chunks of {ch} elements) needs K % {ch} == 0 and "
                     f"N % {ch} == 0; use VEC=0 (element-wise loads)")
-        if batch > 65535:
-            return f"batch={batch} exceeds the grid's z limit 65535"
+        splits = config["SPLITK"]
+        if batch * splits > 65535:
+            return f"batch={batch} x SPLITK={splits} exceeds the grid's z limit 65535"
+        if splits > 1 and splits > math.ceil(k / config["BK"]):
+            return f"SPLITK={splits} exceeds the {math.ceil(k / config['BK'])} k-tiles of K={k} (BK={config['BK']})"
+        if config["EPI"] and not config["VEC"]:
+            return "EPI=1 (the epilogue staged through shared memory, 16-byte chunks of y) needs VEC=1"
         bm, bn, bk, wm, wn = config["BM"], config["BN"], config["BK"], config["WM"], config["WN"]
         if bm % (16 * wm) or bn % (8 * wn):
             return (f"warp layout {wm}x{wn} does not divide the {bm}x{bn} tile into warp tiles that are multiples "
@@ -184,6 +215,11 @@ class GemmFamily(KernelFamily):
         if acc > MAX_ACC_PER_THREAD:
             return (f"warp tile {bm // wm}x{bn // wn} needs {acc} fp32 accumulators per thread "
                     f"(> {MAX_ACC_PER_THREAD}: would spill registers)")
+        if config["EPI"]:
+            chunks = bm * bn // (4 if _out_dtype(problem) == "f32" else 8)
+            if chunks % threads:
+                return (f"EPI=1: the {chunks} 16-byte chunks of a {bm}x{bn} tile do not divide among {threads} "
+                        f"threads")
         smem = smem_bytes(config, trans_b, problem.dtype)
         limit = TARGETS[arch].smem_kib * 1024
         if smem > limit:
@@ -193,7 +229,13 @@ class GemmFamily(KernelFamily):
     # ---------------------------------------------------------------------------------------------------------
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         """Big 8-warp tiles for big problems, smaller tiles when the big ones would not fill the GPU; on sm_90a the
-        CUTLASS instances."""
+        CUTLASS instances.
+
+        Beside the 64x32 warp tiles, 64x64 ones (128x128 on 4 warps, 128x256 and 256x128 on 8), which halve the
+        shared-memory reads per mma; each big tile also with the epilogue staged through shared memory (EPI = 1).
+        Where even 64x64 tiles would leave half the SMs idle and K is long, split-K comes first: the largest SPLITK
+        that keeps one wave and at least MIN_KTILES_PER_SPLIT k-tiles per slice (not for M = 1, which also stands
+        for a symbolic row count whose run-time size may fill the GPU alone)."""
         own = [(impl, module) for impl, module in ((i, importlib.import_module(m)) for i, m in IMPLS.items())
                if module.ARCH == arch]
         if own:
@@ -202,23 +244,35 @@ class GemmFamily(KernelFamily):
             return []  # check rejects every configuration for it
         big = [
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 4},
+            {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4},
             {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3},
             {"BM": 128, "BN": 256, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3},
+            {"BM": 256, "BN": 128, "BK": 32, "WM": 4, "WN": 2, "STAGES": 3},
             {"BM": 128, "BN": 128, "BK": 64, "WM": 2, "WN": 4, "STAGES": 3},
+            {"BM": 128, "BN": 128, "BK": 64, "WM": 2, "WN": 2, "STAGES": 3},
         ]
+        big = [v for c in big for v in (c, {**c, "EPI": 1})]
         small = [
             {"BM": 128, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4},
             {"BM": 64, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4},
             {"BM": 64, "BN": 64, "BK": 64, "WM": 2, "WN": 2, "STAGES": 3},
             {"BM": 64, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 2},
         ]
-        try:
-            batch, m, n, _, _ = _sizes(problem)
-            tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
-        except KeyError:
-            tiles = 0
         sms = TARGETS[arch].sms
-        order = big + small if tiles >= sms else small + big
+        try:
+            batch, m, n, k, _ = _sizes(problem)
+        except KeyError:
+            batch = m = n = k = 0
+        tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
+        split: list[dict[str, int]] = []
+        if batch * math.ceil(m / 64) * math.ceil(n / 64) < sms // 2 and m > 1:
+            for c in (small[0], big[0]):
+                t = batch * math.ceil(m / c["BM"]) * math.ceil(n / c["BN"])
+                ktiles = math.ceil(k / c["BK"])
+                fits = [s for s in SPLITS if s > 1 and t * s <= sms and ktiles >= s * MIN_KTILES_PER_SPLIT]
+                if fits:
+                    split.append({**c, "SPLITK": max(fits)})
+        order = big + small if tiles >= sms else split + small + big
         try:
             ch = chunk_elems(problem.dtype)
             vec = int(problem.size("K") % ch == 0 and problem.size("N") % ch == 0)
@@ -239,6 +293,10 @@ class GemmFamily(KernelFamily):
                  f"s{config['STAGES']}"]
         if not config.get("VEC", 1):
             parts.append("sc")
+        if config.get("SPLITK", 1) > 1:
+            parts.append(f"sk{config['SPLITK']}")
+        if config.get("EPI", 0):
+            parts.append("es")
         return "_".join(parts) + (f"_{flag_suffix(problem)}" if flag_suffix(problem) else "")
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
@@ -258,12 +316,16 @@ class GemmFamily(KernelFamily):
         targs = (f"{_CTYPE[problem.dtype]}, {c['BM']}, {c['BN']}, {c['BK']}, {c['WM']}, {c['WN']}, {c['STAGES']}, "
                  f"/*TRANS_B=*/{b}, /*HAS_BIAS=*/{str(bias).lower()}, gtco::Act::{ACTIVATIONS[act]}, "
                  f"/*HAS_RES=*/{str(res).lower()}, /*VEC=*/{'true' if c.get('VEC', 1) else 'false'}")
-        if _out_dtype(problem) != problem.dtype:
-            targs += ", /*TOut=*/float"
+        splits, epi = int(c.get("SPLITK", 1)), bool(c.get("EPI", 0))
+        if _out_dtype(problem) != problem.dtype or splits > 1 or epi:
+            targs += f", /*TOut=*/{'float' if _out_dtype(problem) != problem.dtype else _CTYPE[problem.dtype]}"
+        if splits > 1 or epi:
+            targs += f", /*SPLITK=*/{splits}, /*EPI_SMEM=*/{str(epi).lower()}"
         source = (
             f"// Generated by onnx_gtco.kernels.gemm: {name}\n"
             f"// y = {act}(A @ B{'^T' if trans_b else ''}{' + bias' if bias else ''}){' + residual' if res else ''}"
-            f"; tile {c['BM']}x{c['BN']}x{c['BK']}, warps {c['WM']}x{c['WN']}, {c['STAGES']} stages, {arch}\n"
+            f"; tile {c['BM']}x{c['BN']}x{c['BK']}, warps {c['WM']}x{c['WN']}, {c['STAGES']} stages"
+            f"{f', split-K {splits}' if splits > 1 else ''}{', staged epilogue' if epi else ''}, {arch}\n"
             f"#include \"gtco/gemm.cuh\"\n"
             f"\n"
             f"GTCO_EXPORT int {symbol}(const GemmArgs* args, void* stream) {{\n"

@@ -7,7 +7,8 @@ how much of its load latency the pipeline hides. We keep that shape, per family:
   shared memory and threads; waves = ceil(blocks / (SMs * resident)). A block's time is its MMA work at the SM's
   share of the Tensor Core peak, derated for small warp tiles (less operand reuse per ldmatrix) and padded edges,
   plus its global loads at the SM's share of the bandwidth, of which a STAGES-deep pipeline hides all but
-  1 / STAGES (a resident second block hides more). Scalar loads (VEC = 0) cost 4x.
+  1 / STAGES (a resident second block hides more). Scalar loads (VEC = 0) cost 4x. A GEMM's split-K slices are
+  blocks of their own, and its epilogue's bytes count double when written straight from the fragments (see _gemm).
 * A cuBLASLt GEMM (impl "cublaslt"): its roofline time at kernels.cublaslt.EFFICIENCY of the peak, an assumption
   (the library's kernels are not ours to model tile by tile); it ranks the library against the generated kernels
   where no GPU measures both.
@@ -62,7 +63,8 @@ def _tiled_us(arch: str, blocks: int, threads: int, smem: int, flops_per_block: 
 
 
 def _gemm_smem(c: Mapping[str, int]) -> int:
-    return c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2
+    ring = c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2
+    return max(ring, c["BM"] * (c["BN"] + 8) * 4) if c.get("EPI", 0) else ring
 
 
 def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
@@ -75,15 +77,25 @@ def _rowwise_resident(c: Mapping[str, int], arch: str) -> int:
 
 
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    """SPLITK slices multiply the blocks and divide each one's k-tiles; every slice writes its fp32 partial tile and
+    the last reads the others' (2 x BM x BN x 4 bytes per block, amortized). The epilogue's y and residual traffic
+    is counted once per tile: straight from the fragments (EPI = 0) each 32-byte sector is written half by one
+    access and half by another, so it costs twice what the staged 16-byte chunks (EPI = 1) cost."""
     batch, m, n, k = p.size("batch"), p.size("M"), p.size("N"), p.size("K")
     bm, bn, bk, wm, wn, stages = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"], c["STAGES"]
-    blocks = batch * math.ceil(m / bm) * math.ceil(n / bn)
+    splits = int(c.get("SPLITK", 1))
+    blocks = batch * math.ceil(m / bm) * math.ceil(n / bn) * splits
     smem = _gemm_smem(c)
     warp_tile = (bm // wm) * (bn // wn)
     reuse = min(1.0, (warp_tile / (64 * 64)) ** 0.25)
-    k_pad = math.ceil(k / bk) * bk
+    k_pad = math.ceil(math.ceil(k / bk) / splits) * bk
     flops = 2.0 * bm * bn * k_pad
     loads = (bm + bn) * k_pad * _BYTES[p.dtype]
+    if splits > 1:
+        loads += 2 * bm * bn * 4
+    out_bytes = _BYTES[str(p.flag("out_dtype", p.dtype) or p.dtype)]
+    epilogue = bm * bn * out_bytes * (2 if p.flag("residual", False) else 1) / splits
+    loads += epilogue * (1 if c.get("EPI", 0) else 2)
     return _tiled_us(arch, blocks, wm * wn * 32, smem, flops, loads, stages, reuse, bool(c.get("VEC", 1)))
 
 
@@ -172,7 +184,8 @@ def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
     c = config
     if problem.family == "gemm":
         slots = sms * _resident(_gemm_smem(c), c["WM"] * c["WN"] * 32, arch)
-        return Tiling(c["BM"], problem.size("batch") * math.ceil(problem.size("N") / c["BN"]), slots, slots, sms)
+        across = problem.size("batch") * math.ceil(problem.size("N") / c["BN"]) * int(c.get("SPLITK", 1))
+        return Tiling(c["BM"], across, slots, slots, sms)
     if problem.family in ("attention", "bmm_softmax"):
         slots = sms * _resident(_attention_smem(problem, c), c["WARPS"] * 32, arch)
         return Tiling(c["BQ"], problem.size("batch") * problem.size("heads"), slots, slots, sms)

@@ -53,6 +53,12 @@ struct alignas(8) float2 {  // CUDA's 8-byte vector type (an fp32 pair in one ac
     float x, y;
 };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct alignas(16) float4 {  // CUDA's 16-byte vector types (one 16-byte access)
+    float x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
 
 struct dim3 {
     unsigned x, y, z;
@@ -747,6 +753,25 @@ inline void cp_async_wait() {
         for (auto& c : t.cp_groups.front()) emu::do_copy(c);
         t.cp_groups.erase(t.cp_groups.begin());
     }
+}
+
+// Blocks run one after another on one host thread, so the global-memory primitives of a cross-block reduction
+// (split-K) are plain accesses; the order they give is the one the kernel must not depend on anyway.
+inline void fence_gpu() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned atomic_add_u32(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+inline float ld_cg(const float* p) { return *p; }
+inline void st_cg(float* p, float v) { *p = v; }
+
+// Workspace of a launch (gtco/scratch.h's stream_scratch_zeroed on a GPU): zero-filled when first made or grown,
+// kept for the process; blocks that use it leave it zeroed again (split-K's tile counters).
+inline void* scratch_zeroed(size_t bytes) {
+    static std::vector<unsigned char>* buf = new std::vector<unsigned char>();
+    if (buf->size() < bytes) buf->assign(bytes, 0);
+    return buf->data();
 }
 
 }  // namespace gtco

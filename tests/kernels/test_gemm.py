@@ -4,6 +4,7 @@ against an fp64 reference, `check`'s reasons, the launcher's argument checks, an
 from __future__ import annotations
 
 import dataclasses
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,11 +12,13 @@ import numpy as np
 import pytest
 from kernel_helpers import nvcc_missing
 
+from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
 from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes, tf32_round
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
+from onnx_gtco.tune.analytical import estimate_us
 
 TOL = 2e-3           # ||y - ref|| / ||ref||, ref in fp64 from the same rounded inputs, rounded to the output dtype
 RAW_TOL = {"f16": 2e-3, "bf16": 4e-3,  # against the unrounded fp64 reference (bf16 output rounding is ~1.5e-3)
@@ -63,6 +66,18 @@ SCALAR = [
                                          "residual": True}, (2, 45, 29, 37, True)),
 ]
 FULL = {"trans_b": False, "bias": True, "activation": "gelu_erf", "residual": True}
+# Split-K (SPLITK) and the staged epilogue (EPI): K long and ragged (7 k-tiles over 4 splits: 1, 2, 2, 2), M and N
+# ragged, several batch entries (a counter per tile of each), and the fused output cast (fp32 y of a half GEMM).
+SPLIT_SHAPES = [(2, 72, 40, 200, True), (1, 197, 96, 520, False)]
+SPLIT = [
+    ("sk4-f16", {**E1, "SPLITK": 4}, "f16", FULL),
+    ("sk2-es-bf16", {**E2, "SPLITK": 2, "EPI": 1}, "bf16", {"trans_b": True, "bias": True, "activation": "none",
+                                                            "residual": True, "out_dtype": "f32"}),
+    ("sk8-es-f32", {**E3, "SPLITK": 8, "EPI": 1}, "f32", {"trans_b": False, "bias": True, "activation": "silu",
+                                                          "residual": True}),
+    ("es-f16", {**E1, "EPI": 1}, "f16", FULL),
+    ("es-f32", {**E4, "EPI": 1}, "f32", {"trans_b": True, "bias": False, "activation": "relu", "residual": True}),
+]
 FAULTS = {"bias_twice": "GTCO_GEMM_TEST_FAULT=1", "wait_too_few": "GTCO_GEMM_TEST_FAULT=2"}
 TF32_FAULTS = {"no_tf32_rounding": "GTCO_GEMM_TEST_FAULT=3"}
 
@@ -73,14 +88,20 @@ def problem(dtype: str, shape: tuple[int, int, int, int, bool], flags: dict) -> 
 
 
 def instance(config: dict, dtype: str, flags: dict) -> Instance:
-    """The sm_80 instance; its source depends on the config, dtype and flags, not on the sizes."""
-    return FAMILY.instantiate(problem(dtype, (1, 64, 64, 64, False), flags), config, "sm_80")
+    """The sm_80 instance; its source depends on the config, dtype and flags, not on the sizes (K = 512 leaves
+    every SPLITK of the space k-tiles to split)."""
+    return FAMILY.instantiate(problem(dtype, (1, 64, 64, 512, False), flags), config, "sm_80")
 
 
 def _all_builds() -> dict[tuple, tuple[Instance, tuple[str, ...]]]:
     builds: dict[tuple, tuple[Instance, tuple[str, ...]]] = {}
     for _, config, dtype, flags, *_ in GRID + ODD_NI:
         builds[("grid", dtype, tuple(config.items()), tuple(flags.items()))] = (instance(config, dtype, flags), ())
+    for key, config, dtype, flags in SPLIT:
+        builds[("split", key)] = (instance(config, dtype, flags), ())
+    builds[("split", "es-f16-direct")] = (instance(E1, "f16", FULL), ())
+    builds[("fault", "counters_kept")] = (instance({**E1, "SPLITK": 4}, "f16", FULL),
+                                          (*EMU_FLAGS, "-DGTCO_GEMM_TEST_FAULT=4"))
     for act in OTHER_ACTS:
         flags = {**FULL, "activation": act, "residual": False}
         builds[("act", act)] = (instance(E1, "f16", flags), ())
@@ -107,21 +128,24 @@ def libs(tmp_path_factory):
         return {key: (inst, lib) for key, inst, lib in pool.map(build, builds.items())}
 
 
-def run(inst: Instance, lib: Path, prob: Problem, seed: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Run an emulated instance on seeded inputs of `prob`: (y as float64, the inputs)."""
+def run(inst: Instance, lib: Path, prob: Problem, seed: int = 0, calls: int = 1
+        ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Run an emulated instance on seeded inputs of `prob` (`calls` launches in one process, y refilled with NaN
+    before each): (the last launch's y as float64, the inputs)."""
     inputs = FAMILY.random_inputs(prob, seed)
     arrays = {**inputs, **FAMILY.allocate_outputs(prob)}
-    out = run_emulated(lib, inst.symbol, FAMILY.args_fields(prob, arrays), arrays, ["y"])
-    return from_storage(out["y"], prob.dtype), inputs
+    out = run_emulated(lib, inst.symbol, FAMILY.args_fields(prob, arrays), arrays, ["y"], calls=calls)
+    return from_storage(out["y"], str(prob.flag("out_dtype", prob.dtype) or prob.dtype)), inputs
 
 
 def assert_close(got: np.ndarray, prob: Problem, inputs: dict[str, np.ndarray]) -> None:
     ref = FAMILY.reference(prob, inputs)["y"]
     assert got.shape == ref.shape
     assert not np.isnan(got).any(), f"{np.count_nonzero(np.isnan(got))} NaN outputs (unwritten or poison read)"
-    rounded = from_storage(to_storage(ref, prob.dtype), prob.dtype)
+    out_dtype = str(prob.flag("out_dtype", prob.dtype) or prob.dtype)
+    rounded = from_storage(to_storage(ref, out_dtype), out_dtype)
     err, raw = rel_error(got, rounded), rel_error(got, ref)
-    assert err < TOL and raw < RAW_TOL[prob.dtype], f"{prob}: rel err {err:.3g} (rounded ref), {raw:.3g} (fp64)"
+    assert err < TOL and raw < RAW_TOL[out_dtype], f"{prob}: rel err {err:.3g} (rounded ref), {raw:.3g} (fp64)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,9 +186,43 @@ def test_scalar_fallback_any_k_n(libs, key, config, dtype, flags, shape):
     assert_close(got, prob, inputs)
 
 
+@pytest.mark.parametrize(("key", "config", "dtype", "flags"), SPLIT, ids=[s[0] for s in SPLIT])
+def test_split_k_and_staged_epilogue_match_fp64_reference(libs, key, config, dtype, flags):
+    """Two launches in one process: the second finds the tile counters the first left zeroed (a counter left
+    behind would leave the second launch's y unwritten: NaN) and gives the same bits (a deterministic sum)."""
+    inst, lib = libs[("split", key)]
+    for i, shape in enumerate(SPLIT_SHAPES):
+        prob = problem(dtype, shape, flags)
+        got, inputs = run(inst, lib, prob, seed=20 + i, calls=2)
+        assert_close(got, prob, inputs)
+        once, _ = run(inst, lib, prob, seed=20 + i)
+        assert np.array_equal(got, once)
+
+
+def test_staged_epilogue_is_bit_identical_to_the_direct_one(libs):
+    staged, lib_s = libs[("split", "es-f16")]
+    direct, lib_d = libs[("split", "es-f16-direct")]
+    assert staged.name.endswith("_es_bias_gelu_erf_res") and "EPI_SMEM=*/true" in staged.source
+    prob = problem("f16", (2, 72, 40, 200, True), FULL)
+    a, _ = run(staged, lib_s, prob, seed=30)
+    b, _ = run(direct, lib_d, prob, seed=30)
+    assert not np.isnan(a).any() and np.array_equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The tests can fail
 # ---------------------------------------------------------------------------------------------------------------
+def test_split_k_counters_left_behind_are_caught(libs):
+    """A split-K instance that does not reset its tile counters: the first launch is right, the second finds
+    counters past SPLITK - 1, no block of a tile counts itself last, and y stays unwritten."""
+    inst, lib = libs[("fault", "counters_kept")]
+    prob = problem("f16", (2, 72, 40, 200, True), FULL)
+    first, inputs = run(inst, lib, prob, seed=31)
+    assert_close(first, prob, inputs)
+    second, _ = run(inst, lib, prob, seed=31, calls=2)
+    assert np.isnan(second).all()
+
+
 def test_bias_added_twice_is_caught(libs):
     inst, lib = libs[("fault", "bias_twice")]
     prob = problem("f16", (1, 40, 24, 48, False), FULL)
@@ -261,6 +319,9 @@ def test_check_rejects_misaligned_k_for_cp_async_and_accepts_the_fallback():
     ({"BM": 256, "BN": 256, "BK": 32, "WM": 8, "WN": 8, "STAGES": 2}, "f16", "2048 threads"),
     ({"BM": 128, "BN": 128, "BK": 48, "WM": 2, "WN": 2, "STAGES": 3}, "f16", "outside the space"),
     (E1, "i64", "f16, bf16 or f32"),
+    ({**E1, "SPLITK": 32}, "f16", "outside the space"),
+    ({**E1, "VEC": 0, "EPI": 1}, "f16", "EPI=1"),
+    ({"BM": 64, "BN": 64, "BK": 32, "WM": 4, "WN": 8, "STAGES": 2, "EPI": 1}, "f16", "do not divide among 1024"),
 ])
 def test_check_other_reasons(config, dtype, words):
     prob = dataclasses.replace(VIT, dtype=dtype)
@@ -279,6 +340,39 @@ def test_configs_are_valid_and_varied(arch):
     assert FAMILY.configs(small, arch)[0]["BM"] * FAMILY.configs(small, arch)[0]["BN"] < 128 * 128
     attn = gemm_problem("f16", 96, 197, 197, 64, b_batched=True, trans_b=True)
     assert all(c["VEC"] == 0 for c in FAMILY.configs(attn, arch)) and FAMILY.configs(attn, arch)
+
+
+def test_check_rejects_more_splits_than_k_tiles():
+    prob = gemm_problem("f16", 1, 197, 768, 96)  # 3 k-tiles of 32
+    assert FAMILY.check(prob, {**E1, "SPLITK": 2}, "sm_80") is None
+    why = FAMILY.check(prob, {**E1, "SPLITK": 4}, "sm_80")
+    assert why is not None and "SPLITK=4" in why and "3 k-tiles" in why
+    why = FAMILY.check(gemm_problem("f16", 5000, 64, 64, 512, b_batched=True), {**E1, "SPLITK": 16}, "sm_80")
+    assert why is not None and "65535" in why
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_configs_offer_64x64_warp_tiles_staged_epilogues_and_split_k_where_tiles_are_few(arch):
+    warp_tiles = {(c["BM"] // c["WM"], c["BN"] // c["WN"]) for c in FAMILY.configs(VIT, arch)}
+    assert (64, 64) in warp_tiles and (64, 32) in warp_tiles
+    assert any(c.get("EPI") for c in FAMILY.configs(VIT, arch))
+    assert not any(c.get("SPLITK", 1) > 1 for c in FAMILY.configs(VIT, arch))  # 13 x 24 tiles fill the GPU
+    # ViT-B fc2 at batch 1: 2 x 12 tiles of 128x64 over 96 k-tiles; split-K comes first, one wave, >= 4 k-tiles each
+    fc2 = gemm_problem("f16", 1, 197, 768, 3072, bias=True, residual=True)
+    first = FAMILY.configs(fc2, arch)[0]
+    tiles = math.ceil(197 / first["BM"]) * math.ceil(768 / first["BN"])
+    assert first["SPLITK"] > 1 and tiles * first["SPLITK"] <= TARGETS[arch].sms
+    assert math.ceil(3072 / first["BK"]) >= 4 * first["SPLITK"]
+    # M = 1 also stands for a symbolic row count: never split by default
+    assert not any(c.get("SPLITK", 1) > 1 for c in FAMILY.configs(gemm_problem("f16", 1, 1, 768, 3072), arch))
+
+
+def test_analytical_model_prefers_split_k_on_few_tiles_and_not_on_many():
+    fc2 = gemm_problem("f16", 1, 197, 768, 3072, bias=True, residual=True)
+    c = {"BM": 128, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4}
+    assert estimate_us(fc2, {**c, "SPLITK": 4}, "sm_80") < 0.5 * estimate_us(fc2, c, "sm_80")
+    assert estimate_us(VIT, {**c, "SPLITK": 4}, "sm_80") > estimate_us(VIT, c, "sm_80")
+    assert estimate_us(VIT, {**c, "EPI": 1}, "sm_80") < estimate_us(VIT, c, "sm_80")
 
 
 def test_instance_name_and_source():
@@ -326,16 +420,27 @@ NVCC_PROBLEMS = {
     # fp32 (TF32): ViT-B fc1 with a [K, N] weight (32-bit shared loads of B), qkv with an [N, K] one (ldmatrix)
     "vit_fc1_f32": gemm_problem("f32", 1, 197 * 8, 3072, 768, bias=True, activation="gelu_erf"),
     "vit_qkv_f32": gemm_problem("f32", 1, 197 * 8, 2304, 768, trans_b=True, bias=True, residual=True),
+    # ViT-B fc2 at batch 1 (few tiles, long K): split-K
+    "vit_fc2_b1": gemm_problem("f16", 1, 197, 768, 3072, trans_b=True, bias=True, residual=True),
 }
 
 
 def _nvcc_cases() -> list[tuple[str, str, dict]]:
-    cases = [("vit_fc1", arch, c)
-             for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS["vit_fc1"], arch)]
+    # every configuration offered for ViT-B fc1 on sm_80 (64x32 and 64x64 warp tiles, staged epilogues), the first
+    # two on sm_90 (the same code for another arch)
+    cases = [("vit_fc1", "sm_80", c) for c in FAMILY.configs(NVCC_PROBLEMS["vit_fc1"], "sm_80")]
+    cases += [("vit_fc1", "sm_90", c) for c in FAMILY.configs(NVCC_PROBLEMS["vit_fc1"], "sm_90")[:2]]
     for key in ("vit_qkv", "vit_proj", "attn_qk", "proj_of32", "vit_fc1_f32", "vit_qkv_f32"):
         cases += [(key, arch, c) for arch in ("sm_80", "sm_90") for c in FAMILY.configs(NVCC_PROBLEMS[key], arch)[:1]]
     # the most fp32 accumulators per thread (a 64x64 warp tile: 128) at the largest fp32 shared memory sm_80 takes
     cases.append(("vit_qkv_f32", "sm_80", {"BM": 128, "BN": 256, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3, "VEC": 1}))
+    # split-K's partial-sum store and reduction beside 128 accumulators, with and without the staged epilogue, and
+    # the split-K configuration offered first for fc2 at batch 1
+    for key, dtype in (("vit_qkv_f32", "f32"), ("vit_proj", "f16")):
+        for epi in (0, 1):
+            cases.append((key, "sm_80", {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3, "VEC": 1,
+                                         "SPLITK": 8, "EPI": epi}))
+    cases += [("vit_fc2_b1", arch, FAMILY.configs(NVCC_PROBLEMS["vit_fc2_b1"], arch)[0]) for arch in ("sm_80", "sm_90")]
     return cases
 
 
@@ -363,7 +468,7 @@ def ptxas_reports(tmp_path_factory):
 @pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
 @pytest.mark.parametrize("case", range(len(NVCC_CASES)),
                          ids=[f"{k}-{a}-{c['BM']}x{c['BN']}x{c['BK']}w{c['WM']}x{c['WN']}s{c['STAGES']}v{c['VEC']}"
-                              for k, a, c in NVCC_CASES])
+                              f"k{c.get('SPLITK', 1)}e{c.get('EPI', 0)}" for k, a, c in NVCC_CASES])
 def test_ptxas_no_spills(ptxas_reports, case):
     inst, kernels = ptxas_reports[case]
     gemms = [k for k in kernels if "gemm_kernel" in k.name]

@@ -130,7 +130,7 @@ SCRATCH_CUDA = textwrap.dedent("""
     typedef void* cudaStream_t;
     enum { cudaSuccess = 0, cudaErrorMemoryAllocation = 2 };
     enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
-    extern int g_device, g_malloc, g_free, g_sync, g_capturing, g_oom;
+    extern int g_device, g_malloc, g_free, g_sync, g_capturing, g_oom, g_memset;
     inline cudaError_t cudaGetDevice(int* d) { *d = g_device; return cudaSuccess; }
     inline cudaError_t cudaGetLastError() { return cudaSuccess; }
     inline cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* s) {
@@ -143,12 +143,17 @@ SCRATCH_CUDA = textwrap.dedent("""
         ++g_malloc; *p = std::malloc(n); return cudaSuccess;
     }
     inline cudaError_t cudaFree(void* p) { ++g_free; std::free(p); return cudaSuccess; }
+    inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+        ++g_memset; unsigned char* b = static_cast<unsigned char*>(p);
+        for (size_t i = 0; i < n; ++i) b[i] = static_cast<unsigned char>(v);
+        return cudaSuccess;
+    }
 """)
 
 SCRATCH_DRIVER = textwrap.dedent("""
     #include <cstdio>
     #include "gtco/scratch.h"
-    int g_device = 0, g_malloc = 0, g_free = 0, g_sync = 0, g_capturing = 0, g_oom = 0;
+    int g_device = 0, g_malloc = 0, g_free = 0, g_sync = 0, g_capturing = 0, g_oom = 0, g_memset = 0;
     static int s1, s2;
     static void report(const char* what, const void* p, const char* why) {
         std::printf("%s %d %d %d %d %d\\n", what, g_malloc, g_free, g_sync, p ? 1 : 0, why ? 1 : 0);
@@ -178,6 +183,13 @@ SCRATCH_DRIVER = textwrap.dedent("""
         report("oom", p, why);
         p = gtco::stream_scratch(&s1, 0, why);
         report("empty", p, why);                                // no workspace asked: none made
+        g_oom = 0;
+        const int memsets = g_memset;
+        unsigned* z = static_cast<unsigned*>(gtco::stream_scratch_zeroed(&s1, 64, why));
+        bool zero = z != nullptr && z[0] == 0 && z[15] == 0;
+        unsigned* again = static_cast<unsigned*>(gtco::stream_scratch_zeroed(&s1, 32, why));
+        std::printf("zeroed %d %d %d %d\\n", zero ? 1 : 0, g_memset - memsets, again == z ? 1 : 0,
+                    z != gtco::stream_scratch(&s1, 64, why) ? 1 : 0);  // zeroed once, kept, its own buffer
         return 0;
     }
 """)
@@ -196,7 +208,10 @@ def test_scratch_is_made_once_per_device_and_stream_and_never_under_capture(tmp_
     # (allocations, frees, stream syncs, got a buffer, has a reason)
     assert got == {"repeat": (1, 0, 0, 1, 0), "stream2": (2, 0, 0, 1, 0), "device1": (3, 0, 0, 1, 0),
                    "captured_fits": (3, 0, 0, 1, 0), "captured_grow": (3, 0, 0, 0, 1), "grow": (4, 1, 1, 1, 0),
-                   "oom": (4, 2, 2, 0, 1), "empty": (4, 2, 2, 0, 0)}
+                   "oom": (4, 2, 2, 0, 1), "empty": (4, 2, 2, 0, 0),
+                   # stream_scratch_zeroed: zero when made, one memset, the same buffer after (no memset per call:
+                   # its users leave it zeroed), apart from stream_scratch's buffer
+                   "zeroed": (1, 1, 1, 1)}
 
 
 RUN_INSTANCE_TU = textwrap.dedent("""

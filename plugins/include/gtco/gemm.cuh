@@ -28,17 +28,33 @@
 //     the tf32 A layout) for A and TRANS_B B, plain 32-bit shared loads for [K, N] B.
 //   - epilogue straight from the accumulator fragments: each lane owns pairs of adjacent columns, so bias,
 //     residual and y move as 32-bit pairs, fp32 as 8-byte pairs (element by element with VEC = false).
+//   - EPI_SMEM = true (VEC only): the epilogue staged through shared memory instead. The block's fp32 accumulators
+//     go to a BM x (BN + 8) fp32 tile over the (then idle) ring, and each thread then takes whole 16-byte chunks of
+//     y rows (8 halves or 4 floats): bias, activation, residual and the store move as 16-byte accesses, a warp's
+//     stores cover whole 128-byte lines. The padding of 8 floats puts the 8-byte fragment stores of a half-warp
+//     (4 rows x 4 column pairs) in 32 distinct banks. Same arithmetic, same rounding: bit-identical to the direct
+//     epilogue.
+//   - SPLITK > 1: split-K. Grid z is batch x SPLITK; split s of a tile runs k-tiles [s*kt/SPLITK, (s+1)*kt/SPLITK)
+//     and stores its fp32 accumulators to the workspace (fragment order, coalesced, through L2), fences, and counts
+//     itself in the tile's counter. The block that arrives last sums the SPLITK partial tiles in split order (its own
+//     read back too) - the same sum whichever block is last, so results are deterministic - resets the counter to
+//     zero for the next launch and runs the epilogue. The workspace (stream_scratch_zeroed: counters zero when made,
+//     zero again after every launch) holds one counter and SPLITK partial tiles per output tile. For small M x N
+//     with a long K (fc2 of a batch-1 ViT: 12 tiles of 96 k-tiles), where one block per tile leaves most SMs idle.
 // Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
 //
 // Test hook: GTCO_GEMM_TEST_FAULT=1 adds the bias twice, =2 waits for one cp.async group too few (reads a stage
-// before its copy landed), =3 skips the tf32 rounding of the fp32 operands. They exist only so that tests can
-// show they catch such bugs.
+// before its copy landed), =3 skips the tf32 rounding of the fp32 operands, =4 leaves split-K's tile counters
+// where the last launch left them. They exist only so that tests can show they catch such bugs.
 #pragma once
 
 #include <climits>
 #include <cstdint>
 
 #include "gtco/launch.cuh"
+#if !defined(GTCO_EMULATE)
+#include "gtco/scratch.h"
+#endif
 
 #ifndef GTCO_GEMM_TEST_FAULT
 #define GTCO_GEMM_TEST_FAULT 0
@@ -146,6 +162,23 @@ struct GemmTile {
     static_assert(kThreads <= 1024, "at most 1024 threads per block");
 };
 
+// Shared memory of one gemm_kernel instance: the ring, or with EPI_SMEM the larger of the ring and the staged fp32
+// epilogue tile (BM rows of BN + 8 floats) that reuses it.
+template <class Tile, int BM, int BN, bool EPI_SMEM>
+struct GemmSmem {
+    static constexpr int kEpiStride = BN + 8;
+    static constexpr int kEpiBytes = EPI_SMEM ? BM * kEpiStride * 4 : 0;
+    static constexpr int kBytes = Tile::kSmemBytes > kEpiBytes ? Tile::kSmemBytes : kEpiBytes;
+    static constexpr bool kDynamic = kBytes > 48 * 1024;
+};
+
+// Split-K workspace of one launch (null without split-K): one arrival counter per output tile (zero between
+// launches), then SPLITK fp32 partial tiles per output tile in fragment order.
+struct GemmSplit {
+    unsigned* counters;
+    float* parts;
+};
+
 namespace gemm_detail {
 
 // One BK-wide k-tile of this warp's mma tiles from shared memory (as, bs: the stage; a_row: this lane's ldmatrix
@@ -231,19 +264,23 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
 }  // namespace gemm_detail
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true, class TOut = T>
-__global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
+          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false>
+__global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, const GemmSplit split_ws) {
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
+    static_assert(SPLITK >= 1 && SPLITK <= 16, "SPLITK: 1..16");
+    static_assert(VEC || !EPI_SMEM, "the staged epilogue moves 16-byte chunks: VEC instances only");
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
+    using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
     constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride, CH = Tile::kChunk;
+    constexpr int kSmemElems = (Smem::kBytes + static_cast<int>(sizeof(T)) - 1) / static_cast<int>(sizeof(T));
 
     T* smem;
-    if constexpr (Tile::kDynamic) {
-        GTCO_DYNAMIC_SHARED(T, dyn, Tile::kSmemElems);
+    if constexpr (Smem::kDynamic) {
+        GTCO_DYNAMIC_SHARED(T, dyn, kSmemElems);
         smem = dyn;
     } else {
-        GTCO_SHARED(T, stat, Tile::kSmemElems);
+        GTCO_SHARED(T, stat, kSmemElems);
         smem = stat;
     }
     T* const a_smem = smem;
@@ -253,14 +290,18 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = static_cast<int>(lane_id());
     const int wm = warp % WM, wn = warp / WM;
     const int m0 = static_cast<int>(blockIdx.y) * BM, n0 = static_cast<int>(blockIdx.x) * BN;
-    const int64_t bz = blockIdx.z;
+    const int64_t bz = static_cast<int64_t>(blockIdx.z) / SPLITK;  // the batch entry
+    const int split = static_cast<int>(blockIdx.z % SPLITK);
     const T* const A = static_cast<const T*>(p.a) + bz * p.stride_a;
     const T* const B = static_cast<const T*>(p.b) + bz * p.stride_b;
-    const int ktiles = (K + BK - 1) / BK;
+    const int ktiles_all = (K + BK - 1) / BK;
+    // This split's k-tiles (all of them without split-K): balanced, none empty while ktiles_all >= SPLITK.
+    const int kt_begin = static_cast<int>(static_cast<int64_t>(split) * ktiles_all / SPLITK);
+    const int ktiles = static_cast<int>(static_cast<int64_t>(split + 1) * ktiles_all / SPLITK) - kt_begin;
 
-    // Issue the cp.async copies of k-tile kt into ring slot `stage` (no commit).
+    // Issue the cp.async copies of this split's k-tile kt into ring slot `stage` (no commit).
     auto load_tile = [&](int stage, int kt) {
-        const int k0 = kt * BK;
+        const int k0 = (kt_begin + kt) * BK;
         T* const as = a_smem + stage * Tile::kAStage;
         T* const bs = b_smem + stage * Tile::kBStage;
         constexpr int kAChunks = BM * BK / CH, kACols = BK / CH;
@@ -342,11 +383,142 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p) {
     }
     cp_async_wait<0>();  // only empty groups remain; leaves no copy outstanding at exit
 
+    if constexpr (SPLITK > 1) {
+        // Split-K: publish this split's partial tile; the last of the tile's SPLITK blocks sums them and goes on.
+        constexpr int kFrag = MI * NI * 4;
+        const int64_t tile =
+            (bz * static_cast<int64_t>(gridDim.y) + blockIdx.y) * static_cast<int64_t>(gridDim.x) + blockIdx.x;
+        float* const parts = split_ws.parts + tile * (static_cast<int64_t>(SPLITK) * kFrag * kThreads);
+        float* const mine = parts + static_cast<int64_t>(split) * kFrag * kThreads;
+        GTCO_UNROLL
+        for (int mi = 0; mi < MI; ++mi)
+            GTCO_UNROLL
+            for (int ni = 0; ni < NI; ++ni)
+                GTCO_UNROLL
+                for (int i = 0; i < 4; ++i) st_cg(mine + ((mi * NI + ni) * 4 + i) * kThreads + tid, acc[mi][ni][i]);
+        fence_gpu();      // this thread's partial sums are visible device-wide before the block is counted
+        __syncthreads();  // every thread's are (and every warp is done with the ring: the flag lands in it)
+        volatile int* const last = reinterpret_cast<volatile int*>(smem);
+        if (tid == 0) {
+            const unsigned arrived = atomic_add_u32(split_ws.counters + tile, 1u);
+            *last = arrived == SPLITK - 1;
+#if GTCO_GEMM_TEST_FAULT != 4
+            if (arrived == SPLITK - 1) split_ws.counters[tile] = 0u;  // zero for the next launch on this stream
+#endif
+        }
+        __syncthreads();
+        if (*last == 0) return;  // the whole block: another split finishes this tile
+        fence_gpu();
+        // The sum in split order, this block's own partial read back like the others: the same sum whichever block
+        // is last (deterministic), and no second array of accumulators in registers.
+        GTCO_UNROLL
+        for (int mi = 0; mi < MI; ++mi)
+            GTCO_UNROLL
+            for (int ni = 0; ni < NI; ++ni)
+                GTCO_UNROLL
+                for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+        for (int s = 0; s < SPLITK; ++s) {
+            const float* const part = parts + static_cast<int64_t>(s) * kFrag * kThreads + tid;
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                GTCO_UNROLL
+                for (int ni = 0; ni < NI; ++ni)
+                    GTCO_UNROLL
+                    for (int i = 0; i < 4; ++i) acc[mi][ni][i] += ld_cg(part + ((mi * NI + ni) * 4 + i) * kThreads);
+        }
+    }
+
     // Epilogue: lane (g, tig) of mma tile (mi, ni) holds rows g and g+8, columns 2*tig and 2*tig+1.
     const T* const bias = static_cast<const T*>(p.bias);
     TOut* const Y = static_cast<TOut*>(p.y) + bz * p.stride_y;
     const TOut* const R = HAS_RES ? static_cast<const TOut*>(p.residual) + bz * p.stride_y : nullptr;
     const int g = lane / 4, tig = lane % 4;
+    if constexpr (EPI_SMEM) {
+        // Staged: fragments -> fp32 tile in shared memory -> 16-byte chunks of y rows.
+        constexpr int S = Smem::kEpiStride;
+        constexpr int OE = 16 / static_cast<int>(sizeof(TOut));  // y elements per 16-byte chunk
+        constexpr int kRowChunks = BN / OE, kChunks = BM * kRowChunks;
+        static_assert(BN % OE == 0 && kChunks % kThreads == 0, "whole chunks per thread");
+        float* const stage = reinterpret_cast<float*>(smem);
+        __syncthreads();  // every warp is done reading the ring (and the split-K flag) before it is overwritten
+        GTCO_UNROLL
+        for (int mi = 0; mi < MI; ++mi)
+            GTCO_UNROLL
+            for (int ni = 0; ni < NI; ++ni)
+                GTCO_UNROLL
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<float2*>(stage + (wm * TM + mi * 16 + g + 8 * h) * S + wn * TN + ni * 8 +
+                                               2 * tig) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        __syncthreads();
+        GTCO_UNROLL
+        for (int i = 0; i < kChunks / kThreads; ++i) {
+            const int c = tid + i * kThreads, r = c / kRowChunks, cc = (c % kRowChunks) * OE;
+            const int row = m0 + r, col = n0 + cc;
+            if (row >= M || col >= N) continue;  // VEC: N is a multiple of OE, so a chunk is wholly in or out
+            float v[OE];
+            GTCO_UNROLL
+            for (int q = 0; q < OE / 4; ++q) {
+                const float4 f = *reinterpret_cast<const float4*>(stage + r * S + cc + 4 * q);
+                v[4 * q] = f.x;
+                v[4 * q + 1] = f.y;
+                v[4 * q + 2] = f.z;
+                v[4 * q + 3] = f.w;
+            }
+            GTCO_UNROLL
+            for (int e = 0; e < OE; ++e) {
+                float b = 0.0f;
+                if constexpr (HAS_BIAS) {
+                    b = gemm_detail::to_f32(bias[col + e]);
+#if GTCO_GEMM_TEST_FAULT == 1
+                    b *= 2.0f;
+#endif
+                }
+                v[e] = gemm_detail::activate<ACT>(v[e] * p.alpha + b);
+            }
+            const int64_t off = static_cast<int64_t>(row) * N + col;
+            if constexpr (std::is_same<TOut, float>::value) {
+                if constexpr (HAS_RES) {
+                    const float4 r4 = *reinterpret_cast<const float4*>(R + off);
+                    v[0] += r4.x;
+                    v[1] += r4.y;
+                    v[2] += r4.z;
+                    v[3] += r4.w;
+                }
+                float4 o;
+                o.x = v[0];
+                o.y = v[1];
+                o.z = v[2];
+                o.w = v[3];
+                *reinterpret_cast<float4*>(Y + off) = o;
+            } else {
+                uint32_t w[4];
+                if constexpr (HAS_RES) {
+                    const uint4 r4 = *reinterpret_cast<const uint4*>(R + off);
+                    w[0] = r4.x;
+                    w[1] = r4.y;
+                    w[2] = r4.z;
+                    w[3] = r4.w;
+                    GTCO_UNROLL
+                    for (int q = 0; q < 4; ++q) {
+                        float r0, r1;
+                        gemm_detail::unpack_f32<T>(w[q], r0, r1);
+                        v[2 * q] += r0;
+                        v[2 * q + 1] += r1;
+                    }
+                }
+                GTCO_UNROLL
+                for (int q = 0; q < 4; ++q)
+                    w[q] = pack_b16(gemm_detail::from_f32<T>(v[2 * q]), gemm_detail::from_f32<T>(v[2 * q + 1]));
+                uint4 o;
+                o.x = w[0];
+                o.y = w[1];
+                o.z = w[2];
+                o.w = w[3];
+                *reinterpret_cast<uint4*>(Y + off) = o;
+            }
+        }
+        return;
+    }
     GTCO_UNROLL
     for (int ni = 0; ni < NI; ++ni) {
         const int col = n0 + wn * TN + ni * 8 + 2 * tig;
@@ -407,14 +579,15 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 // (sizes out of range, K or N not a multiple of a 16-byte chunk (8 halves, 4 floats) for a VEC instance, a bias/residual pointer present or absent
 // against the instance, misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true, class TOut = T>
+          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false>
 int launch_gemm(const GemmArgs* args, void* stream) {
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
+    using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
     if (args == nullptr) return GTCO_EBADSHAPE;
     const GemmArgs& p = *args;
     if (p.batch < 1 || p.m < 1 || p.n < 1 || p.k < 1) return GTCO_EBADSHAPE;
     if (p.m > INT_MAX - BM || p.n > INT_MAX - BN || p.k > INT_MAX - BK) return GTCO_EBADSHAPE;
-    if (p.batch > 65535 || (p.m + BM - 1) / BM > 65535) return GTCO_EBADSHAPE;  // grid z and y limits
+    if (p.batch * SPLITK > 65535 || (p.m + BM - 1) / BM > 65535) return GTCO_EBADSHAPE;  // grid z and y limits
     if (p.a == nullptr || p.b == nullptr || p.y == nullptr) return GTCO_EBADSHAPE;
     if ((p.bias != nullptr) != HAS_BIAS || (p.residual != nullptr) != HAS_RES) return GTCO_EBADSHAPE;
     if (p.stride_a < 0 || p.stride_b < 0 || p.stride_y < 0) return GTCO_EBADSHAPE;
@@ -431,18 +604,41 @@ int launch_gemm(const GemmArgs* args, void* stream) {
             return GTCO_EBADSHAPE;
         if (p.stride_a % CH != 0 || p.stride_b % CH != 0 || p.stride_y % 2 != 0) return GTCO_EBADSHAPE;
     }
+    if (EPI_SMEM) {  // 16-byte chunks of y and the residual
+        constexpr int OE = 16 / static_cast<int>(sizeof(TOut));
+        if (p.n % OE != 0 || p.stride_y % OE != 0 || !gemm_detail::aligned(p.y, 16) ||
+            !gemm_detail::aligned(p.residual, 16))
+            return GTCO_EBADSHAPE;
+    }
     if (p.batch > 1 && (p.stride_a < p.m * p.k || p.stride_y < p.m * p.n ||
                         (p.stride_b != 0 && p.stride_b < p.k * p.n)))
         return GTCO_EBADSHAPE;  // batch entries of A, y (and a per-batch B) must not overlap
     const dim3 grid(static_cast<unsigned>((p.n + BN - 1) / BN), static_cast<unsigned>((p.m + BM - 1) / BM),
-                    static_cast<unsigned>(p.batch));
+                    static_cast<unsigned>(p.batch * SPLITK));
     const dim3 block(Tile::kThreads);
-    auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut>;
+    GemmSplit split_ws{nullptr, nullptr};
+    if constexpr (SPLITK > 1) {
+        // One counter per output tile (rounded up to 256 bytes), then SPLITK partial tiles of BM x BN fp32 each.
+        const size_t tiles = static_cast<size_t>(grid.x) * grid.y * static_cast<size_t>(p.batch);
+        const size_t counter_bytes = (tiles * sizeof(unsigned) + 255) / 256 * 256;
+        const size_t bytes = counter_bytes + tiles * SPLITK * static_cast<size_t>(BM) * BN * sizeof(float);
+#if defined(GTCO_EMULATE)
+        void* ws = scratch_zeroed(bytes);
+#else
+        const char* why = nullptr;
+        void* ws = stream_scratch_zeroed(stream, bytes, why);
+        if (ws == nullptr) return GTCO_ELAUNCH;
+#endif
+        split_ws.counters = static_cast<unsigned*>(ws);
+        split_ws.parts = reinterpret_cast<float*>(static_cast<unsigned char*>(ws) + counter_bytes);
+    }
+    auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut, SPLITK,
+                                EPI_SMEM>;
     (void)stream;
-    if constexpr (Tile::kDynamic) {
-        return GTCO_LAUNCH_SMEM(kernel, grid, block, Tile::kSmemBytes, stream, p);
+    if constexpr (Smem::kDynamic) {
+        return GTCO_LAUNCH_SMEM(kernel, grid, block, Smem::kBytes, stream, p, split_ws);
     } else {
-        return GTCO_LAUNCH(kernel, grid, block, stream, p);
+        return GTCO_LAUNCH(kernel, grid, block, stream, p, split_ws);
     }
 }
 
