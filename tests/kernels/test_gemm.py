@@ -436,7 +436,7 @@ def _nvcc_cases() -> list[tuple[str, str, dict]]:
     cases.append(("vit_qkv_f32", "sm_80", {"BM": 128, "BN": 256, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3, "VEC": 1}))
     # split-K's partial-sum store and reduction beside 128 accumulators, with and without the staged epilogue, and
     # the split-K configuration offered first for fc2 at batch 1
-    for key, dtype in (("vit_qkv_f32", "f32"), ("vit_proj", "f16")):
+    for key in ("vit_qkv_f32", "vit_proj"):
         for epi in (0, 1):
             cases.append((key, "sm_80", {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3, "VEC": 1,
                                          "SPLITK": 8, "EPI": epi}))
