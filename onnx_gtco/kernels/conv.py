@@ -125,6 +125,17 @@ class ConvFamily(KernelFamily):
         "THREADS": (128, 256),
     }
     optional: Mapping[str, int] = {"VEC": 1, "DIRECT": 0, "THREADS": 128}
+    DIRECT_KEYS = ("DIRECT", "THREADS")
+    """The direct kernel's parameters; the others are the implicit GEMM's."""
+
+    def space_for(self, problem: Problem) -> dict[str, tuple[int, ...]]:
+        """The parameters a tuning trial of `problem` suggests (tune.search.search_space): the direct kernel's,
+        DIRECT fixed at 1, for groups != 1, the implicit GEMM's tile and VEC for groups == 1. Each kernel's keys
+        only, so that a trial never mixes the two (the other kernel's keys would be ignored, and name a
+        configuration that is not the one built) and never picks the kernel `check` refuses for the groups."""
+        if groups_of(problem) != 1:
+            return {"DIRECT": (1,), "THREADS": self.space["THREADS"]}
+        return {k: v for k, v in self.space.items() if k not in self.DIRECT_KEYS}
 
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
         if problem.family != self.name:
