@@ -407,6 +407,23 @@ class ConvFamily(KernelFamily):
         return out
 
 
+def summary(problem: Problem) -> str:
+    """The conv's shape in a line, for reports: `x 1x3x224x224, w 768x3x16x16, stride 16x16`, then pads,
+    dilation and groups where they are not the defaults."""
+    s = {k: problem.size(k) for k in SIZES}
+    groups = groups_of(problem)
+    parts = [f"x {s['N']}x{s['C']}x{s['H']}x{s['W']}", f"w {s['OC']}x{s['C'] // groups}x{s['KH']}x{s['KW']}"]
+    if (s["SH"], s["SW"]) != (1, 1):
+        parts.append(f"stride {s['SH']}x{s['SW']}")
+    if any(s[k] for k in ("PT", "PL", "PB", "PR")):
+        parts.append(f"pads {s['PT']},{s['PL']},{s['PB']},{s['PR']}")
+    if (s["DH"], s["DW"]) != (1, 1):
+        parts.append(f"dilation {s['DH']}x{s['DW']}")
+    if groups != 1:
+        parts.append(f"groups {groups}")
+    return ", ".join(parts)
+
+
 def flag_suffix(problem: Problem) -> str:
     """`bias_bn_relu_res_post_relu`: the epilogue part of every conv instance name ("" for none)."""
     f = _flags(problem)
