@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -18,12 +19,14 @@ from onnx_gtco import optimize
 from onnx_gtco.cli import main
 from onnx_gtco.config import GtcoConfig, Ranges
 from onnx_gtco.kernels.conv import FAMILY, conv_problem
+from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.plugin.bind_conv import CONV
 from onnx_gtco.plugin.device import device_problem
-from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, select_device
+from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, build_library, library_info, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.report_md import _tuning
+from onnx_gtco.runtime.session import METADATA_KEY, make_session
 from onnx_gtco.tune.analytical import estimate_us, tiling
 from onnx_gtco.tune.apply import tune_model
 from onnx_gtco.tune.dynamic import dynamic_tasks
@@ -31,6 +34,7 @@ from onnx_gtco.tune.search import AnalyticalMeasurer, analytical_guesses, check,
 from onnx_gtco.tune.tasks import Task, model_tasks
 
 FP16 = GtcoConfig(precision="fp16", target="sm_90")
+CPU = ["CPUExecutionProvider"]
 
 
 def convnet(batch: int | str = 2, refused: bool = True) -> onnx.ModelProto:
@@ -224,6 +228,31 @@ def test_tuning_end_to_end_puts_the_conv_winner_in_the_report_and_the_library(
     assert instances["gtco/conv/b0"][sm90].name == want != plain["gtco/conv/b0"][sm90].name
     assert instances["gtco/conv/dw"][sm90].config == {"DIRECT": 1, "THREADS": entries[("gtco/conv/dw",)][
         "best_config"]["THREADS"]}
+
+
+def test_an_emulated_build_runs_the_tuned_conv_instances(tmp_path: Path) -> None:
+    """The library built with the tuner's sm_80 configurations (the emulated device's arch) names them as the conv
+    nodes' instances and computes the model with them, on the CPU through the emulation, as the original does."""
+    original = convnet(refused=False)
+    model = optimize(original, GtcoConfig(precision="fp16", target="sm_80")).model
+    report, tuned = tune_model(model, "sm_80", 6, "memory:conv-emulated", measurer=AnalyticalMeasurer())
+    best = {n: e["best_config"] for e in report["tasks"] for n in e["nodes"]}
+    lib = build_library(model, tmp_path, cuda=False, emulated=True, tuned=tuned)
+    assert lib.cuda_op_types == ["Conv_f16"] and not lib.kernel_skips, lib.kernel_skips
+    nodes = {n.node.name: n for n in fused_nodes(model)}
+    instances = library_info(lib.path)["instances"]
+    defaults = 0
+    for name, node in nodes.items():
+        problem = device_problem(node, CONV.bind(node))
+        assert instances[name] == [FAMILY.instance_name(problem, best[name], "sm_80")], name
+        defaults += best[name] == {k: v for k, v in FAMILY.configs(problem, "sm_80")[0].items() if k in best[name]}
+    assert defaults < len(nodes)  # the tuner chose otherwise than the family's default somewhere
+    model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
+    onnx.save(model, str(tmp_path / "model.gtco.onnx"))
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 16, 16)).astype(np.float32)}
+    (want,) = ort.InferenceSession(original.SerializeToString(), providers=CPU).run(None, feeds)
+    (got,) = make_session(tmp_path / "model.gtco.onnx", CPU, library=True).run(None, feeds)
+    assert rel_error(got, want) < 1e-2
 
 
 def test_the_report_has_a_conv_table_beside_the_gemm_one() -> None:
