@@ -103,7 +103,7 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
     """A fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task key ->
     microseconds on the target GPU), else None."""
     from onnx_gtco.rewrite import fused_node
-    from onnx_gtco.tune.tasks import node_task, template_version, view_shapes
+    from onnx_gtco.tune.tasks import SHAPED_FAMILIES, node_task, template_version, view_shapes
 
     version = template_version()
     shape_of = view_shapes(view)
@@ -111,7 +111,10 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
     def measured(cand: Candidate) -> float | None:
         if not cand.fused:
             return None
-        task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version)
+        # a conv's binder reads its group's Conv (auto_pad), which the rewrite puts in the node's function
+        body = onnx.FunctionProto(node=[view.model.graph.node[i] for i in sorted(cand.nodes)]
+                                  ) if cand.family in SHAPED_FAMILIES else None
+        task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version, function=body)
         if isinstance(task, str) or task.key not in measured_us:
             return None
         return float(measured_us[task.key])

@@ -336,7 +336,7 @@ def _tuning(r: dict[str, Any]) -> list[str]:
                  _us(x.get("best_us")), speedup(x["speedup_over_first"]) if x.get("speedup_over_first") else "-"]
                 for x in tasks]
         lines += ["", *_table(["task", "weight", "trials", "first µs", "best µs", "gain"], rows)]
-    gemms = [x for x in tasks if "impl" in x]
+    gemms = [x for x in tasks if "cublaslt" in x]  # every GEMM entry says whether cuBLASLt was offered
     if gemms:
         kind = ("predicted by the analytical model (no GPU measured them; its cuBLASLt and CUTLASS prices rest on "
                 "assumed efficiencies)" if gemms[0].get("timing") == "analytical" else "measured on the GPU")
@@ -346,9 +346,21 @@ def _tuning(r: dict[str, Any]) -> list[str]:
         lines += ["", f"GEMM implementations, times {kind}:", "",
                   *_table(["nodes", "implementation", "configuration", "best µs", "cuBLASLt µs", "CUTLASS µs"],
                           rows)]
+    convs = [x for x in tasks if "conv" in x]
+    if convs:
+        kind = ("predicted by the analytical model (no GPU measured them)" if convs[0].get("timing") == "analytical"
+                else "measured on the GPU")
+        rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x["conv"], _CONV_IMPLS.get(x.get("impl"), "-"),
+                 _config(x.get("best_config")), _us(x.get("best_us"))] for x in convs]
+        lines += ["", f"Conv kernels, times {kind}:", "",
+                  *_table(["nodes", "conv", "kernel", "configuration", "best µs"], rows, "llllr")]
     if t.get("untuned"):
         lines += ["", "Fused nodes without a tuning task:", "", *_reasons(t["untuned"])]
     return lines
+
+
+_CONV_IMPLS = {"implicit_gemm": "implicit GEMM (Tensor Cores)", "direct": "direct (CUDA cores)"}
+"""A conv task entry's "impl" (tune.apply.implementations) as the report names it."""
 
 
 def _config(config: dict[str, Any] | None) -> str:

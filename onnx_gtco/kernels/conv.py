@@ -125,6 +125,17 @@ class ConvFamily(KernelFamily):
         "THREADS": (128, 256),
     }
     optional: Mapping[str, int] = {"VEC": 1, "DIRECT": 0, "THREADS": 128}
+    DIRECT_KEYS = ("DIRECT", "THREADS")
+    """The direct kernel's parameters; the others are the implicit GEMM's."""
+
+    def space_for(self, problem: Problem) -> dict[str, tuple[int, ...]]:
+        """The parameters a tuning trial of `problem` suggests (tune.search.search_space): the direct kernel's,
+        DIRECT fixed at 1, for groups != 1, the implicit GEMM's tile and VEC for groups == 1. Each kernel's keys
+        only, so that a trial never mixes the two (the other kernel's keys would be ignored, and name a
+        configuration that is not the one built) and never picks the kernel `check` refuses for the groups."""
+        if groups_of(problem) != 1:
+            return {"DIRECT": (1,), "THREADS": self.space["THREADS"]}
+        return {k: v for k, v in self.space.items() if k not in self.DIRECT_KEYS}
 
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
         if problem.family != self.name:
@@ -394,6 +405,23 @@ class ConvFamily(KernelFamily):
             out[key] = (np.full(shape, np.nan, np.float32) if dt == "f32"
                         else np.full(shape, 0xFFFF, np.uint16).view(np_dtype(dt)))
         return out
+
+
+def summary(problem: Problem) -> str:
+    """The conv's shape in a line, for reports: `x 1x3x224x224, w 768x3x16x16, stride 16x16`, then pads,
+    dilation and groups where they are not the defaults."""
+    s = {k: problem.size(k) for k in SIZES}
+    groups = groups_of(problem)
+    parts = [f"x {s['N']}x{s['C']}x{s['H']}x{s['W']}", f"w {s['OC']}x{s['C'] // groups}x{s['KH']}x{s['KW']}"]
+    if (s["SH"], s["SW"]) != (1, 1):
+        parts.append(f"stride {s['SH']}x{s['SW']}")
+    if any(s[k] for k in ("PT", "PL", "PB", "PR")):
+        parts.append(f"pads {s['PT']},{s['PL']},{s['PB']},{s['PR']}")
+    if (s["DH"], s["DW"]) != (1, 1):
+        parts.append(f"dilation {s['DH']}x{s['DW']}")
+    if groups != 1:
+        parts.append(f"groups {groups}")
+    return ", ".join(parts)
 
 
 def flag_suffix(problem: Problem) -> str:

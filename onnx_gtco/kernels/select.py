@@ -39,7 +39,9 @@ conv family's Problem needs the input's shape, which its binder reads: plugin.bi
 
 CONV_NEEDS_SHAPES = "a conv's kernel Problem needs its input's shape (the binder gives it: plugin.bind_conv)"
 """problem_for's answer for a conv node: its attributes hold the kernel, strides, pads and dilations but not x's
-shape, so such nodes are no tuning task yet (their instance is the family's first valid configuration)."""
+shape. The conv binder builds the Problem from the shapes instead, for the library (plugin.device) and for the
+tuner's tasks (tune.tasks.shaped_problem) alike; model_instances, which reads attributes only, skips conv nodes
+with this reason."""
 
 _PRECISION_DTYPE = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 

@@ -7,8 +7,9 @@ knows is what the C++ side computes: 1-D and 2-D convolutions with explicit pads
 
 The device kernel (kernels.conv, an implicit GEMM) is generic in every size, but its Problem, which picks the tile
 and the weight loads, needs x's and w's shapes, which a node's attributes do not hold: `problem` reads them from
-shape inference (plugin.device uses it in place of kernels.select.node_problem). A symbolic batch stands as 1 and
-a symbolic height or width as SPATIAL_STAND_IN, for the choice only. groups != 1 (grouped and depthwise convs) gets
+shape inference (plugin.device uses it in place of kernels.select.node_problem, and the tuner's conv tasks come
+from it through plugin.device.bound_problem: tune.tasks.shaped_problem). A symbolic batch stands as 1 and a
+symbolic height or width as SPATIAL_STAND_IN, for the choice only. groups != 1 (grouped and depthwise convs) gets
 the family's direct kernel; C is w's dim 1 times groups (w is [OC, C/groups, KH, KW]).
 """
 

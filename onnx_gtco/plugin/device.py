@@ -72,16 +72,16 @@ def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None 
     return ELEMENTWISE.instantiate(problem, configs[0], arch)
 
 
-def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
-    """The Problem of the instance `node` launches, or why it launches none."""
+def bound_problem(node: FusedNode, binding: Binding) -> Problem | str:
+    """The node's Problem with the operand flags its binding fixes, or why it has none; no dtype check. The tuner
+    (tune.tasks) takes a conv node's task from here, so the Problem it tunes is the one the library builds, also
+    for a node planned on fp32 tensors that the precision conversion gives half ones (device_problem would refuse
+    it on those fp32 tensors)."""
     problem = _node_problem(node)
-    if isinstance(problem, str):
-        return problem
-    if problem.dtype != node.dtype:
-        precision = node.attrs.get("precision", "?")
-        precision = precision.decode() if isinstance(precision, bytes) else precision
-        return (f"computes in {problem.dtype} (precision {precision}) on {node.dtype} tensors; the device kernels "
-                f"read and write their own dtype only (give the model {problem.dtype} tensors)")
+    return problem if isinstance(problem, str) else _bound(problem, node, binding)
+
+
+def _bound(problem: Problem, node: FusedNode, binding: Binding) -> Problem | str:
     flags = {}
     for flag, side, role in _ROLE_FLAGS.get(node.family, ()):
         roles = binding.inputs if side == "in" else binding.outputs
@@ -94,7 +94,22 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
             dims = [int(d) for d in bias.shape]
             if len(dims) == 0 or math.prod(dims[:-1]) != 1 or (n is not None and dims[-1] != n):
                 return f"bias of shape {dims}: the device kernel adds one row of N"
-    problem = _with_flags(problem, **flags) if flags else problem
+    return _with_flags(problem, **flags) if flags else problem
+
+
+def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
+    """The Problem of the instance `node` launches, or why it launches none."""
+    problem = _node_problem(node)
+    if isinstance(problem, str):
+        return problem
+    if problem.dtype != node.dtype:
+        precision = node.attrs.get("precision", "?")
+        precision = precision.decode() if isinstance(precision, bytes) else precision
+        return (f"computes in {problem.dtype} (precision {precision}) on {node.dtype} tensors; the device kernels "
+                f"read and write their own dtype only (give the model {problem.dtype} tensors)")
+    problem = _bound(problem, node, binding)
+    if isinstance(problem, str):
+        return problem
     out = binding.outputs[0] if binding.outputs else -1
     return with_out_dtype(problem, node.dtype, node.outputs[out].dtype) if 0 <= out < len(node.outputs) else problem
 
@@ -127,4 +142,5 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     return tuple(out)
 
 
-__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "device_instances", "device_problem", "select_config"]
+__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "bound_problem", "device_instances", "device_problem",
+           "select_config"]

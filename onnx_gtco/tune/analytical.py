@@ -19,6 +19,16 @@ how much of its load latency the pipeline hides. We keep that shape, per family:
   SMs with the last one partly idle, or stream-K splitting the tail as CUTLASS's heuristic does.
 * Row-wise families (layernorm, softmax) and elementwise: DRAM bytes at bandwidth, derated for narrow accesses
   (VEC), too few threads in flight and partial waves.
+* Conv, groups == 1: the implicit GEMM as a GEMM tile on (M, N, K) = kernels.conv.gemm_sizes, as above, but its
+  A tile is gathered element by element through registers (im2col addressing; conv.cuh), whatever VEC says, so
+  A's bytes always cost the scalar rate (4x) and only B's follow VEC. That makes A traffic dearer than B's, which
+  favours tiles wide in N (fewer re-reads of A per output); it is what separates the conv's ranking from a
+  GEMM's. Strides and dilations are not priced: consecutive threads own consecutive output pixels, so a unit-
+  stride gather coalesces across the warp, and the taps a strided window skips are read by the same thread's
+  next columns out of L1; the model keeps DRAM-rate operand tiles, as for GEMMs.
+* Conv, groups != 1 (DIRECT=1): one thread per output element on CUDA cores: its fp32 FMAs at the CUDA-core peak
+  or its unique DRAM bytes (x, w, y, residual; a window's re-reads hit L1), whichever is slower, derated by the
+  last wave's idle block slots (THREADS sets the block size, so the granularity of that tail).
 
 Times are microseconds, deterministic, and only rank configurations: they are what the tuner measures in CI (no
 GPU) and what seeds a GPU study, never a reported kernel time.
@@ -32,6 +42,8 @@ from dataclasses import dataclass
 
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.kernels.conv import gemm_sizes
+from onnx_gtco.kernels.conv import out_hw as conv_out_hw
 from onnx_gtco.kernels.family import Problem
 
 # The hardware facts (SMs, threads per SM, peaks, bandwidth, shared memory) are config.TARGETS'. LAUNCH_US is this
@@ -40,6 +52,7 @@ from onnx_gtco.kernels.family import Problem
 LAUNCH_US = 3.0
 FILL_FLOOR = 0.05  # a row-wise kernel's time stops dropping with fewer busy slots than this share: latency-bound
 _BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+SCALAR = 4.0  # the cost of element-wise loads against 16-byte ones (a GEMM's VEC=0, a conv's A gather)
 
 
 def _resident(smem_bytes: int, threads: int, arch: str) -> int:
@@ -57,7 +70,7 @@ def _tiled_us(arch: str, blocks: int, threads: int, smem: int, flops_per_block: 
     concurrent = min(blocks, sms * resident)
     per_sm = max(1.0, concurrent / sms)  # blocks sharing one SM's peak in a full wave
     mma_us = flops_per_block * per_sm / (t.tc_tflops * 1e6 / sms) / reuse
-    load_us = bytes_per_block * per_sm / (t.dram_gbps * 1e3 / sms) * (1.0 if vec else 4.0)
+    load_us = bytes_per_block * per_sm / (t.dram_gbps * 1e3 / sms) * (1.0 if vec else SCALAR)
     exposed = load_us / stages / (2.0 if resident > 1 else 1.0)
     return waves * (max(mma_us, load_us) + exposed) + LAUNCH_US
 
@@ -148,7 +161,39 @@ def _elementwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
     return streams * n * _BYTES[p.dtype] / (t.dram_gbps * 1e3) / (width * max(fill, 0.05)) + LAUNCH_US
 
 
-_MODELS = {"gemm": _gemm, "attention": _attention, "bmm_softmax": _attention, "layernorm": _rowwise,
+def _conv(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    if c.get("DIRECT"):
+        return _conv_direct(p, c, arch)
+    m, n, k = gemm_sizes(p)
+    bm, bn, bk, wm, wn, stages = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"], c["STAGES"]
+    blocks = math.ceil(m / bm) * math.ceil(n / bn)
+    warp_tile = (bm // wm) * (bn // wn)
+    reuse = min(1.0, (warp_tile / (64 * 64)) ** 0.25)
+    k_pad = math.ceil(k / bk) * bk
+    flops = 2.0 * bm * bn * k_pad
+    loads = (bm * SCALAR + bn * (1.0 if c.get("VEC", 1) else SCALAR)) * k_pad * _BYTES[p.dtype]
+    return _tiled_us(arch, blocks, wm * wn * 32, _gemm_smem(c), flops, loads, stages, reuse, True)
+
+
+def _conv_direct(p: Problem, c: Mapping[str, int], arch: str) -> float:
+    t = TARGETS[arch]
+    oh, ow = conv_out_hw(p)
+    groups = int(p.flag("groups", 1) or 1)
+    n, ch, oc = p.size("N"), p.size("C"), p.size("OC")
+    outputs = n * oc * oh * ow
+    flops = 2.0 * outputs * (ch // groups) * p.size("KH") * p.size("KW")
+    streams = 2 + int(bool(p.flag("residual", False)))  # y, residual: outputs-sized
+    elems = n * ch * p.size("H") * p.size("W") + oc * (ch // groups) * p.size("KH") * p.size("KW") + streams * outputs
+    threads = c["THREADS"]
+    blocks = math.ceil(outputs / threads)
+    resident = max(1, min(t.max_threads_per_sm // threads, 32))
+    waves = math.ceil(blocks / (t.sms * resident))
+    fill = blocks / (waves * t.sms * resident)
+    busy_us = max(flops / (t.cuda_tflops * 1e6), elems * _BYTES[p.dtype] / (t.dram_gbps * 1e3))
+    return busy_us / max(fill, FILL_FLOOR) + LAUNCH_US
+
+
+_MODELS = {"gemm": _gemm, "conv": _conv, "attention": _attention, "bmm_softmax": _attention, "layernorm": _rowwise,
            "softmax": _rowwise, "elementwise": _elementwise}
 
 
@@ -178,7 +223,8 @@ def tiling(problem: Problem, config: Mapping[str, int], arch: str) -> Tiling:
     """The Tiling of `config` on `problem` for `arch`, by the same resource rules as estimate_us.
 
     Raises:
-        ValueError: the family has no run-time extent (elementwise).
+        ValueError: the family has no run-time extent (elementwise; conv, whose tile would run over N·OH·OW and
+            which the dynamic tuner leaves out: kernels.dynamic.extent_name).
     """
     sms = TARGETS[arch].sms
     c = config

@@ -15,6 +15,7 @@ import onnx
 
 from onnx_gtco.config import tune_storage_env
 from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.kernels.conv import summary as conv_summary
 from onnx_gtco.progress import detail, stage
 from onnx_gtco.tune.driver import TaskResult, best_configs, impl_bests, tune
 from onnx_gtco.tune.search import AnalyticalMeasurer, Measurer, config_arch, offered, storage_url
@@ -121,7 +122,13 @@ def implementations(task: Task, best: tuple[dict[str, Any], float] | None, times
     "cutlass") with its configuration and time (the entry's best_config and best_us), the library candidates' best
     times beside it ("cublaslt_us", "cutlass_us"; None where none ran: not offered, or every trial failed) and
     whether each was offered ("cublaslt", "cutlass": "offered" or why not), whether the times were "measured" or
-    "analytical" (the model's ranking, no GPU), and the nodes it serves. Empty for the other families."""
+    "analytical" (the model's ranking, no GPU), and the nodes it serves. A conv task's: which of its kernels won
+    ("impl": "implicit_gemm", the Tensor Core tile, or "direct", the CUDA-core kernel of grouped convs; None
+    without a successful trial), its shape ("conv", kernels.conv.summary), the timing and its nodes. Empty for
+    the other families."""
+    if task.problem.family == "conv":
+        impl = None if best is None else "direct" if best[0].get("DIRECT") else "implicit_gemm"
+        return {"impl": impl, "conv": conv_summary(task.problem), "timing": timing, "nodes": list(task.nodes)}
     if task.problem.family != "gemm":
         return {}
     why = offered(task)

@@ -126,10 +126,15 @@ class AnalyticalMeasurer:
 
 def search_space(task: Task) -> dict[str, list[int]]:
     """Parameter -> the values a trial may suggest: the family's tunable space plus its optional parameters (VEC
-    both ways around its default, the others fixed at theirs)."""
+    both ways around its default, the others fixed at theirs), or, for a family whose parameters depend on the
+    problem (the conv family: the direct kernel's for grouped convs, the implicit GEMM's otherwise), exactly its
+    `space_for(problem)`."""
     family = FAMILIES.get(task.problem.family)
     if family is None:
         raise ValueError(f"no kernel family {task.problem.family!r} to tune")
+    space_for = getattr(family, "space_for", None)
+    if space_for is not None:
+        return {k: list(v) for k, v in space_for(task.problem).items()}
     space = {k: list(v) for k, v in family.space.items()}
     for k, v in getattr(family, "optional", {}).items():
         space.setdefault(k, sorted({int(v), 0, 1}) if k == "VEC" else [int(v)])

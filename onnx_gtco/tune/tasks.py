@@ -6,6 +6,11 @@ times) agree. ViT-B/16 has 12 identical layers: its per-layer groups are tasks o
 
 Run-time sizes that the instance does not fix (GEMM rows, LayerNorm / softmax rows) are part of the task: they
 decide which configuration is fastest. They come from the node's shapes, a symbolic dim counting as 1.
+
+A conv node's attributes hold its kernel, strides and pads but not x's shape, so its Problem comes from its binder
+(plugin.bind_conv, through plugin.device.bound_problem): the Problem the library builds, from the same shapes, with
+the binder's refusals (auto_pad SAME in its function, a 3-D conv) as the reasons it has no task. ResNet-50's
+repeated bottlenecks are then tasks of their repeat counts, as ViT's layers are.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import onnx
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import model_dtypes, node_problem
 from onnx_gtco.kernels.toolchain import headers_digest
+from onnx_gtco.opspec import split_op_type
+from onnx_gtco.plugin.binders import binder_for
+from onnx_gtco.plugin.binding import TensorInfo
+from onnx_gtco.plugin.device import bound_problem
+from onnx_gtco.plugin.nodes import make_fused_node
 
 if TYPE_CHECKING:
     from onnx_gtco.ir.view import GraphView
@@ -63,13 +73,23 @@ def template_version() -> str:
     return headers_digest()[:12]
 
 
+SHAPED_FAMILIES = ("conv",)
+"""Families whose Problem needs the node's tensor shapes, which only their binder reads (kernels.select.problem_for
+says so for them)."""
+
+
 def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
-              out_dtype: str | None = None) -> Task | str:
+              out_dtype: str | None = None, function: onnx.FunctionProto | None = None) -> Task | str:
     """The task of one fused node (weight 1), or why it has none. `shape_of` gives a tensor's shape (ints, or
     strings for symbolic dims; None when unknown): the run-time rows of a row-wise node come from its first
-    input, a symbolic dim counting as 1. `out_dtype`: the dtype of its output tensor where known (a half GEMM
-    writing fp32 is another instance, kernels.select.with_out_dtype, so another task)."""
-    problem = node_problem(node, out_dtype)
+    input, a symbolic dim counting as 1, and a conv's whole Problem from x's and w's shapes (shaped_problem).
+    `out_dtype`: the dtype of its output tensor where known (a half GEMM writing fp32 is another instance,
+    kernels.select.with_out_dtype, so another task). `function`: the node's model-local function, whose Conv the
+    conv binder reads for an auto_pad the node's pads do not state (None: a body without one)."""
+    if split_op_type(node.op_type)[0] in SHAPED_FAMILIES:  # with_out_dtype changes GEMMs only
+        problem = shaped_problem(node, shape_of, function)
+    else:
+        problem = node_problem(node, out_dtype)
     if isinstance(problem, str):
         return problem
     if problem.family in ("layernorm", "softmax"):
@@ -79,6 +99,20 @@ def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
         problem = Problem.make(problem.family, problem.dtype, dict(problem.sizes) | {"rows": rows},
                                dict(problem.flags))
     return Task(problem, arch, version, 1, (node.name,))
+
+
+def shaped_problem(node: onnx.NodeProto, shape_of: ShapeOf, function: onnx.FunctionProto | None = None
+                   ) -> Problem | str:
+    """The Problem the library builds for a node of SHAPED_FAMILIES (plugin.device.bound_problem of its binding),
+    from the tensor shapes `shape_of` gives, or the binder's reason for refusing the node. Tensor dtypes are left
+    unknown: a node planned on fp32 tensors (pipeline.measured_time) is the task of the half node the precision
+    conversion makes of it, as node_problem's GEMM tasks are."""
+    binder = binder_for(split_op_type(node.op_type)[0])
+    if binder is None:
+        return f"no binder for {node.op_type} (the node runs its function)"
+    fused = make_fused_node(node, function or onnx.FunctionProto(), lambda t: TensorInfo(t, "", shape_of(t)))
+    binding = binder.bind(fused)
+    return binding if isinstance(binding, str) else bound_problem(fused, binding)
 
 
 def tensor_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
@@ -119,9 +153,11 @@ def fused_node_tasks(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None
     shape_of = shape_of or model_shapes(model)
     version = template_version()
     dtypes = model_dtypes(model)
+    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     for node in model.graph.node:
         if node.domain == "ai.gtco":
-            yield node, node_task(node, shape_of, arch, version, dtypes.get(node.output[0]) if node.output else None)
+            yield node, node_task(node, shape_of, arch, version, dtypes.get(node.output[0]) if node.output else None,
+                                  functions.get((node.domain, node.op_type, node.overload)))
 
 
 def model_tasks(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None = None
@@ -151,5 +187,5 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
     return sorted(out.values(), key=lambda t: (-t.weight, t.key))
 
 
-__all__ = ["ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks", "node_task",
-           "template_version", "tensor_shapes", "view_shapes"]
+__all__ = ["SHAPED_FAMILIES", "ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks",
+           "node_task", "shaped_problem", "template_version", "tensor_shapes", "view_shapes"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from onnx_gtco.kernels.conv import conv_problem
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.kernels.gemm import gemm_problem
@@ -67,6 +68,36 @@ def test_gpu_measurer_times_checks_and_rejects_wrong_answers(monkeypatch: pytest
     monkeypatch.setitem(gpu_mod.FAMILIES, "gemm", Faulty())
     bad = m.measure(task, best)
     assert bad.error_kind == "wrong_answer", bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("problem", [
+    conv_problem("f16", 2, 64, 28, 28, 128, 3, 3, stride=(2, 2), pads=(1, 1, 1, 1), batchnorm=True,
+                 activation="relu"),
+    conv_problem("f16", 2, 64, 28, 28, 64, 3, 3, pads=(1, 1, 1, 1), groups=64, bias=True),
+], ids=["implicit_gemm_bn_relu", "depthwise_direct"])
+def test_gpu_measurer_times_conv_configurations_and_rejects_wrong_answers(
+        problem: Problem, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conv task's best analytical guess (an implicit-GEMM tile, or the direct kernel for the depthwise conv)
+    builds, meets the fp64 reference and is timed through the family's own inputs and argument struct; a kernel
+    whose window adds the padding instead of subtracting it is a wrong answer."""
+    m = GpuMeasurer()
+    task = Task(problem, m.arch, template_version())
+    best = analytical_guesses(task)[0]
+    good = m.measure(task, best)
+    assert good.error_kind is None and good.median_us and good.median_us > 0 and good.runs >= 20, good
+    from onnx_gtco.tune import gpu as gpu_mod
+
+    real = gpu_mod.FAMILIES["conv"]
+
+    class Faulty(type(real)):  # type: ignore[misc]
+        def instantiate(self, problem: Problem, config, arch: str):
+            inst = real.instantiate(problem, config, arch)
+            return replace(inst, name=inst.name + "_fault", source="#define GTCO_CONV_TEST_FAULT 1\n" + inst.source)
+
+    monkeypatch.setitem(gpu_mod.FAMILIES, "conv", Faulty())
+    assert m.measure(task, best).error_kind == "wrong_answer"
 
 
 @pytest.mark.gpu

@@ -38,8 +38,10 @@ def vit_b() -> onnx.ModelProto:
 
 def test_identical_groups_are_one_task_weighted_by_occurrences(vit_b: onnx.ModelProto) -> None:
     tasks, skipped = model_tasks(vit_b, "sm_90")
-    # the patch embedding's conv and its flatten + transpose copy are no tasks (conv not yet; elementwise is untuned)
-    assert sorted(n.split("/")[1] for n in skipped) == ["conv", "elementwise"], skipped
+    # the patch embedding's flatten + transpose copy is no task (elementwise is untuned); its conv is one
+    assert sorted(n.split("/")[1] for n in skipped) == ["elementwise"], skipped
+    (patch,) = [t for t in tasks if t.problem.family == "conv"]
+    assert patch.weight == 1 and [patch.problem.size(k) for k in ("KH", "SH", "OC")] == [16, 16, 768]
     per_layer = [t for t in tasks if t.problem.family in ("attention", "gemm") and t.weight == 3]
     assert len({t.problem.family for t in per_layer}) == 2, [t.describe() for t in tasks]
     assert sum(t.weight for t in tasks) == sum(1 for n in vit_b.graph.node if n.domain == "ai.gtco") - len(skipped)

@@ -206,10 +206,12 @@ def test_tuning_without_a_config_tunes_for_gtco_target(name: str, tmp_path: Path
 
 def test_tuning_takes_the_shapes_the_plan_has() -> None:
     """The plan's view gives the fused nodes the shapes the rewritten model's value_info records: the same tasks
-    and skip reasons, per shape and shape-generic."""
+    and skip reasons, per shape and shape-generic. The lookup is the one optimize_file tunes with
+    (OptimizeResult.shape_of: the view's shapes under the names the precision conversion gave, such as the fp16
+    Cast of ViT's image that its patch-embedding conv task reads x's shape from)."""
     from onnx_gtco.config import Ranges
     from onnx_gtco.tune.dynamic import dynamic_tasks
-    from onnx_gtco.tune.tasks import model_tasks, view_shapes
+    from onnx_gtco.tune.tasks import model_tasks
 
     def keyed(tasks):
         return [(t.key, getattr(t, "task", t).weight, getattr(t, "task", t).nodes) for t in tasks]
@@ -217,7 +219,7 @@ def test_tuning_takes_the_shapes_the_plan_has() -> None:
     config = GtcoConfig(precision="fp16", target="sm_80")
     for model in (build("vit-tiny", depth=1), build("bert-tiny", batch="batch", seq="seq", depth=1)):
         result = optimize(model, config)
-        shapes = view_shapes(result.view)
+        shapes = result.shape_of()
         for arch in ("sm_80", "sm_90"):
             (a, why_a), (b, why_b) = model_tasks(result.model, arch), model_tasks(result.model, arch, shapes)
             assert keyed(a) == keyed(b) and a and why_a == why_b
