@@ -81,6 +81,19 @@ SPLITS = (1, 2, 4, 8, 16)
 """SPLITK values of the space (gemm.cuh takes 1..16)."""
 MIN_KTILES_PER_SPLIT = 4
 """configs() splits K no finer than this many k-tiles per slice: fewer would not fill the cp.async pipeline."""
+SPLIT_WORKSPACE_MAX = 64 << 20
+"""Bytes of split-K workspace `check` allows a configuration: the buffer stays allocated per device and stream for
+the process, and a split of a problem that needs more has tiles enough to fill the GPU without it."""
+
+
+def split_workspace_bytes(config: Config, batch: int, m: int, n: int) -> int:
+    """The split-K workspace of one launch as launch_gemm sizes it: a counter per output tile (rounded up to 256
+    bytes), then SPLITK fp32 partial tiles per output tile; 0 without split-K."""
+    splits = int(config.get("SPLITK", 1))
+    if splits <= 1:
+        return 0
+    tiles = batch * math.ceil(m / config["BM"]) * math.ceil(n / config["BN"])
+    return math.ceil(tiles * 4 / 256) * 256 + tiles * splits * config["BM"] * config["BN"] * 4
 
 
 def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
@@ -200,6 +213,9 @@ class GemmFamily(KernelFamily):
             return f"batch={batch} x SPLITK={splits} exceeds the grid's z limit 65535"
         if splits > 1 and splits > math.ceil(k / config["BK"]):
             return f"SPLITK={splits} exceeds the {math.ceil(k / config['BK'])} k-tiles of K={k} (BK={config['BK']})"
+        if splits > 1 and (ws := split_workspace_bytes(config, batch, m, n)) > SPLIT_WORKSPACE_MAX:
+            return (f"SPLITK={splits}: a split-K workspace of {ws / 2**20:.0f} MiB for M={m}, N={n} (batch {batch}) "
+                    f"exceeds {SPLIT_WORKSPACE_MAX >> 20} MiB")
         if config["EPI"] and not config["VEC"]:
             return "EPI=1 (the epilogue staged through shared memory, 16-byte chunks of y) needs VEC=1"
         bm, bn, bk, wm, wn = config["BM"], config["BN"], config["BK"], config["WM"], config["WN"]

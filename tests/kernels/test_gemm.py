@@ -15,7 +15,7 @@ from kernel_helpers import nvcc_missing
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes, tf32_round
+from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes, split_workspace_bytes, tf32_round
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
 from onnx_gtco.tune.analytical import estimate_us
@@ -349,6 +349,13 @@ def test_check_rejects_more_splits_than_k_tiles():
     assert why is not None and "SPLITK=4" in why and "3 k-tiles" in why
     why = FAMILY.check(gemm_problem("f16", 5000, 64, 64, 512, b_batched=True), {**E1, "SPLITK": 16}, "sm_80")
     assert why is not None and "65535" in why
+    # ViT-B fc1 at batch 64: 99 x 24 tiles of 128x128; 16 partial tiles each would be 2.3 GiB of workspace
+    big = gemm_problem("f16", 1, 197 * 64, 3072, 768)
+    cfg = {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3}
+    assert split_workspace_bytes({**cfg, "SPLITK": 16}, 1, 197 * 64, 3072) > 2 << 30
+    why = FAMILY.check(big, {**cfg, "SPLITK": 16}, "sm_80")
+    assert why is not None and "workspace" in why and "64 MiB" in why
+    assert FAMILY.check(gemm_problem("f16", 1, 197, 768, 3072), {**cfg, "SPLITK": 8}, "sm_80") is None
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -422,6 +429,7 @@ NVCC_PROBLEMS = {
     "vit_qkv_f32": gemm_problem("f32", 1, 197 * 8, 2304, 768, trans_b=True, bias=True, residual=True),
     # ViT-B fc2 at batch 1 (few tiles, long K): split-K
     "vit_fc2_b1": gemm_problem("f16", 1, 197, 768, 3072, trans_b=True, bias=True, residual=True),
+    "vit_fc2_b1_f32": gemm_problem("f32", 1, 197, 768, 3072, trans_b=True, bias=True, residual=True),
 }
 
 
@@ -436,7 +444,7 @@ def _nvcc_cases() -> list[tuple[str, str, dict]]:
     cases.append(("vit_qkv_f32", "sm_80", {"BM": 128, "BN": 256, "BK": 32, "WM": 2, "WN": 4, "STAGES": 3, "VEC": 1}))
     # split-K's partial-sum store and reduction beside 128 accumulators, with and without the staged epilogue, and
     # the split-K configuration offered first for fc2 at batch 1
-    for key in ("vit_qkv_f32", "vit_proj"):
+    for key in ("vit_fc2_b1_f32", "vit_fc2_b1"):
         for epi in (0, 1):
             cases.append((key, "sm_80", {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3, "VEC": 1,
                                          "SPLITK": 8, "EPI": epi}))
