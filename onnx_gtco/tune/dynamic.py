@@ -47,7 +47,15 @@ from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.progress import stage
 from onnx_gtco.tune.analytical import Tiling, estimate_us, tiling
-from onnx_gtco.tune.search import Measurer, measure_into, open_storage, optimize_once, search_space, storage_url
+from onnx_gtco.tune.search import (
+    Measurer,
+    measure_into,
+    open_storage,
+    optimize_once,
+    search_space,
+    storage_url,
+    with_defaults,
+)
 from onnx_gtco.tune.tasks import ShapeOf, Task, fused_node_tasks, model_shapes
 
 MAX_CONFIGS = 6         # micro-kernel configurations per task
@@ -185,11 +193,10 @@ def candidates(dt: DynamicTask, limit: int = MAX_CONFIGS) -> list[dict[str, int]
     """The task's micro-kernel configurations: the analytical model's best few at extents spread over the range
     (largest first), valid over the whole range, at most `limit`."""
     family = FAMILIES[dt.task.problem.family]
-    keys = list(search_space(dt.task))
     out: list[dict[str, int]] = []
     for n in reversed(spread(dt.lo, dt.hi, RANK_POINTS)):
         p = dt.problem_at(n)
-        ranked = sorted(({k: c[k] for k in keys if k in c} for c in family.configs(p, dt.task.arch)),
+        ranked = sorted((with_defaults(dt.task, c) for c in family.configs(p, dt.task.arch)),
                         key=lambda c: estimate_us(p, c, dt.task.arch))
         for c in ranked[:RANK_TOP]:
             if c not in out and _valid(dt, c):

@@ -141,6 +141,15 @@ def search_space(task: Task) -> dict[str, list[int]]:
     return space
 
 
+def with_defaults(task: Task, config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` (the family's own kernels) on exactly the task's search-space keys, each optional parameter it
+    leaves out at the family's default: the parameters of a trial that runs it. An enqueued trial missing a key
+    would have the sampler pick that key's value, and measure another configuration than the one named."""
+    optional = getattr(FAMILIES[task.problem.family], "optional", {})
+    return {k: config[k] if k in config else optional[k] for k in search_space(task)
+            if k in config or k in optional}
+
+
 IMPL_SPACES: dict[str, dict[str, list[Any]]] = {
     cublaslt.IMPL: {"RANK": list(cublaslt.RANKS)},
     cutlass.IMPL: {k: list(v) for k, v in cutlass.SPACE.items()},
@@ -259,13 +268,11 @@ def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, Any]]:
     implementation is measured), then the next best of any up to `n`. The family's kernels offer their rule-of-thumb
     configurations (family.configs); cuBLASLt every rank; CUTLASS its whole valid space, ranked."""
     family = FAMILIES[task.problem.family]
-    keys = list(search_space(task))
     choices = impls(task)
     per_impl: list[list[dict[str, Any]]] = []
     for impl in choices:
         if impl == "mma":
-            configs: list[dict[str, Any]] = [{k: c[k] for k in keys if k in c}
-                                             for c in family.configs(task.problem, task.arch)]
+            configs: list[dict[str, Any]] = [with_defaults(task, c) for c in family.configs(task.problem, task.arch)]
         elif impl == cutlass.IMPL:
             configs = [dict(c) for c in _cutlass_ranked(task.problem)[:n]]
         else:
@@ -389,4 +396,4 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 __all__ = ["ERROR_KINDS", "IMPL_SPACES", "OFFERED", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
            "analytical_guesses", "best", "best_by_impl", "best_trials_by_impl", "check", "config_arch", "finished",
            "impls", "offered", "open_storage", "param_names", "predict_us", "run_trial", "search_space",
-           "storage_url", "study_for", "study_name", "suggest", "times", "to_config", "to_params"]
+           "storage_url", "study_for", "study_name", "suggest", "times", "to_config", "to_params", "with_defaults"]
