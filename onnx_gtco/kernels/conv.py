@@ -132,10 +132,18 @@ class ConvFamily(KernelFamily):
         """The parameters a tuning trial of `problem` suggests (tune.search.search_space): the direct kernel's,
         DIRECT fixed at 1, for groups != 1, the implicit GEMM's tile and VEC for groups == 1. Each kernel's keys
         only, so that a trial never mixes the two (the other kernel's keys would be ignored, and name a
-        configuration that is not the one built) and never picks the kernel `check` refuses for the groups."""
+        configuration that is not the one built) and never picks the kernel `check` refuses for the groups. VEC
+        is 0 only where K (C·KH·KW) is no multiple of a 16-byte chunk (a 7x7 stem on 3 channels): every VEC = 1
+        trial would be refused there, spending the task's trials."""
         if groups_of(problem) != 1:
             return {"DIRECT": (1,), "THREADS": self.space["THREADS"]}
-        return {k: v for k, v in self.space.items() if k not in self.DIRECT_KEYS}
+        space = {k: v for k, v in self.space.items() if k not in self.DIRECT_KEYS}
+        try:
+            if gemm_sizes(problem)[2] % chunk_elems(problem.dtype):
+                space["VEC"] = (0,)
+        except KeyError:
+            pass  # check names the missing size
+        return space
 
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
         if problem.family != self.name:

@@ -170,6 +170,19 @@ class GemmFamily(KernelFamily):
     """Implementations a configuration's "impl" names (absent: "mma", these generated kernels); another one's
     configuration carries its own parameters and is checked and instantiated by its module."""
 
+    def space_for(self, problem: Problem) -> dict[str, tuple[int, ...]]:
+        """The parameters a tuning trial of `problem` suggests (tune.search.search_space): the space, with VEC and
+        EPI fixed at 0 where K or N is no multiple of a 16-byte chunk (attention's 197-long rows), where every
+        VEC = 1 or EPI = 1 trial would be refused and spend the task's trials."""
+        space = dict(self.space)
+        try:
+            ch = chunk_elems(problem.dtype)
+            if problem.size("K") % ch or problem.size("N") % ch:
+                space["VEC"] = space["EPI"] = (0,)
+        except KeyError:
+            pass  # check names the missing size
+        return space
+
     # ---------------------------------------------------------------------------------------------------------
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
         impl = config.get("impl", "mma")

@@ -127,7 +127,8 @@ class AnalyticalMeasurer:
 def search_space(task: Task) -> dict[str, list[int]]:
     """Parameter -> the values a trial may suggest: the family's tunable space plus its optional parameters (VEC
     both ways around its default, the others fixed at theirs), or, for a family whose parameters depend on the
-    problem (the conv family: the direct kernel's for grouped convs, the implicit GEMM's otherwise), exactly its
+    problem (the conv family: the direct kernel's for grouped convs, the implicit GEMM's otherwise; the GEMM family:
+    no 16-byte loads or staged epilogue where K or N is not a multiple of a chunk), exactly its
     `space_for(problem)`."""
     family = FAMILIES.get(task.problem.family)
     if family is None:

@@ -381,3 +381,15 @@ def test_ptxas_no_spills(ptxas_reports, case):
         assert k.smem_bytes == inst.smem_bytes, (k, inst.smem_bytes)
     else:
         assert k.smem_bytes == 0, k
+
+
+def test_search_space_pins_vec_where_k_is_ragged():
+    """The 7x7 stem on 3 channels (K = 147) never suggests 16-byte weight loads, which check refuses for it; a
+    3x3 conv on 64 channels (K = 576) tunes both."""
+    from onnx_gtco.tune.search import search_space
+    from onnx_gtco.tune.tasks import Task
+
+    stem = conv_problem("f16", 1, 3, 224, 224, 64, 7, 7, stride=(2, 2), pads=(3, 3, 3, 3))
+    assert gemm_sizes(stem)[2] == 147 and search_space(Task(stem, "sm_80", "v"))["VEC"] == [0]
+    body = conv_problem("f16", 1, 64, 56, 56, 64, 3, 3, pads=(1, 1, 1, 1))
+    assert sorted(search_space(Task(body, "sm_80", "v"))["VEC"]) == [0, 1]

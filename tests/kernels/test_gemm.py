@@ -592,3 +592,17 @@ def test_output_cast_to_f32(tmp_path, config, shape):
     # fp32 output keeps what an fp16 y would round away
     rounded = from_storage(to_storage(ref, "f16"), "f16")
     assert rel_error(got, ref) < rel_error(rounded, ref)
+
+
+def test_search_space_pins_vec_and_epi_where_k_or_n_is_ragged():
+    """A trial never suggests 16-byte loads or the staged epilogue that check would refuse for every shape of the
+    task (attention's QKᵀ with 197 tokens); elsewhere both ways are tuned, and every space value stays in the
+    family's space."""
+    from onnx_gtco.tune.search import search_space
+    from onnx_gtco.tune.tasks import Task
+
+    ragged = search_space(Task(gemm_problem("f16", 96, 197, 197, 64, b_batched=True, trans_b=True), "sm_80", "v"))
+    assert ragged["VEC"] == [0] and ragged["EPI"] == [0] and ragged["SPLITK"] == list(FAMILY.space["SPLITK"])
+    even = search_space(Task(VIT, "sm_80", "v"))
+    assert sorted(even["VEC"]) == [0, 1] and sorted(even["EPI"]) == [0, 1]
+    assert set(even) == set(FAMILY.space)
