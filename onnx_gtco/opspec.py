@@ -180,12 +180,13 @@ SPECS: dict[str, OpSpec] = {s.family: s for s in (
            (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
             Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE)),
     # y = post_act(act(affine(conv(x, w) + bias)) + residual); affine: v * scale + shift, or with batchnorm
-    # (v - mean) * scale / sqrt(var + epsilon) + shift (patterns/conv.py)
+    # (v - mean) * scale / sqrt(var + epsilon) + shift (patterns/conv.py); auto_pad: ONNX Conv's (SAME_* pads depend
+    # on x's spatial size, so the kernels compute them from x's shape and `pads` is zero then)
     OpSpec("conv", ("x", "w", "bias", "scale", "shift", "mean", "var", "residual"), ("y",),
            (Attr("kernel", INTS), Attr("stride", INTS), Attr("pads", INTS), Attr("dilations", INTS),
-            Attr("groups", INT, 1), *_EPILOGUE, Attr("scale", BOOL, False), Attr("shift", BOOL, False),
-            Attr("batchnorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5), Attr("affine", BOOL, False),
-            Attr("post_activation", STR, "none"))),
+            Attr("auto_pad", STR, "NOTSET"), Attr("groups", INT, 1), *_EPILOGUE, Attr("scale", BOOL, False),
+            Attr("shift", BOOL, False), Attr("batchnorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5),
+            Attr("affine", BOOL, False), Attr("post_activation", STR, "none"))),
     # y = LayerNorm(a [+ b]) * gamma + beta; sum = a + b when read outside
     OpSpec("layernorm", ("a", "b", "gamma", "beta"), ("y", "sum"),
            (Attr("epsilon", FLOAT, 1e-5), Attr("axis", INT, -1), Attr("hidden", DIM), Attr("residual", BOOL, False),

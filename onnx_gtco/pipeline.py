@@ -111,7 +111,7 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
     def measured(cand: Candidate) -> float | None:
         if not cand.fused:
             return None
-        # a conv's binder reads its group's Conv (auto_pad), which the rewrite puts in the node's function
+        # a conv's binder checks its group's Conv (auto_pad), which the rewrite puts in the node's function
         body = onnx.FunctionProto(node=[view.model.graph.node[i] for i in sorted(cand.nodes)]
                                   ) if cand.family in SHAPED_FAMILIES else None
         task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version, function=body)

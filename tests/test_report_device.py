@@ -19,10 +19,9 @@ from onnx_gtco.plugin.device import ARCH_SLOTS
 from onnx_gtco.plugin.library import bind_nodes, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
 
-SAME_PAD_REASON = ("Conv_f32 node 'gtco/conv/conv': Conv 'n0' pads by auto_pad=SAME_UPPER; the kernel takes "
-                   "explicit pads")
-"""Why a conv padded by auto_pad has no kernel (plugin.bind_conv): a CUDA session keeps its function. Since grouped
-and depthwise convs got their direct kernel, an auto_pad conv is the honest conv without one."""
+CONV3D_REASON = "Conv_f32 node 'gtco/conv/conv': a 3-D convolution; the kernel takes 1-D and 2-D ones"
+"""Why a 3-D conv has no kernel (plugin.bind_conv): a CUDA session keeps its function. Since grouped and depthwise
+convs got their direct kernel and SAME-padded ones their run-time pads, a 3-D conv is the honest conv without one."""
 
 
 def _independent(model) -> tuple[dict[str, int], dict[str, str]]:
@@ -103,34 +102,37 @@ def test_markdown_has_the_device_section(tmp_path: Path, capsys: pytest.CaptureF
         assert f"| {w['family']} | {w['reason']} | {w['nodes']} |" in section
 
 
-def _same_pad_block() -> onnx.ModelProto:
-    """A 3x3 conv padded by auto_pad (no device kernel) + ReLU, then a 1x1 conv + bias + ReLU (its implicit GEMM)."""
+def _conv3d_block() -> onnx.ModelProto:
+    """A 3x3x3 conv (no device kernel) + ReLU, its depth folded into channels, then a 1x1 conv + bias + ReLU (its
+    implicit GEMM)."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
-             for n, s in (("dw_w", (8, 8, 3, 3)), ("pw_w", (16, 8, 1, 1)), ("pw_b", (16,)))]
+             for n, s in (("c3_w", (8, 8, 3, 3, 3)), ("pw_w", (16, 32, 1, 1)), ("pw_b", (16,)))]
+    inits.append(numpy_helper.from_array(np.array([1, 32, 16, 16], np.int64), "fold"))
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "dw_w"], ["d"], name="dw", auto_pad="SAME_UPPER"),
-         helper.make_node("Relu", ["d"], ["dr"], name="dw_relu"),
-         helper.make_node("Conv", ["dr", "pw_w", "pw_b"], ["p"], name="pw"),
+        [helper.make_node("Conv", ["x", "c3_w"], ["d"], name="c3", pads=[1] * 6),
+         helper.make_node("Relu", ["d"], ["dr"], name="c3_relu"),
+         helper.make_node("Reshape", ["dr", "fold"], ["df"], name="fold_depth"),
+         helper.make_node("Conv", ["df", "pw_w", "pw_b"], ["p"], name="pw"),
          helper.make_node("Relu", ["p"], ["y"], name="pw_relu")], "dwblock",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 4, 16, 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 16, 16])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _optimize_same_pad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, dict, str]:
-    src = tmp_path / "dw.onnx"
-    save_atomic(_same_pad_block(), src)
-    out = tmp_path / "dw.gtco.onnx"
+def _optimize_conv3d(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, dict, str]:
+    src = tmp_path / "c3.onnx"
+    save_atomic(_conv3d_block(), src)
+    out = tmp_path / "c3.gtco.onnx"
     assert main(["optimize", str(src), "--no-build", "--target", "sm_90", "-o", str(out)]) == 0
     return out, json.loads(out.with_name(out.name + ".report.json").read_text()), capsys.readouterr().out
 
 
 def test_nodes_without_device_kernels_count_unfused_in_the_prediction(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    _, rep, text = _optimize_same_pad(tmp_path, capsys)
+    _, rep, text = _optimize_conv3d(tmp_path, capsys)
     kernelless = [g for g in rep["groups"] if g["device_reason"] is not None]
-    assert kernelless  # the auto_pad conv
+    assert kernelless  # the 3-D conv
     for g in kernelless:  # no fictional kernel: a group that keeps its function costs what its nodes cost
         assert g["predicted_us"] == g["predicted_unfused_us"], g["name"]
     for g in rep["groups"]:
@@ -147,9 +149,9 @@ def test_nodes_without_device_kernels_count_unfused_in_the_prediction(tmp_path: 
 
 
 def test_no_device_kernel_predicts_no_speedup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every fused group without a device kernel (an auto_pad conv) is predicted at its unfused cost (it was 3.7x
+    """Every fused group without a device kernel (a 3-D conv) is predicted at its unfused cost (it was 3.7x
     on the fp32 ViT when such groups were costed as kernels that do not exist)."""
-    _, rep, _ = _optimize_same_pad(tmp_path, capsys)
+    _, rep, _ = _optimize_conv3d(tmp_path, capsys)
     without = [g for g in rep["groups"] if g["device_kernels"] == []]
     assert without
     for g in without:
@@ -157,18 +159,18 @@ def test_no_device_kernel_predicts_no_speedup(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_conv_without_a_kernel_is_no_faster_fused(tmp_path: Path) -> None:
-    """A model whose only fusable group is a conv padded by auto_pad (the conv kernel takes explicit pads): fused,
-    named with its reason, and predicted no faster than unfused."""
+    """A model whose only fusable group is a 3-D conv (the conv kernel takes 1-D and 2-D ones): fused, named with
+    its reason, and predicted no faster than unfused."""
     rng = np.random.default_rng(0)
-    w = numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32), "w")
+    w = numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3, 3)).astype(np.float32), "w")
     b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", auto_pad="SAME_UPPER")], "conv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], [w, b])
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1] * 6)], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 4, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 4, 16, 16])], [w, b])
     result = optimize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), GtcoConfig())
     rep = result.report
     assert [g["family"] for g in rep["groups"]] == ["conv"]
-    assert rep["device"]["without"] == [{"family": "conv", "reason": SAME_PAD_REASON, "nodes": 1}]
+    assert rep["device"]["without"] == [{"family": "conv", "reason": CONV3D_REASON, "nodes": 1}]
     assert rep["predicted_us_after"] >= rep["predicted_us_before"] - 0.001
-    assert f"conv x1 keep their functions: {SAME_PAD_REASON}" in report.summary(rep)
+    assert f"conv x1 keep their functions: {CONV3D_REASON}" in report.summary(rep)

@@ -11,8 +11,8 @@ plays which role:
     bmm_softmax  as attention, without v_layout / out_layout
     qkv          m, k, ns, n_out, bias
     gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set)
-    conv         kernel, stride, pads, dilations, groups, bias, scale, shift, batchnorm, epsilon, affine,
-                 activation, residual, post_activation
+    conv         kernel, stride, pads, dilations, auto_pad, groups, bias, scale, shift, batchnorm, epsilon,
+                 affine, activation, residual, post_activation
     layernorm    epsilon, axis, hidden, residual, decomposed, affine
     softmax      axis, rows, cols
     elementwise  ops

@@ -28,7 +28,8 @@ class ConvPattern:
     Every prefix is a candidate; the affine steps stop at one that does not continue this order (a second Mul, a
     BatchNormalization after a Mul). Roles: x, w, bias, scale, shift, mean, var, residual; output y. attrs: kernel,
     stride, pads, dilations, groups, bias, scale, shift, batchnorm, epsilon, affine (any of the three), activation,
-    residual, post_activation.
+    residual, post_activation, auto_pad (the Conv's: SAME_UPPER / SAME_LOWER pads depend on x's spatial size, which
+    the kernels read on every run; the binder computes them for the device Problem from the static shape).
     """
 
     name = "conv"
@@ -116,11 +117,13 @@ class ConvPattern:
         w = dims(view, conv.inputs[1]) or ()
         kernel = tuple(int(k) for k in conv.attrs.get("kernel_shape", ())) or tuple(w[2:])
         n = len(kernel)
+        auto_pad = conv.attrs.get("auto_pad", "NOTSET")
         return {
             "kernel": kernel,
             "stride": tuple(int(s) for s in conv.attrs.get("strides", (1,) * n)),
             "pads": tuple(int(p) for p in conv.attrs.get("pads", (0,) * 2 * n)),
             "dilations": tuple(int(d) for d in conv.attrs.get("dilations", (1,) * n)),
+            "auto_pad": auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad),
             "groups": int(conv.attrs.get("group", 1)),
             "bias": len(conv.inputs) > 2 and bool(conv.inputs[2]),
             "scale": False, "shift": False, "batchnorm": False, "epsilon": None,

@@ -3,7 +3,9 @@
     gtco::Conv  in:  X, W, BIAS, SCALE, SHIFT, MEAN, VAR, RESIDUAL        out: Y
 
 The rule found the roles (patterns/conv.py) and the rewrite wrote them in order (opspec); what only the binder
-knows is what the C++ side computes: 1-D and 2-D convolutions with explicit pads, the GEMM epilogue's activations.
+knows is what the C++ side computes: 1-D and 2-D convolutions with explicit pads or ONNX's auto_pad (SAME_* pads
+depend on x's spatial size: conv_op.h computes them from x's shape on every run and passes them to the device kernel
+as run-time ConvArgs, so a symbolic height or width is served), the GEMM epilogue's activations.
 
 The device kernel (kernels.conv, an implicit GEMM) is generic in every size, but its Problem, which picks the tile
 and the weight loads, needs x's and w's shapes, which a node's attributes do not hold: `problem` reads them from
@@ -30,16 +32,39 @@ SPATIAL_RANKS = (1, 2)
 """Spatial ranks gtco::ref::plan_conv takes (x [N, C, W] or [N, C, H, W])."""
 SPATIAL_STAND_IN = 64
 """Height / width a symbolic spatial dim stands as when choosing the device instance's tile."""
-PADDINGS = (b"NOTSET", b"VALID")
-"""Conv auto_pad values whose pads the rule's attributes state (SAME_* pads depend on the input size)."""
+AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
+"""ONNX Conv's auto_pad values, all of which gtco::ref::plan_conv takes (ref::parse_auto_pad): SAME_* pads from x's
+shape on every run, so a symbolic height or width is served too."""
 
 
-def _auto_pad(node: FusedNode) -> str | None:
-    """Why the function's Conv pads by auto_pad in a way the node's pads attribute does not state, else None."""
+def same_pads(auto_pad: str, spatial: list[int], kernel: list[int], strides: list[int], dilations: list[int],
+              pads: list[int]) -> list[int]:
+    """The explicit pads (begins, then ends) ONNX Conv pads by: `pads` for NOTSET, zeros for VALID, and for SAME_*
+    those making the output ceil(in / stride), the odd unit at the end (UPPER) or the beginning (LOWER), as
+    gtco::ref::same_pad computes them at run time."""
+    if auto_pad == "NOTSET":
+        return list(pads)
+    begins, ends = [0] * len(spatial), [0] * len(spatial)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        for i, (size, k, s, d) in enumerate(zip(spatial, kernel, strides, dilations, strict=True)):
+            total = max(0, (-(-size // s) - 1) * s + (k - 1) * d + 1 - size)
+            begins[i] = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+            ends[i] = total - begins[i]
+    return begins + ends
+
+
+def _auto_pad(node: FusedNode, auto_pad: str) -> str | None:
+    """Why the node's auto_pad attribute cannot be served: a value ONNX Conv does not have, or one that differs from
+    its function's Conv (a model rewritten before the attribute existed has NOTSET for a SAME conv, whose pads the
+    kernel would then get wrong), else None."""
+    if auto_pad not in AUTO_PADS:
+        return f"auto_pad={auto_pad} is not one of ONNX Conv's {', '.join(AUTO_PADS)}"
     for n in node.function.node:
-        for a in n.attribute:
-            if n.op_type == "Conv" and a.name == "auto_pad" and a.s not in PADDINGS:
-                return f"Conv {n.name!r} pads by auto_pad={a.s.decode()}; the kernel takes explicit pads"
+        if n.op_type == "Conv":
+            own = next((a.s.decode() for a in n.attribute if a.name == "auto_pad"), "NOTSET")
+            if own != auto_pad:
+                return (f"Conv {n.name!r} pads by auto_pad={own} but the node's auto_pad attribute says {auto_pad} "
+                        "(a model rewritten by an older onnx-gtco: rewrite it again)")
     return None
 
 
@@ -59,7 +84,7 @@ class ConvBinder:
             why = f"activation {bad[0]!r} is not implemented by the C++ conv epilogue"
         elif len(op["kernel"] or ()) not in SPATIAL_RANKS:
             why = f"a {len(op['kernel'] or ())}-D convolution; the kernel takes 1-D and 2-D ones"
-        elif (pad := _auto_pad(node)) is not None:
+        elif (pad := _auto_pad(node, str(op["auto_pad"]))) is not None:
             why = pad
         else:
             bn = op["batchnorm"]
@@ -81,9 +106,11 @@ class ConvBinder:
         if not all(isinstance(d, int) for d in w):
             return f"w {list(w)} has a symbolic dim (the weight's shape picks the kernel's weight loads)"
         sp = len(x) - 2
-        pads = list(op["pads"] or [0] * (2 * sp))
         strides, dil = list(op["stride"] or [1] * sp), list(op["dilations"] or [1] * sp)
         spatial = [d if isinstance(d, int) else SPATIAL_STAND_IN for d in x[2:]]
+        # SAME_* pads as for this x (the stand-in's where symbolic: the run computes the real ones, conv_op.h)
+        pads = same_pads(str(op["auto_pad"]), spatial, [int(k) for k in w[2:]], strides, dil,
+                         list(op["pads"] or [0] * (2 * sp)))
         if sp == 1:  # a 1-D conv runs as H = KH = 1
             spatial, pads, strides, dil = [1, *spatial], [0, pads[0], 0, pads[1]], [1, *strides], [1, *dil]
             kernel = [1, int(w[2])]

@@ -7,10 +7,10 @@ times) agree. ViT-B/16 has 12 identical layers: its per-layer groups are tasks o
 Run-time sizes that the instance does not fix (GEMM rows, LayerNorm / softmax rows) are part of the task: they
 decide which configuration is fastest. They come from the node's shapes, a symbolic dim counting as 1.
 
-A conv node's attributes hold its kernel, strides and pads but not x's shape, so its Problem comes from its binder
-(plugin.bind_conv, through plugin.device.bound_problem): the Problem the library builds, from the same shapes, with
-the binder's refusals (auto_pad SAME in its function, a 3-D conv) as the reasons it has no task. ResNet-50's
-repeated bottlenecks are then tasks of their repeat counts, as ViT's layers are.
+A conv node's attributes hold its kernel, strides and pads (or auto_pad) but not x's shape, so its Problem comes
+from its binder (plugin.bind_conv, through plugin.device.bound_problem): the Problem the library builds, from the
+same shapes (a SAME conv's pads those of x's size), with the binder's refusals (a 3-D conv) as the reasons it has no
+task. ResNet-50's repeated bottlenecks are then tasks of their repeat counts, as ViT's layers are.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
     input, a symbolic dim counting as 1, and a conv's whole Problem from x's and w's shapes (shaped_problem).
     `out_dtype`: the dtype of its output tensor where known (a half GEMM writing fp32 is another instance,
     kernels.select.with_out_dtype, so another task). `function`: the node's model-local function, whose Conv the
-    conv binder reads for an auto_pad the node's pads do not state (None: a body without one)."""
+    conv binder checks the node's auto_pad attribute against (None: a body without one)."""
     if split_op_type(node.op_type)[0] in SHAPED_FAMILIES:  # with_out_dtype changes GEMMs only
         problem = shaped_problem(node, shape_of, function)
     else:

@@ -2,10 +2,10 @@
 //
 //     y = post_act(act((conv(x, w) + bias) * a + b) + residual)          (every step optional)
 //
-// conv is ONNX Conv over NCHW (a 1-D conv, x [N, C, W], runs as H = 1) with groups, strides, explicit pads and
-// dilations; w is [OC, C / groups, KH, KW]. bias, a and b are per output channel, in fp32: the glue
-// (plugins/ort/conv_op.h) folds the node's per-channel constants into them (fold_affine: a Mul / Add pair, or a
-// BatchNormalization's scale / sqrt(var + epsilon) and shift - mean * that). residual has y's shape.
+// conv is ONNX Conv over NCHW (a 1-D conv, x [N, C, W], runs as H = 1) with groups, strides, pads (explicit, or
+// by auto_pad from x's shape) and dilations; w is [OC, C / groups, KH, KW]. bias, a and b are per output channel,
+// in fp32: the glue (plugins/ort/conv_op.h) folds the node's per-channel constants into them (fold_affine: a Mul /
+// Add pair, or a BatchNormalization's scale / sqrt(var + epsilon) and shift - mean * that). residual has y's shape.
 //
 // Math is fp32: x and w are loaded from their storage type, the products accumulate in float over the
 // (input channel, kh, kw) positions of the output pixel's window, the epilogue runs in float and y is rounded to
@@ -38,25 +38,54 @@ struct ConvPlan {
     int64_t pixels() const { return oh * ow; }
 };
 
+// ONNX Conv's auto_pad. SAME_UPPER / SAME_LOWER pads depend on x's spatial size (TF exports are full of them), so
+// they are computed per run from x's shape, never fixed when the library is built: output = ceil(in / stride), the
+// total pad (out - 1) * stride + (k - 1) * dilation + 1 - in (at least 0), its odd unit at the end (UPPER) or the
+// beginning (LOWER). VALID is no pad; NOTSET takes the node's pads.
+enum class AutoPad { kNotSet, kValid, kSameUpper, kSameLower };
+
+inline bool parse_auto_pad(const std::string& s, AutoPad& out) {
+    if (s == "NOTSET" || s.empty()) return out = AutoPad::kNotSet, true;
+    if (s == "VALID") return out = AutoPad::kValid, true;
+    if (s == "SAME_UPPER") return out = AutoPad::kSameUpper, true;
+    if (s == "SAME_LOWER") return out = AutoPad::kSameLower, true;
+    return false;
+}
+
+// The (begin, end) pad along one axis of input size `in` under a SAME auto_pad.
+inline void same_pad(int64_t in, int64_t k, int64_t stride, int64_t dilation, bool upper, int64_t& begin,
+                     int64_t& end) {
+    const int64_t out = (in + stride - 1) / stride;
+    const int64_t total = std::max<int64_t>(0, (out - 1) * stride + (k - 1) * dilation + 1 - in);
+    begin = upper ? total / 2 : total - total / 2;
+    end = total - begin;
+}
+
 // Check x / w against the node's attributes (kernel, strides, pads as ONNX orders them: begins then ends,
-// dilations; empty: ONNX's defaults) and fill the plan; an empty string, or what is wrong.
+// dilations; empty: ONNX's defaults; auto_pad other than kNotSet: the pads from x's shape, `pads` ignored) and
+// fill the plan; an empty string, or what is wrong.
 inline std::string plan_conv(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                              const std::vector<int64_t>& kernel, const std::vector<int64_t>& strides,
-                             const std::vector<int64_t>& pads, const std::vector<int64_t>& dilations, int64_t groups,
-                             ConvPlan& p) {
+                             const std::vector<int64_t>& pads_attr, const std::vector<int64_t>& dilations,
+                             int64_t groups, ConvPlan& p, AutoPad auto_pad = AutoPad::kNotSet) {
     const std::string operands = "x " + dims_str(x) + " and w " + dims_str(w);
     if (x.size() != 3 && x.size() != 4) return operands + ": the conv kernel takes 1-D and 2-D convolutions only";
     if (w.size() != x.size()) return operands + ": w's rank differs from x's";
     const size_t sp = x.size() - 2;
     auto fits = [&](const std::vector<int64_t>& v, size_t n) { return v.empty() || v.size() == n; };
-    if (!fits(kernel, sp) || !fits(strides, sp) || !fits(dilations, sp) || !fits(pads, 2 * sp)) {
+    if (!fits(kernel, sp) || !fits(strides, sp) || !fits(dilations, sp) || !fits(pads_attr, 2 * sp)) {
         return operands + ": kernel, strides, dilations or pads do not have one entry per spatial axis";
     }
     auto at = [](const std::vector<int64_t>& v, size_t i, int64_t def) { return v.empty() ? def : v[i]; };
+    std::vector<int64_t> pads = auto_pad == AutoPad::kNotSet ? pads_attr : std::vector<int64_t>(2 * sp, 0);
     for (size_t i = 0; i < sp; ++i) {
         if (!kernel.empty() && kernel[i] != w[2 + i]) return operands + ": w's spatial dims differ from kernel_shape";
         if (at(strides, i, 1) < 1 || at(dilations, i, 1) < 1) return operands + ": a stride or dilation below 1";
         if (at(pads, i, 0) < 0 || at(pads, sp + i, 0) < 0) return operands + ": a negative pad";
+        if (auto_pad == AutoPad::kSameUpper || auto_pad == AutoPad::kSameLower) {
+            same_pad(x[2 + i], w[2 + i], at(strides, i, 1), at(dilations, i, 1), auto_pad == AutoPad::kSameUpper,
+                     pads[i], pads[sp + i]);
+        }
     }
     if (groups < 1 || x[1] % groups != 0 || w[0] % groups != 0 || w[1] * groups != x[1]) {
         return operands + ": " + std::to_string(groups) + " groups do not split x's channels into w's dim 1 (" +

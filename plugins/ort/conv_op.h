@@ -3,7 +3,8 @@
 //     y = post_act(act(affine(conv(x, w) + bias)) + residual)
 //
 // affine is v * scale + shift (either alone), or with batchnorm=1 (v - mean) * scale / sqrt(var + epsilon) + shift.
-// Node attributes (onnx_gtco/patterns/conv.py): kernel, stride, pads, dilations (ints, ONNX Conv's), groups,
+// Node attributes (onnx_gtco/patterns/conv.py): kernel, stride, pads, dilations (ints, ONNX Conv's), auto_pad
+// (ONNX Conv's string: SAME_UPPER / SAME_LOWER pads come from x's shape on every run, for both EPs), groups,
 // bias, scale, shift, batchnorm, residual (ints: whether the node has that operand), epsilon (float), activation,
 // post_activation (strings, names of onnx_gtco/patterns/_act.py), precision. Roles come from the generated node
 // table (onnx_gtco/plugin/bind_conv.py). Inputs the group swallowed that are no role (the constants of a
@@ -28,9 +29,10 @@ struct Conv {
         std::vector<int64_t> kernel, stride, pads, dilations;
         int64_t groups = 1, bias = 0, scale = 0, shift = 0, batchnorm = 0, residual = 0;
         float epsilon = 1e-5f;
-        std::string activation, post_activation;
-        bool acts_known = false;
+        std::string activation, post_activation, auto_pad;
+        bool acts_known = false, pad_known = false;
         ref::Act act = ref::Act::kNone, post_act = ref::Act::kNone;
+        ref::AutoPad pad_mode = ref::AutoPad::kNotSet;
     };
 
     static Attrs read_attrs(const OrtKernelInfo* info) {
@@ -49,6 +51,8 @@ struct Conv {
         a.activation = attr_string(info, "activation", "none");
         a.post_activation = attr_string(info, "post_activation", "none");
         a.acts_known = ref::parse_act(a.activation, a.act) && ref::parse_act(a.post_activation, a.post_act);
+        a.auto_pad = attr_string(info, "auto_pad", "NOTSET");
+        a.pad_known = ref::parse_auto_pad(a.auto_pad, a.pad_mode);
         return a;
     }
 
@@ -88,6 +92,9 @@ struct Conv {
                 return ref.fail("activation '" + at.activation + "' or '" + at.post_activation +
                                 "' is not one this library implements", ORT_NOT_IMPLEMENTED);
             }
+            if (!at.pad_known) {
+                return ref.fail("auto_pad '" + at.auto_pad + "' is not one of ONNX Conv's", ORT_NOT_IMPLEMENTED);
+            }
             Input in[IN_RESIDUAL + 1];
             static const char* const kNames[] = {"x", "w", "bias", "scale", "shift", "mean", "var", "residual"};
             for (int r = IN_X; r <= IN_RESIDUAL; ++r) {
@@ -100,7 +107,7 @@ struct Conv {
             if (!in[IN_X].present || !in[IN_W].present) return ref.fail("input x or w is missing");
             ref::ConvPlan p;
             const std::string why = ref::plan_conv(in[IN_X].shape, in[IN_W].shape, at.kernel, at.stride, at.pads,
-                                                   at.dilations, at.groups, p);
+                                                   at.dilations, at.groups, p, at.pad_mode);
             if (!why.empty()) return ref.fail(why);
             const size_t rank = p.out_shape.size();
             int64_t steps[5] = {0, 0, 0, 0, 0};  // bias, scale, shift, mean, var

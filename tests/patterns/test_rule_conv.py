@@ -37,8 +37,9 @@ def test_prefix_variants(kit) -> None:
     ]
     first, last = matches[3].attrs, matches[-1].attrs
     assert first == {"kernel": (3, 3), "stride": (1, 1), "pads": (1, 1, 1, 1), "dilations": (1, 1),
-                     "groups": 1, "bias": False, "scale": True, "shift": True, "batchnorm": False, "epsilon": None,
-                     "affine": True, "activation": "relu", "residual": False, "post_activation": "none"}
+                     "auto_pad": "NOTSET", "groups": 1, "bias": False, "scale": True, "shift": True,
+                     "batchnorm": False, "epsilon": None, "affine": True, "activation": "relu", "residual": False,
+                     "post_activation": "none"}
     assert matches[3].roles == {"x": "x", "w": "w1", "scale": "s1", "shift": "t1"}
     assert matches[3].outputs == {"y": "relu1"}
     assert (last["groups"], last["bias"], last["residual"]) == (2, True, True)
@@ -60,6 +61,19 @@ def affine_chain(kit, steps: list[str]):
             out = g.op(op, [out, g.weight(f"c{i}", 4, 1, 1)], f"s{i}")
     g.output(out)
     return g.view()
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+def test_auto_pad_is_carried_into_the_candidate(kit, auto_pad: str) -> None:
+    """SAME_* pads depend on x's size, which the kernels read at run time: the rule carries the Conv's auto_pad (its
+    pads stay zero), else the fused node would pad as NOTSET does."""
+    g = kit.graph()
+    g.input("x", [1, 4, 8, 8])
+    g.op("Conv", ["x", g.weight("w", 4, 4, 3, 3)], "conv", strides=[2, 2], auto_pad=auto_pad)
+    g.op("Relu", ["conv"], "relu")
+    g.output("relu")
+    matches, _ = kit.run(RULE, g.view())
+    assert [(m.attrs["auto_pad"], m.attrs["pads"]) for m in matches] == [(auto_pad, (0, 0, 0, 0))] * 2
 
 
 def test_affine_steps_take_bias_scale_shift_or_batchnorm_in_order(kit) -> None:

@@ -259,18 +259,120 @@ def test_bad_operands_are_errors_naming_the_node(sites: tuple[Built, int]) -> No
         make_session(path, CPU, library=True).run(None, make_inputs(onnx.load(str(built.original)), 0))
 
 
-@pytest.mark.parametrize(("attrs", "x_shape", "why"), [
-    ({"auto_pad": "SAME_UPPER"}, [1, 4, 8, 8], "pads by auto_pad=SAME_UPPER; the kernel takes explicit pads"),
-    ({}, [1, 4, 4, 4, 4], "a 3-D convolution; the kernel takes 1-D and 2-D ones"),
-])
-def test_binder_refuses_what_the_kernel_does_not_compute(attrs: dict[str, object], x_shape: list[int],
-                                                         why: str) -> None:
+def one_conv_node(x_shape: list[int], **attrs: object) -> onnx.ModelProto:
+    """x -> Conv(4 -> 4, 3 wide per spatial axis of x) -> Relu, rewritten into one conv node."""
     g = Net(TensorProto.FLOAT)
     y = g.op("Relu", [g.op("Conv", ["x", g.weight("w", 4, 4, *[3] * (len(x_shape) - 2))], "conv", **attrs)], "y")
     model, _ = rewrite(*longest_conv_groups(g.model({"x": x_shape}, [y])))
-    (node,) = fused_nodes(model)
+    return model
+
+
+def test_binder_refuses_a_3d_conv() -> None:
+    (node,) = fused_nodes(one_conv_node([1, 4, 4, 4, 4]))
     got = CONV.bind(node)
-    assert isinstance(got, str) and got.endswith(why) and "Conv_f32 node 'gtco/conv/conv'" in got
+    assert isinstance(got, str) and "Conv_f32 node 'gtco/conv/conv'" in got
+    assert got.endswith("a 3-D convolution; the kernel takes 1-D and 2-D ones")
+
+
+def test_binder_refuses_a_same_conv_whose_node_lost_its_auto_pad() -> None:
+    """A node without the auto_pad attribute (rewritten before the rule carried it) would pad as NOTSET, zero pads:
+    the binder compares it with its function's Conv and refuses rather than let the kernel compute another conv."""
+    model = one_conv_node([1, 4, 8, 8], auto_pad="SAME_LOWER", strides=[2, 2])
+    (node,) = model.graph.node
+    assert isinstance(CONV.bind(fused_nodes(model)[0]), Binding)
+    del node.attribute[[a.name for a in node.attribute].index("auto_pad")]
+    got = CONV.bind(fused_nodes(model)[0])
+    assert isinstance(got, str) and "pads by auto_pad=SAME_LOWER but the node's auto_pad attribute says NOTSET" in got
+
+
+@pytest.mark.parametrize(("x_shape", "attrs", "pads"), [
+    ([1, 4, 16, 16], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (0, 0, 1, 1)),  # total 1, odd unit at the end
+    ([1, 4, 16, 16], {"auto_pad": "SAME_LOWER", "strides": [2, 2]}, (1, 1, 0, 0)),  # ... at the beginning
+    ([1, 4, 16, 15], {"auto_pad": "SAME_UPPER", "strides": [2, 2], "dilations": [2, 2]}, (1, 2, 2, 2)),
+    ([1, 4, 8, 8], {"auto_pad": "VALID"}, (0, 0, 0, 0)),
+    ([1, 4, 9], {"auto_pad": "SAME_LOWER", "strides": [2]}, (0, 1, 0, 1)),  # 1-D: runs as H = KH = 1
+])
+def test_device_problem_pads_as_onnx_auto_pad_says(x_shape: list[int], attrs: dict[str, object],
+                                                   pads: tuple[int, ...]) -> None:
+    """The device Problem (the tile's choice, the tuner's task) has the pads ORT pads by: (top, left, bottom,
+    right), total = (ceil(in / s) - 1) * s + (k - 1) * d + 1 - in."""
+    (node,) = fused_nodes(one_conv_node(x_shape, **attrs))
+    problem = CONV.problem(node)
+    assert not isinstance(problem, str), problem
+    assert tuple(problem.size(k) for k in ("PT", "PL", "PB", "PR")) == pads
+
+
+def same_sites(elem: int, spatial: tuple[int | str, int | str], length: int | str) -> onnx.ModelProto:
+    """TF-exported convs, padded by auto_pad, with odd total pads beside an explicit-pad conv: SAME_UPPER 3x3 / 2 and
+    SAME_LOWER 4x4 / 1 on img, then a dilated SAME_UPPER 3x3 / 2 (bias, ReLU) and a depthwise SAME_LOWER 3x3 / 2
+    (the direct kernel), a VALID 3x3, a 3x3 with pads 1 and a 1-D SAME_UPPER 4 / 2 conv on seq. On img 16x16 the
+    first pads (0, 0, 1, 1), the second (2, 2, 1, 1), the dilated one (1, 1, 2, 2), the depthwise one (1, 1, 0, 0);
+    seq 11: (1, 2)."""
+    g = Net(elem, seed=3)
+    up = g.conv("img", "up", 3, 8, 3, strides=[2, 2], auto_pad="SAME_UPPER")
+    low = g.conv("img", "low", 3, 8, 4, auto_pad="SAME_LOWER")
+    dil = g.op("Relu", [g.conv(up, "dil", 8, 8, 3, bias=True, strides=[2, 2], dilations=[2, 2],
+                               auto_pad="SAME_UPPER")], "dil_relu")
+    dw = g.conv(low, "dw", 8, 8, 3, group=8, strides=[2, 2], auto_pad="SAME_LOWER")
+    valid = g.conv("img", "valid", 3, 4, 3, auto_pad="VALID")
+    plain = g.op("Relu", [g.conv("img", "plain", 3, 4, 3, pads=[1, 1, 1, 1])], "plain_relu")
+    one_d = g.conv("seq", "s1d", 4, 6, 4, strides=[2], auto_pad="SAME_UPPER")
+    return g.model({"img": [2, 3, *spatial], "seq": [2, 4, length]}, [dil, dw, valid, plain, one_d])
+
+
+SAME_MODELS = {"static": ((16, 16), 11), "symbolic": (("H", "W"), "L")}
+SAME_RUNS = {"static": [{}], "symbolic": [{"H": 16, "W": 16, "L": 11}, {"H": 15, "W": 13, "L": 8}]}
+"""The spatial sizes each model runs at: a symbolic one at the static sizes and at odd ones, where the pads differ
+(15 / 2 pads 2 in all with a 3x3 kernel, 16 / 2 pads 1), which only a run-time computation gets right."""
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "emulated"])
+@pytest.mark.parametrize("dims", list(SAME_MODELS))
+def test_same_convs_get_the_kernels_and_match_onnxruntime(dims: str, emulated: bool, tmp_path: Path) -> None:
+    """One SAME conv used to send every conv of the model back to its function (registration is per op type):
+    now every conv node binds, the op type has its device kernel beside the explicit-pad conv (`emulated`: the
+    implicit GEMM, the direct kernel for the depthwise one, run through the emulation), and the outputs meet ORT
+    running the original model, at each run's spatial sizes."""
+    built = build_longest(same_sites(TensorProto.FLOAT, *SAME_MODELS[dims]), tmp_path, emulated=emulated)
+    assert built.lib.op_types == ["Conv_f32"] and not built.lib.skipped(), built.lib.skipped()
+    assert len([n for n in fused_nodes(onnx.load(str(built.rewritten))) if n.family == "conv"]) == 7
+    if emulated:
+        assert built.lib.cuda_op_types == ["Conv_f32"] and not built.lib.kernel_skips, built.lib.kernel_skips
+        names = [v[0] for v in library_info(built.lib.path)["instances"].values()]
+        assert len(names) == 7 and len([n for n in names if "_direct_" in n]) == 1, names
+    original = onnx.load(str(built.original))
+    names = [o.name for o in original.graph.output]
+    undilated = without_dilated_same(original)
+    for run in SAME_RUNS[dims]:
+        for seed in (0, 1):
+            feeds = make_inputs(original, seed, run)
+            got = dict(zip(names, make_session(built.rewritten, CPU, library=True).run(None, feeds), strict=True))
+            f64 = ReferenceEvaluator(as_float64(original)).run(None, {k: v.astype(np.float64)
+                                                                      for k, v in feeds.items()})
+            sess = ort.InferenceSession(undilated.SerializeToString(), providers=CPU)
+            ref = dict(zip([o.name for o in undilated.graph.output], sess.run(None, feeds), strict=True))
+            for name, want in [*zip(names, f64, strict=True), *ref.items()]:
+                g, where = got[name], f"{name} at {run or 'its sizes'}, seed {seed}"
+                assert g.shape == want.shape and float(np.abs(want).max()) > 0.1, where
+                if emulated:  # TF32 operands
+                    assert rel_error(g, want) < DEVICE_TOL[TensorProto.FLOAT], where
+                else:
+                    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5, err_msg=where)
+            assert len(ref) == len(names) - 1
+
+
+def without_dilated_same(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` less its dilated SAME conv and that conv's output: ORT's Conv refuses a dilation with auto_pad SAME_*
+    ("Dilation not supported"), which ONNX defines and onnx's reference evaluator computes; it checks that one."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    keep = [n for n in m.graph.node if not n.output[0].startswith("dil")]
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    outs = [o for o in m.graph.output if not o.name.startswith("dil")]
+    del m.graph.output[:]
+    m.graph.output.extend(outs)
+    return m
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
