@@ -197,12 +197,7 @@ __global__ void __launch_bounds__(WM * WN * 32) conv_kernel(const ConvArgs p) {
     };
 
     float acc[MI][NI][4];
-    GTCO_UNROLL
-    for (int mi = 0; mi < MI; ++mi)
-        GTCO_UNROLL
-        for (int ni = 0; ni < NI; ++ni)
-            GTCO_UNROLL
-            for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+    gemm_detail::zero_acc(acc);
 
     // Prologue: k-tiles 0 .. STAGES-2 in their slots (B's copies one commit group each, empty past the end, so
     // that cp_async_wait<STAGES-2> always means "B's k-tile kt has landed"; A's stores are plain).

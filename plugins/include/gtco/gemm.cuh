@@ -181,6 +181,17 @@ struct GemmSplit {
 
 namespace gemm_detail {
 
+// Zero a warp tile's accumulators.
+template <int MI, int NI>
+GTCO_DEVICE void zero_acc(float (&acc)[MI][NI][4]) {
+    GTCO_UNROLL
+    for (int mi = 0; mi < MI; ++mi)
+        GTCO_UNROLL
+        for (int ni = 0; ni < NI; ++ni)
+            GTCO_UNROLL
+            for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+}
+
 // One BK-wide k-tile of this warp's mma tiles from shared memory (as, bs: the stage; a_row: this lane's ldmatrix
 // row of A). 16-bit T: m16n8k16 on ldmatrix fragments. fp32 T: m16n8k8 tf32 on fragments rounded by cvt.rna:
 // A (and B when TRANS_B) through ldmatrix, whose .b16 rows of 16 bytes are 4 floats each; [K, N] B with plain
@@ -346,12 +357,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
     };
 
     float acc[MI][NI][4];
-    GTCO_UNROLL
-    for (int mi = 0; mi < MI; ++mi)
-        GTCO_UNROLL
-        for (int ni = 0; ni < NI; ++ni)
-            GTCO_UNROLL
-            for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+    gemm_detail::zero_acc(acc);
 
     // Prologue: k-tiles 0 .. STAGES-2 in flight, one commit group each (empty past the end, so that the group
     // count stays uniform and cp_async_wait<STAGES-2> always means "k-tile kt has landed").
@@ -411,12 +417,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
         fence_gpu();
         // The sum in split order, this block's own partial read back like the others: the same sum whichever block
         // is last (deterministic), and no second array of accumulators in registers.
-        GTCO_UNROLL
-        for (int mi = 0; mi < MI; ++mi)
-            GTCO_UNROLL
-            for (int ni = 0; ni < NI; ++ni)
-                GTCO_UNROLL
-                for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+        gemm_detail::zero_acc(acc);
         for (int s = 0; s < SPLITK; ++s) {
             const float* const part = parts + static_cast<int64_t>(s) * kFrag * kThreads + tid;
             GTCO_UNROLL
