@@ -101,10 +101,12 @@ def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
     them (8 elements for 16-bit types; fp32: 4 floats for k-contiguous rows, 8 for the rows of a [K, N] B); with
     EPI = 1 at least the staged fp32 epilogue tile, BM rows of BN + 8 floats, which reuses the ring
     (GemmSmem::kBytes)."""
-    ring = _ring_bytes(config, trans_b, dtype)
-    if config.get("EPI", 0):
-        return max(ring, config["BM"] * (config["BN"] + EPI_PAD) * 4)
-    return ring
+    return max(_ring_bytes(config, trans_b, dtype), epilogue_tile_bytes(config))
+
+
+def epilogue_tile_bytes(config: Config) -> int:
+    """Shared memory of the staged fp32 epilogue tile (BM rows of BN + EPI_PAD floats) with EPI = 1, else 0."""
+    return config["BM"] * (config["BN"] + EPI_PAD) * 4 if config.get("EPI", 0) else 0
 
 
 def _ring_bytes(config: Config, trans_b: bool, dtype: str) -> int:
@@ -245,7 +247,7 @@ class GemmFamily(KernelFamily):
             return (f"warp tile {bm // wm}x{bn // wn} needs {acc} fp32 accumulators per thread "
                     f"(> {MAX_ACC_PER_THREAD}: would spill registers)")
         if config["EPI"]:
-            chunks = bm * bn // (4 if _out_dtype(problem) == "f32" else 8)
+            chunks = bm * bn // chunk_elems(_out_dtype(problem))
             if chunks % threads:
                 return (f"EPI=1: the {chunks} 16-byte chunks of a {bm}x{bn} tile do not divide among {threads} "
                         f"threads")

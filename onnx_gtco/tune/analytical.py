@@ -45,6 +45,7 @@ from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.conv import gemm_sizes
 from onnx_gtco.kernels.conv import out_hw as conv_out_hw
 from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.gemm import epilogue_tile_bytes
 
 # The hardware facts (SMs, threads per SM, peaks, bandwidth, shared memory) are config.TARGETS'. LAUNCH_US is this
 # model's own per-kernel term, the same for every target (Target.launch_us is the planner's): it only shifts every
@@ -76,8 +77,7 @@ def _tiled_us(arch: str, blocks: int, threads: int, smem: int, flops_per_block: 
 
 
 def _gemm_smem(c: Mapping[str, int]) -> int:
-    ring = c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2
-    return max(ring, c["BM"] * (c["BN"] + 8) * 4) if c.get("EPI", 0) else ring
+    return max(c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2, epilogue_tile_bytes(c))
 
 
 def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
@@ -87,6 +87,13 @@ def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
 
 def _rowwise_resident(c: Mapping[str, int], arch: str) -> int:
     return max(1, min(TARGETS[arch].max_threads_per_sm // (c["THREADS"] * c["ROWS"]), 32))
+
+
+def _mma_block(c: Mapping[str, int], k_pad: int) -> tuple[float, int, float]:
+    """A Tensor Core block's operand reuse (derated for warp tiles under 64x64), its k extent (`k_pad`, whole
+    k-tiles) and its FLOPs: the terms a GEMM tile and an implicit-GEMM conv tile share."""
+    warp_tile = (c["BM"] // c["WM"]) * (c["BN"] // c["WN"])
+    return min(1.0, (warp_tile / (64 * 64)) ** 0.25), k_pad, 2.0 * c["BM"] * c["BN"] * k_pad
 
 
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
@@ -99,10 +106,7 @@ def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     splits = int(c.get("SPLITK", 1))
     blocks = batch * math.ceil(m / bm) * math.ceil(n / bn) * splits
     smem = _gemm_smem(c)
-    warp_tile = (bm // wm) * (bn // wn)
-    reuse = min(1.0, (warp_tile / (64 * 64)) ** 0.25)
-    k_pad = math.ceil(math.ceil(k / bk) / splits) * bk
-    flops = 2.0 * bm * bn * k_pad
+    reuse, k_pad, flops = _mma_block(c, math.ceil(math.ceil(k / bk) / splits) * bk)
     loads = (bm + bn) * k_pad * _BYTES[p.dtype]
     if splits > 1:
         loads += 2 * bm * bn * 4
@@ -167,10 +171,7 @@ def _conv(p: Problem, c: Mapping[str, int], arch: str) -> float:
     m, n, k = gemm_sizes(p)
     bm, bn, bk, wm, wn, stages = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"], c["STAGES"]
     blocks = math.ceil(m / bm) * math.ceil(n / bn)
-    warp_tile = (bm // wm) * (bn // wn)
-    reuse = min(1.0, (warp_tile / (64 * 64)) ** 0.25)
-    k_pad = math.ceil(k / bk) * bk
-    flops = 2.0 * bm * bn * k_pad
+    reuse, k_pad, flops = _mma_block(c, math.ceil(k / bk) * bk)
     loads = (bm * SCALAR + bn * (1.0 if c.get("VEC", 1) else SCALAR)) * k_pad * _BYTES[p.dtype]
     return _tiled_us(arch, blocks, wm * wn * 32, _gemm_smem(c), flops, loads, stages, reuse, True)
 
