@@ -254,7 +254,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         else BenchOptions.baselines,
                         runs=args.runs, warmup=args.warmup, quick=args.quick, model_type=args.model_type,
                         ort_model=args.ort_model, num_heads=args.num_heads, hidden_size=args.hidden_size,
-                        dims=_dims(args.dim), seed=args.seed, remeasure_peaks=args.remeasure_peaks, out=str(out_dir))
+                        dims=_dims(args.dim), seed=args.seed, remeasure_peaks=args.remeasure_peaks,
+                        profile=args.profile, out=str(out_dir))
     opts = dataclasses.replace(opts, command=opts.as_command())
     opts.validate()
     doc = run_bench(opts)
@@ -393,6 +394,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=100, help="timed runs per variant (>= 100; default 100)")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default 10)")
     p.add_argument("--quick", action="store_true", help="allow --runs below 100 (smoke tests, not for reporting)")
+    p.add_argument("--profile", action="store_true",
+                   help="on cuda, profile a few runs of each variant: its top kernels by GPU time (needs torch)")
     p.add_argument("--remeasure-peaks", action="store_true",
                    help="keep only this run's matmul and copy peaks (else the best of every run on this device)")
     p.add_argument("--model-type", default=None,

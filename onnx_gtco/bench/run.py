@@ -57,6 +57,8 @@ class BenchOptions:
         dims: sizes of other symbolic input dims (e.g. a sequence length).
         seed: seed of the inputs.
         remeasure_peaks: keep only this run's measured peaks, forgetting the best of earlier runs on the device.
+        profile: on "cuda", after each ORT variant's timing, profile a few runs of it (bench.profile: its top
+            kernels by GPU time) into the variant's "profile".
         out: folder for bench.json, bench.md and bench.png.
         command: the command line, recorded in the JSON.
     """
@@ -79,6 +81,7 @@ class BenchOptions:
     dims: dict[str, int] = field(default_factory=dict)
     seed: int = 0
     remeasure_peaks: bool = False
+    profile: bool = False
     out: str = "."
     command: str = ""
 
@@ -133,6 +136,7 @@ class BenchOptions:
         argv += [a for k, v in self.dims.items() for a in ("--dim", f"{k}={v}")]
         argv += ["--quick"] if self.quick else []
         argv += ["--remeasure-peaks"] if self.remeasure_peaks else []
+        argv += ["--profile"] if self.profile else []
         return shlex.join(argv)
 
     @property
@@ -270,20 +274,69 @@ def _variant_json(r: Result) -> dict[str, Any]:
             "median_ms": lat.median_ms if lat else None, "p10_ms": lat.p10_ms if lat else None,
             "p90_ms": lat.p90_ms if lat else None, "runs": lat.runs if lat else 0,
             "cuda_graph": bool(lat is not None and r.timed is not None and r.timed.cuda_graph),
+            "median_ms_no_graph": (r.timed.plain.median_ms if lat is not None and r.timed is not None
+                                   and r.timed.plain is not None else None),
             "max_abs_err": acc.max_abs_err if acc else None, "max_rel_err": acc.max_rel_err if acc else None,
             "cosine": acc.cosine if acc else None, "note": r.note}
 
 
+def _profile(r: Result, ctx: Context) -> dict[str, Any]:
+    """The profile of an ok variant's session made as it was timed, without CUDA graphs (a replay hides its
+    kernels from nothing, but ORT captures only after warm-up runs): {"reason"} when it has no ORT session."""
+    from onnx_gtco.bench.profile import profile_session
+
+    if r.timed is None or r.timed.make is None:
+        return {"reason": "not an ORT session"}
+    try:
+        session = r.timed.make(False)
+    except Exception as e:  # ORT's own exception types
+        return {"reason": f"making the session failed: {first_line(e)}"}
+    return profile_session(session, ctx.feeds, ctx.outputs)
+
+
+def _median(v: dict[str, Any], graph: bool) -> float | None:
+    """A variant's median with CUDA graph replay (`graph`) or without it, None when it was not measured so."""
+    if v.get("status") != "ok":
+        return None
+    if graph:
+        return v["median_ms"] if v.get("cuda_graph") else None
+    return v.get("median_ms_no_graph") if v.get("cuda_graph") else v["median_ms"]
+
+
+def ratio_mode(ours: dict[str, Any], base: dict[str, Any]) -> bool | None:
+    """Whether ours and `base` are compared with CUDA graph replay (True), without (False), or not at all (None):
+    with graphs when both replayed one, else without on both sides (a variant that replayed one was timed without
+    too: `median_ms_no_graph`). A variant with no graph-free time (torch.compile's cudagraph trees) is compared
+    with graphs only."""
+    if _median(ours, True) is not None and _median(base, True) is not None:
+        return True
+    if _median(ours, False) is not None and _median(base, False) is not None:
+        return False
+    return None
+
+
 def ours_over(variants: Sequence[dict[str, Any]]) -> dict[str, float | None]:
-    """baseline -> ours' median / that baseline's median; None where either did not run."""
+    """baseline -> ours' median / that baseline's median, CUDA graphs on both sides or neither (`ratio_mode`);
+    None where either did not run or no like-for-like pair of times exists."""
     ours = next((v for v in variants if v["name"] == OURS), None)
     out: dict[str, float | None] = {}
     for v in variants:
         if v["name"] == OURS:
             continue
-        ok = ours is not None and ours["status"] == "ok" and v["status"] == "ok" and v["median_ms"] > 0
-        out[v["name"]] = ours["median_ms"] / v["median_ms"] if ok else None  # type: ignore[index]
+        mode = ratio_mode(ours, v) if ours is not None else None
+        if mode is None:
+            out[v["name"]] = None
+            continue
+        a, b = _median(ours, mode), _median(v, mode)  # type: ignore[arg-type]
+        out[v["name"]] = a / b if a is not None and b else None
     return out
+
+
+def graph_modes(variants: Sequence[dict[str, Any]]) -> dict[str, bool | None]:
+    """baseline -> whether its ratio in ours_over compared CUDA graph replays (True), plain runs (False) or
+    nothing (None)."""
+    ours = next((v for v in variants if v["name"] == OURS), None)
+    return {v["name"]: (ratio_mode(ours, v) if ours is not None else None) for v in variants if v["name"] != OURS}
 
 
 def _log(msg: str) -> None:
@@ -361,13 +414,22 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 lat = r.timed.latency if r.timed is not None and r.status == "ok" else None
                 _log(f"batch {batch:<4} {name:<22} {r.status:<8} "
                      + (f"{lat.median_ms:.3f} ms" if lat else r.reason))
-                variants.append(_variant_json(r))
+                entry = _variant_json(r)
+                if opts.profile and opts.provider == "cuda" and r.status == "ok":
+                    entry["profile"] = _profile(r, ctx)
+                    top = entry["profile"].get("top") or [{}]
+                    _log(f"batch {batch:<4} {name:<22} profile: " + (
+                        f"{entry['profile']['kernel_us_per_run']:.1f} us of kernels per run, top "
+                        f"{top[0].get('kernel', '')[:60]} {top[0].get('share', 0):.0%}" if "top" in entry["profile"]
+                        else entry["profile"]["reason"]))
+                variants.append(entry)
         work = roofline.model_work(model, opts.gtco_precision, io=[*feeds.values(), *reference])
         roof: dict[str, Any] = (roofline.roofline_json(work, peaks) if peaks is not None else
                                 {"flops": work.flops, "bytes": work.bytes, "peak_tflops": None, "peak_gbps": None,
                                  "floor_ms": None, "reason": peak_reason})
         roof["mm_flops"] = work.mm_flops
-        batches.append({"batch": batch, "variants": variants, "ours_over": ours_over(variants), "roofline": roof})
+        batches.append({"batch": batch, "variants": variants, "ours_over": ours_over(variants),
+                        "ours_over_cuda_graph": graph_modes(variants), "roofline": roof})
     device = device_info(opts.provider, peaks)
     if peaks is not None:
         device["peaks"] = {"method": peaks.method, "cached": cached}

@@ -30,6 +30,11 @@ class Timed:
     outputs: list[np.ndarray]
     cuda_graph: bool
     note: str = ""
+    plain: Latency | None = None
+    """The same session's latency without CUDA graph replay, when `latency` replayed one (so a ratio against a
+    variant that could not capture compares like with like)."""
+    make: Callable[[bool], Any] | None = None
+    """What made the timed session (`make(cuda_graph)`), for a profiled run after the timing; None outside ORT."""
 
 
 def session_options() -> Any:
@@ -51,14 +56,24 @@ def ep_list(provider: str, cuda_graph: bool) -> list[Any]:
 
 def _time_bound(session: Any, feeds: Mapping[str, np.ndarray], provider: str, outputs: Mapping[str, tuple[int, ...]],
                 runs: int, warmup: int) -> tuple[Latency, list[np.ndarray]]:
-    import onnxruntime as ort
-
     if provider == "cuda":
         require_cuda_ep(session, "the timed session")
     metas = {m.name: m for m in session.get_outputs()}
     missing = [n for n in outputs if n not in metas]
     if missing:
         raise ValueError(f"the model has no output {missing[0]!r} (it has {', '.join(metas)})")
+    binding, _keep = bind_io(session, feeds, provider, outputs, metas)  # _keep: alive until the copies are made
+    latency, _ = time_callable(lambda: session.run_with_iobinding(binding), binding.synchronize_outputs, runs, warmup)
+    return latency, [np.asarray(o) for o in binding.copy_outputs_to_cpu()]
+
+
+def bind_io(session: Any, feeds: Mapping[str, np.ndarray], provider: str, outputs: Mapping[str, tuple[int, ...]],
+            metas: Mapping[str, Any] | None = None) -> tuple[Any, list[Any]]:
+    """An IO binding of `session` with `feeds` on the device ("cuda") and `outputs` pre-allocated there, and what
+    must outlive its runs."""
+    import onnxruntime as ort
+
+    metas = metas if metas is not None else {m.name: m for m in session.get_outputs()}
     binding = session.io_binding()
     keep: list[Any] = []  # what is bound must outlive the runs
     for name, arr in feeds.items():
@@ -80,8 +95,7 @@ def _time_bound(session: Any, feeds: Mapping[str, np.ndarray], provider: str, ou
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", 0)
             keep.append(value)
             binding.bind_ortvalue_output(name, value)
-    latency, _ = time_callable(lambda: session.run_with_iobinding(binding), binding.synchronize_outputs, runs, warmup)
-    return latency, [np.asarray(o) for o in binding.copy_outputs_to_cpu()]
+    return binding, keep
 
 
 def time_ort(make: Callable[[bool], Any], feeds: Mapping[str, np.ndarray], provider: str,
@@ -90,9 +104,10 @@ def time_ort(make: Callable[[bool], Any], feeds: Mapping[str, np.ndarray], provi
 
     On "cuda" the CUDA EP first tries CUDA graph capture (a warm-up run captures, at least CAPTURE_WARMUP of them
     run, later runs replay); when creating or running that session fails (a node outside the CUDA EP, a dynamic
-    shape), the session is made again without it and the note says why. `outputs` (name -> shape, from the
-    reference run) are the outputs compared, returned in that order; on "cuda" they are pre-allocated on the device
-    at fixed addresses as graph replay needs.
+    shape), the session is made again without it and the note says why. When the capture works, a session without
+    it is timed too (`Timed.plain`): CUDA graphs on both sides of a ratio or on neither. `outputs` (name -> shape,
+    from the reference run) are the outputs compared, returned in that order; on "cuda" they are pre-allocated on
+    the device at fixed addresses as graph replay needs.
 
     Raises:
         whatever ORT raises when the session without CUDA graphs cannot be created or run.
@@ -103,11 +118,13 @@ def time_ort(make: Callable[[bool], Any], feeds: Mapping[str, np.ndarray], provi
         try:
             # ORT runs a model normally a couple of times before it captures the graph: keep that out of the timing
             latency, outs = _time_bound(make(True), feeds, provider, outputs, runs, max(CAPTURE_WARMUP, warmup))
-            return Timed(latency, outs, True)
         except Exception as e:  # ORT raises its own exception types per failure
             note = f"CUDA graph replay not used: {first_line(e)}"
+        else:
+            plain, _ = _time_bound(make(False), feeds, provider, outputs, runs, warmup)
+            return Timed(latency, outs, True, plain=plain, make=make)
     latency, outs = _time_bound(make(False), feeds, provider, outputs, runs, warmup)
-    return Timed(latency, outs, False, note)
+    return Timed(latency, outs, False, note, make=make)
 
 
 def time_callable(fn: Callable[[], Any], sync: Callable[[], None], runs: int, warmup: int) -> tuple[Latency, Any]:
