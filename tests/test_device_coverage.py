@@ -131,3 +131,19 @@ def test_the_sm90a_slot_holds_an_instance_of_its_own_only_where_asked() -> None:
     ln_node, ln_binding = by_family["layernorm"]
     assert device_instances(ln_node, ln_binding, ARCH_SLOTS, {"sm_90a": config}) == \
         device_instances(ln_node, ln_binding, ARCH_SLOTS)
+
+
+def test_an_untuned_gemm_that_fills_the_gpu_gets_a_cutlass_instance_on_sm90a() -> None:
+    """ViT-B/16's GEMMs at batch 64 (12608 rows) fill an H200 with 128x128 tiles: the sm_90a slot builds the first
+    CUTLASS configuration for them untuned; batch 1's (197 rows) and a symbolic row count keep the sm_90 instance."""
+    from onnx_gtco.kernels.gemm import gemm_problem
+    from onnx_gtco.plugin.device import default_own_config
+
+    big = gemm_problem("f16", 1, 197 * 64, 3072, 768, bias=True, activation="gelu_erf")
+    config = default_own_config(big, "sm_90a")
+    assert config is not None and config["impl"] == "cutlass"
+    assert default_own_config(big, "sm_90") is None and default_own_config(big, "sm_80") is None
+    assert default_own_config(gemm_problem("f16", 1, 197, 3072, 768, bias=True), "sm_90a") is None
+    assert default_own_config(gemm_problem("f16", 1, 1, 3072, 768), "sm_90a") is None
+    odd = gemm_problem("f16", 1, 197 * 64, 3000 + 4, 768)  # N % 8 != 0: TMA cannot take its rows
+    assert default_own_config(odd, "sm_90a") is None

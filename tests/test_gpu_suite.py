@@ -117,13 +117,13 @@ def test_resume_keeps_what_finished_and_runs_the_rest(tmp_path: Path, monkeypatc
     first, second = (m.name for m in suite.DRY_RUN_MODELS)
     ran: list[str] = []
 
-    def fake_model(ctx, spec, share_s):
+    def fake_model(ctx, spec, share_s, kept=None):
         ran.append(spec.name)
         assert share_s > 0
         return {"name": spec.name, "label": spec.label, "stands_in_for": spec.stands_in_for,
                 "batches": list(spec.batches), "share_s": share_s, "status": "ok" if spec.name == first else "failed",
                 "reason": "" if spec.name == first else "cut off", "steps": [],
-                "results": [{"batch": b, "status": "ok"} for b in spec.batches]}
+                "results": [{"batch": b, "status": "ok" if spec.name == first else "failed"} for b in spec.batches]}
 
     monkeypatch.setattr(suite, "run_model", fake_model)
     monkeypatch.setattr(suite, "run_kernel_bench", lambda ctx, t, reps: suite.Step("kernel-bench", "ok", "", 1.0))
@@ -475,3 +475,71 @@ def test_the_kernel_bench_runs_one_call_per_shape_set_and_merges_them(tmp_path: 
     ctx.budget = suite.Budget(1)
     step = suite.run_kernel_bench(ctx, 60.0, None)
     assert sum(t for _, t in calls) <= 60.0 and step.detail["sets"]["detr"] == "skipped"
+
+
+def test_resume_keeps_each_finished_row_and_runs_only_the_rest(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose first batch finished and whose second was cut off: --resume keeps the finished row as it is
+    and runs the model's other batch alone."""
+    out = tmp_path / "out"
+    calls: list[tuple[str, int, str]] = []
+
+    def fake_command(name, cmd, *, env, timeout_s, log, cwd=suite.ROOT):
+        stem, what = name.split(": ")
+        model, batch = stem.rsplit(".b", 1)
+        calls.append((model, int(batch), what))
+        if what == "bench" and model == "vit-tiny" and batch == "2" and not (out / "cut").exists():
+            (out / "cut").touch()
+            return suite.Step(name, "failed", "timed out after 30 s", 30.0)
+        if what == "bench":
+            bench = Path(cmd[cmd.index("--out") + 1])
+            bench.mkdir(parents=True, exist_ok=True)
+            (bench / "bench.json").write_text(json.dumps({"batches": [{"batch": int(batch), "variants": [],
+                                                                       "ours_over": {}, "roofline": {}}]}))
+        return suite.Step(name, "ok", "", 1.0)
+
+    monkeypatch.setattr(suite, "run_command", fake_command)
+    skip = ["--skip", "install,plugin,smoke,gpu-tests,kernel-bench"]
+    assert suite.main(["--dry-run", "--out", str(out), *skip]) == 1
+    first = [c for c in calls if c[2] == "bench"]
+    assert first == [("vit-tiny", 1, "bench"), ("vit-tiny", 2, "bench"), ("bert-tiny", 1, "bench")]
+    calls.clear()
+    assert suite.main(["--dry-run", "--out", str(out), "--resume", *skip]) == 0
+    assert {(m, b) for m, b, _ in calls} == {("vit-tiny", 2)}  # the finished rows are not run again
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {(m["name"], r["batch"]): r for m in summary["models"] for r in m["results"]}
+    assert rows[("vit-tiny", 1)].get("resumed") and rows[("bert-tiny", 1)].get("resumed")
+    assert rows[("vit-tiny", 2)]["status"] == "ok" and not rows[("vit-tiny", 2)].get("resumed")
+    assert all(m["status"] == "ok" for m in summary["models"])
+
+
+def test_batches_and_baselines_narrow_the_plan(tmp_path: Path) -> None:
+    models = suite.select_models(["vit-b16", "bert-base"], False, suite.parse_batches(["vit-b16=1,64"]))
+    assert [(m.name, m.batches) for m in models] == [("vit-b16", (1, 64)), ("bert-base", (1,))]
+    for bad in ("vit-b16", "vit-b16=", "vit-b16=0", "vit-b16=1,1", "=1", "vit-b16=x"):
+        with pytest.raises(GtcoError, match="--batches"):
+            suite.parse_batches([bad])
+    with pytest.raises(GtcoError, match="given twice"):
+        suite.parse_batches(["vit-b16=1", "vit-b16=8"])
+    with pytest.raises(GtcoError, match="unknown model"):
+        suite.select_models(None, False, {"resnet": (1,)})
+    with pytest.raises(GtcoError, match="not in this run"):
+        suite.select_models(["bert-base"], False, {"vit-b16": (1,)})
+    assert suite.main(["--out", str(tmp_path / "o"), "--baselines", "ort-fp16,onnx"]) == 2
+    assert suite.main(["--out", str(tmp_path / "o"), "--tune-trials", "-1"]) == 2
+
+
+def test_a_failed_smoke_check_stops_a_gpu_run_with_the_reason_first(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(suite, "gpu_info", lambda: {"name": "NVIDIA H200", "arch": "sm_90", "driver": "580"})
+    monkeypatch.setattr(suite, "run_plugin", lambda ctx, t: suite.Step("plugin", "ok", "", 1.0))
+    monkeypatch.setattr(suite, "run_smoke", lambda ctx, t: suite.Step(
+        "smoke", "failed", "exit 1: logits: max |new - ref| 3.1 > atol", 2.0))
+    monkeypatch.setattr(suite, "run_model", lambda *a: pytest.fail("a model ran after a failed smoke check"))
+    assert suite.main(["--out", str(out), "--skip", "install", "--models", "bert-base"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop"].startswith("smoke failed") and "max |new - ref|" in summary["stop"]
+    assert {st["name"]: st["status"] for st in summary["steps"]}["kernel-bench"] == "skipped"
+    assert summary["models"][0]["status"] == "skipped" and "smoke failed" in summary["models"][0]["reason"]
+    assert "**Stopped**: smoke failed" in (out / "benchmarks.md").read_text()

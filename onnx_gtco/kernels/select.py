@@ -94,7 +94,10 @@ def _gemm(dtype: str, op: FusedOp) -> Problem | str:
         return "GEMM with a transposed A (the kernel reads A row-major)"
     if op["bias"] and beta != 1.0:
         return f"GEMM with beta={beta:g} on its bias (the epilogue has no scale yet)"
-    m, n, k = op.int("m"), op.int("n_out" if op.family == "qkv" else "n"), op.int("k")
+    m, n, k = op.int("m"), op.int("n"), op.int("k")
+    if op.family == "qkv":  # the C++ QKV op launches the instance once per projection, each with its own N: the
+        ns = op["ns"] or ()  # tiles are chosen, and the split-K workspace sized, for the widest such launch
+        n = max(ns) if ns and all(isinstance(x, int) for x in ns) else op.int("n_out")
     batch_dims = op.attrs.get("batch", ())
     batch = _batch(batch_dims)
     if batch is None:

@@ -7,8 +7,9 @@ bias input adds it, an attention node with a mask input reads it), so the instan
 node agree. One
 instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90 for 9.x, and sm_90a for 9.0
 GPUs, the arch-specific slot (wgmma: the CUTLASS GEMMs, kernels.cutlass). A node has an sm_90a instance of its own
-where `tuned` names a configuration for sm_90a (the tuner's or the caller's choice); otherwise that slot holds its
-sm_90 instance, so a 9.0 device runs what every 9.x runs and no build compiles CUTLASS kernels unasked (each takes
+where `tuned` names a configuration for sm_90a (the tuner's or the caller's choice), or, untuned, where it is a GEMM
+big enough for CUTLASS's 128x128 tiles to fill the GPU (`default_own_config`); otherwise that slot holds its sm_90
+instance, so a 9.0 device runs what every 9.x runs and a model of small GEMMs compiles no CUTLASS kernel (each takes
 30-60 s of nvcc). An emulated build (plugins/emu) has one device, an sm_80.
 
 A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, a
@@ -24,8 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import Instance, Problem
+from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.kernels.select import node_problem, select_instance, with_out_dtype
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
@@ -114,6 +117,27 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
     return with_out_dtype(problem, node.dtype, node.outputs[out].dtype) if 0 <= out < len(node.outputs) else problem
 
 
+def default_own_config(problem: Problem, arch: str) -> Mapping[str, object] | None:
+    """The configuration an arch-specific slot builds for `problem` when none is tuned, or None (the slot then holds
+    its fallback slot's instance): on sm_90a the first CUTLASS configuration of a GEMM that 128x128 tiles fill the
+    GPU with (a Hopper wgmma / TMA mainloop), where the CUTLASS headers are installed.
+
+    Why: on an H200 the sm_80-style mma.sync GEMMs of ViT-B/16 at batch 64 ran at 230-300 TFLOP/s, 85% of the
+    model's kernel time; a warp-specialized wgmma mainloop is what reaches the chip's 750+. Smaller GEMMs keep the
+    sm_90 instance (a persistent 128x128 CUTLASS tile would leave most SMs idle) and no build compiles CUTLASS (30-60
+    s of nvcc an instance) for a model without such GEMMs."""
+    if arch != "sm_90a" or problem.family != "gemm":
+        return None
+    try:
+        tiles = problem.size("batch") * math.ceil(problem.size("M") / 128) * math.ceil(problem.size("N") / 128)
+    except KeyError:
+        return None
+    if tiles < TARGETS["sm_90"].sms:
+        return None
+    configs = [c for c in GEMM.configs(problem, arch) if c.get("impl") == "cutlass"]
+    return configs[0] if configs else None
+
+
 def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
                      tuned: Mapping[str, Mapping[str, int]] | None = None) -> tuple[Instance, ...] | str:
     """The node's instance for each of `archs`, or why it has none. `tuned` maps an arch to the configuration the
@@ -126,7 +150,8 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     for arch in archs:
         config = tuned.get(arch)
         fallback = FALLBACK_SLOTS.get(arch)
-        if fallback is not None:  # its own instance only where asked for and fitting, else the fallback slot's
+        if fallback is not None:  # its own instance where asked for (or by default) and fitting, else the fallback's
+            config = config or default_own_config(problem, arch)
             inst = select_config(problem, arch, config) if config else "no configuration"
             if isinstance(inst, str):
                 arch, config = fallback, tuned.get(fallback)
@@ -142,5 +167,6 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     return tuple(out)
 
 
-__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "bound_problem", "device_instances", "device_problem",
+__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "bound_problem", "default_own_config", "device_instances",
+           "device_problem",
            "select_config"]

@@ -456,3 +456,31 @@ def test_session_fusions_count_the_contrib_ops_ort_adds(tmp_path: Path) -> None:
     assert sum(n.op_type == "Gelu" for n in pre.model.graph.node) == 2
     assert "Gelu" not in variants.session_fusions(pre.model, "cpu", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ratios_compare_cuda_graphs_on_both_sides_or_on_neither() -> None:
+    from onnx_gtco.bench.run import graph_modes
+
+    ours = {"name": "gtco", "status": "ok", "median_ms": 1.0, "cuda_graph": True, "median_ms_no_graph": 1.5}
+    graphed = {"name": "ort-fp16", "status": "ok", "median_ms": 2.0, "cuda_graph": True, "median_ms_no_graph": 6.0}
+    plain = {"name": "ort-fp32", "status": "ok", "median_ms": 3.0, "cuda_graph": False, "median_ms_no_graph": None}
+    compiled = {"name": "torch-compile", "status": "ok", "median_ms": 0.5, "cuda_graph": True,
+                "median_ms_no_graph": None}  # cudagraph trees: no graph-free time
+    v = [graphed, plain, compiled, ours]
+    assert ours_over(v) == {"ort-fp16": 0.5, "ort-fp32": 0.5, "torch-compile": 2.0}  # 1/2, 1.5/3, 1/0.5
+    assert graph_modes(v) == {"ort-fp16": True, "ort-fp32": False, "torch-compile": True}
+    ours_plain = {**ours, "cuda_graph": False, "median_ms": 1.5, "median_ms_no_graph": None}
+    assert ours_over([graphed, compiled, ours_plain]) == {"ort-fp16": 0.25, "torch-compile": None}
+
+
+def test_kernel_profile_summary_ranks_kernels_by_gpu_time() -> None:
+    from onnx_gtco.bench.profile import NAME_CHARS, summarize_kernels
+
+    durations = {"gemm": [30.0, 30.0, 40.0, 40.0], "ln": [5.0, 5.0], "x" * 400: [10.0, 10.0, 10.0, 20.0]}
+    prof = summarize_kernels(durations, runs=2, top=2)
+    assert prof["kernel_us_per_run"] == pytest.approx(100.0) and prof["calls_per_run"] == 5
+    assert prof["kernels_total"] == 3 and [k["kernel"] for k in prof["top"]] == ["gemm", "x" * NAME_CHARS]
+    assert prof["top"][0]["us_per_run"] == pytest.approx(70.0) and prof["top"][0]["share"] == pytest.approx(0.7)
+    assert prof["top"][0]["calls_per_run"] == 2
+    with pytest.raises(ValueError, match="runs"):
+        summarize_kernels(durations, runs=0)

@@ -15,7 +15,16 @@ from kernel_helpers import nvcc_missing
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.gemm import ACTIVATIONS, FAMILY, gemm_problem, smem_bytes, split_workspace_bytes, tf32_round
+from onnx_gtco.kernels.gemm import (
+    _FILL_TILE,
+    ACTIVATIONS,
+    FAMILY,
+    MIN_KTILES_PER_SPLIT,
+    gemm_problem,
+    smem_bytes,
+    split_workspace_bytes,
+    tf32_round,
+)
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
 from onnx_gtco.tune.analytical import estimate_us
@@ -70,7 +79,7 @@ FULL = {"trans_b": False, "bias": True, "activation": "gelu_erf", "residual": Tr
 # ragged, several batch entries (a counter per tile of each), and the fused output cast (fp32 y of a half GEMM).
 SPLIT_SHAPES = [(2, 72, 40, 200, True), (1, 197, 96, 520, False)]
 SPLIT = [
-    ("sk4-f16", {**E1, "SPLITK": 4}, "f16", FULL),
+    ("sk4-f16", {**_FILL_TILE, "SPLITK": 4}, "f16", FULL),  # what configs() puts first for BERT's 128-row GEMMs
     ("sk2-es-bf16", {**E2, "SPLITK": 2, "EPI": 1}, "bf16", {"trans_b": True, "bias": True, "activation": "none",
                                                             "residual": True, "out_dtype": "f32"}),
     ("sk8-es-f32", {**E3, "SPLITK": 8, "EPI": 1}, "f32", {"trans_b": False, "bias": True, "activation": "silu",
@@ -372,6 +381,29 @@ def test_configs_offer_64x64_warp_tiles_staged_epilogues_and_split_k_where_tiles
     assert math.ceil(3072 / first["BK"]) >= 4 * first["SPLITK"]
     # M = 1 also stands for a symbolic row count: never split by default
     assert not any(c.get("SPLITK", 1) > 1 for c in FAMILY.configs(gemm_problem("f16", 1, 1, 768, 3072), arch))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize(("m", "n", "k"), [(128, 768, 768), (128, 3072, 768), (128, 768, 3072), (197, 768, 768),
+                                           (197, 3072, 768), (197, 768, 3072)])
+def test_a_batch_one_transformer_gemm_gets_the_config_with_the_most_blocks(arch, m, n, k):
+    """BERT-base (128 tokens) and ViT-B (197) at batch 1: 128x128 tiles leave most of the SMs idle, so the first
+    configuration is the 64x64 tile, split over K where that still fits one wave, unless a bigger tile runs as many
+    blocks; measured on an H200, 12-48 blocks of 128x64 took 13-16 us a GEMM, three times cuBLAS."""
+    prob = gemm_problem("f16", 1, m, n, k, bias=True)
+    sms = TARGETS[arch].sms
+    configs = FAMILY.configs(prob, arch)
+    assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)  # no configuration twice
+
+    def blocks(c):
+        return math.ceil(m / c["BM"]) * math.ceil(n / c["BN"]) * c.get("SPLITK", 1)
+
+    first = configs[0]
+    assert (first["BM"], first["BN"]) == (_FILL_TILE["BM"], _FILL_TILE["BN"]) and first["STAGES"] == 4
+    tiles = math.ceil(m / 64) * math.ceil(n / 64)
+    assert blocks(first) >= min(tiles, sms) and (first.get("SPLITK", 1) == 1 or blocks(first) <= sms)
+    assert all(blocks(first) >= blocks(c) for c in configs if blocks(c) <= max(sms, tiles))
+    assert math.ceil(k / first["BK"]) >= MIN_KTILES_PER_SPLIT * first.get("SPLITK", 1)
 
 
 def test_analytical_model_prefers_split_k_on_few_tiles_and_not_on_many():

@@ -122,3 +122,17 @@ def test_stack_frame_is_an_error_naming_the_instance(tmp_path):
     with pytest.raises(BuildError, match=r"softmax_sm80_f16_test_spiller \(THREADS=32\) for sm_80: .*stack frame"):
         compile_instance(inst, tmp_path)
     assert not list(Path(tmp_path).glob("*.o")), "a rejected kernel must not be cached"
+
+
+def test_a_qkv_node_chooses_its_tiles_for_one_projection():
+    """The C++ QKV op launches its instance once per projection with that projection's N, so the Problem (tiles,
+    split-K, workspace) is the widest projection's, not the packed output's: BERT-base's 3 x 768 at 128 rows chose
+    unsplit 128x64 tiles for N = 2304 and ran 12 blocks a launch on an H200."""
+    attrs = {"m": 128, "k": 768, "ns": [768, 768, 768], "n_out": 2304, "bias": 1, "precision": "fp16"}
+    qkv = _problem("qkv", "f16", attrs)
+    assert isinstance(qkv, Problem) and qkv.size("N") == 768 and qkv.size("M") == 128
+    gemm = _problem("gemm", "f16", {"m": 128, "k": 768, "n": 768, "bias": 1, "precision": "fp16"})
+    assert select_instance(qkv, "sm_90").config == select_instance(gemm, "sm_90").config
+    assert select_instance(qkv, "sm_90").config.get("SPLITK", 1) > 1
+    uneven = _problem("qkv", "f16", {**attrs, "ns": [768, 256, 256], "n_out": 1280})
+    assert isinstance(uneven, Problem) and uneven.size("N") == 768
