@@ -159,7 +159,8 @@ def test_resume_needs_a_run_of_the_same_kind(tmp_path: Path) -> None:
 
 
 def test_model_selection_and_bad_arguments(tmp_path: Path) -> None:
-    assert [m.name for m in suite.select_models(["bert-base", "vit-b16"], dry_run=False)] == ["vit-b16", "bert-base"]
+    assert [m.name for m in suite.select_models(["bert-base", "vit-b16"], dry_run=False)] == ["bert-base", "vit-b16"]
+    assert [m.name for m in suite.select_models(None, dry_run=False)] == [m.name for m in suite.GPU_MODELS]
     with pytest.raises(GtcoError, match="unknown model swin-x"):
         suite.select_models(["swin-x"], dry_run=False)
     with pytest.raises(GtcoError, match="never replaces docs"):

@@ -393,3 +393,23 @@ def test_search_space_pins_vec_where_k_is_ragged():
     assert gemm_sizes(stem)[2] == 147 and search_space(Task(stem, "sm_80", "v"))["VEC"] == [0]
     body = conv_problem("f16", 1, 64, 56, 56, 64, 3, 3, pads=(1, 1, 1, 1))
     assert sorted(search_space(Task(body, "sm_80", "v"))["VEC"]) == [0, 1]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_a_conv_that_128x128_tiles_leave_idle_gets_the_tile_that_fills_the_gpu(arch):
+    """ViT-B/16's patch embedding (196 x 768 output rows x channels per image): at batch 1 no small tile fills the
+    GPU, so the one with the most blocks comes first; at batch 8 the biggest small tile that fills it."""
+    from onnx_gtco.config import TARGETS
+
+    sms = TARGETS[arch].sms
+
+    def blocks(prob, c):
+        m, n, _ = gemm_sizes(prob)
+        return -(-m // c["BM"]) * -(-n // c["BN"])
+
+    one = conv_problem("f16", 1, 3, 224, 224, 768, 16, 16, stride=(16, 16), bias=True)
+    configs = FAMILY.configs(one, arch)
+    assert all(blocks(one, configs[0]) >= blocks(one, c) for c in configs)
+    eight = conv_problem("f16", 8, 3, 224, 224, 768, 16, 16, stride=(16, 16), bias=True)
+    first = FAMILY.configs(eight, arch)[0]
+    assert blocks(eight, first) >= sms and (first["BM"], first["BN"]) == (128, 64)
