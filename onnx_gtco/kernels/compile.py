@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from onnx_gtco import progress
-from onnx_gtco.errors import BuildError
+from onnx_gtco.errors import BuildError, HeaderError
 from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
 from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
@@ -102,7 +102,7 @@ def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | Non
         try:
             result = nvcc_compile(src, tmp_obj, instance.arch, include_dirs=include_dirs(instance), extra=flags,
                                   timeout_s=TIMEOUT_S)
-        except BuildError as e:
+        except (BuildError, HeaderError) as e:  # a header the instance needs (cuBLASLt's) is a build failure too
             raise BuildError(f"{describe(instance)} for {instance.arch}: {e}") from None
         kernels = tuple(parse_ptxas(result.stderr))
         check_resources(instance, kernels)

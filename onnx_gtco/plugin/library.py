@@ -48,6 +48,8 @@ from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
+from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
+from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.render import render
@@ -492,12 +494,16 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
                      for arch, table in zip(archs, dynamic[node].tables, strict=True)}
               for node in on_device if node in dynamic and dynamic[node].tables}
     instances = [unique[k] for k in sorted(unique)]
-    # nvcc per instance, cached across models; BuildError names a failing or spilling one
-    compiled: list[CompiledInstance] = compile_instances(instances) if cuda else []
+    # every header the build needs is found before the first compile: a machine without network learns what is
+    # missing in a second, not after minutes of nvcc
     try:
         inc = ort_include_dir()
+        if cuda and any(i.config.get("impl") == CUBLASLT for i in instances):
+            cublaslt_include_dir()
     except HeaderError as e:
         raise BuildError(str(e)) from None
+    # nvcc per instance, cached across models; BuildError names a failing or spilling one
+    compiled: list[CompiledInstance] = compile_instances(instances) if cuda else []
     cxx = find_cxx()
     nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
     h = hashlib.sha256()
