@@ -184,6 +184,21 @@ def test_bad_ort_include_dir_is_a_clear_error(small: Built, tmp_path: Path, monk
     assert not list(out.iterdir())
 
 
+def test_a_cuda_build_without_the_ort_headers_fails_before_any_kernel_compiles(
+        small: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine without network the headers are found, or not, before the first nvcc: the build used to fail
+    only after every kernel had compiled."""
+    from onnx_gtco.plugin import library
+
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(tmp_path))
+    monkeypatch.setattr(library, "compile_instances", lambda *a, **k: pytest.fail("a kernel compiled first"))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(BuildError, match="ORT_INCLUDE_DIR"):
+        build_library(onnx.load(str(small.rewritten)), out, cuda=True)
+    assert not list(out.iterdir())
+
+
 def test_ort_include_dir_override_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = headers.ort_include_dir()
     monkeypatch.setenv("ORT_INCLUDE_DIR", str(real))
