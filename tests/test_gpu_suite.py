@@ -1,5 +1,6 @@
-"""tools/gpu_suite: its dry run writes every file with every model and step accounted for, the budget is split and
-enforced, and the install step installs only what is not importable yet."""
+"""tools/gpu_suite and its parts (tools/gpusuite): the plan and its stand-ins, the budget that starts no row it cannot
+finish, resuming a run cut off at any point, the preflight on a machine shaped like the GPU one, the bundle's
+environment, the commands each row runs, the install of carried wheels, and the rendered table."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import random
 import shutil
+import signal
+import subprocess
 import sys
 import time
 import zipfile
@@ -21,6 +25,10 @@ from onnx_gtco.errors import GtcoError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "gpu_suite"
+sys.path.insert(0, str(ROOT / "tools"))
+
+from gpusuite import machine, plan, preflight, render, rows, runner  # noqa: E402
+from gpusuite.common import Step, run_command  # noqa: E402
 
 
 def _tool() -> ModuleType:
@@ -60,143 +68,372 @@ def steps_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
+def ctx_for(tmp_path: Path, dry_run: bool = False, target: str | None = "sm_90") -> rows.Context:
+    return rows.Context(tmp_path, steps_env(), dry_run, target, 4, 1, None, None, tmp_path / "zoo",
+                        f"sqlite:///{tmp_path / 'tuning.db'}")
+
+
+def row(row_id: str, dry_run: bool = False) -> plan.Row:
+    got = [r for r in plan.build_plan(dry_run) if r.id == row_id]
+    assert got, row_id
+    return got[0]
+
+
+def _zoo() -> ModuleType:
+    import export_zoo
+
+    return export_zoo
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+
+
+def test_the_plan_runs_the_issues_rows_in_the_order_that_makes_a_short_window_count() -> None:
+    rows_ = plan.build_plan(False)
+    ids = [r.id for r in rows_]
+    assert len(ids) == len(set(ids))
+    assert ids[:4] == ["smoke/probe", "core/vit-b16.b1", "core/vit-b16.b64", "core/bert-base.b1"]
+    assert [plan.PHASES.index(r.phase) for r in rows_] == sorted(plan.PHASES.index(r.phase) for r in rows_)
+    core = [r for r in rows_ if r.phase == "core"]
+    assert all(r.baselines == ("ort-fp16", "ort-transformers-fp16") and not r.tune for r in core)
+    assert {r.id for r in rows_ if r.tune} == {"tune/vit-b16.b1", "tune/vit-b16.b64", "tune/bert-base.b1"}
+    assert {r.kernel_set for r in rows_ if r.kind == "kernels"} == {"vit-b16", "bert-base"}
+    rest = {(r.model.name, r.batch, r.dims) for r in rows_ if r.phase == "rest"}
+    assert {(m, b) for m, b, _ in rest} >= {("vit-b16", 8), ("deit-s", 1), ("swin-t", 1), ("setr", 1),
+                                            ("detr-r50", 1), ("bert-base-dyn", 1)}
+    assert {d for m, _, d in rest if m == "bert-base-dyn"} == {(("sequence", s),) for s in (32, 128, 512)}
+    extra = {b for r in rows_ if r.phase == "extra" for b in r.baselines}
+    assert extra == {"torch-compile", "tensorrt"}
+    zoo = _zoo()
+    for r in rows_:
+        if r.model is not None:  # each a zoo export: torch.compile compiles the model's own module
+            assert r.model.zoo in zoo.MODELS and r.model.builtin is None
+            assert r.model.ort_form == zoo.ORT_OPTIMIZER_ARGS.get(r.model.zoo, {})
+    # what a 9-minute first call starts: the smoke row and the three core rows fit, the next row does not
+    first = [r for r in rows_ if sum(x.estimate_s for x in rows_[:rows_.index(r) + 1]) <= 9 * 60 - 30]
+    assert [r.id for r in first] == ids[:4]
+
+
+def test_a_dry_run_stands_in_for_every_row_or_says_why_it_cannot() -> None:
+    gpu, dry = plan.build_plan(False), plan.build_plan(True)
+    assert [r.id for r in gpu] == [r.id for r in dry]
+    for g, d in zip(gpu, dry, strict=True):
+        if g.model is None:
+            continue
+        assert d.stands_in_for == g.model.name and d.model.builtin is not None
+        if any(b in ("torch-compile", "tensorrt") for b in g.baselines):
+            assert d.no_stand_in
+        else:
+            assert not d.no_stand_in and d.baselines == ("ort-fp32", "ort-fp16") and d.tune == g.tune
+    assert sum(r.estimate_s for r in dry) < 9 * 60  # the whole dry plan fits its default budget
+
+
+def test_rows_and_skip_select_the_plan_and_reject_what_matches_nothing() -> None:
+    picked = plan.build_plan(False, only=["core/bert-*", "tune/*"])
+    assert [r.id for r in picked] == ["smoke/probe", "core/bert-base.b1", "tune/vit-b16.b1", "tune/vit-b16.b64",
+                                      "tune/bert-base.b1"]
+    assert next(r.id for r in plan.build_plan(False, skip=["smoke"], only=["core/*"])) == "core/vit-b16.b1"
+    assert plan.build_plan(True, wheels=True)[0].kind == "install"
+    with pytest.raises(GtcoError, match="matches no row"):
+        plan.build_plan(False, only=["core/resnet*"])
+    with pytest.raises(GtcoError, match="--skip everything"):
+        plan.build_plan(False, skip=["everything"])
+
+
+def test_bad_arguments_are_usage_errors(tmp_path: Path) -> None:
+    with pytest.raises(GtcoError, match="never replaces docs"):
+        suite.parse_args(["--dry-run", "--write-docs"])
+    assert suite.main(["--dry-run", "--budget-min", "-1"]) == 2
+    assert suite.main(["--dry-run", "--tune-trials", "-1"]) == 2
+    assert suite.main(["--dry-run", "--skip", "models", "--out", str(tmp_path / "out")]) == 2
+    assert suite.main(["--dry-run", "--rows", "nothing/*", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+    assert machine.target_for("sm_90") == "sm_90" and machine.target_for("sm_89") == "sm_80"
+    assert machine.target_for("sm_100") == "sm_90" and machine.target_for("sm_75") is None
+
+
+def test_list_prints_each_row_with_its_expected_time(capsys: pytest.CaptureFixture[str]) -> None:
+    assert suite.main(["--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["smoke/probe", "75", "75"]
+    assert any(ln.startswith("core/vit-b16.b64") for ln in out)
+
+
 # ------------------------------------------------------------------------------------------------------ budget
 
 
-def test_budget_shares_follow_the_weights_and_never_go_negative() -> None:
-    assert suite.budget_shares(100.0, [3.0, 1.0, 1.0]) == pytest.approx([60.0, 20.0, 20.0])
-    assert sum(suite.budget_shares(7.5, [1.5, 2.0, 1.0, 1.0])) == pytest.approx(7.5)
-    assert suite.budget_shares(-5.0, [1.0, 2.0]) == [0.0, 0.0]
-    with pytest.raises(ValueError):
-        suite.budget_shares(10.0, [1.0, 0.0])
-    with pytest.raises(ValueError):
-        suite.budget_shares(10.0, [])
-
-
-def test_budget_gives_unused_time_to_the_later_models_and_names_the_spent_budget() -> None:
+def test_budget_starts_no_row_it_cannot_finish_and_counts_from_since() -> None:
     now = [0.0]
-    budget = suite.Budget(2.0, clock=lambda: now[0])  # 120 s
-    weights = [2.0, 1.0, 1.0]
-    assert budget.model_share_s(weights) == pytest.approx(60.0)
-    now[0] = 20.0  # the first model used 20 of its 60 s: the other two share the 100 s left
-    assert budget.model_share_s(weights[1:]) == pytest.approx(50.0)
-    assert budget.skip_reason(15.0) is None
-    now[0] = 110.0
-    reason = budget.skip_reason(15.0)
-    assert reason is not None and reason.startswith("budget:") and "1.8 of 2.0 min" in reason
+    budget = runner.Budget(2.0, clock=lambda: now[0])  # 120 s
+    assert budget.skip_reason(100.0) is None
+    now[0] = 30.0
+    reason = budget.skip_reason(100.0)
+    assert reason is not None and reason.startswith("budget: 90 s of 2.0 min left") and "100 s" in reason
     now[0] = 500.0
-    assert budget.left_s() == 0.0 and budget.model_share_s([1.0]) == 0.0
+    assert budget.left_s() == 0.0
 
 
-def test_models_after_the_budget_are_listed_skipped_with_the_reason(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_rows_past_the_budget_are_listed_skipped_with_the_reason(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    code = suite.main(["--dry-run", "--out", str(out), "--budget-min", "0.001",
-                       "--skip", "plugin,gpu-tests,kernel-bench"])
+    code = suite.main(["--dry-run", "--out", str(out), "--budget-min", "0.1", "--rows", "core/*"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert [m["name"] for m in summary["models"]] == [m.name for m in suite.DRY_RUN_MODELS]
-    for m in summary["models"]:
-        assert m["status"] == "skipped" and m["reason"].startswith("budget:")
-        assert [r["batch"] for r in m["results"]] == m["batches"]
-        assert all(r["status"] == "skipped" and r["reason"].startswith("budget:") for r in m["results"])
-    steps = {s["name"]: s for s in summary["steps"]}
-    assert steps["install"]["status"] == "skipped" and steps["install"]["reason"].startswith("budget:")
-    assert steps["plugin"]["reason"] == "--skip"
+    assert [r["id"] for r in summary["rows"]] == ["smoke/probe", "core/vit-b16.b1", "core/vit-b16.b64",
+                                                  "core/bert-base.b1"]
+    for r in summary["rows"]:  # 6 s: not even the smoke row (20 s expected on the CPU) starts
+        assert r["status"] == "skipped" and r["reason"].startswith("budget:"), r
     md = (out / "benchmarks.md").read_text()
-    assert "| vit-tiny (for vit-b16) | 2 | skipped: budget:" in md
-    assert "- bert-tiny: skipped: budget:" in md
-    assert "bert-tiny" in capsys.readouterr().out.splitlines()[-3]
+    assert "- core/bert-base.b1: skipped: budget:" in md
+    assert "core/bert-base.b1" in capsys.readouterr().out
 
 
-def test_resume_keeps_what_finished_and_runs_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """A run cut off after its first model: --resume keeps its ok steps and model (not run again) and runs the rest,
-    and OUT/summary.json and OUT/benchmarks.md hold both."""
-    out = tmp_path / "out"
-    first, second = (m.name for m in suite.DRY_RUN_MODELS)
-    ran: list[str] = []
-
-    def fake_model(ctx, spec, share_s, kept=None):
-        ran.append(spec.name)
-        assert share_s > 0
-        return {"name": spec.name, "label": spec.label, "stands_in_for": spec.stands_in_for,
-                "batches": list(spec.batches), "share_s": share_s, "status": "ok" if spec.name == first else "failed",
-                "reason": "" if spec.name == first else "cut off", "steps": [],
-                "results": [{"batch": b, "status": "ok" if spec.name == first else "failed"} for b in spec.batches]}
-
-    monkeypatch.setattr(suite, "run_model", fake_model)
-    monkeypatch.setattr(suite, "run_kernel_bench", lambda ctx, t, reps: suite.Step("kernel-bench", "ok", "", 1.0))
-    skip = ["--skip", "install,plugin,gpu-tests"]
-    assert suite.main(["--dry-run", "--out", str(out), *skip]) == 1  # the second model failed
-    assert ran == [first, second]
-
-    ran.clear()
-    monkeypatch.setattr(suite, "run_kernel_bench", lambda *a: pytest.fail("kept step run again"))
-    assert suite.main(["--dry-run", "--out", str(out), "--resume", *skip]) == 1
-    assert ran == [second]  # the ok model is kept, the failed one runs again
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["suite"]["resumed_from"]
-    assert [(m["name"], m["status"], m.get("resumed", False)) for m in summary["models"]] == [
-        (first, "ok", True), (second, "failed", False)]
-    steps = {st["name"]: st for st in summary["steps"]}
-    assert steps["kernel-bench"]["status"] == "ok" and steps["kernel-bench"]["resumed"]
-    assert not steps["env"].get("resumed")  # the machine is read again
-    md = (out / "benchmarks.md").read_text()
-    assert first in md and second in md
-    assert "kept from the run of" in capsys.readouterr().out
+# ------------------------------------------------------------------------------------------------------ resume
 
 
 def test_resume_needs_a_run_of_the_same_kind(tmp_path: Path) -> None:
     assert suite.main(["--dry-run", "--out", str(tmp_path / "none"), "--resume"]) == 2  # nothing to continue
     out = tmp_path / "out"
     out.mkdir()
-    (out / "summary.json").write_text(json.dumps({"suite": {"dry_run": False, "date": "d"}, "steps": [],
-                                                  "models": []}))
+    (out / "summary.json").write_text(json.dumps({"suite": {"dry_run": False, "date": "d"}, "rows": []}))
     assert suite.main(["--dry-run", "--out", str(out), "--resume"]) == 2  # a GPU run's OUT, resumed dry
     (out / "summary.json").write_text("{")
     assert suite.main(["--dry-run", "--out", str(out), "--resume"]) == 2
 
 
-def test_model_selection_and_bad_arguments(tmp_path: Path) -> None:
-    assert [m.name for m in suite.select_models(["bert-base", "vit-b16"], dry_run=False)] == ["bert-base", "vit-b16"]
-    assert [m.name for m in suite.select_models(None, dry_run=False)] == [m.name for m in suite.GPU_MODELS]
-    with pytest.raises(GtcoError, match="unknown model swin-x"):
-        suite.select_models(["swin-x"], dry_run=False)
-    with pytest.raises(GtcoError, match="never replaces docs"):
-        suite.parse_args(["--dry-run", "--write-docs"])
-    with pytest.raises(GtcoError, match="--skip"):
-        suite.parse_args(["--skip", "everything"])
-    assert suite.main(["--dry-run", "--budget-min", "-1"]) == 2
-    assert suite.main(["--dry-run", "--models", "vit-b16", "--out", str(tmp_path / "out")]) == 2  # not a dry-run model
-    assert not (tmp_path / "out").exists()
-    assert suite.target_for("sm_90") == "sm_90" and suite.target_for("sm_89") == "sm_80"
-    assert suite.target_for("sm_100") == "sm_90" and suite.target_for("sm_75") is None
+def test_resume_keeps_each_finished_row_and_runs_only_the_rest(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    ran: list[str] = []
+
+    def fake_row(ctx, r, deadline):
+        ran.append(r.id)
+        cut = r.id == "core/vit-b16.b64" and not (out / "cut").exists()
+        if cut:
+            (out / "cut").touch()
+        return rows.record(r) | {"status": "failed" if cut else "ok", "reason": "timed out" if cut else ""}
+
+    monkeypatch.setattr(runner, "run_row", fake_row)
+    skip = ["--skip", "smoke", "--rows", "core/*"]
+    assert suite.main(["--dry-run", "--out", str(out), *skip]) == 1
+    assert ran == ["core/vit-b16.b1", "core/vit-b16.b64", "core/bert-base.b1"]
+    ran.clear()
+    assert suite.main(["--dry-run", "--out", str(out), "--resume", *skip]) == 0
+    assert ran == ["core/vit-b16.b64"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["id"], r["status"], r.get("resumed", False)) for r in summary["rows"]] == [
+        ("core/vit-b16.b1", "ok", True), ("core/vit-b16.b64", "ok", False), ("core/bert-base.b1", "ok", True)]
+    assert summary["suite"]["resumed_from"] and "(kept)" in (out / "benchmarks.md").read_text()
 
 
-def test_the_gpu_list_holds_the_issues_models_at_their_batches() -> None:
-    got = {m.name: m.batches for m in suite.GPU_MODELS}
-    assert got == {"vit-b16": (1, 8, 64), "deit-s": (1,), "swin-t": (1,), "setr": (1,), "detr-r50": (1,),
-                   "bert-base": (1,)}
-    zoo = _zoo()
-    for m in suite.GPU_MODELS:  # each has its own torch module: the torch-compile baseline runs on every row
-        assert m.zoo in zoo.MODELS and m.builtin is None
-    assert zoo.SETR_IMAGE_SIZE == 384
+@pytest.mark.slow
+def test_the_whole_dry_plan_killed_at_a_random_point_finishes_with_resume_repeating_no_row(tmp_path: Path) -> None:
+    """The acceptance run: `--dry-run --budget-min 9` over the whole plan, killed (SIGKILL to its process group)
+    at a random point after its first row, then `--resume`: every row ends ok or skipped with its reason, inside
+    the budget, and no row that had finished runs again (its log is not rewritten)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(TOOL), "--dry-run", "--out", str(out), "--budget-min", "9"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=steps_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    rng = random.Random(os.getpid())
+    wanted = rng.randint(1, 8)  # rows finished before the kill
+    done: list[dict] = []
+    while proc.poll() is None and len(done) < wanted and time.monotonic() - t0 < 400:
+        time.sleep(0.2)
+        try:
+            done = json.loads((out / "summary.json").read_text())["rows"]
+        except (OSError, ValueError, KeyError):
+            pass
+    time.sleep(rng.uniform(0.0, 2.0))  # somewhere inside the next row
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = json.loads((out / "summary.json").read_text())
+    finished = {r["id"] for r in first["rows"] if r["status"] == "ok"}
+    assert finished, "the run was killed before any row finished"
+    logs = {p.name: p.stat().st_mtime_ns for p in (out / "logs").iterdir()}
+    kept_logs = {n for n in logs if any(n.startswith(rid.replace("/", "-")) for rid in finished)}
+
+    code = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=steps_env(), capture_output=True, text=True,
+                          timeout=600).returncode
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 0, (out / "benchmarks.md").read_text()
+    assert [r["id"] for r in summary["rows"]] == [r.id for r in plan.build_plan(True)]
+    for r in summary["rows"]:
+        assert r["status"] == "ok" or (r["status"] == "skipped" and r["reason"].startswith("no CPU stand-in")), r
+        assert bool(r.get("resumed")) == (r["id"] in finished)
+    for name in kept_logs:  # a finished row ran once
+        assert (out / "logs" / name).stat().st_mtime_ns == logs[name], name
+    assert summary["suite"]["elapsed_s"] < 9 * 60
+    bench = [r for r in summary["rows"] if r["kind"] == "bench" and r["status"] == "ok"]
+    for r in bench:
+        variants = {v["name"]: v for v in r["variants"]}
+        assert set(variants) == {"gtco", "ort-fp32", "ort-fp16"}
+        assert all(v["status"] == "ok" and v["median_ms"] > 0 for v in variants.values()), variants
+        assert r["ours_over"]["ort-fp32"] == pytest.approx(
+            variants["gtco"]["median_ms"] / variants["ort-fp32"]["median_ms"])
+    tuned = [r for r in bench if r["tuned"]]
+    for r in tuned:  # tuned into the run's storage (a row cut off mid-tuning finds its trials there on resume)
+        t = r["optimize"]["tuning"]
+        assert t["trials_per_task"] == 2 and t["tasks_found"] > 0, r["optimize"]
+    assert tuned and (out / "tuning.db").stat().st_size > 0
+    kernels = [r for r in summary["rows"] if r["kind"] == "kernels"]
+    assert all(r["kernel_bench"]["compile_only"] for r in kernels if "kernel_bench" in r)
+    tests = next(r for r in summary["rows"] if r["kind"] == "tests")
+    assert tests["status"] == "ok" and tests["tests"]["tests"] >= 1 and tests["tests"]["skipped"] == \
+        tests["tests"]["tests"]  # collected, and skipped without a GPU: a collection error anywhere fails it
+    md = (out / "benchmarks.md").read_text()
+    for line in ("- GPU: none (dry run), onnx-gtco target sm_90", "**Dry run**", "### Core rows",
+                 "| vit-b16.b64 (vit-tiny b2) | ok"):
+        assert line in md, line
 
 
-def _zoo() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import export_zoo
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return export_zoo
+# ------------------------------------------------------------------------------------------------------ smoke
+
+
+def test_a_failed_smoke_row_stops_a_gpu_run_with_the_reason_first(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(machine, "gpu_info", lambda: {"name": "NVIDIA H200", "arch": "sm_90", "driver": "580"})
+    monkeypatch.setattr(runner, "gpu_info", machine.gpu_info)
+    monkeypatch.setattr(runner, "preflight", lambda needs, env: Step("preflight", "ok"))
+    monkeypatch.setattr(runner, "BUNDLE_SETUP", tmp_path / "no-setup")  # a bundle carried beside this checkout
+    monkeypatch.setattr(runner, "BUNDLE_ENV", tmp_path / "no-env.sh")
+
+    def smoke(ctx, r, deadline, rec):
+        rec["status"], rec["reason"] = "failed", "check: exit 1: logits: max |new - ref| 3.1 > atol"
+
+    monkeypatch.setattr(rows, "_smoke", smoke)
+    monkeypatch.setattr(rows, "_bench", lambda *a: pytest.fail("a row ran after a failed smoke row"))
+    assert suite.main(["--out", str(out), "--rows", "core/*"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop"].startswith("smoke/probe failed") and "max |new - ref|" in summary["stop"]
+    assert all(r["status"] == "skipped" and "smoke/probe failed" in r["reason"] for r in summary["rows"][1:])
+    assert (out / "benchmarks.md").read_text().splitlines()[6].startswith("**Stopped**: smoke/probe failed")
+
+
+def test_memcheck_is_skipped_where_the_tool_cannot_work_and_fails_on_an_error(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = ctx_for(tmp_path)
+    ctx.logs.mkdir(parents=True)
+    monkeypatch.setattr(rows.shutil, "which", lambda name, *a, **k: "/usr/bin/compute-sanitizer")
+    answers = {"unsupported": ("exit 255: Device not supported", "========= Error: Device not supported\n"),
+               "error": ("exit 99: 1 errors", "========= Invalid __global__ write of size 2 bytes\n"),
+               "ok": ("", "")}
+
+    def fake_run(name, cmd, *, env, timeout_s, log, cwd=ROOT):
+        reason, text = answers[mode]
+        log.write_text(text)
+        assert cmd[:3] == ["/usr/bin/compute-sanitizer", "--tool", "memcheck"] and timeout_s <= rows.MEMCHECK_S
+        return Step(name, "failed" if reason else "ok", reason, 1.0, str(log))
+
+    monkeypatch.setattr(rows, "run_command", fake_run)
+    for mode, want in (("unsupported", "skipped"), ("error", "failed"), ("ok", "ok")):
+        step = rows._memcheck(ctx, ["python", "-m", "onnx_gtco", "check"], time.monotonic() + 100)
+        assert step.status == want, (mode, step)
+    mode = "error"
+    assert "Invalid __global__ write" in rows._memcheck(ctx, ["x"], time.monotonic() + 100).reason
+    assert rows._memcheck(ctx_for(tmp_path, dry_run=True), ["x"], time.monotonic() + 100).status == "skipped"
+
+
+# ------------------------------------------------------------------------------------------------------ preflight
+
+
+def _bundle_like(tmp_path: Path) -> Path:
+    """A folder laid out as the GPU bundle's headers: ort/ with the ONNX Runtime headers, cublas/ with cublasLt.h."""
+    from onnx_gtco.plugin.headers import ort_include_dir
+
+    d = tmp_path / "gpu-headers"
+    shutil.copytree(ort_include_dir(), d / "ort")
+    (d / "cublas").mkdir()
+    (d / "cublas" / "cublasLt.h").write_text("/* cuBLASLt */\n")
+    return d
+
+
+def test_preflight_passes_offline_on_a_machine_shaped_like_the_gpu_one_and_names_what_is_missing(
+        tmp_path: Path) -> None:
+    """No network (nothing is downloaded: an empty header cache stays empty), the headers from a bundle-like
+    folder; removing the ORT headers gives one line naming them, and so does a package the machine lacks."""
+    headers = _bundle_like(tmp_path)
+    cache = tmp_path / "cache"
+    env = dict(steps_env(), ORT_INCLUDE_DIR=str(headers / "ort"), GTCO_CUBLASLT_INCLUDE=str(headers / "cublas"),
+               XDG_CACHE_HOME=str(cache), GTCO_CACHE_DIR=str(cache))
+    needs = preflight.Needs(preflight.BASE_MODULES, cublaslt_header=True, tools=("g++",))
+    step = preflight.preflight(needs, env)
+    assert step.status == "ok", step.reason
+    assert step.detail["found"] == {"ort_headers": str(headers / "ort"), "cublaslt_header": str(headers / "cublas")}
+
+    shutil.rmtree(headers / "ort")
+    del env["ORT_INCLUDE_DIR"]
+    step = preflight.preflight(needs, env)
+    assert step.status == "failed" and step.detail["missing"] == [step.reason]
+    assert step.reason.startswith("ONNX Runtime headers: ") and "ORT_INCLUDE_DIR" in step.reason
+    assert preflight.lines(step) == [f"preflight: missing: {step.reason}"]
+    assert not cache.exists() or not any(cache.rglob("*.h"))  # nothing was downloaded
+
+    env["ORT_INCLUDE_DIR"] = str(tmp_path)  # set, but without the header
+    step = preflight.preflight(preflight.Needs(("numpy", "gtco_not_a_package"), tools=("gtco-no-such-tool",)), env)
+    assert step.status == "failed" and len(step.detail["missing"]) == 3
+    assert step.detail["missing"][:2] == ["tool gtco-no-such-tool is not on PATH",
+                                          "Python package gtco_not_a_package is not importable"]
+
+
+def test_a_gpu_run_needs_the_cuda_ep_the_headers_and_the_tools() -> None:
+    gpu = preflight.needs_for(False, "sm_90", sql_storage=True)
+    assert gpu.cuda_ep and gpu.cublaslt_header and gpu.cutlass_headers and "sqlalchemy" in gpu.modules
+    assert {"nvcc", "g++", "nvidia-smi"} <= set(gpu.tools) and "compute-sanitizer" in gpu.optional_tools
+    assert {"torch", "timm", "transformers", "cupy"} <= set(gpu.modules)
+    dry = preflight.needs_for(True, "sm_90", sql_storage=False)
+    assert not dry.cuda_ep and not dry.cublaslt_header and "sqlalchemy" not in dry.modules
+    assert not preflight.needs_for(False, "sm_80", sql_storage=False).cutlass_headers
+
+
+def test_a_failed_preflight_stops_the_run_before_any_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(tmp_path))  # no headers there
+    monkeypatch.setattr(rows, "_smoke", lambda *a: pytest.fail("a row ran after a failed preflight"))
+    out = tmp_path / "out"
+    assert suite.main(["--dry-run", "--out", str(out), "--rows", "core/*"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop"].startswith("preflight failed") and "ORT_INCLUDE_DIR" in summary["stop"]
+    printed = capsys.readouterr().out
+    assert "preflight: missing: ONNX Runtime headers: ORT_INCLUDE_DIR=" in printed
+
+
+# ------------------------------------------------------------------------------------------------------ bundle
+
+
+def test_the_bundles_environment_is_read_and_its_setup_run_once(tmp_path: Path) -> None:
+    env_file = tmp_path / "gpu-env.sh"
+    setup = tmp_path / "setup"
+    setup.write_text(f"""#!/usr/bin/env bash
+echo ran >> {tmp_path}/ran
+cat > {env_file} <<'X'
+export PYTHONPATH=/tmp/gpu-site:/w${{PYTHONPATH:+:$PYTHONPATH}}
+export ORT_INCLUDE_DIR=/tmp/gpu-headers/ort
+export PATH=/tmp/gpu-bin:$PATH
+X
+""")
+    env = {"PATH": "/usr/bin", "PYTHONPATH": "/a"}
+    step = machine.bundle_env(env, False, setup, env_file)
+    assert step.status == "ok" and step.detail["variables"] == ["ORT_INCLUDE_DIR", "PATH", "PYTHONPATH"]
+    assert env == {"PATH": "/tmp/gpu-bin:/usr/bin", "PYTHONPATH": "/tmp/gpu-site:/w:/a",
+                   "ORT_INCLUDE_DIR": "/tmp/gpu-headers/ort"}
+    assert machine.bundle_env({"PATH": "/bin"}, False, setup, env_file).status == "ok"
+    assert (tmp_path / "ran").read_text() == "ran\n"  # set up once: the second call read the file it wrote
+    assert machine.bundle_env({}, True, tmp_path / "none", tmp_path / "none.sh").status == "skipped"
+    setup.write_text("echo broken >&2; exit 3\n")
+    failed = machine.bundle_env({}, False, setup, tmp_path / "other.sh")
+    assert failed.status == "failed" and "exit 3: broken" in failed.reason
+
+
+# ------------------------------------------------------------------------------------------------------ rows
 
 
 def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
     cmd = ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
-    step = suite.run_command("slow", cmd, env=dict(os.environ), timeout_s=1.0, log=tmp_path / "slow.log")
+    step = run_command("slow", cmd, env=dict(os.environ), timeout_s=1.0, log=tmp_path / "slow.log")
     assert step.status == "failed" and step.reason == "timed out after 1 s" and step.seconds < 30
     stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
     for _ in range(50):  # killed: gone, or a zombie until its new parent reaps it
@@ -205,20 +442,113 @@ def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> 
         time.sleep(0.1)
     else:
         pytest.fail("the step's child process outlived the timeout")
-    ok = suite.run_command("fine", ["sh", "-c", "echo one; echo two >&2; exit 3"], env=dict(os.environ),
-                           timeout_s=30.0, log=tmp_path / "fine.log")
+    ok = run_command("fine", ["sh", "-c", "echo one; echo two >&2; exit 3"], env=dict(os.environ),
+                     timeout_s=30.0, log=tmp_path / "fine.log")
     assert ok.status == "failed" and ok.reason == "exit 3: two"
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch, stop_at: str = "bench") -> dict[str, list[str]]:
+    commands: dict[str, list[str]] = {}
+
+    def fake_run(name, cmd, **kwargs):
+        commands[name.split(": ")[-1]] = list(cmd)
+        return Step(name, "failed" if name.endswith(stop_at) else "ok", "stop here", 0.0)
+
+    monkeypatch.setattr(rows, "run_command", fake_run)
+    monkeypatch.setattr(rows, "probe", lambda code, args, env, timeout_s=120.0: [])
+    return commands
 
 
 def test_a_zoo_model_without_its_dependencies_is_skipped_with_the_reason(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(suite, "_probe", lambda code, args, env, timeout_s=120.0: ["timm", "onnxscript"])
-    ctx = suite.Context(tmp_path, dict(os.environ), suite.Budget(1.0), False, "sm_90", 1, 1, None, tmp_path / "zoo")
-    swin = next(m for m in suite.GPU_MODELS if m.name == "swin-t")
-    rec = suite.run_model(ctx, swin, 60.0)
-    assert rec["status"] == "skipped" and rec["reason"].startswith("swin-t: export: needs timm, onnxscript")
-    assert rec["results"] == [{"batch": 1, "status": "skipped", "reason": rec["reason"]}]
+    monkeypatch.setattr(rows, "probe", lambda code, args, env, timeout_s=120.0: ["timm", "onnxscript"])
+    rec = rows.run_row(ctx_for(tmp_path), row("rest/swin-t.b1"), time.monotonic() + 60)
+    assert rec["status"] == "skipped" and rec["reason"].startswith("export: needs timm, onnxscript")
     assert not (tmp_path / "zoo").exists()
+
+
+def test_a_core_row_optimizes_the_fp32_export_at_its_batch_with_precision_fp16(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ViT-B/16 at batch 64: export_zoo.py exports that batch (no torch.export program: no torch.compile in the
+    row), optimize gets the fp32 export as users make it (the conversion to half is optimize's own), untuned, and
+    the bench times that same export against the core baselines with the profiles."""
+    commands = _capture(monkeypatch)
+    ctx = ctx_for(tmp_path)
+    ctx.profile = True
+    rec = rows.run_row(ctx, row("core/vit-b16.b64"), time.monotonic() + 60)
+    export, optimize, bench = commands["export"], commands["optimize"], commands["bench"]
+    assert export[export.index("--batch") + 1] == "64" and "--programs" not in export
+    assert export[export.index("--exporters") + 1] == "torchscript"
+    onnx_file = str(tmp_path / "zoo" / "vit-b16.b64.torchscript.onnx")
+    assert optimize[3:5] == ["optimize", onnx_file] and bench[3:5] == ["bench", onnx_file]
+    assert optimize[optimize.index("--precision") + 1] == "fp16" and "--cuda" in optimize
+    assert optimize[optimize.index("--tune-trials") + 1] == "0"
+    i = bench.index("--baselines")
+    assert bench[i + 1:i + 3] == ["ort-fp16", "ort-transformers-fp16"] and "--profile" in bench
+    assert bench[bench.index("--batch") + 1] == "64" and "--ort-model" not in bench and "--quick" not in bench
+    assert rec["status"] == "failed" and rec["reason"] == "bench: stop here"
+
+
+def test_the_bert_rows_give_ort_transformers_the_form_it_fuses(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = _capture(monkeypatch)
+    rows.run_row(ctx_for(tmp_path), row("tune/bert-base.b1"), time.monotonic() + 60)
+    export, optimize, bench = commands["export"], commands["optimize"], commands["bench"]
+    assert export[export.index("--exporters") + 1] == "torchscript,ort"
+    assert optimize[optimize.index("--tune-trials") + 1] == "4"
+    assert optimize[4] == str(tmp_path / "zoo" / "bert-base.torchscript.onnx") == bench[4]
+    i = bench.index("--ort-model")
+    assert bench[i:i + 8] == ["--ort-model", str(tmp_path / "zoo" / "bert-base.ort.onnx"), "--model-type", "bert",
+                              "--num-heads", "12", "--hidden-size", "768"]
+    commands.clear()
+    rows.run_row(ctx_for(tmp_path), row("rest/bert-base-dyn.s512"), time.monotonic() + 60)
+    export, optimize, bench = commands["export"], commands["optimize"], commands["bench"]
+    dyn = str(tmp_path / "zoo" / "bert-base.ort.onnx")  # the dynamic ORT form is the model itself
+    assert export[export.index("--exporters") + 1] == "ort" and optimize[4] == dyn == bench[4]
+    assert optimize[optimize.index("--dynamic") + 1] == "batch=1:1,sequence=1:512"
+    assert bench[bench.index("--dim") + 1] == "sequence=512" and "--ort-model" not in bench
+    assert bench[bench.index("--model-type") + 1] == "bert"
+
+
+def test_an_extra_row_benches_torch_compile_of_the_models_own_program(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = _capture(monkeypatch)
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / "vit-b16.b64.pt2").write_bytes(b"program")  # what the export step writes
+    rows.run_row(ctx_for(tmp_path), row("extra/vit-b16.b64.torch-compile"), time.monotonic() + 60)
+    export, bench = commands["export"], commands["bench"]
+    assert "--programs" in export
+    assert bench[bench.index("--torch-program") + 1] == str(tmp_path / "zoo" / "vit-b16.b64.pt2")
+    assert bench[bench.index("--baselines") + 1:bench.index("--baselines") + 2] == ["torch-compile"]
+
+
+def test_a_kernels_row_times_its_shape_set_within_the_row_and_reads_its_results(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    calls: list[tuple[list[str], float]] = []
+
+    def fake_run(name, cmd, *, env, timeout_s, log, cwd=ROOT):
+        calls.append((list(cmd), timeout_s))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "results.json").write_text(json.dumps({"built": ["a", "b"], "results": [
+            {"case": "qkv", "all_ok": True}, {"case": "fc1", "all_ok": False}]}))
+        (out / "results.md").write_text("| kernel table |\n")
+        return Step(name, "failed", "exit 1: wrong", 1.0, str(log))
+
+    monkeypatch.setattr(rows, "run_command", fake_run)
+    monkeypatch.setattr(rows.shutil, "which", lambda *a: "/usr/bin/nvcc")
+    ctx = ctx_for(tmp_path)
+    ctx.logs.mkdir(parents=True)
+    rec = rows.run_row(ctx, row("kernels/vit-b16"), time.monotonic() + 200)
+    cmd, timeout_s = calls[0]
+    assert cmd[cmd.index("--set") + 1] == "vit-b16" and cmd[cmd.index("--arch") + 1] == "sm_90"
+    assert float(cmd[cmd.index("--time-budget-s") + 1]) < timeout_s <= 200 and "--no-compile" in cmd
+    assert rec["status"] == "failed" and rec["reason"].startswith("kernel bench: 1 of 2 cases had a candidate fail")
+    assert rec["kernel_bench"]["cases_all_ok"] == 1
+    summary = {"suite": {"command": "c", "date": "2026-11-28 10:00 UTC", "dry_run": False, "budget_min": 9.0,
+                         "elapsed_s": 1.0, "tune_trials": 8, "storage": "s"}, "env": {}, "steps": [], "rows": [rec]}
+    assert "#### kernels/vit-b16\n\n| kernel table |" in render.render_markdown(summary)
 
 
 # ------------------------------------------------------------------------------------------------------ install
@@ -229,8 +559,8 @@ def test_already_importable_checks_modules_and_the_cuda_provider_for_onnxruntime
     absent = make_wheel(tmp_path, "gtco_absent_pkg", "gtco_absent_pkg", top_level=False)
     ort_gpu = tmp_path / "onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl"
     shutil.copy(make_wheel(tmp_path / "o", "onnxruntime_gpu", "onnxruntime"), ort_gpu)
-    assert suite.wheel_modules(absent) == ["gtco_absent_pkg"]  # from the archive's layout without top_level.txt
-    got = suite.already_importable([stdlib, absent, ort_gpu], steps_env())
+    assert machine.wheel_modules(absent) == ["gtco_absent_pkg"]  # from the archive's layout without top_level.txt
+    got = machine.already_importable([stdlib, absent, ort_gpu], steps_env())
     import onnxruntime  # importable here, so only the provider check keeps the GPU wheel in
 
     cuda = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
@@ -252,295 +582,68 @@ def test_ort_parts_are_joined_and_checked_against_the_install_script(tmp_path: P
         "for i in $(seq 1 3); do [ -f ort-part$i ] || { echo \"missing ort-part$i\" >&2; exit 1; }; done\n"
         f"cat $(for i in $(seq 1 3); do echo ort-part$i; done) > {name}\n"
         f"echo \"{hashlib.sha256(data).hexdigest()}  {name}\" | sha256sum -c - >/dev/null\n")
-    joined = suite.collect_wheels([parts], tmp_path / "joined")
+    joined = machine.collect_wheels([parts], tmp_path / "joined")
     assert [w.name for w in joined] == [name] and joined[0].read_bytes() == data
-    assert suite.wheel_dist(joined[0]) == "onnxruntime_gpu"
+    assert machine.wheel_dist(joined[0]) == "onnxruntime_gpu"
     (parts / "ort-part2").write_bytes(data[third:2 * third - 1] + b"\x00")
     with pytest.raises(GtcoError, match="sha256"):
-        suite.reassemble_ort_parts(parts, tmp_path / "bad")
+        machine.reassemble_ort_parts(parts, tmp_path / "bad")
     assert not list((tmp_path / "bad").iterdir())  # nothing half-written
     (parts / "ort-part3").unlink()
     with pytest.raises(GtcoError, match="missing ort-part3 of 3 parts"):
-        suite.reassemble_ort_parts(parts, tmp_path / "bad")
+        machine.reassemble_ort_parts(parts, tmp_path / "bad")
 
 
 def test_two_versions_of_one_wheel_are_refused(tmp_path: Path) -> None:
     make_wheel(tmp_path, "gtco_twice", "gtco_twice")
     shutil.copy(tmp_path / "gtco_twice-0.1-py3-none-any.whl", tmp_path / "gtco_twice-0.2-py3-none-any.whl")
     with pytest.raises(GtcoError, match="two wheels of gtco_twice"):
-        suite.collect_wheels([tmp_path], tmp_path / "joined")
+        machine.collect_wheels([tmp_path], tmp_path / "joined")
+
+
+def test_the_install_row_installs_what_is_not_importable_then_the_preflight_runs(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    make_wheel(wheels, "gtco_suite_probe", "gtco_suite_probe")
+    make_wheel(wheels, "jsonlike", "json")
+    out = tmp_path / "out"
+    assert suite.main(["--dry-run", "--out", str(out), "--wheels", str(wheels), "--skip", "smoke", "--rows",
+                       "core/bert-*"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    install = summary["rows"][0]
+    assert install["id"] == "install/wheels" and install["status"] == "ok"
+    assert install["detail"]["already_importable"] == ["jsonlike"]
+    assert install["detail"]["installed"] == ["gtco_suite_probe-0.1-py3-none-any.whl"]
+    assert (out / "site" / "gtco_suite_probe" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert [s["name"] for s in summary["steps"]] == ["bundle", "env", "preflight"]
+    assert summary["rows"][1]["status"] == "ok"
 
 
 # ------------------------------------------------------------------------------------------------------ report
 
 
 def test_markdown_lists_variants_that_did_not_run_with_their_reasons(tmp_path: Path) -> None:
+    rec = rows.record(row("core/vit-b16.b1")) | {
+        "ours_over": {"ort-fp16": 0.8, "ort-transformers-fp16": None},
+        "ours_over_cuda_graph": {"ort-fp16": True, "ort-transformers-fp16": None}, "roofline": {"floor_ms": 0.5},
+        "variants": [{"name": "gtco", "status": "ok", "median_ms": 2.0, "cuda_graph": True},
+                     {"name": "ort-fp16", "status": "ok", "median_ms": 2.5, "cuda_graph": True},
+                     {"name": "ort-transformers-fp16", "status": "failed", "reason": "no fusion matched"}]}
     summary = {
-        "suite": {"command": "tools/gpu_suite --models vit-b16", "date": "2026-11-23 16:00 UTC", "dry_run": False,
-                  "budget_min": 9.0, "elapsed_s": 300.0, "tune_trials": 16, "storage": "sqlite:///x/tuning.db"},
-        "out": str(tmp_path),
-        "env": {"gpu": {"name": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "compute_cap": "9.0",
-                        "arch": "sm_90"}, "target": "sm_90", "cuda": "13.0", "tree": "abc",
-                "versions": {"onnx_gtco": "0.1.0", "onnxruntime": "1.31.1", "torch": "2.11.0"}},
+        "suite": {"command": "tools/gpu_suite --rows core/*", "date": "2026-11-28 16:00 UTC", "dry_run": False,
+                  "budget_min": 9.0, "elapsed_s": 300.0, "tune_trials": 8, "storage": "sqlite:///x/tuning.db"},
+        "out": str(tmp_path), "stop": None,
+        "env": {"gpu": {"name": "NVIDIA H200", "driver": "580.159.04", "compute_cap": "9.0", "arch": "sm_90",
+                        "sm_clock": "1980 MHz", "sm_clock_max": "1980 MHz"}, "target": "sm_90", "cuda": "13.0",
+                "tree": "abc", "versions": {"onnx_gtco": "0.1.0", "onnxruntime": "1.31.1", "torch": "2.11.0"}},
         "steps": [{"name": "env", "status": "ok", "reason": "", "seconds": 1.0, "detail": {"target": "sm_90"}}],
-        "models": [{"name": "vit-b16", "stands_in_for": None, "status": "ok", "reason": "", "results": [
-            {"batch": 8, "status": "ok", "reason": "", "ours_over": {"ort-fp16": 0.8, "tensorrt": None},
-             "roofline": {"floor_ms": 0.5},
-             "variants": [{"name": "gtco", "status": "ok", "median_ms": 2.0},
-                          {"name": "ort-fp16", "status": "ok", "median_ms": 2.5},
-                          {"name": "tensorrt", "status": "skipped", "reason": "tensorrt is not importable"}]}]}],
-    }
-    md = suite.render_markdown(summary)
-    assert "- GPU: NVIDIA H100 80GB HBM3 (sm_90, onnx-gtco target sm_90), driver 580.159.04" in md
-    assert "- Command: `tools/gpu_suite --models vit-b16`" in md and "Dry run" not in md
-    assert "| vit-b16 | 8 | ok | 2.000 | 2.500 (0.80×) | skipped | 0.500 |" in md
-    assert "- tensorrt skipped (vit-b16 b8): tensorrt is not importable" in md
-    assert "Not run (see the steps)." in md
-
-
-# ------------------------------------------------------------------------------------------------------ dry run
-
-
-@pytest.mark.slow
-def test_dry_run_writes_every_file_with_every_model_and_step(tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    wheels = tmp_path / "wheels"
-    make_wheel(wheels, "gtco_suite_probe", "gtco_suite_probe")
-    make_wheel(wheels, "jsonlike", "json")
-    out = tmp_path / "out"
-    argv = ["--dry-run", "--out", str(out), "--wheels", str(wheels), "--budget-min", "15"]
-    code = suite.main(argv)
-    printed = capsys.readouterr().out
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["suite"]["command"] == "tools/gpu_suite " + " ".join(argv)
-
-    steps = {s["name"]: s for s in summary["steps"]}
-    assert list(steps) == list(suite.STEPS)
-    assert steps["env"]["status"] == "ok" and summary["env"]["target"] == "sm_90" and summary["env"]["gpu"] is None
-    assert summary["env"]["versions"]["onnx_gtco"] and summary["env"]["versions"]["onnxruntime"]
-    install = steps["install"]
-    assert install["status"] == "ok" and install["detail"]["already_importable"] == ["jsonlike"]
-    assert install["detail"]["installed"] == ["gtco_suite_probe-0.1-py3-none-any.whl"]
-    assert (out / "site" / "gtco_suite_probe" / "__init__.py").read_text() == "VALUE = 7\n"
-    assert steps["plugin"]["status"] == "ok" and Path(steps["plugin"]["detail"]["library"]).is_file()
-    tests = steps["gpu-tests"]
-    assert tests["status"] == "ok", tests["reason"]  # a collection error anywhere in tests/ fails it
-    assert tests["detail"]["tests"] >= 1
-    assert tests["detail"]["skipped"] == tests["detail"]["tests"] and (out / "pytest-gpu.xml").is_file()
-    kb = steps["kernel-bench"]
-    if shutil.which(os.environ.get("NVCC", "nvcc")):
-        assert kb["status"] == "ok" and kb["detail"]["compile_only"] and kb["detail"]["built"] == 3
-        assert json.loads((out / "kernel-bench" / "results.json").read_text())["results"] == []
-    else:
-        assert kb["status"] == "skipped" and kb["reason"] == "nvcc not found"
-
-    assert [m["name"] for m in summary["models"]] == ["vit-tiny", "bert-tiny"]
-    for m in summary["models"]:
-        assert m["status"] == "ok", m
-        assert [r["batch"] for r in m["results"]] == m["batches"]
-        for r in m["results"]:
-            variants = {v["name"]: v for v in r["variants"]}
-            assert set(variants) == {"gtco", "ort-fp32", "ort-fp16"}
-            assert all(v["status"] == "ok" and v["median_ms"] > 0 for v in variants.values()), variants
-            assert r["ours_over"]["ort-fp32"] == pytest.approx(
-                variants["gtco"]["median_ms"] / variants["ort-fp32"]["median_ms"])
-            assert r["roofline"]["floor_ms"] > 0
-            report = json.loads((out / "models" / f"{m['name']}.b{r['batch']}.gtco.onnx.report.json").read_text())
-            assert report["tuning"]["trials_per_task"] == 2 and report["tuning"]["measured"] > 0
-    assert (out / "tuning.db").stat().st_size > 0
-
-    md = (out / "benchmarks.md").read_text()
-    for line in ("- Date: ", "- GPU: none (dry run), onnx-gtco target sm_90", "- CUDA: ", "- Versions: onnx-gtco ",
-                 f"- Command: `{summary['suite']['command']}`", "**Dry run**"):
-        assert line in md, line
-    assert "| model | batch | status | gtco ms | ort-fp32 ms | ort-fp16 ms | floor ms |" in md
-    for name, batch in (("vit-tiny (for vit-b16)", 1), ("vit-tiny (for vit-b16)", 2), ("bert-tiny (for bert-base)", 1)):
-        assert f"| {name} | {batch} | ok | " in md
-    assert code == 0 and summary["suite"]["exit"] == 0
-    last = printed.strip().splitlines()
-    assert last[-1].startswith("files: ") and last[-2].startswith("steps: env ok | install ok | plugin ok")
-    assert [ln.split()[:3] for ln in last[-5:-2]] == [["vit-tiny", "1", "ok"], ["vit-tiny", "2", "ok"],
-                                                      ["bert-tiny", "1", "ok"]]
-
-
-def test_a_gpu_run_optimizes_the_fp32_model_with_precision_fp16(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU the suite hands optimize the fp32 model as users export it (the conversion to half is optimize's
-    --precision fp16), never a model it converted to fp16 itself; the bench times that same original."""
-    commands: dict[str, list[str]] = {}
-
-    def fake_run(name, cmd, **kwargs):
-        commands[name] = list(cmd)
-        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
-
-    monkeypatch.setattr(suite, "run_command", fake_run)
-    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
-    spec = suite.ModelSpec("vit-b16", "ViT-B/16", batches=(8,), builtin="vit-b16")
-    rec = suite.run_model(ctx, spec, 60.0)
-    prepare, optimize, bench = (commands[f"vit-b16.b8: {w}"] for w in ("prepare", "optimize", "bench"))
-    written = json.loads(prepare[-1])["path"]
-    assert optimize[3:5] == ["optimize", written] and bench[3:5] == ["bench", written]
-    assert optimize[optimize.index("--precision") + 1] == "fp16" and "--cuda" in optimize
-    assert not any("fp16.onnx" in part for cmd in commands.values() for part in cmd)
-    assert rec["results"][0]["reason"] == "bench: stop here"
-
-
-def test_a_zoo_row_exports_at_its_batch_and_benches_torch_compile_of_that_program(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ViT-B/16 at batch 8: the export step asks tools/export_zoo.py for batch 8 with its torch.export program,
-    optimize and bench read that export, and the bench's torch-compile baseline gets that program."""
-    commands: dict[str, list[str]] = {}
-
-    def fake_run(name, cmd, **kwargs):
-        commands[name] = list(cmd)
-        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
-
-    monkeypatch.setattr(suite, "_probe", lambda code, args, env, timeout_s=120.0: [])
-    monkeypatch.setattr(suite, "run_command", fake_run)
-    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
-    vit = next(m for m in suite.GPU_MODELS if m.name == "vit-b16")
-    (tmp_path / "zoo").mkdir()
-    (tmp_path / "zoo" / "vit-b16.b8.pt2").write_bytes(b"program")  # what the export step writes
-    suite.run_model(ctx, vit, 60.0)
-    export = commands["vit-b16.b8: export"]
-    assert export[export.index("--batch") + 1] == "8" and "--programs" in export
-    onnx_file = str(tmp_path / "zoo" / "vit-b16.b8.torchscript.onnx")
-    assert commands["vit-b16.b8: optimize"][4] == onnx_file == commands["vit-b16.b8: bench"][4]
-    bench = commands["vit-b16.b8: bench"]
-    assert bench[bench.index("--torch-program") + 1] == str(tmp_path / "zoo" / "vit-b16.b8.pt2")
-    assert commands["vit-b16.b1: optimize"][4] == str(tmp_path / "zoo" / "vit-b16.torchscript.onnx")
-    assert "--ort-model" not in bench and export[export.index("--exporters") + 1] == "torchscript"
-
-
-def test_the_bert_row_gives_ort_transformers_the_zoo_ort_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """BERT-base: the export step also writes the zoo's ORT form (the graph ORT's transformer optimizer fuses
-    Attention in), and the bench's ort-transformers-fp16 baseline optimizes it with the zoo's optimizer arguments;
-    ours and every other baseline keep the zoo's own export. No other row has an ORT form (the zoo has none)."""
-    commands: dict[str, list[str]] = {}
-
-    def fake_run(name, cmd, **kwargs):
-        commands[name] = list(cmd)
-        return suite.Step(name, "failed" if name.endswith("bench") else "ok", "stop here", 0.0)
-
-    monkeypatch.setattr(suite, "_probe", lambda code, args, env, timeout_s=120.0: [])
-    monkeypatch.setattr(suite, "run_command", fake_run)
-    ctx = suite.Context(tmp_path, steps_env(), suite.Budget(10), False, "h100", 2, 1, None, tmp_path / "zoo")
-    bert = next(m for m in suite.GPU_MODELS if m.name == "bert-base")
-    zoo = _zoo()
-    assert bert.ort_form == zoo.ORT_OPTIMIZER_ARGS["bert-base"]
-    assert [m.name for m in suite.GPU_MODELS if m.ort_form] == list(zoo.ORT_MODELS)
-    suite.run_model(ctx, bert, 60.0)
-    export, bench = commands["bert-base.b1: export"], commands["bert-base.b1: bench"]
-    assert export[export.index("--exporters") + 1] == "torchscript,ort"
-    assert commands["bert-base.b1: optimize"][4] == str(tmp_path / "zoo" / "bert-base.torchscript.onnx") == bench[4]
-    i = bench.index("--ort-model")
-    assert bench[i:i + 8] == ["--ort-model", str(tmp_path / "zoo" / "bert-base.ort.onnx"), "--model-type", "bert",
-                              "--num-heads", "12", "--hidden-size", "768"]
-
-
-def test_the_kernel_bench_runs_one_call_per_shape_set_and_merges_them(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU the kernel bench is a call of tools/kernel_bench.py per shape set, each under the 10-minute command
-    limit with a --time-budget-s inside it; their files are merged into OUT/kernel-bench, and a failed set fails the
-    step with its reason while the others' numbers stay."""
-    calls: list[tuple[list[str], float]] = []
-
-    def fake_run(name, cmd, *, env, timeout_s, log, cwd=suite.ROOT):
-        calls.append((list(cmd), timeout_s))
-        kset, out = cmd[cmd.index("--set") + 1], Path(cmd[cmd.index("--out") + 1])
-        out.mkdir(parents=True)
-        ok = kset != "setr"
-        (out / "results.json").write_text(json.dumps({"device": "H100", "built": [f"{kset}_inst"], "results": [
-            {"case": f"{kset} row", "all_ok": ok}]}))
-        (out / "results.md").write_text(f"| {kset} table |\n")
-        return suite.Step(name, "ok" if ok else "failed", "" if ok else "exit 1: wrong", 1.0, str(log))
-
-    monkeypatch.setattr(suite, "run_command", fake_run)
-    monkeypatch.setattr(suite.shutil, "which", lambda *a: "/usr/bin/nvcc")
-    ctx = suite.Context(tmp_path, {}, suite.Budget(120), False, "sm_90", 2, 1, None, tmp_path / "zoo")
-    step = suite.run_kernel_bench(ctx, suite.STEP_TIMEOUT_S["kernel-bench"], 20)
-    assert [c[c.index("--set") + 1] for c, _ in calls] == [n for n, _ in suite.KERNEL_BENCH_SETS]
-    for cmd, timeout_s in calls:
-        assert timeout_s <= suite.KERNEL_BENCH_CALL_S < 600
-        assert float(cmd[cmd.index("--time-budget-s") + 1]) < timeout_s
-        assert cmd[cmd.index("--arch") + 1] == "sm_90" and cmd[cmd.index("--reps") + 1] == "20"
-        assert "--compile-only" not in cmd
-    assert step.status == "failed" and step.reason.startswith("1 of 4 cases") and "setr: exit 1: wrong" in step.reason
-    assert step.detail["sets"] == {"vit-b16": "ok", "bert-base": "ok", "setr": "failed", "detr": "ok"}
-    merged = json.loads((tmp_path / "kernel-bench" / "results.json").read_text())
-    assert [r["case"] for r in merged["results"]] == [f"{n} row" for n, _ in suite.KERNEL_BENCH_SETS]
-    md = (tmp_path / "kernel-bench" / "results.md").read_text()
-    assert "#### vit-b16" in md and "| detr table |" in md and "This call failed: exit 1: wrong." in md
-
-    calls.clear()  # little budget left: one call's time at most, split by weight; a set past it is skipped
-    ctx.budget = suite.Budget(1)
-    step = suite.run_kernel_bench(ctx, 60.0, None)
-    assert sum(t for _, t in calls) <= 60.0 and step.detail["sets"]["detr"] == "skipped"
-
-
-def test_resume_keeps_each_finished_row_and_runs_only_the_rest(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model whose first batch finished and whose second was cut off: --resume keeps the finished row as it is
-    and runs the model's other batch alone."""
-    out = tmp_path / "out"
-    calls: list[tuple[str, int, str]] = []
-
-    def fake_command(name, cmd, *, env, timeout_s, log, cwd=suite.ROOT):
-        stem, what = name.split(": ")
-        model, batch = stem.rsplit(".b", 1)
-        calls.append((model, int(batch), what))
-        if what == "bench" and model == "vit-tiny" and batch == "2" and not (out / "cut").exists():
-            (out / "cut").touch()
-            return suite.Step(name, "failed", "timed out after 30 s", 30.0)
-        if what == "bench":
-            bench = Path(cmd[cmd.index("--out") + 1])
-            bench.mkdir(parents=True, exist_ok=True)
-            (bench / "bench.json").write_text(json.dumps({"batches": [{"batch": int(batch), "variants": [],
-                                                                       "ours_over": {}, "roofline": {}}]}))
-        return suite.Step(name, "ok", "", 1.0)
-
-    monkeypatch.setattr(suite, "run_command", fake_command)
-    skip = ["--skip", "install,plugin,smoke,gpu-tests,kernel-bench"]
-    assert suite.main(["--dry-run", "--out", str(out), *skip]) == 1
-    first = [c for c in calls if c[2] == "bench"]
-    assert first == [("vit-tiny", 1, "bench"), ("vit-tiny", 2, "bench"), ("bert-tiny", 1, "bench")]
-    calls.clear()
-    assert suite.main(["--dry-run", "--out", str(out), "--resume", *skip]) == 0
-    assert {(m, b) for m, b, _ in calls} == {("vit-tiny", 2)}  # the finished rows are not run again
-    summary = json.loads((out / "summary.json").read_text())
-    rows = {(m["name"], r["batch"]): r for m in summary["models"] for r in m["results"]}
-    assert rows[("vit-tiny", 1)].get("resumed") and rows[("bert-tiny", 1)].get("resumed")
-    assert rows[("vit-tiny", 2)]["status"] == "ok" and not rows[("vit-tiny", 2)].get("resumed")
-    assert all(m["status"] == "ok" for m in summary["models"])
-
-
-def test_batches_and_baselines_narrow_the_plan(tmp_path: Path) -> None:
-    models = suite.select_models(["vit-b16", "bert-base"], False, suite.parse_batches(["vit-b16=1,64"]))
-    assert [(m.name, m.batches) for m in models] == [("vit-b16", (1, 64)), ("bert-base", (1,))]
-    for bad in ("vit-b16", "vit-b16=", "vit-b16=0", "vit-b16=1,1", "=1", "vit-b16=x"):
-        with pytest.raises(GtcoError, match="--batches"):
-            suite.parse_batches([bad])
-    with pytest.raises(GtcoError, match="given twice"):
-        suite.parse_batches(["vit-b16=1", "vit-b16=8"])
-    with pytest.raises(GtcoError, match="unknown model"):
-        suite.select_models(None, False, {"resnet": (1,)})
-    with pytest.raises(GtcoError, match="not in this run"):
-        suite.select_models(["bert-base"], False, {"vit-b16": (1,)})
-    assert suite.main(["--out", str(tmp_path / "o"), "--baselines", "ort-fp16,onnx"]) == 2
-    assert suite.main(["--out", str(tmp_path / "o"), "--tune-trials", "-1"]) == 2
-
-
-def test_a_failed_smoke_check_stops_a_gpu_run_with_the_reason_first(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    out = tmp_path / "out"
-    monkeypatch.setattr(suite, "gpu_info", lambda: {"name": "NVIDIA H200", "arch": "sm_90", "driver": "580"})
-    monkeypatch.setattr(suite, "run_plugin", lambda ctx, t: suite.Step("plugin", "ok", "", 1.0))
-    monkeypatch.setattr(suite, "run_smoke", lambda ctx, t: suite.Step(
-        "smoke", "failed", "exit 1: logits: max |new - ref| 3.1 > atol", 2.0))
-    monkeypatch.setattr(suite, "run_model", lambda *a: pytest.fail("a model ran after a failed smoke check"))
-    assert suite.main(["--out", str(out), "--skip", "install", "--models", "bert-base"]) == 1
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop"].startswith("smoke failed") and "max |new - ref|" in summary["stop"]
-    assert {st["name"]: st["status"] for st in summary["steps"]}["kernel-bench"] == "skipped"
-    assert summary["models"][0]["status"] == "skipped" and "smoke failed" in summary["models"][0]["reason"]
-    assert "**Stopped**: smoke failed" in (out / "benchmarks.md").read_text()
+        "rows": [rec, rows.record(row("core/bert-base.b1")) | {"status": "skipped", "reason": "budget: 10 s"}]}
+    md = render.render_markdown(summary)
+    assert ("- GPU: NVIDIA H200 (sm_90, onnx-gtco target sm_90), driver 580.159.04, SM clock 1980 MHz of 1980 MHz"
+            in md)
+    assert "- Command: `tools/gpu_suite --rows core/*`" in md and "Dry run" not in md
+    assert "| vit-b16.b1 | ok | 2.000 g | 2.500 g (0.80× g) | failed | 0.500 |" in md
+    assert "- ort-transformers-fp16 failed (core/vit-b16.b1): no fusion matched" in md
+    assert "- core/bert-base.b1: skipped: budget: 10 s" in md
+    assert "Not in this run's plan." in md
+    table = render.short_table(summary).splitlines()
+    assert table[1].split()[:4] == ["core/vit-b16.b1", "ok", "2.000", "ort-fp16"]

@@ -35,12 +35,12 @@ _INNER = "nvidia/cu13/include/"
 _TIMEOUT_S = 900.0
 
 
-def cublaslt_include_dir() -> Path:
-    """A directory with cublasLt.h (see the module docstring).
+def cublaslt_include_dir(download: bool = True) -> Path:
+    """A directory with cublasLt.h (see the module docstring); with download=False only what is here already.
 
     Raises:
-        HeaderError: $GTCO_CUBLASLT_INCLUDE lacks the header, or the download / unpacking failed (the message
-            names the step and how to work around it).
+        HeaderError: $GTCO_CUBLASLT_INCLUDE lacks the header, the download / unpacking failed (the message
+            names the step and how to work around it), or, with download=False, none is here.
     """
     override = cublaslt_include_override()
     if override:
@@ -55,6 +55,9 @@ def cublaslt_include_dir() -> Path:
     target = cache_root() / "cublas-headers" / VERSION
     if (target / HEADER).is_file():
         return target
+    if not download:
+        raise HeaderError(f"{HEADER} is not here ({ENV} is unset, {PACKAGE} is not installed, {target} is empty) "
+                          f"and would be downloaded: set {ENV} to a folder with {HEADER}")
     return _fill(target)
 
 

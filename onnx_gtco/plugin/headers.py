@@ -39,12 +39,13 @@ _TIMEOUT_S = 120.0
 _INNER = Path("usr/include/onnxruntime")
 
 
-def ort_include_dir() -> Path:
-    """A directory with onnxruntime_cxx_api.h (see the module docstring).
+def ort_include_dir(download: bool = True) -> Path:
+    """A directory with onnxruntime_cxx_api.h (see the module docstring); with download=False only what is here
+    already ($ORT_INCLUDE_DIR or the cache): what a machine without network can check before it compiles anything.
 
     Raises:
-        HeaderError: $ORT_INCLUDE_DIR lacks the header, or the download / unpacking failed (the message names the
-            step and how to work around it).
+        HeaderError: $ORT_INCLUDE_DIR lacks the header, the download / unpacking failed (the message names the
+            step and how to work around it), or, with download=False, the cache is empty.
     """
     override = ort_include_override()
     if override:
@@ -56,6 +57,9 @@ def ort_include_dir() -> Path:
     target = cache_root() / "ort-headers" / VERSION
     if (target / _INNER / HEADER).is_file():
         return target / _INNER
+    if not download:
+        raise HeaderError(f"the ONNX Runtime headers are not here ({ENV} is unset and {target} is empty) and would "
+                          f"be downloaded: set {ENV} to a folder with {HEADER}")
     return _fill(target) / _INNER
 
 
