@@ -18,8 +18,10 @@ from pathlib import Path
 from gpusuite.common import ROOT, GtcoError, Step, probe, run_command, skipped, tool_output
 
 BUNDLE_ENV = Path("/tmp/gpu-env.sh")
-"""Where ../shared/device/gpu-bundle's setup writes the environment of a GPU run (PYTHONPATH with its packages,
-ORT_INCLUDE_DIR, GTCO_CUBLASLT_INCLUDE, PATH with onnx-gtco)."""
+"""Where a GPU bundle's setup writes the environment of a GPU run (PYTHONPATH with its packages, ORT_INCLUDE_DIR,
+GTCO_CUBLASLT_INCLUDE, PATH with onnx-gtco). A bundle is a folder carried to a machine without network beside the
+checkout (.device-carry/: onnxruntime-gpu and the packages the machine lacks, the CUTLASS, ORT and cuBLASLt headers,
+and a `setup` script that unpacks them and checks that ORT's CUDA EP runs)."""
 BUNDLE_SETUP = ROOT / ".device-carry" / "setup"
 """The bundle's setup script, where the bundle was carried beside the checkout."""
 

@@ -80,6 +80,12 @@ def render_markdown(summary: dict[str, Any]) -> str:
     lines = ["# Benchmarks", "",
              f"Written by `{PROG}` (its `OUT/benchmarks.md`; `--write-docs` copies it to `docs/benchmarks.md`). "
              "Every number below comes from that run's files; none is edited by hand.", "",
+             "To make such a run on a machine with an NVIDIA GPU (sm_80 or newer), nvcc and network: "
+             "`pip install '.[gpu,cutlass]' onnxruntime-gpu -r requirements-zoo.txt` (onnxruntime-gpu in place of "
+             "onnxruntime), then `tools/gpu_suite --out gpu-suite --budget-min 25`. `--list` prints the plan's rows "
+             "with their expected times, `--rows 'core/*'` runs some of them, `--resume` continues a run that was cut "
+             "off, and a machine without network needs every package and header carried to it (the run checks that "
+             "first and names what is missing).", "",
              f"## End to end and kernels ({title})", ""]
     if summary.get("stop"):
         lines += [f"**Stopped**: {summary['stop']}", ""]
