@@ -649,3 +649,31 @@ def test_markdown_lists_variants_that_did_not_run_with_their_reasons(tmp_path: P
     assert "Not in this run's plan." in md
     table = render.short_table(summary).splitlines()
     assert table[1].split()[:4] == ["core/vit-b16.b1", "ok", "2.000", "ort-fp16"]
+
+
+def test_export_leaves_the_summary_and_an_archive_of_every_log_after_each_row(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import tarfile
+
+    out, export = tmp_path / "out", tmp_path / "export"
+    seen: list[set[str]] = []
+
+    def fake_row(ctx, r, deadline):
+        if export.exists():  # what a call killed now would bring back
+            with tarfile.open(export / runner.EXPORT_ARCHIVE) as tar:
+                seen.append(set(tar.getnames()))
+        (ctx.out / "logs" / f"{r.stem}.log").write_text("ran\n")
+        (ctx.out / "models").mkdir(exist_ok=True)
+        (ctx.out / "models" / f"{r.stem}.gtco.onnx").write_bytes(b"model")  # never exported
+        return rows.record(r)
+
+    monkeypatch.setattr(runner, "run_row", fake_row)
+    assert suite.main(["--dry-run", "--out", str(out), "--skip", "smoke", "--rows", "core/*", "--export",
+                       str(export)]) == 0
+    assert sorted(p.name for p in export.iterdir()) == ["benchmarks.md", runner.EXPORT_ARCHIVE, "summary.json"]
+    assert json.loads((export / "summary.json").read_text())["rows"][-1]["id"] == "core/bert-base.b1"
+    with tarfile.open(export / runner.EXPORT_ARCHIVE) as tar:
+        names = set(tar.getnames())
+    assert {"logs/core-vit-b16.b1.log", "logs/core-bert-base.b1.log", "summary.json"} <= names
+    assert not any(n.endswith(".onnx") for n in names)
+    assert "logs/core-vit-b16.b1.log" in seen[1] and "logs/core-vit-b16.b64.log" not in seen[1]

@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,10 +85,35 @@ class Options:
     resume: bool = False
     profile: bool = True
     storage: str | None = None
+    export: Path | None = None
+    """A folder that gets summary.json, benchmarks.md and EXPORT_ARCHIVE after every row (what comes back from a
+    machine that returns a few files only), else None."""
     env_file: Path | None = None
     """The bundle's environment file (None: machine.BUNDLE_ENV)."""
     bundle_setup: Path | None = None
     """The carried bundle's setup script (None: machine.BUNDLE_SETUP)."""
+
+
+EXPORT_ARCHIVE = "suite-files.tar.gz"
+EXPORTED = ("logs/**/*", "bench/*/bench.json", "bench/*/bench.md", "models/*.report.json", "plugin/*.json",
+            "plugin/bench/bench.json", "kernel-bench/*/results.json", "kernel-bench/*/results.md", "pytest-gpu.xml",
+            "tuning.db", "tuning.journal", "summary.json", "benchmarks.md")
+"""What EXPORT_ARCHIVE holds of OUT (globs): every log and result file, the tuning storage; no model or export."""
+
+
+def export_files(out: Path, dest: Path) -> None:
+    """Copy OUT/summary.json and OUT/benchmarks.md into `dest` and pack EXPORTED into dest/EXPORT_ARCHIVE, each
+    replaced atomically."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.json", "benchmarks.md"):
+        write_atomic(dest / name, (out / name).read_text())
+    tmp = dest / f".{EXPORT_ARCHIVE}.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for pattern in EXPORTED:
+            for f in sorted(out.glob(pattern)):
+                if f.is_file():
+                    tar.add(f, arcname=str(f.relative_to(out)))
+    os.replace(tmp, dest / EXPORT_ARCHIVE)
 
 
 def storage_url(out: Path) -> str:
@@ -162,6 +188,8 @@ def run_suite(opts: Options) -> dict[str, Any]:
         summary["suite"]["elapsed_s"] = round(budget.spent_s(), 1)
         write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
         write_atomic(out / "benchmarks.md", render_markdown(summary))
+        if opts.export is not None:
+            export_files(out, opts.export)
 
     def say(name: str, status: str, seconds: float, reason: str) -> None:
         print(f"{name:<32} {status:<8} {seconds:7.1f} s  {reason}", flush=True)
