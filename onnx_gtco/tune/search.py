@@ -4,8 +4,9 @@ A study is named by its task's key (tasks.Task.key) and keeps the task in its us
 with the storage URL can work on it. A trial suggests one value per tunable parameter of the family's space
 (seeded TPE); a configuration the family's validity check rejects is a failed trial with error kind "invalid" and
 the reason, recorded without measuring. Each study starts from the analytical model's best few configurations
-(`enqueue_trial`). A measured trial records the median time, its spread, the error kind of a failed run
-(compile / resource / runtime / wrong_answer / timeout), and the measurer's environment (GPU, driver, toolchain).
+(`enqueue_trial`). A measured trial records the median time, its spread, the error kind of a failed build or run
+(ERROR_KINDS: compile / resource / runtime / wrong_answer / crash / timeout, with the detail in "error"), and the
+measurer's environment (GPU, driver, toolchain). tune.rounds runs the trials.
 
 Storage: `--storage URL` > $GTCO_TUNE_STORAGE > SQLite in the user cache (cache_root()/tuning.db). Any Optuna RDB
 URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL`.
@@ -31,13 +32,17 @@ from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
-from onnx_gtco.tune.tasks import Task
+from onnx_gtco.tune.tasks import Task, task_attrs
 
 STORAGE_ENV = TUNE_STORAGE_ENV
 DELAY_ENV = TUNE_DELAY_ENV  # seconds each analytical measurement sleeps (tests of workers only)
 SEEDS = 3          # analytical guesses enqueued per study
 HEARTBEAT_S = 2    # a running trial proves its worker alive this often
-ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "timeout")
+ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "crash", "timeout")
+"""Why a trial failed (its "error_kind" user attribute): its configuration fails the family's check (invalid), nvcc
+fails (compile) or ptxas reports a spill, stack frame or no kernel (resource), the GPU cannot run its code or the
+run reports an error (runtime), its answer is off the fp64 reference (wrong_answer), the measuring process dies
+(crash: a segfault, an abort) or gives no answer in time and is killed (timeout)."""
 
 
 def storage_url(explicit: str | None = None) -> str:
@@ -94,7 +99,8 @@ class Measurement:
 
 class Measurer(Protocol):
     """Times one configuration of a task. `device` names what it measures on (the study is per device);
-    `environment()` goes into every trial's record."""
+    `environment()` goes into every trial's record. A measurer that also splits a measurement into a build and a
+    run (tune.builder.SplitMeasurer, as the GPU measurer does) has a round's builds run in parallel."""
 
     name: str
     device: str
@@ -302,26 +308,18 @@ def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: st
     study = optuna.create_study(study_name=study_name(task, device), storage=storage, direction="minimize",
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
     if "task" not in study.user_attrs:
-        study.set_user_attr("task", {"family": task.problem.family, "dtype": task.problem.dtype,
-                                     "sizes": [list(s) for s in task.problem.sizes],
-                                     "flags": [[k, _jsonable(v)] for k, v in task.problem.flags],
-                                     "arch": task.arch, "version": task.version})
+        study.set_user_attr("task", task_attrs(task))
         study.set_user_attr("describe", task.describe())
         for config in analytical_guesses(task):
             study.enqueue_trial(to_params(task, config), skip_if_exists=True)
     return study
 
 
-def _jsonable(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
-
-
-def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Mapping[str, int]) -> float:
-    """Measure `config` of `task` and record it on `trial`: the measurer's environment, runs, median and spread, or
-    why it failed (error_kind, error). Returns the trial's value: the median, or NaN (Optuna's FAIL) on a failure."""
+def record(trial: optuna.Trial, measurer: Measurer, m: Measurement) -> float:
+    """Record a measurement on `trial`: the measurer's environment, runs, median and spread, or why it failed
+    (error_kind, error). Returns the trial's value: the median, or NaN (a failed trial) on a failure."""
     for k, v in measurer.environment().items():
         trial.set_user_attr(k, v)
-    m = measurer.measure(task, dict(config))
     trial.set_user_attr("runs", m.runs)
     if m.error_kind is not None or m.median_us is None:
         trial.set_user_attr("error_kind", m.error_kind or "runtime")
@@ -332,35 +330,17 @@ def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Ma
     return m.median_us
 
 
+def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Mapping[str, int]) -> float:
+    """Measure `config` of `task` and record it on `trial` (record). Returns the trial's value: the median, or NaN
+    (Optuna's FAIL) on a failure."""
+    return record(trial, measurer, measurer.measure(task, dict(config)))
+
+
 def optimize_once(study: optuna.Study, objective: Callable[[optuna.Trial], float]) -> None:
     """One trial of `objective` through Study.optimize (which keeps the trial's heartbeat)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Optuna warns about every NaN it records as a failure
         study.optimize(objective, n_trials=1, gc_after_trial=False)
-
-
-def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str = "") -> optuna.trial.FrozenTrial:
-    """Run one trial (through Study.optimize, which keeps its heartbeat): suggest a configuration, reject it
-    unmeasured when invalid, else measure it. A failed trial returns NaN, which Optuna records as FAIL; the user
-    attributes say why (error_kind, error)."""
-    numbers: list[int] = []
-
-    def objective(trial: optuna.Trial) -> float:
-        numbers.append(trial.number)
-        if worker:
-            trial.set_user_attr("worker", worker)
-        config = suggest(trial, task)
-        why = check(task, config)
-        if why is not None:
-            for k, v in measurer.environment().items():
-                trial.set_user_attr(k, v)
-            trial.set_user_attr("error_kind", "invalid")
-            trial.set_user_attr("error", why)
-            return math.nan
-        return measure_into(trial, measurer, task, config)
-
-    optimize_once(study, objective)
-    return next(t for t in reversed(study.get_trials(deepcopy=False)) if t.number == numbers[0])
 
 
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -396,5 +376,6 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 __all__ = ["ERROR_KINDS", "IMPL_SPACES", "OFFERED", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
            "analytical_guesses", "best", "best_by_impl", "best_trials_by_impl", "check", "config_arch", "finished",
-           "impls", "offered", "open_storage", "param_names", "predict_us", "run_trial", "search_space",
-           "storage_url", "study_for", "study_name", "suggest", "times", "to_config", "to_params", "with_defaults"]
+           "impls", "measure_into", "offered", "open_storage", "optimize_once", "param_names",
+           "predict_us", "record", "search_space", "storage_url", "study_for", "study_name", "suggest", "times",
+           "to_config", "to_params", "with_defaults"]

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
@@ -71,6 +71,22 @@ class Task:
 
 def template_version() -> str:
     return headers_digest()[:12]
+
+
+def task_attrs(task: Task) -> dict[str, Any]:
+    """The task as JSON (a study's "task" user attribute; task_from_attrs reads it back)."""
+    return {"family": task.problem.family, "dtype": task.problem.dtype,
+            "sizes": [list(s) for s in task.problem.sizes],
+            "flags": [[k, list(v) if isinstance(v, tuple) else v] for k, v in task.problem.flags],
+            "arch": task.arch, "version": task.version}
+
+
+def task_from_attrs(attrs: Mapping[str, Any]) -> Task:
+    """The Task a study's user attributes describe: its "task" (task_attrs) and its "weight" (default 1)."""
+    a = attrs["task"]
+    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in a["flags"]}
+    problem = Problem.make(a["family"], a["dtype"], {k: v for k, v in a["sizes"]}, flags)
+    return Task(problem, a["arch"], a["version"], int(attrs.get("weight", 1)))
 
 
 SHAPED_FAMILIES = ("conv",)
@@ -188,4 +204,5 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
 
 
 __all__ = ["SHAPED_FAMILIES", "ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks",
-           "node_task", "shaped_problem", "template_version", "tensor_shapes", "view_shapes"]
+           "node_task", "shaped_problem", "task_attrs", "task_from_attrs", "template_version", "tensor_shapes",
+           "view_shapes"]

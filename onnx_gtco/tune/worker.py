@@ -1,11 +1,14 @@
 """Tuning workers: any number of processes, on one machine or many, working through the studies of one storage.
 
 A study knows its task (user attribute "task") and its budget (user attribute "trials", the per-task total that
-the last `optimize --tune-trials N` asked for). A worker repeatedly takes the open study the scheduler ranks first
-among those of its measurer's device and runs one trial of it, until no study of that device is open. Optuna's RDB
-storage gives every trial its own number and pops an enqueued configuration for one worker only, so no trial is
-measured twice; a finished trial is committed before the next starts, so a worker killed mid-trial loses only the
-trial it was running, which the heartbeat marks stale (failed) and re-enqueues for whoever runs next.
+the last `optimize --tune-trials N` asked for). A worker runs rounds (tune.rounds) until no study of its measurer's
+device is open: each round takes the trials the scheduler ranks first among the open studies (scheduler.next_round:
+as many as the worker builds at a time, `jobs`, for a measurer that builds and runs apart, the GPU measurer; one for
+the analytical model, which has nothing to build), builds them at once and measures them one by one. Optuna's RDB
+and journal storages give every trial its own number and pop an enqueued configuration for one worker only, so no
+trial is measured twice; each trial is told as soon as it is measured, so a worker killed mid-round loses only the
+round's unmeasured trials, which an RDB storage's heartbeat marks stale (failed) and re-enqueues for whoever runs
+next (a journal has no heartbeats: they stay RUNNING).
 
 `optimize --workers K` starts K - 1 `onnx-gtco tune-worker` processes beside its own loop.
 """
@@ -21,18 +24,11 @@ from dataclasses import dataclass
 
 import optuna
 
-from onnx_gtco.kernels.family import Problem
-from onnx_gtco.tune.scheduler import Curve, Policy, next_task, stopped
-from onnx_gtco.tune.search import Measurer, open_storage, run_trial, study_for, study_name, times
-from onnx_gtco.tune.tasks import Task
-
-
-def task_of(attrs: dict) -> Task:
-    """The Task a study's "task" user attribute describes."""
-    a = attrs["task"]
-    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in a["flags"]}
-    problem = Problem.make(a["family"], a["dtype"], {k: v for k, v in a["sizes"]}, flags)
-    return Task(problem, a["arch"], a["version"], int(attrs.get("weight", 1)))
+from onnx_gtco.tune.builder import LocalBuilder, is_split
+from onnx_gtco.tune.rounds import run_round
+from onnx_gtco.tune.scheduler import Curve, Policy, next_round, stopped
+from onnx_gtco.tune.search import Measurer, open_storage, study_for, study_name, times
+from onnx_gtco.tune.tasks import Task, task_from_attrs
 
 
 def prepare(tasks: list[Task], trials: int, storage: str, device: str, seed: int = 0,
@@ -61,9 +57,10 @@ def _running(study: optuna.Study) -> int:
 
 
 def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, patience: int = 20,
-         progress: Callable[[Task, optuna.trial.FrozenTrial], None] | None = None) -> int:
-    """Run trials of the storage's open studies of `measurer.device` (only those named in `keys`, when given)
-    until none is open; returns how many trials this worker ran."""
+         jobs: int | None = None, progress: Callable[[Task, optuna.trial.FrozenTrial], None] | None = None) -> int:
+    """Run rounds of trials of the storage's open studies of `measurer.device` (only those named in `keys`, when
+    given) until none is open; returns how many trials this worker ran. `jobs`: builds at a time, and so trials
+    per round, for a measurer that builds apart (default: one per core)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     store = open_storage(storage)
     suffix = f"@{measurer.device}"
@@ -72,34 +69,36 @@ def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, pati
         name = summary.study_name
         if not name.endswith(suffix) or "task" not in summary.user_attrs or "trials" not in summary.user_attrs:
             continue
-        task = task_of(summary.user_attrs)
+        task = task_from_attrs(summary.user_attrs)
         if study_name(task, measurer.device) != name or (keys is not None and task.key not in keys):
             continue  # another template version's study (its key no longer matches), or not asked for
         study = optuna.load_study(study_name=name, storage=store)
         target = summary.user_attrs.get("target_us")
         studies.append(_Open(study, task, Curve(task.weight, target=None if target is None else float(target)),
                              int(summary.user_attrs["trials"])))
+    builder = LocalBuilder(jobs) if is_split(measurer) else None
+    per_round = builder.jobs if builder is not None else 1
+    name = f"{os.uname().nodename}:{os.getpid()}"
     ran = 0
     while True:
+        running = []
         for o in studies:  # other workers add trials: refresh every curve
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 # a dead worker's trial must not hold its slot: fail it (and re-enqueue it) before counting
                 optuna.storages.fail_stale_trials(o.study)
             o.curve.times = times(o.study)
-        open_ = [o for o in studies
+            running.append(_running(o.study))
+        policy = Policy(limit=10**9, patience=patience)
+        open_ = [(o, o.limit - len(o.curve.times) - r) for o, r in zip(studies, running, strict=True)
                  if stopped(o.curve, Policy(limit=o.limit, patience=patience)) is None
-                 and len(o.curve.times) + _running(o.study) < o.limit]
-        if not open_:
+                 and len(o.curve.times) + r < o.limit]
+        picks = next_round([o.curve for o, _ in open_], policy, per_round, [room for _, room in open_])
+        if not picks:
             return ran
-        i = next_task([o.curve for o in open_], Policy(limit=10**9, patience=patience))
-        if i is None:
-            return ran
-        o = open_[i]
-        record = run_trial(o.study, o.task, measurer, worker=f"{os.uname().nodename}:{os.getpid()}")
-        ran += 1
-        if progress is not None:
-            progress(o.task, record)
+        chosen = [open_[i][0] for i in picks]
+        ran += len(run_round([(o.study, o.task) for o in chosen], measurer, builder=builder, worker=name,
+                             progress=progress))
 
 
 def spawn(storage: str, count: int, keys: set[str], patience: int) -> list[subprocess.Popen]:
@@ -110,4 +109,4 @@ def spawn(storage: str, count: int, keys: set[str], patience: int) -> list[subpr
             for _ in range(count)]
 
 
-__all__ = ["prepare", "spawn", "task_of", "work"]
+__all__ = ["prepare", "spawn", "work"]
