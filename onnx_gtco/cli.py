@@ -304,7 +304,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default 0: no tuning)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage of the tuning records (default $GTCO_TUNE_STORAGE, else SQLite in the user "
-                   "cache); any Optuna RDB URL, e.g. postgresql://user@host/db; browse it with optuna-dashboard URL")
+                   "cache); any Optuna RDB URL, e.g. postgresql://user@host/db (browse it with optuna-dashboard "
+                   "URL), or journal:PATH, a log file that processes on one machine share, with no SQL stack")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="tune with K processes sharing the storage (K - 1 tune-worker processes beside this one; "
                    "default 1)")
@@ -313,7 +314,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_optimize)
 
     p = command("tune-worker", "run tuning trials of a shared storage's open studies until none is open")
-    p.add_argument("--storage", required=True, metavar="URL", help="the Optuna storage the studies are in")
+    p.add_argument("--storage", required=True, metavar="URL",
+                   help="the Optuna storage the studies are in (an RDB URL or journal:PATH, as optimize takes it)")
     p.add_argument("--patience", type=int, default=20,
                    help="early stop a task after this many trials without gain (default 20)")
     p.add_argument("--task", action="append", default=None, metavar="KEY",

@@ -38,13 +38,13 @@ def wanted(trials: int, storage: str | None) -> bool:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for reports and logs."""
-    from sqlalchemy.engine import make_url
+    """The URL without its password, for reports and logs. A journal's or in-memory storage's has none (and the
+    SQL stack is not imported for them)."""
+    from onnx_gtco.tune.search import JOURNAL_PREFIX, MEMORY_PREFIX
 
-    from onnx_gtco.tune.search import MEMORY_PREFIX
-
-    if url.startswith(MEMORY_PREFIX):
+    if url.startswith((MEMORY_PREFIX, JOURNAL_PREFIX)):
         return url
+    from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
 

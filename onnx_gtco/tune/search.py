@@ -9,7 +9,10 @@ the reason, recorded without measuring. Each study starts from the analytical mo
 measurer's environment (GPU, driver, toolchain). tune.rounds runs the trials.
 
 Storage: `--storage URL` > $GTCO_TUNE_STORAGE > SQLite in the user cache (cache_root()/tuning.db). Any Optuna RDB
-URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL`.
+URL works (PostgreSQL for a team; the dashboard opens it: `optuna-dashboard URL`); `journal:PATH` is Optuna's
+journal storage, an append-only log file that several processes on one machine share (JournalFileBackend: a lock
+file beside it) and that needs no SQL stack (sqlalchemy is never imported for it); `memory:NAME` an in-process
+one for experiments and tests.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
@@ -58,18 +62,28 @@ def storage_url(explicit: str | None = None) -> str:
 
 
 MEMORY_PREFIX = "memory:"
+JOURNAL_PREFIX = "journal:"
 _MEMORY: dict[str, optuna.storages.InMemoryStorage] = {}
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An RDB storage with heartbeats: a worker killed mid-trial leaves a RUNNING trial whose heartbeat stops; the
-    next process to run a trial of that study marks it failed (finished trials are committed already) and
-    enqueues its configuration again, once.
+    """The storage a URL names (see the module docstring).
+
+    An RDB URL gets heartbeats: a worker killed mid-trial leaves a RUNNING trial whose heartbeat stops; the next
+    process to run a trial of that study marks it failed (finished trials are committed already) and enqueues its
+    configuration again, once. A journal has no heartbeats: a killed worker's trial stays RUNNING and takes one
+    slot of its task's budget.
 
     `memory:NAME` is Optuna's in-memory storage, one per name and process: nothing persists and no other process
-    (no tune-worker) can join; for experiments and tests that only count trials."""
+    (no tune-worker) can join; for experiments and tests that only count trials.
+
+    Raises:
+        GtcoError: a journal path without a file name or in a folder that does not exist; a missing database driver.
+    """
     if url.startswith(MEMORY_PREFIX):
         return _MEMORY.setdefault(url, optuna.storages.InMemoryStorage())
+    if url.startswith(JOURNAL_PREFIX):
+        return open_journal(url)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         try:
@@ -84,6 +98,23 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             if missing:
                 raise missing_package(missing, what) from None
             raise GtcoError(f"{what}: {first_line(e)}") from None
+
+
+def open_journal(url: str) -> optuna.storages.JournalStorage:
+    """`journal:PATH` as Optuna's JournalStorage over a JournalFileBackend at PATH (created when missing; its
+    folder must exist). Opened afresh on every call: the storage replays the log, so a file another process
+    appended to, or a new file at the same path, is read as it is now."""
+    from optuna.storages.journal import JournalFileBackend
+
+    text = url[len(JOURNAL_PREFIX):]
+    if not text.strip():
+        raise GtcoError(f"tuning storage {url!r}: give the journal file's path, e.g. journal:/data/trials.log")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise GtcoError(f"tuning storage {url!r}: {path} is a folder; give the journal file's path")
+    if not path.parent.is_dir():
+        raise GtcoError(f"tuning storage {url!r}: the folder {path.parent} does not exist")
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path.resolve())))
 
 
 @dataclass(frozen=True)
@@ -376,6 +407,6 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 __all__ = ["ERROR_KINDS", "IMPL_SPACES", "OFFERED", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
            "analytical_guesses", "best", "best_by_impl", "best_trials_by_impl", "check", "config_arch", "finished",
-           "impls", "measure_into", "offered", "open_storage", "optimize_once", "param_names",
+           "impls", "measure_into", "offered", "open_journal", "open_storage", "optimize_once", "param_names",
            "predict_us", "record", "search_space", "storage_url", "study_for", "study_name", "suggest", "times",
            "to_config", "to_params", "with_defaults"]
