@@ -64,6 +64,14 @@ class Task:
                      self.version))
         return f"{self.problem.family}-{self.arch}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
+    @property
+    def problem_key(self) -> str:
+        """The task's key without the template version: what a shipped tuning record (tune.records) is filed
+        under. A record outlives a change of the kernel headers (which starts new studies); whether its
+        configuration still fits is checked when it is used."""
+        text = repr((self.problem.family, self.problem.dtype, self.problem.sizes, self.problem.flags, self.arch))
+        return f"{self.problem.family}-{self.arch}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
     def describe(self) -> str:
         sizes = ",".join(f"{k}={v}" for k, v in self.problem.sizes)
         return f"{self.problem.family} {self.problem.dtype} {sizes} on {self.arch} (x{self.weight})"
