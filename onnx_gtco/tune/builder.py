@@ -1,5 +1,5 @@
-"""The builder of a tuning round: every candidate of the round is built before any is measured, as many builds at a
-time as the machine has cores (the builder half of the builder / runner split of TVM's meta_schedule).
+"""The builder of tuning trials: candidates are built as many at a time as the machine has cores, apart from their
+measurement (the builder half of the builder / runner split of TVM's meta_schedule).
 
 A candidate's build is its measurer's `build(task, config)` (SplitMeasurer): the GPU measurer's instantiates the
 configuration and compiles it with nvcc through the kernel cache (kernels.compile: an instance is compiled once per
@@ -7,7 +7,7 @@ machine, and the library build reuses it), then links it as a shared library to 
 its own, so threads give the builds real parallelism. A build that fails is data, never an exception: its
 BuildResult carries the error kind ("compile", "resource", or "runtime" where the GPU cannot run the configuration's
 code) and the detail, and the trial fails with them, unmeasured. An unexpected exception of a build is the
-trial's "compile" failure with the exception's line, so one candidate cannot end the round.
+trial's "compile" failure with the exception's line, so one candidate cannot end the tuning run.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class BuildResult:
 
 class SplitMeasurer(Protocol):
     """A measurer whose measurement is a build and a run: `build` is thread-safe and runs in parallel with the
-    round's other builds; `run` measures a built candidate, one at a time (the GPU measurer's in a child process,
+    other builds in flight; `run` measures a built candidate, one at a time (the GPU measurer's in a child process,
     tune.runner). `measure(task, config)` is the two in a row."""
 
     name: str
@@ -68,7 +68,7 @@ class SplitMeasurer(Protocol):
 
 
 def is_split(measurer: object) -> bool:
-    """Whether `measurer` builds and runs apart (SplitMeasurer), so a round's builds can run in parallel."""
+    """Whether `measurer` builds and runs apart (SplitMeasurer), so that its builds can run in parallel."""
     return callable(getattr(measurer, "build", None)) and callable(getattr(measurer, "run", None))
 
 
@@ -81,29 +81,30 @@ def default_jobs() -> int:
 
 
 class LocalBuilder:
-    """Builds a round's candidates on this machine, `jobs` at a time (default: one per core)."""
+    """Builds candidates on this machine, `jobs` at a time (default: one per core)."""
 
     def __init__(self, jobs: int | None = None) -> None:
         if jobs is not None and jobs < 1:
             raise ValueError(f"jobs={jobs}: give at least 1 build at a time")
         self.jobs = jobs or default_jobs()
 
+    @staticmethod
+    def build_one(measurer: SplitMeasurer, task: Task, config: Mapping[str, Any]) -> BuildResult:
+        """measurer.build of one candidate, timed (wall seconds); an exception is the candidate's failed build."""
+        start = time.perf_counter()
+        try:
+            got = measurer.build(task, dict(config))
+        except Exception as e:  # any build's failure is its trial's, not the run's
+            got = BuildResult(None, "compile", f"{type(e).__name__}: {first_line(e)}")
+        return replace(got, seconds=time.perf_counter() - start)
+
     def build(self, measurer: SplitMeasurer, candidates: Sequence[tuple[Task, Mapping[str, Any]]]
               ) -> list[BuildResult]:
-        """measurer.build of each (task, config), in parallel; the results in the candidates' order."""
+        """build_one of each (task, config), `jobs` at a time; the results in the candidates' order."""
         if not candidates:
             return []
-
-        def one(candidate: tuple[Task, Mapping[str, Any]]) -> BuildResult:
-            start = time.perf_counter()
-            try:
-                got = measurer.build(candidate[0], dict(candidate[1]))
-            except Exception as e:  # any build's failure is its trial's, not the round's
-                got = BuildResult(None, "compile", f"{type(e).__name__}: {first_line(e)}")
-            return replace(got, seconds=time.perf_counter() - start)
-
         with ThreadPoolExecutor(max_workers=min(self.jobs, len(candidates)), thread_name_prefix="gtco-build") as pool:
-            return list(pool.map(one, candidates))
+            return list(pool.map(lambda c: self.build_one(measurer, c[0], c[1]), candidates))
 
 
 __all__ = ["Artifact", "BuildResult", "LocalBuilder", "SplitMeasurer", "default_jobs", "is_split"]

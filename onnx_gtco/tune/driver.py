@@ -89,10 +89,10 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
          jobs: int | None = None, progress: Callable[[TaskResult], None] | None = None) -> list[TaskResult]:
     """Tune `tasks` (see the module docstring; `targets`: task key -> a time in us at which the task stops): their
     studies get the budget, then this process and `workers` - 1
-    tune-worker processes (analytical measurer only) run trials until every task has stopped. This process runs
-    them in rounds (tune.rounds): a measurer that builds apart (the GPU measurer) has `jobs` candidates built at
-    once per round (default: one per core), then measured one by one. `progress` is called after each trial this
-    process runs."""
+    tune-worker processes (analytical measurer only) run trials until every task has stopped. A measurer that
+    builds apart (the GPU measurer) has `jobs` candidates building at once in this process (default: one per
+    core), each measured as its build finishes (tune.trials). `progress` is called after each trial this process
+    runs."""
     from onnx_gtco.tune.worker import prepare, spawn, work
 
     if trials < 0:

@@ -1,6 +1,6 @@
 """The GPU measurer: compile a configuration, run it on the GPU, check its answer, time it.
 
-One trial is a build (in the tuning process, in parallel with the round's other builds: tune.builder) and a run (in
+One trial is a build (in the tuning process, in parallel with the other builds in flight: tune.builder) and a run (in
 a child process, one at a time: tune.runner):
 1. build: the instance is built by kernels.compile (nvcc -Xptxas -v, cached by content) for the arch its
    configuration runs on (search.config_arch: the task's, or sm_90a for a CUTLASS one, which only a 9.0 GPU runs:

@@ -1,4 +1,4 @@
-"""The runner of a tuning round: built candidates are measured one after another in a child process, so that what
+"""The runner of tuning trials: built candidates are measured one after another in a child process, so that what
 a candidate does to its process ends its own trial only (the runner half of TVM meta_schedule's builder / runner
 split).
 

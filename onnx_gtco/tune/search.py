@@ -6,7 +6,7 @@ with the storage URL can work on it. A trial suggests one value per tunable para
 the reason, recorded without measuring. Each study starts from the analytical model's best few configurations
 (`enqueue_trial`). A measured trial records the median time, its spread, the error kind of a failed build or run
 (ERROR_KINDS: compile / resource / runtime / wrong_answer / crash / timeout, with the detail in "error"), and the
-measurer's environment (GPU, driver, toolchain). tune.rounds runs the trials.
+measurer's environment (GPU, driver, toolchain). tune.trials runs the trials.
 
 Storage: `--storage URL` > $GTCO_TUNE_STORAGE > SQLite in the user cache (cache_root()/tuning.db). Any Optuna RDB
 URL works (PostgreSQL for a team; the dashboard opens it: `optuna-dashboard URL`); `journal:PATH` is Optuna's
@@ -131,7 +131,7 @@ class Measurement:
 class Measurer(Protocol):
     """Times one configuration of a task. `device` names what it measures on (the study is per device);
     `environment()` goes into every trial's record. A measurer that also splits a measurement into a build and a
-    run (tune.builder.SplitMeasurer, as the GPU measurer does) has a round's builds run in parallel."""
+    run (tune.builder.SplitMeasurer, as the GPU measurer does) has its builds run in parallel (tune.trials)."""
 
     name: str
     device: str

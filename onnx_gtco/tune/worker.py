@@ -1,14 +1,14 @@
 """Tuning workers: any number of processes, on one machine or many, working through the studies of one storage.
 
 A study knows its task (user attribute "task") and its budget (user attribute "trials", the per-task total that
-the last `optimize --tune-trials N` asked for). A worker runs rounds (tune.rounds) until no study of its measurer's
-device is open: each round takes the trials the scheduler ranks first among the open studies (scheduler.next_round:
-as many as the worker builds at a time, `jobs`, for a measurer that builds and runs apart, the GPU measurer; one for
-the analytical model, which has nothing to build), builds them at once and measures them one by one. Optuna's RDB
-and journal storages give every trial its own number and pop an enqueued configuration for one worker only, so no
-trial is measured twice; each trial is told as soon as it is measured, so a worker killed mid-round loses only the
-round's unmeasured trials, which an RDB storage's heartbeat marks stale (failed) and re-enqueues for whoever runs
-next (a journal has no heartbeats: they stay RUNNING).
+the last `optimize --tune-trials N` asked for). A worker runs trials (trials.run_trials) until no study of its
+measurer's device is open: whenever a build slot is free (one per core, `jobs`, for a measurer that builds and runs
+apart, the GPU measurer; a single one for the analytical model, which has nothing to build), it takes a trial of the
+open study the scheduler ranks first, counting the trials in flight (scheduler.next_round). Optuna's RDB and journal
+storages give every trial its own number and pop an enqueued configuration for one worker only, so no trial is
+measured twice; each trial is told as soon as it is measured, so a worker killed mid-run loses only its trials in
+flight, which an RDB storage's heartbeat marks stale (failed) and re-enqueues for whoever runs next (a journal has
+no heartbeats: they stay RUNNING).
 
 `optimize --workers K` starts K - 1 `onnx-gtco tune-worker` processes beside its own loop.
 """
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import optuna
 
-from onnx_gtco.tune.builder import LocalBuilder, is_split
-from onnx_gtco.tune.rounds import run_round
+from onnx_gtco.tune.builder import LocalBuilder
 from onnx_gtco.tune.scheduler import Curve, Policy, next_round, stopped
 from onnx_gtco.tune.search import Measurer, open_storage, study_for, study_name, times
 from onnx_gtco.tune.tasks import Task, task_from_attrs
+from onnx_gtco.tune.trials import run_trials
 
 
 def prepare(tasks: list[Task], trials: int, storage: str, device: str, seed: int = 0,
@@ -58,9 +58,9 @@ def _running(study: optuna.Study) -> int:
 
 def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, patience: int = 20,
          jobs: int | None = None, progress: Callable[[Task, optuna.trial.FrozenTrial], None] | None = None) -> int:
-    """Run rounds of trials of the storage's open studies of `measurer.device` (only those named in `keys`, when
-    given) until none is open; returns how many trials this worker ran. `jobs`: builds at a time, and so trials
-    per round, for a measurer that builds apart (default: one per core)."""
+    """Run trials of the storage's open studies of `measurer.device` (only those named in `keys`, when
+    given) until none is open; returns how many trials this worker ran. `jobs`: candidates built at a time for a
+    measurer that builds apart (default: one per core; trials.run_trials)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     store = open_storage(storage)
     suffix = f"@{measurer.device}"
@@ -76,29 +76,25 @@ def work(storage: str, measurer: Measurer, *, keys: set[str] | None = None, pati
         target = summary.user_attrs.get("target_us")
         studies.append(_Open(study, task, Curve(task.weight, target=None if target is None else float(target)),
                              int(summary.user_attrs["trials"])))
-    builder = LocalBuilder(jobs) if is_split(measurer) else None
-    per_round = builder.jobs if builder is not None else 1
     name = f"{os.uname().nodename}:{os.getpid()}"
-    ran = 0
-    while True:
+
+    def pick(flying: Mapping[str, int]) -> tuple[optuna.Study, Task] | None:
+        """The study the scheduler ranks first, its curves read afresh (other workers add trials), or None."""
         running = []
-        for o in studies:  # other workers add trials: refresh every curve
+        for o in studies:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 # a dead worker's trial must not hold its slot: fail it (and re-enqueue it) before counting
                 optuna.storages.fail_stale_trials(o.study)
             o.curve.times = times(o.study)
-            running.append(_running(o.study))
-        policy = Policy(limit=10**9, patience=patience)
+            running.append(_running(o.study))  # this process's trials in flight among them
         open_ = [(o, o.limit - len(o.curve.times) - r) for o, r in zip(studies, running, strict=True)
-                 if stopped(o.curve, Policy(limit=o.limit, patience=patience)) is None
-                 and len(o.curve.times) + r < o.limit]
-        picks = next_round([o.curve for o, _ in open_], policy, per_round, [room for _, room in open_])
-        if not picks:
-            return ran
-        chosen = [open_[i][0] for i in picks]
-        ran += len(run_round([(o.study, o.task) for o in chosen], measurer, builder=builder, worker=name,
-                             progress=progress))
+                 if stopped(o.curve, Policy(limit=o.limit, patience=patience)) is None]
+        picks = next_round([o.curve for o, _ in open_], Policy(limit=10**9, patience=patience), 1,
+                           [room for _, room in open_], [flying.get(o.study.study_name, 0) for o, _ in open_])
+        return (open_[picks[0]][0].study, open_[picks[0]][0].task) if picks else None
+
+    return run_trials(pick, measurer, builder=LocalBuilder(jobs), worker=name, progress=progress)
 
 
 def spawn(storage: str, count: int, keys: set[str], patience: int) -> list[subprocess.Popen]:

@@ -25,9 +25,9 @@ from onnx_gtco.report_md import _tuning
 from onnx_gtco.tune import records
 from onnx_gtco.tune.apply import shipped_model, tune_model
 from onnx_gtco.tune.driver import tune
-from onnx_gtco.tune.rounds import command_line
 from onnx_gtco.tune.search import AnalyticalMeasurer, Measurement, predict_us
 from onnx_gtco.tune.tasks import Task, model_tasks
+from onnx_gtco.tune.trials import command_line
 
 
 class FakeGpu:

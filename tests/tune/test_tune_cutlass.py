@@ -22,7 +22,6 @@ from onnx_gtco.tune.analytical import LAUNCH_US, estimate_us
 from onnx_gtco.tune.apply import implementations, slots
 from onnx_gtco.tune.builder import Artifact
 from onnx_gtco.tune.driver import impl_bests, tune
-from onnx_gtco.tune.rounds import run_trial
 from onnx_gtco.tune.search import (
     IMPL_SPACES,
     AnalyticalMeasurer,
@@ -41,6 +40,7 @@ from onnx_gtco.tune.search import (
     to_params,
 )
 from onnx_gtco.tune.tasks import Task
+from onnx_gtco.tune.trials import run_trial
 
 COOP = {"impl": "cutlass", "TILE_M": 128, "TILE_N": 256, "TILE_K": 64, "CLUSTER_M": 2, "CLUSTER_N": 1,
         "SCHEDULE": "cooperative", "STAGES": 0, "RASTER": "heuristic", "TILE_SCHEDULER": "streamk"}

@@ -1,7 +1,8 @@
-"""Tuning rounds: a round's candidates are built in parallel, then measured one by one in a child process, so that a
-candidate which aborts, segfaults, raises or hangs fails its own trial (with the error kind and the detail) and the
-task still finishes with its other trials. The stand-in measurer here builds by sleeping and measures with the
-analytical model; the child misbehaves on the configurations it is told to."""
+"""Running tuning trials: candidates are built in parallel (one build slot per core), each measured in a child
+process as its build finishes, so that a candidate which aborts, segfaults, raises or hangs fails its own trial
+(with the error kind and the detail) and the task still finishes with its other trials, and a slow build holds
+its own slot only. The stand-in measurer here builds by sleeping and measures with the analytical model; the child
+misbehaves on the configurations it is told to."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ import pytest
 from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.tune.builder import Artifact, BuildResult, LocalBuilder
 from onnx_gtco.tune.driver import tune
-from onnx_gtco.tune.rounds import command_line
 from onnx_gtco.tune.runner import LocalRunner, exit_reason
 from onnx_gtco.tune.scheduler import Curve, Policy, next_round, next_task
 from onnx_gtco.tune.search import Measurement, analytical_guesses, open_storage, predict_us, study_name
 from onnx_gtco.tune.tasks import Task, template_version
+from onnx_gtco.tune.trials import command_line
 
 
 def _key(config: Mapping[str, Any]) -> str:
@@ -52,17 +53,19 @@ class Child:
 
 
 class StandIn:
-    """A measurer that builds apart (SplitMeasurer): a build sleeps `build_s` and is counted while in flight, the
-    configurations in `broken` fail to build (or raise, for "raise"), and runs go to a LocalRunner child (Child)."""
+    """A measurer that builds apart (SplitMeasurer): a build sleeps `build_s` (`slow_s` for the configurations in
+    `slow`) and is counted while in flight, the configurations in `broken` fail to build (or raise, for "raise"),
+    and runs go to a LocalRunner child (Child)."""
 
     name = "stand-in"
     device = "stand-in GPU"
 
     def __init__(self, bad: Mapping[str, str] | None = None, broken: Mapping[str, str] | None = None,
-                 build_s: float = 0.0, timeout_s: float = 60.0) -> None:
+                 build_s: float = 0.0, timeout_s: float = 60.0, slow: Mapping[str, float] | None = None) -> None:
         self.runner = LocalRunner(functools.partial(Child, dict(bad or {})), timeout_s=timeout_s)
         self.broken = dict(broken or {})
         self.build_s = build_s
+        self.slow = dict(slow or {})
         self.lock = threading.Lock()
         self.in_flight = self.most_in_flight = self.builds = 0
 
@@ -72,7 +75,7 @@ class StandIn:
             self.builds += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            time.sleep(self.build_s)
+            time.sleep(self.slow.get(_key(config), self.build_s))
             why = self.broken.get(_key(config))
             if why == "raise":
                 raise OSError("nvcc vanished")
@@ -158,7 +161,7 @@ def test_a_hanging_candidate_is_killed_at_its_timeout() -> None:
     assert result.trials == 4 and len(ok) == 3 - len(_failed(trials, "invalid"))
 
 
-def test_a_rounds_builds_run_in_parallel_and_a_failed_build_is_a_failed_trial() -> None:
+def test_builds_run_in_parallel_and_a_failed_build_is_a_failed_trial() -> None:
     tasks = [_task(768), _task(3072)]
     first, second = analytical_guesses(tasks[0])[:2]
     meas = StandIn(broken={_key(first): "ptxas error: too many resources", _key(second): "raise"}, build_s=0.4)
@@ -169,11 +172,11 @@ def test_a_rounds_builds_run_in_parallel_and_a_failed_build_is_a_failed_trial() 
     finally:
         meas.runner.close()
     seconds = time.monotonic() - start
-    assert meas.most_in_flight == 4  # a round of 4 candidates, built at once
+    assert meas.most_in_flight == 4  # 4 build slots, all busy
     assert all(r.trials == 4 for r in results)
     both = [t for task in tasks for t in _trials(url, task)]
     assert meas.builds == len(both) - len(_failed(both, "invalid"))  # every valid candidate, once
-    assert seconds < meas.builds * 0.4  # rounds of builds side by side, not one build after another
+    assert seconds < meas.builds * 0.4  # builds side by side, not one after another
     trials = _trials(url, tasks[0])
     by_params = {_key(t.params): t for t in trials}
     broken, raised = by_params[_key(first)], by_params[_key(second)]
@@ -183,6 +186,25 @@ def test_a_rounds_builds_run_in_parallel_and_a_failed_build_is_a_failed_trial() 
     assert raised.user_attrs["error_kind"] == "compile" and raised.user_attrs["error"] == "OSError: nvcc vanished"
     assert all(t.user_attrs["build_s"] >= 0.4 for t in trials if t.user_attrs.get("error_kind") != "invalid")
     assert all(t.user_attrs["command"] == command_line() for t in trials)
+
+
+def test_a_slow_build_holds_its_own_slot_only() -> None:
+    """A build of 8 s (a CUTLASS instance, at scale) beside quick ones: the quick ones are measured and told while
+    it builds, and their freed slot takes new trials meanwhile."""
+    task = _task()
+    slow = analytical_guesses(task)[0]
+    meas = StandIn(build_s=0.1, slow={_key(slow): 8.0})
+    url = "memory:slow-build"
+    try:
+        tune([task], trials=10, measurer=meas, storage=url, patience=50, jobs=2)
+    finally:
+        meas.runner.close()
+    trials = _trials(url, task)
+    (late,) = [t for t in trials if t.params == slow]
+    built = [t for t in trials if t.number != late.number and "build_s" in t.user_attrs]
+    before = [t for t in built if t.datetime_complete < late.datetime_complete]
+    assert len(before) >= 3, [(t.number, t.user_attrs["build_s"]) for t in built]  # told while the slow one built
+    assert late.state == optuna.trial.TrialState.COMPLETE and late.user_attrs["build_s"] >= 8.0
 
 
 def test_a_runner_child_that_cannot_start_is_one_clear_error() -> None:
@@ -202,7 +224,7 @@ def test_command_line_names_the_cli_and_hides_passwords() -> None:
     assert command_line(["tools/tune_rate.py", "--jobs", "2"]) == "tune_rate.py --jobs 2"
 
 
-def test_next_round_is_next_task_for_one_and_spreads_a_round() -> None:
+def test_next_round_is_next_task_for_one_and_counts_the_trials_in_flight() -> None:
     policy = Policy(limit=10, patience=100)
     curves = [Curve(1, [5.0, 4.0]), Curve(3, [9.0, 9.0, 8.0]), Curve(2, [])]
     assert next_round(curves, policy, 1) == [next_task(curves, policy)]
@@ -219,6 +241,9 @@ def test_next_round_is_next_task_for_one_and_spreads_a_round() -> None:
     assert next_round(fresh, policy, 5) == [1, 2, 0, 1, 2]
     assert next_round(fresh, policy, 5, room=[0, 1, 1]) == [1, 2]
     assert next_round([Curve(1, [1.0] * 10)], policy, 3) == []  # at its limit
+    # trials already in flight count as picks made: the unmeasured task with one in flight waits behind the others
+    assert next_round(curves, policy, 1, pending=[0, 0, 1]) == [1]
+    assert next_round(fresh, policy, 1, room=[0, 0, 1], pending=[0, 1, 0]) == [2]
 
 
 def test_a_builder_refuses_zero_jobs() -> None:
