@@ -80,7 +80,7 @@ def run_trials(pick: Pick, measurer: Measurer, *, builder: LocalBuilder | None =
     slots = builder.jobs if split else 1
     command = command_line()
     flying: dict[Future[BuildResult], _Candidate] = {}
-    asked: list[_Candidate] = []
+    untold: dict[int, _Candidate] = {}  # the trials asked and not yet told, by id()
     beats = _Heartbeats()
     pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="gtco-build") if split else None
     told = 0
@@ -91,6 +91,7 @@ def run_trials(pick: Pick, measurer: Measurer, *, builder: LocalBuilder | None =
         frozen = (c.study.tell(c.trial, state=optuna.trial.TrialState.FAIL) if math.isnan(value)
                   else c.study.tell(c.trial, value))
         c.told = True
+        untold.pop(id(c), None)
         beats.discard(c)
         told += 1
         if progress is not None:
@@ -101,7 +102,7 @@ def run_trials(pick: Pick, measurer: Measurer, *, builder: LocalBuilder | None =
             warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
             trial = study.ask()
         c = _Candidate(study, task, trial)
-        asked.append(c)
+        untold[id(c)] = c
         beats.add(c)
         if worker:
             trial.set_user_attr("worker", worker)
@@ -138,9 +139,8 @@ def run_trials(pick: Pick, measurer: Measurer, *, builder: LocalBuilder | None =
             else:
                 tell(c, cast(SplitMeasurer, measurer).run(c.task, c.config, built.artifact))
     except BaseException:
-        for c in asked:
-            if not c.told:
-                c.study.tell(c.trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        for c in list(untold.values()):
+            c.study.tell(c.trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         raise
     finally:
         beats.stop()

@@ -207,6 +207,34 @@ def test_a_slow_build_holds_its_own_slot_only() -> None:
     assert late.state == optuna.trial.TrialState.COMPLETE and late.user_attrs["build_s"] >= 8.0
 
 
+class Interrupted(StandIn):
+    """Interrupted (as by Ctrl-C) when it is to measure the configuration `stop_at`."""
+
+    def __init__(self, stop_at: Mapping[str, Any]) -> None:
+        super().__init__(build_s=0.2)
+        self.stop_at = _key(stop_at)
+
+    def run(self, task: Task, config: Mapping[str, Any], artifact: Artifact) -> Measurement:
+        if artifact.symbol == self.stop_at:
+            raise KeyboardInterrupt
+        return super().run(task, config, artifact)
+
+
+def test_an_interrupt_fails_the_trials_in_flight_and_leaves_none_running() -> None:
+    task = _task()
+    meas = Interrupted(analytical_guesses(task)[1])
+    url = "memory:interrupted"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tune([task], trials=8, measurer=meas, storage=url, patience=50, jobs=3)
+    finally:
+        meas.runner.close()
+    trials = _trials(url, task)
+    assert trials and all(t.state.is_finished() for t in trials)  # none left RUNNING to hold a slot
+    cut = [t for t in trials if t.state == optuna.trial.TrialState.FAIL and "error_kind" not in t.user_attrs]
+    assert cut and any(t.params == analytical_guesses(task)[1] for t in cut)
+
+
 def test_a_runner_child_that_cannot_start_is_one_clear_error() -> None:
     from onnx_gtco.errors import GtcoError
 
