@@ -1,5 +1,5 @@
-"""Command line: optimize | inspect | report | check | bench | demo | tune-worker. Builds the GtcoConfig; maps
-GtcoError to one line and exit 2."""
+"""Command line: optimize | inspect | report | check | bench | demo | tune-worker | tune-records. Builds the
+GtcoConfig; maps GtcoError to one line and exit 2."""
 
 from __future__ import annotations
 
@@ -97,6 +97,26 @@ def cmd_tune_worker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_tune_records(args: argparse.Namespace) -> int:
+    from onnx_gtco.config import TARGETS as archs
+    from onnx_gtco.tune import records
+
+    if args.action == "merge":
+        if not args.storage:
+            raise GtcoError("tune-records merge: give the storage to merge from with --storage URL")
+        if args.records_dir is not None and not Path(args.records_dir).is_dir():
+            raise GtcoError(f"tune-records: --records-dir {args.records_dir}: no such folder")
+        print("\n".join(records.merge(args.storage, args.records_dir).lines()))
+        return EXIT_OK
+    for arch in sorted(archs):
+        recs = records.load(arch, args.records_dir)
+        print(f"{records.path_for(arch, args.records_dir)}: {len(recs)} records")
+        for r in sorted(recs.values(), key=lambda r: r.describe):
+            config = " ".join(f"{k}={v}" for k, v in r.config.items())
+            print(f"  {r.describe}: {r.median_us:.3f} us, {config} ({r.gpu}, {r.date})")
+    return EXIT_OK
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     from onnx_gtco import report
     from onnx_gtco.errors import BuildError
@@ -107,7 +127,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         result, out, rep = optimize_file(model, output, args.report, _config(args), build=args.build,
                                          tune_trials=args.tune_trials, storage=args.storage, workers=args.workers,
-                                         markdown=True if args.report_md == "" else args.report_md or False)
+                                         markdown=True if args.report_md == "" else args.report_md or False,
+                                         shipped_records=args.shipped_records)
     except BuildError as e:
         raise GtcoError(f"building the custom-op library failed: {e} (pass --no-build to write the model without "
                         "its library; it then runs its model-local functions)") from None
@@ -304,21 +325,39 @@ def parser() -> argparse.ArgumentParser:
                    "(default 0: no tuning)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage of the tuning records (default $GTCO_TUNE_STORAGE, else SQLite in the user "
-                   "cache); any Optuna RDB URL, e.g. postgresql://user@host/db; browse it with optuna-dashboard URL")
+                   "cache); any Optuna RDB URL, e.g. postgresql://user@host/db (browse it with optuna-dashboard "
+                   "URL), or journal:PATH, a log file that processes on one machine share, with no SQL stack")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="tune with K processes sharing the storage (K - 1 tune-worker processes beside this one; "
                    "default 1)")
+    p.add_argument("--no-shipped-records", dest="shipped_records", action="store_false",
+                   help="ignore the tuning records shipped with onnx-gtco (measured configurations per kernel "
+                   "problem, or those in $GTCO_TUNE_RECORDS_DIR); by default a task without a configuration a GPU "
+                   "measured in the storage takes its record's")
     _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
 
     p = command("tune-worker", "run tuning trials of a shared storage's open studies until none is open")
-    p.add_argument("--storage", required=True, metavar="URL", help="the Optuna storage the studies are in")
+    p.add_argument("--storage", required=True, metavar="URL",
+                   help="the Optuna storage the studies are in (an RDB URL or journal:PATH, as optimize takes it)")
     p.add_argument("--patience", type=int, default=20,
                    help="early stop a task after this many trials without gain (default 20)")
     p.add_argument("--task", action="append", default=None, metavar="KEY",
                    help="only this task (repeatable; default: every open task)")
     p.set_defaults(func=cmd_tune_worker)
+
+    p = command("tune-records", "merge a tuning storage's measured trials into the tuning records, or list them")
+    p.add_argument("action", choices=["merge", "list"],
+                   help="merge: add the storage's fastest GPU-measured configuration of each kernel problem to the "
+                   "records files, keeping the faster record per arch and problem; list: print the records")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="the Optuna storage to merge from (an RDB URL or journal:PATH; required for merge; no "
+                   "default)")
+    p.add_argument("--records-dir", default=None, metavar="DIR",
+                   help="the folder of the records files <arch>.json (default $GTCO_TUNE_RECORDS_DIR, else the "
+                   "ones shipped in the package, onnx_gtco/tune/records)")
+    p.set_defaults(func=cmd_tune_records)
 
     p = command("inspect", "print the fusion plan without writing anything")
     p.add_argument("model", help=model_help)

@@ -114,6 +114,7 @@ CACHE_DIR_ENV = "GTCO_CACHE_DIR"
 SANITIZE_ENV = "GTCO_SANITIZE"
 TUNE_STORAGE_ENV = "GTCO_TUNE_STORAGE"
 TUNE_DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement sleeps (tests of workers only)
+TUNE_RECORDS_ENV = "GTCO_TUNE_RECORDS_DIR"  # a folder of tuning records in place of the shipped ones
 ORT_INCLUDE_ENV = "ORT_INCLUDE_DIR"
 CUBLASLT_INCLUDE_ENV = "GTCO_CUBLASLT_INCLUDE"
 
@@ -147,6 +148,12 @@ def compiler_environ() -> dict[str, str] | None:
 def tune_storage_env() -> str | None:
     """$GTCO_TUNE_STORAGE, the tuning storage's URL when no --storage is given; None when unset or empty."""
     return os.environ.get(TUNE_STORAGE_ENV) or None
+
+
+def tune_records_env() -> str | None:
+    """$GTCO_TUNE_RECORDS_DIR, the folder of tuning records (tune.records) in place of the shipped ones; None when
+    unset or empty."""
+    return os.environ.get(TUNE_RECORDS_ENV) or None
 
 
 def tune_test_delay_s() -> float:

@@ -304,6 +304,7 @@ def optimize_file(
     progress: Any = None,
     measurer: Any = None,
     markdown: str | os.PathLike[str] | bool = False,
+    shipped_records: bool = True,
 ) -> tuple[OptimizeResult, Path, Path]:
     """optimize() a file (or a ModelProto, given `output`) and write the model and its report atomically; nothing is
     written on error.
@@ -331,6 +332,11 @@ def optimize_file(
 
     `markdown` also writes the report as Markdown (report_md.render): True beside the model as OUTPUT.report.md,
     or at the path given; written with the model and JSON report, all or nothing.
+
+    `shipped_records` (default True): a task without a configuration a GPU measured in the storage gets its
+    shipped tuning record's (tune.records; $GTCO_TUNE_RECORDS_DIR names another folder), also without a storage,
+    before the analytical model's and the default; the report's tuning entry says each task's source. Models
+    with dynamic ranges are tuned shape-generically and take no records.
     """
     if output is None and isinstance(model_path, onnx.ModelProto):
         raise OutputError("optimize_file of a ModelProto needs an output path")
@@ -358,15 +364,20 @@ def optimize_file(
             shape_of=result.shape_of())
     elif tuning.wanted(tune_trials, storage):
         report_t, tuned = tuning.tune_model(result.model, config.target, tune_trials, storage, measurer=measurer,
-                                            workers=workers, progress=progress, shape_of=result.shape_of())
+                                            workers=workers, progress=progress, shape_of=result.shape_of(),
+                                            shipped=shipped_records)
         measured = tuning.measured_costs(report_t)
         if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
             result = replan(result, config, measured)
             report_t2, tuned = tuning.tune_model(result.model, config.target, 0, storage, measurer=measurer,
-                                                 shape_of=result.shape_of())
+                                                 shape_of=result.shape_of(), shipped=shipped_records)
             report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
                         "replanned": True}
         result.report["tuning"] = report_t
+    elif shipped_records and not result.dynamic:  # no storage: the shipped records alone, where they cover a task
+        report_s, tuned = tuning.shipped_model(result.model, config.target, shape_of=result.shape_of())
+        if report_s is not None:
+            result.report["tuning"] = report_s
     created: Path | None = None
     if build is not None:
         from onnx_gtco.kernels.toolchain import BuildError, find_nvcc

@@ -322,20 +322,29 @@ def _tuning(r: dict[str, Any]) -> list[str]:
     t = r.get("tuning")
     if not t:
         return []
-    lines = ["", "## Tuning", "",
-             f"Measurer **{t.get('measurer')}** on {t.get('device')} for {t.get('arch')}: up to "
-             f"{t.get('trials_per_task')} trials per task, {t.get('measured', 0)} measured in this run, "
-             f"{t.get('tasks_found', 0)} of {len(t.get('tasks') or [])} tasks with a best configuration"
-             + (f"; their kernels take {_us(t['kernel_time_us'])} µs (weighted)." if t.get("kernel_time_us")
-                is not None else ".")]
+    if t.get("measurer") is None:  # no storage: the shipped records alone
+        lines = ["", "## Tuning", "",
+                 f"No tuning storage: the kernels for {t.get('arch')} take the shipped tuning records' configurations "
+                 f"where a record covers their task ({t.get('records')})."]
+    else:
+        lines = ["", "## Tuning", "",
+                 f"Measurer **{t.get('measurer')}** on {t.get('device')} for {t.get('arch')}: up to "
+                 f"{t.get('trials_per_task')} trials per task, {t.get('measured', 0)} measured in this run, "
+                 f"{t.get('tasks_found', 0)} of {len(t.get('tasks') or [])} tasks with a best configuration"
+                 + (f"; their kernels take {_us(t['kernel_time_us'])} µs (weighted)." if t.get("kernel_time_us")
+                    is not None else ".")]
     if t.get("replanned"):
         lines.append("The model was planned again with the measured kernel times.")
     tasks = t.get("tasks") or []
     if tasks:
         rows = [[x.get("describe", x.get("task")), x.get("weight", "-"), x.get("trials", "-"), _us(x.get("first_us")),
-                 _us(x.get("best_us")), speedup(x["speedup_over_first"]) if x.get("speedup_over_first") else "-"]
-                for x in tasks]
-        lines += ["", *_table(["task", "weight", "trials", "first µs", "best µs", "gain"], rows)]
+                 _us(x.get("best_us")), speedup(x["speedup_over_first"]) if x.get("speedup_over_first") else "-",
+                 x.get("source", "-")] for x in tasks]
+        lines += ["", *_table(["task", "weight", "trials", "first µs", "best µs", "gain", "configuration from"], rows,
+                              "lrrrrrl")]
+    unused = [[x.get("describe", x.get("task")), x["record_unused"]] for x in tasks if x.get("record_unused")]
+    if unused:
+        lines += ["", "Shipped tuning records not used:", "", *_table(["task", "why"], unused, "ll")]
     gemms = [x for x in tasks if "cublaslt" in x]  # every GEMM entry says whether cuBLASLt was offered
     if gemms:
         kind = ("predicted by the analytical model (no GPU measured them; its cuBLASLt and CUTLASS prices rest on "

@@ -1,13 +1,17 @@
-"""Tuning as a step of `optimize`: tune a rewritten model's tasks (or only look them up) and hand the build the best
-configuration of every node whose task the storage knows.
+"""Tuning as a step of `optimize`: tune a rewritten model's tasks (or only look them up) and hand the build the
+configuration of every node whose task the storage or the shipped tuning records (tune.records) know.
 
 The storage is consulted when tuning was asked for, when a storage was named, or when the default SQLite file
-exists; a plain `optimize` on a machine that never tuned opens nothing.
+exists; a plain `optimize` on a machine that never tuned opens nothing, and takes the shipped records only
+(shipped_model). Per task, `choose` takes a configuration a GPU measured in the storage, else the task's shipped
+record where it still fits, else the analytical model's pick from the storage, else the family's default; the
+report's task entries say which ("source") and why a record was not used ("record_unused").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from onnx_gtco.config import tune_storage_env
 from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.conv import summary as conv_summary
 from onnx_gtco.progress import detail, stage
+from onnx_gtco.tune import records
 from onnx_gtco.tune.driver import TaskResult, best_configs, impl_bests, tune
 from onnx_gtco.tune.search import AnalyticalMeasurer, Measurer, config_arch, offered, storage_url
 from onnx_gtco.tune.tasks import ShapeOf, Task, model_tasks
@@ -38,13 +43,13 @@ def wanted(trials: int, storage: str | None) -> bool:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for reports and logs."""
-    from sqlalchemy.engine import make_url
+    """The URL without its password, for reports and logs. A journal's or in-memory storage's has none (and the
+    SQL stack is not imported for them)."""
+    from onnx_gtco.tune.search import JOURNAL_PREFIX, MEMORY_PREFIX
 
-    from onnx_gtco.tune.search import MEMORY_PREFIX
-
-    if url.startswith(MEMORY_PREFIX):
+    if url.startswith((MEMORY_PREFIX, JOURNAL_PREFIX)):
         return url
+    from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
 
@@ -66,41 +71,119 @@ def pick_measurer() -> Measurer:
 
 def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | None = None,
                measurer: Measurer | None = None, patience: int = 20, workers: int = 1,
-               progress: Callable[[TaskResult], None] | None = None, shape_of: ShapeOf | None = None
-               ) -> tuple[dict[str, Any], Tuned]:
+               progress: Callable[[TaskResult], None] | None = None, shape_of: ShapeOf | None = None,
+               shipped: bool = True, records_dir: str | Path | None = None) -> tuple[dict[str, Any], Tuned]:
     """Tune the model's tasks for `arch` up to `trials` finished trials each (0: only look up), then return the
-    report's "tuning" entry and the tuned configuration per node. The measurer defaults to pick_measurer(); a GPU
-    measurer tunes for its GPU's arch instead of `arch`. `shape_of` gives the fused nodes' input shapes: the plan's
-    (tasks.view_shapes) where the caller has it, else the model's value_info (tasks.model_shapes)."""
+    report's "tuning" entry and the configuration per node (choose: the storage's, a shipped record's where
+    `shipped`, from `records_dir` or records.records_dir()). The measurer defaults to pick_measurer() (closed
+    again here); a GPU measurer tunes for its GPU's arch instead of `arch`. `shape_of` gives the fused nodes'
+    input shapes: the plan's (tasks.view_shapes) where the caller has it, else the model's value_info
+    (tasks.model_shapes)."""
+    own = measurer is None
     measurer = measurer or pick_measurer()
-    arch = getattr(measurer, "arch", arch)  # a GPU measurer tunes for the GPU it has
-    url = storage_url(storage)
-    tasks, skipped = model_tasks(model, arch, shape_of)
-    results = _tune_shown(tasks, trials, measurer, url, patience, workers, progress) if trials > 0 else []
-    best = best_configs(tasks, measurer.device, url)
-    by_impl = impl_bests(tasks, measurer.device, url)
+    try:
+        arch = getattr(measurer, "arch", arch)  # a GPU measurer tunes for the GPU it has
+        url = storage_url(storage)
+        tasks, skipped = model_tasks(model, arch, shape_of)
+        results = _tune_shown(tasks, trials, measurer, url, patience, workers, progress) if trials > 0 else []
+        best = best_configs(tasks, measurer.device, url)
+        by_impl = impl_bests(tasks, measurer.device, url)
+        recs = records.load(arch, records_dir) if shipped else {}
+    finally:
+        if own and callable(getattr(measurer, "close", None)):
+            measurer.close()  # type: ignore[attr-defined]
     tuned: Tuned = {}
-    for t in tasks:
-        if t.key in best:
-            for node in t.nodes:
-                tuned[node] = slots(t, best[t.key][0], by_impl.get(t.key, {}))
     by_key = {r.task.key: r for r in results}
     timing = "analytical" if measurer.name == AnalyticalMeasurer.name else "measured"
     entries = []
     for t in tasks:
+        choice = choose(t, best.get(t.key), timing == "measured", recs.get(t.problem_key))
+        if choice.config is not None:
+            for node in t.nodes:
+                tuned[node] = slots(t, choice.config, by_impl.get(t.key, {}) if choice.stored else {})
         r = by_key.get(t.key)
         entry = r.to_json() if r else {"task": t.key, "describe": t.describe(), "weight": t.weight, "measured": 0}
         if t.key in best:
             entry["best_config"], entry["best_us"] = best[t.key]
         times = {impl: us for impl, (_, us) in by_impl.get(t.key, {}).items()}
         entry |= implementations(t, best.get(t.key), times, timing)
+        entry |= choice.to_json()
         entries.append(entry)
     predicted = sum(t.weight * best[t.key][1] for t in tasks if t.key in best)
     report = {"storage": redact(url), "measurer": measurer.name, "device": measurer.device, "arch": arch,
               "trials_per_task": trials, "measured": sum(r.measured for r in results),
               "tasks_found": len(best), "tasks": entries, "untuned": skipped,
-              "kernel_time_us": round(predicted, 3) if best else None}
+              "kernel_time_us": round(predicted, 3) if best else None,
+              "records": str(records.path_for(arch, records_dir)) if shipped else "not used (--no-shipped-records)"}
     return report, tuned
+
+
+def shipped_model(model: onnx.ModelProto, arch: str, shape_of: ShapeOf | None = None,
+                  records_dir: str | Path | None = None) -> tuple[dict[str, Any] | None, Tuned]:
+    """The configurations the shipped records (records.load) give the model's tasks for `arch`, with no tuning
+    storage: the report's "tuning" entry and the configuration per node; (None, {}) when no record is of a task
+    of the model (the report then has no tuning entry)."""
+    recs = records.load(arch, records_dir)
+    tasks, skipped = model_tasks(model, arch, shape_of) if recs else ([], {})
+    if not any(t.problem_key in recs for t in tasks):
+        return None, {}
+    tuned: Tuned = {}
+    entries = []
+    for t in tasks:
+        choice = choose(t, None, False, recs.get(t.problem_key))
+        if choice.config is not None:
+            for node in t.nodes:
+                tuned[node] = slots(t, choice.config, {})
+        entries.append({"task": t.key, "describe": t.describe(), "weight": t.weight, "measured": 0,
+                        "nodes": list(t.nodes)} | choice.to_json())
+    report = {"storage": None, "measurer": None, "device": None, "arch": arch, "trials_per_task": 0, "measured": 0,
+              "tasks_found": 0, "tasks": entries, "untuned": skipped, "kernel_time_us": None,
+              "records": str(records.path_for(arch, records_dir))}
+    return report, tuned
+
+
+TUNED, ANALYTICAL_PICK, DEFAULT = "tuned", "tuned (analytical model)", "default"
+"""The sources of a task's configuration besides a shipped record (records.Record.label)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The configuration the library builds for a task's nodes (None: the family's default), where it came from,
+    the record it came from, and why the task's shipped record was not used (when it has one)."""
+
+    config: dict[str, Any] | None
+    source: str
+    stored: bool = False
+    record: records.Record | None = None
+    record_unused: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"source": self.source, "config": self.config}
+        if self.record is not None:
+            out["record"] = {k: v for k, v in self.record.to_json().items() if k not in ("config", "describe")}
+        if self.record_unused is not None:
+            out["record_unused"] = self.record_unused
+        return out
+
+
+def choose(task: Task, stored: tuple[dict[str, Any], float] | None, measured: bool,
+           record: records.Record | None) -> Choice:
+    """A task's configuration: the storage's best where a GPU measured it ("tuned"); else its shipped record
+    where the record's configuration still fits (records.fits); else the storage's best by the analytical model;
+    else the family's default. A record that is not used says why."""
+    if stored is not None and measured:
+        return Choice(stored[0], TUNED, stored=True,
+                      record_unused=None if record is None else f"{record.label()}: a configuration tuned on this "
+                      "machine's GPU comes first")
+    unused = None
+    if record is not None:
+        why = records.fits(task, record.config)
+        if why is None:
+            return Choice(dict(record.config), record.label(), record=record)
+        unused = f"{record.label()}: {why}; the {'analytical model' if stored else 'default'} configuration instead"
+    if stored is not None:
+        return Choice(stored[0], ANALYTICAL_PICK, stored=True, record_unused=unused)
+    return Choice(None, DEFAULT, record_unused=unused)
 
 
 def slots(task: Task, best: dict[str, Any], bests: Mapping[str, tuple[dict[str, Any], float]]
@@ -160,4 +243,5 @@ def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, pa
     return results
 
 
-__all__ = ["Tuned", "implementations", "measured_costs", "pick_measurer", "redact", "slots", "tune_model", "wanted"]
+__all__ = ["Choice", "Tuned", "choose", "implementations", "measured_costs", "pick_measurer", "redact", "shipped_model",
+           "slots", "tune_model", "wanted"]

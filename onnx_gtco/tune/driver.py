@@ -86,11 +86,13 @@ def _result(task: Task, study: optuna.Study, measured: int, stop: str) -> TaskRe
 
 def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str | None = None,
          patience: int = 20, seed: int = 0, workers: int = 1, targets: Mapping[str, float] | None = None,
-         progress: Callable[[TaskResult], None] | None = None) -> list[TaskResult]:
+         jobs: int | None = None, progress: Callable[[TaskResult], None] | None = None) -> list[TaskResult]:
     """Tune `tasks` (see the module docstring; `targets`: task key -> a time in us at which the task stops): their
     studies get the budget, then this process and `workers` - 1
-    tune-worker processes (analytical measurer only) run trials until every task has stopped. `progress` is
-    called after each trial this process runs."""
+    tune-worker processes (analytical measurer only) run trials until every task has stopped. A measurer that
+    builds apart (the GPU measurer) has `jobs` candidates building at once in this process (default: one per
+    core), each measured as its build finishes (tune.trials). `progress` is called after each trial this process
+    runs."""
     from onnx_gtco.tune.worker import prepare, spawn, work
 
     if trials < 0:
@@ -118,7 +120,7 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
                              before[task.key], ""))
 
     try:
-        work(url, measurer, keys=keys, patience=patience, progress=report)
+        work(url, measurer, keys=keys, patience=patience, jobs=jobs, progress=report)
     finally:
         errors = []
         for p in procs:

@@ -1,13 +1,15 @@
 """The GPU measurer: compile a configuration, run it on the GPU, check its answer, time it.
 
-One trial:
-1. compile: the instance is built by kernels.compile (nvcc -Xptxas -v, cached by content) for the arch its
+One trial is a build (in the tuning process, in parallel with the other builds in flight: tune.builder) and a run (in
+a child process, one at a time: tune.runner):
+1. build: the instance is built by kernels.compile (nvcc -Xptxas -v, cached by content) for the arch its
    configuration runs on (search.config_arch: the task's, or sm_90a for a CUTLASS one, which only a 9.0 GPU runs:
    on another the trial fails with "runtime" unbuilt); a compiler error is error kind "compile", a spill or stack
    frame in the ptxas report is "resource"; the object is linked into a shared library (nvcc -shared, the CUDA
-   runtime of the machine). This step needs nvcc only.
-2. run: the instance's C entry point (family.c_args / entry_point) on `rotate` sets of seeded inputs in device
-   memory (CuPy), on a CuPy stream; a non-zero return code is "runtime".
+   runtime of the machine). This step needs nvcc only (`build_candidate`).
+2. run: in the runner's child, the instance's C entry point (family.c_args / entry_point) on `rotate` sets of
+   seeded inputs in device memory (CuPy), on a CuPy stream; a non-zero return code or a CUDA error is "runtime",
+   the child dying is "crash", no answer within the runner's timeout is "timeout".
 3. check: the first run's outputs against the family's fp64 reference; a relative error over the family's
    tolerance or any NaN is "wrong_answer" (a wrong answer is a failed trial, never a fast one).
 4. time: CUDA events around each launch, rotating the input sets so that no run finds the previous one's data in
@@ -19,8 +21,11 @@ The device name (GPU model and compute capability) names the studies: times from
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import statistics
 import subprocess
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,8 @@ from onnx_gtco.kernels.cublas_headers import installed_library
 from onnx_gtco.kernels.family import Instance, c_args, entry_point, from_storage, np_dtype, rel_error
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
+from onnx_gtco.tune.builder import Artifact, BuildResult
+from onnx_gtco.tune.runner import RUN_TIMEOUT_S, LocalRunner
 from onnx_gtco.tune.search import Measurement, config_arch
 from onnx_gtco.tune.tasks import Task
 
@@ -41,7 +48,8 @@ TOLERANCE = {"f16": 2e-3, "bf16": 8e-3, "f32": 1e-5}
 
 
 def shared_library(instance: Instance) -> Path | Measurement:
-    """The instance as a shared library to call, or the failed Measurement (compile / resource)."""
+    """The instance as a shared library to call, or the failed Measurement (compile / resource). Safe to call from
+    several threads at once, for the same instance too (each links under a name of its own, then renames)."""
     try:
         compiled = compile_instance(instance)
     except BuildError as e:
@@ -50,22 +58,41 @@ def shared_library(instance: Instance) -> Path | Measurement:
     lib = cache_root() / "measure" / (compiled.object_path.stem + ".so")
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(".so.tmp")
-        proc = subprocess.run([find_nvcc(), "-shared", "-o", str(tmp), str(compiled.object_path)],
-                              capture_output=True, text=True, check=False, timeout=300)
-        if proc.returncode != 0:
+        fd, name = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".so.tmp", dir=lib.parent)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            proc = subprocess.run([find_nvcc(), "-shared", "-o", str(tmp), str(compiled.object_path)],
+                                  capture_output=True, text=True, check=False, timeout=300)
+            if proc.returncode != 0:
+                return Measurement(None, error_kind="compile", detail=proc.stderr[-2000:])
+            tmp.replace(lib)
+        finally:
             tmp.unlink(missing_ok=True)
-            return Measurement(None, error_kind="compile", detail=proc.stderr[-2000:])
-        tmp.replace(lib)
     return lib
 
 
+def build_candidate(task: Task, config: Mapping[str, Any]) -> BuildResult:
+    """A configuration of `task` built for the arch it runs on (search.config_arch) as a shared library, or the
+    failed build (compile / resource). nvcc only: no GPU is needed."""
+    inst = FAMILIES[task.problem.family].instantiate(task.problem, dict(config), config_arch(task, config))
+    lib = shared_library(inst)
+    if isinstance(lib, Measurement):
+        return BuildResult(None, lib.error_kind, lib.detail)
+    return BuildResult(Artifact(str(lib), inst.symbol))
+
+
 class GpuMeasurer:
-    """Times configurations on the current CUDA device through CuPy (see the module docstring)."""
+    """Times configurations on the current CUDA device through CuPy (see the module docstring).
+
+    `isolate` (the default): runs happen in a child process (runner.LocalRunner, started on the first run and
+    again after a failed one), which makes its own GpuMeasurer with isolate=False, the one that launches;
+    `timeout_s` bounds one run there. `close()` stops the child."""
 
     name = "gpu"
 
-    def __init__(self, reps: int = 20, warmup: int = 5, rotate: int = 4, seed: int = 0) -> None:
+    def __init__(self, reps: int = 20, warmup: int = 5, rotate: int = 4, seed: int = 0, isolate: bool = True,
+                 timeout_s: float = RUN_TIMEOUT_S) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -81,6 +108,9 @@ class GpuMeasurer:
             raise RuntimeError(f"{self.device}: the kernels are built for sm_80 (8.x) and sm_90 (9.x) GPUs")
         self.arch = "sm_80" if self.cc < 90 else "sm_90"
         self.reps, self.warmup, self.rotate, self.seed = reps, warmup, rotate, seed
+        self.isolate = isolate
+        child = functools.partial(GpuMeasurer, reps=reps, warmup=warmup, rotate=rotate, seed=seed, isolate=False)
+        self._runner = LocalRunner(child, timeout_s=timeout_s) if isolate else None
         self._env = {"measurer": self.name, "gpu": self.device,
                      "driver": str(cupy.cuda.runtime.driverGetVersion()),
                      "toolchain": f"cuda runtime {cupy.cuda.runtime.runtimeGetVersion()}, {_nvcc_version()}"}
@@ -89,31 +119,39 @@ class GpuMeasurer:
         return dict(self._env)
 
     def measure(self, task: Task, config: Mapping[str, Any]) -> Measurement:
-        inst = self.instance(task, config)
-        if isinstance(inst, Measurement):
-            return inst
-        lib = shared_library(inst)
-        if isinstance(lib, Measurement):
-            return lib
+        """build, then run: one trial's measurement."""
+        built = self.build(task, config)
+        if built.failure is not None or built.artifact is None:
+            return built.failure or Measurement(None, error_kind="compile")
+        return self.run(task, config, built.artifact)
+
+    def build(self, task: Task, config: Mapping[str, Any]) -> BuildResult:
+        """The trial's shared library (build_candidate), or why it is not built: a compile or resource error, or
+        this GPU cannot run its code (error kind "runtime": a task for another arch, a CUTLASS configuration on a
+        GPU other than 9.0)."""
+        if task.arch != self.arch:
+            return BuildResult(None, "runtime", f"the task is built for {task.arch}; this GPU runs {self.arch} code")
+        if config_arch(task, config) == cutlass.ARCH and self.cc != 90:
+            return BuildResult(None, "runtime",
+                               f"{self.device}: {cutlass.ARCH} code (the CUTLASS GEMMs) runs on 9.0 GPUs only")
+        return build_candidate(task, config)
+
+    def run(self, task: Task, config: Mapping[str, Any], artifact: Artifact) -> Measurement:
+        """Measure a built candidate: in the child process when isolated, else here (launch())."""
+        if self._runner is not None:
+            return self._runner.run(task, config, artifact)
+        return self.launch(task, config, artifact)
+
+    def close(self) -> None:
+        """Stop the measuring child process, if one runs."""
+        if getattr(self, "_runner", None) is not None:
+            self._runner.close()
+
+    def launch(self, task: Task, config: Mapping[str, Any], artifact: Artifact) -> Measurement:
+        """Launch the built candidate in this process on seeded inputs, check its first answer against the fp64
+        reference (a wrong one fails the trial), then time it."""
         if config.get("impl") == cublaslt.IMPL:
             load_cublaslt()
-        return self.run(task, config, inst, lib)
-
-    def instance(self, task: Task, config: Mapping[str, Any]) -> Instance | Measurement:
-        """The trial's instance, built for the arch the configuration runs on (search.config_arch: a CUTLASS one
-        for sm_90a), or why this GPU cannot run it (error kind "runtime")."""
-        if task.arch != self.arch:
-            return Measurement(None, error_kind="runtime",
-                               detail=f"the task is built for {task.arch}; this GPU runs {self.arch} code")
-        arch = config_arch(task, config)
-        if arch == cutlass.ARCH and self.cc != 90:
-            return Measurement(None, error_kind="runtime",
-                               detail=f"{self.device}: {cutlass.ARCH} code (the CUTLASS GEMMs) runs on 9.0 GPUs only")
-        return FAMILIES[task.problem.family].instantiate(task.problem, dict(config), arch)
-
-    def run(self, task: Task, config: Mapping[str, Any], inst: Instance, lib: Path) -> Measurement:
-        """Launch the built instance on seeded inputs, check its first answer against the fp64 reference (a wrong
-        one fails the trial), then time it."""
         cp = self.cp
         family = FAMILIES[task.problem.family]
         p = task.problem
@@ -128,14 +166,14 @@ class GpuMeasurer:
             fields = family.args_fields(p, {k: np.empty(v.shape, v.dtype) for k, v in arrays.items()})
             args = c_args(fields, lambda name, arrays=arrays: int(arrays[name].data.ptr) if name in arrays else None)
             sets.append((host, outs, args))
-        fn = entry_point(str(lib), inst.symbol, sets[0][2])
+        fn = entry_point(artifact.library, artifact.symbol, sets[0][2])
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             code = fn(ctypes.byref(sets[0][2]), stream.ptr)
             stream.synchronize()
             if code != 0:
-                why = _cublaslt_error(str(lib)) if config.get("impl") == cublaslt.IMPL else ""
-                return Measurement(None, error_kind="runtime", detail=f"{inst.symbol} returned {code}{why}")
+                why = _cublaslt_error(artifact.library) if config.get("impl") == cublaslt.IMPL else ""
+                return Measurement(None, error_kind="runtime", detail=f"{artifact.symbol} returned {code}{why}")
             wrong = wrong_answer(task, sets[0][0], {k: cp.asnumpy(v) for k, v in sets[0][1].items()})
             if wrong is not None:
                 return wrong
@@ -202,4 +240,4 @@ def gpu_available() -> bool:
         return False
 
 
-__all__ = ["GpuMeasurer", "gpu_available", "shared_library", "wrong_answer"]
+__all__ = ["GpuMeasurer", "build_candidate", "gpu_available", "shared_library", "wrong_answer"]

@@ -76,4 +76,37 @@ def next_task(curves: Sequence[Curve], p: Policy) -> int | None:
     return max(open_, key=lambda i: (priority(curves[i], p), curves[i].weight, -i))
 
 
-__all__ = ["Curve", "Policy", "next_task", "priority", "stopped"]
+def next_round(curves: Sequence[Curve], p: Policy, k: int, room: Sequence[int] | None = None,
+               pending: Sequence[int] | None = None) -> list[int]:
+    """Indices of the tasks to give the next `k` trials, which run as one round (a task may get several): picked
+    one after another as next_task picks, each pick counting as a trial of its task that has not finished, so
+    that it takes one of the task's `room` slots (default: up to the policy's limit) and lowers its priority as a
+    trial without gain would. A task without a successful trial (infinite priority: none finished yet, or all
+    failed) gets one trial of a round ahead of the others, heaviest first, and more only behind them: its gain is
+    unknown until a trial of it succeeds. With k = 1 this is next_task. Fewer than `k` when the open tasks have no
+    more room; empty when every task has stopped. `pending`: trials of each task already in flight (they count
+    as picks made; `room` is what is left beside them)."""
+    flying = [0] * len(curves) if pending is None else list(pending)
+    room = [p.limit - len(c.times) - f for c, f in zip(curves, flying, strict=True)] if room is None else list(room)
+    pending = list(flying)
+    open_ = [i for i, c in enumerate(curves) if stopped(c, p) is None]
+    picks: list[int] = []
+    for _ in range(k):
+        fits = [i for i in open_ if pending[i] - flying[i] < room[i]]
+        if not fits:
+            break
+
+        def key(i: int) -> tuple[float, int, float, int]:
+            c = curves[i]
+            ahead = priority(Curve(c.weight, [*c.times, *([None] * pending[i])], c.target), p)
+            if math.isinf(ahead) and pending[i]:
+                ahead = 0.0
+            return ahead, -pending[i], c.weight, -i
+
+        i = max(fits, key=key)
+        pending[i] += 1
+        picks.append(i)
+    return picks
+
+
+__all__ = ["Curve", "Policy", "next_round", "next_task", "priority", "stopped"]

@@ -4,11 +4,15 @@ A study is named by its task's key (tasks.Task.key) and keeps the task in its us
 with the storage URL can work on it. A trial suggests one value per tunable parameter of the family's space
 (seeded TPE); a configuration the family's validity check rejects is a failed trial with error kind "invalid" and
 the reason, recorded without measuring. Each study starts from the analytical model's best few configurations
-(`enqueue_trial`). A measured trial records the median time, its spread, the error kind of a failed run
-(compile / resource / runtime / wrong_answer / timeout), and the measurer's environment (GPU, driver, toolchain).
+(`enqueue_trial`). A measured trial records the median time, its spread, the error kind of a failed build or run
+(ERROR_KINDS: compile / resource / runtime / wrong_answer / crash / timeout, with the detail in "error"), and the
+measurer's environment (GPU, driver, toolchain). tune.trials runs the trials.
 
 Storage: `--storage URL` > $GTCO_TUNE_STORAGE > SQLite in the user cache (cache_root()/tuning.db). Any Optuna RDB
-URL works (PostgreSQL for a team); the dashboard opens it: `optuna-dashboard URL`.
+URL works (PostgreSQL for a team; the dashboard opens it: `optuna-dashboard URL`); `journal:PATH` is Optuna's
+journal storage, an append-only log file that several processes on one machine share (JournalFileBackend: a lock
+file beside it) and that needs no SQL stack (sqlalchemy is never imported for it); `memory:NAME` an in-process
+one for experiments and tests.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
@@ -31,13 +36,17 @@ from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
-from onnx_gtco.tune.tasks import Task
+from onnx_gtco.tune.tasks import Task, task_attrs
 
 STORAGE_ENV = TUNE_STORAGE_ENV
 DELAY_ENV = TUNE_DELAY_ENV  # seconds each analytical measurement sleeps (tests of workers only)
 SEEDS = 3          # analytical guesses enqueued per study
 HEARTBEAT_S = 2    # a running trial proves its worker alive this often
-ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "timeout")
+ERROR_KINDS = ("invalid", "compile", "resource", "runtime", "wrong_answer", "crash", "timeout")
+"""Why a trial failed (its "error_kind" user attribute): its configuration fails the family's check (invalid), nvcc
+fails (compile) or ptxas reports a spill, stack frame or no kernel (resource), the GPU cannot run its code or the
+run reports an error (runtime), its answer is off the fp64 reference (wrong_answer), the measuring process dies
+(crash: a segfault, an abort) or gives no answer in time and is killed (timeout)."""
 
 
 def storage_url(explicit: str | None = None) -> str:
@@ -53,18 +62,28 @@ def storage_url(explicit: str | None = None) -> str:
 
 
 MEMORY_PREFIX = "memory:"
+JOURNAL_PREFIX = "journal:"
 _MEMORY: dict[str, optuna.storages.InMemoryStorage] = {}
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An RDB storage with heartbeats: a worker killed mid-trial leaves a RUNNING trial whose heartbeat stops; the
-    next process to run a trial of that study marks it failed (finished trials are committed already) and
-    enqueues its configuration again, once.
+    """The storage a URL names (see the module docstring).
+
+    An RDB URL gets heartbeats: a worker killed mid-trial leaves a RUNNING trial whose heartbeat stops; the next
+    process to run a trial of that study marks it failed (finished trials are committed already) and enqueues its
+    configuration again, once. A journal has no heartbeats: a killed worker's trial stays RUNNING and takes one
+    slot of its task's budget.
 
     `memory:NAME` is Optuna's in-memory storage, one per name and process: nothing persists and no other process
-    (no tune-worker) can join; for experiments and tests that only count trials."""
+    (no tune-worker) can join; for experiments and tests that only count trials.
+
+    Raises:
+        GtcoError: a journal path without a file name or in a folder that does not exist; a missing database driver.
+    """
     if url.startswith(MEMORY_PREFIX):
         return _MEMORY.setdefault(url, optuna.storages.InMemoryStorage())
+    if url.startswith(JOURNAL_PREFIX):
+        return open_journal(url)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         try:
@@ -81,6 +100,23 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             raise GtcoError(f"{what}: {first_line(e)}") from None
 
 
+def open_journal(url: str) -> optuna.storages.JournalStorage:
+    """`journal:PATH` as Optuna's JournalStorage over a JournalFileBackend at PATH (created when missing; its
+    folder must exist). Opened afresh on every call: the storage replays the log, so a file another process
+    appended to, or a new file at the same path, is read as it is now."""
+    from optuna.storages.journal import JournalFileBackend
+
+    text = url[len(JOURNAL_PREFIX):]
+    if not text.strip():
+        raise GtcoError(f"tuning storage {url!r}: give the journal file's path, e.g. journal:/data/trials.log")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise GtcoError(f"tuning storage {url!r}: {path} is a folder; give the journal file's path")
+    if not path.parent.is_dir():
+        raise GtcoError(f"tuning storage {url!r}: the folder {path.parent} does not exist")
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path.resolve())))
+
+
 @dataclass(frozen=True)
 class Measurement:
     """What one run of a configuration gave: a time, or the error kind that made the trial fail."""
@@ -94,7 +130,8 @@ class Measurement:
 
 class Measurer(Protocol):
     """Times one configuration of a task. `device` names what it measures on (the study is per device);
-    `environment()` goes into every trial's record."""
+    `environment()` goes into every trial's record. A measurer that also splits a measurement into a build and a
+    run (tune.builder.SplitMeasurer, as the GPU measurer does) has its builds run in parallel (tune.trials)."""
 
     name: str
     device: str
@@ -302,26 +339,18 @@ def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: st
     study = optuna.create_study(study_name=study_name(task, device), storage=storage, direction="minimize",
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
     if "task" not in study.user_attrs:
-        study.set_user_attr("task", {"family": task.problem.family, "dtype": task.problem.dtype,
-                                     "sizes": [list(s) for s in task.problem.sizes],
-                                     "flags": [[k, _jsonable(v)] for k, v in task.problem.flags],
-                                     "arch": task.arch, "version": task.version})
+        study.set_user_attr("task", task_attrs(task))
         study.set_user_attr("describe", task.describe())
         for config in analytical_guesses(task):
             study.enqueue_trial(to_params(task, config), skip_if_exists=True)
     return study
 
 
-def _jsonable(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
-
-
-def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Mapping[str, int]) -> float:
-    """Measure `config` of `task` and record it on `trial`: the measurer's environment, runs, median and spread, or
-    why it failed (error_kind, error). Returns the trial's value: the median, or NaN (Optuna's FAIL) on a failure."""
+def record(trial: optuna.Trial, measurer: Measurer, m: Measurement) -> float:
+    """Record a measurement on `trial`: the measurer's environment, runs, median and spread, or why it failed
+    (error_kind, error). Returns the trial's value: the median, or NaN (a failed trial) on a failure."""
     for k, v in measurer.environment().items():
         trial.set_user_attr(k, v)
-    m = measurer.measure(task, dict(config))
     trial.set_user_attr("runs", m.runs)
     if m.error_kind is not None or m.median_us is None:
         trial.set_user_attr("error_kind", m.error_kind or "runtime")
@@ -332,35 +361,17 @@ def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Ma
     return m.median_us
 
 
+def measure_into(trial: optuna.Trial, measurer: Measurer, task: Task, config: Mapping[str, int]) -> float:
+    """Measure `config` of `task` and record it on `trial` (record). Returns the trial's value: the median, or NaN
+    (Optuna's FAIL) on a failure."""
+    return record(trial, measurer, measurer.measure(task, dict(config)))
+
+
 def optimize_once(study: optuna.Study, objective: Callable[[optuna.Trial], float]) -> None:
     """One trial of `objective` through Study.optimize (which keeps the trial's heartbeat)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Optuna warns about every NaN it records as a failure
         study.optimize(objective, n_trials=1, gc_after_trial=False)
-
-
-def run_trial(study: optuna.Study, task: Task, measurer: Measurer, worker: str = "") -> optuna.trial.FrozenTrial:
-    """Run one trial (through Study.optimize, which keeps its heartbeat): suggest a configuration, reject it
-    unmeasured when invalid, else measure it. A failed trial returns NaN, which Optuna records as FAIL; the user
-    attributes say why (error_kind, error)."""
-    numbers: list[int] = []
-
-    def objective(trial: optuna.Trial) -> float:
-        numbers.append(trial.number)
-        if worker:
-            trial.set_user_attr("worker", worker)
-        config = suggest(trial, task)
-        why = check(task, config)
-        if why is not None:
-            for k, v in measurer.environment().items():
-                trial.set_user_attr(k, v)
-            trial.set_user_attr("error_kind", "invalid")
-            trial.set_user_attr("error", why)
-            return math.nan
-        return measure_into(trial, measurer, task, config)
-
-    optimize_once(study, objective)
-    return next(t for t in reversed(study.get_trials(deepcopy=False)) if t.number == numbers[0])
 
 
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -396,5 +407,6 @@ def best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 __all__ = ["ERROR_KINDS", "IMPL_SPACES", "OFFERED", "STORAGE_ENV", "AnalyticalMeasurer", "Measurement", "Measurer",
            "analytical_guesses", "best", "best_by_impl", "best_trials_by_impl", "check", "config_arch", "finished",
-           "impls", "offered", "open_storage", "param_names", "predict_us", "run_trial", "search_space",
-           "storage_url", "study_for", "study_name", "suggest", "times", "to_config", "to_params", "with_defaults"]
+           "impls", "measure_into", "offered", "open_journal", "open_storage", "optimize_once", "param_names",
+           "predict_us", "record", "search_space", "storage_url", "study_for", "study_name", "suggest", "times",
+           "to_config", "to_params", "with_defaults"]

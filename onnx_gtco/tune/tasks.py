@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
@@ -64,6 +64,14 @@ class Task:
                      self.version))
         return f"{self.problem.family}-{self.arch}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
+    @property
+    def problem_key(self) -> str:
+        """The task's key without the template version: what a shipped tuning record (tune.records) is filed
+        under. A record outlives a change of the kernel headers (which starts new studies); whether its
+        configuration still fits is checked when it is used."""
+        text = repr((self.problem.family, self.problem.dtype, self.problem.sizes, self.problem.flags, self.arch))
+        return f"{self.problem.family}-{self.arch}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
     def describe(self) -> str:
         sizes = ",".join(f"{k}={v}" for k, v in self.problem.sizes)
         return f"{self.problem.family} {self.problem.dtype} {sizes} on {self.arch} (x{self.weight})"
@@ -71,6 +79,22 @@ class Task:
 
 def template_version() -> str:
     return headers_digest()[:12]
+
+
+def task_attrs(task: Task) -> dict[str, Any]:
+    """The task as JSON (a study's "task" user attribute; task_from_attrs reads it back)."""
+    return {"family": task.problem.family, "dtype": task.problem.dtype,
+            "sizes": [list(s) for s in task.problem.sizes],
+            "flags": [[k, list(v) if isinstance(v, tuple) else v] for k, v in task.problem.flags],
+            "arch": task.arch, "version": task.version}
+
+
+def task_from_attrs(attrs: Mapping[str, Any]) -> Task:
+    """The Task a study's user attributes describe: its "task" (task_attrs) and its "weight" (default 1)."""
+    a = attrs["task"]
+    flags = {k: tuple(v) if isinstance(v, list) else v for k, v in a["flags"]}
+    problem = Problem.make(a["family"], a["dtype"], {k: v for k, v in a["sizes"]}, flags)
+    return Task(problem, a["arch"], a["version"], int(attrs.get("weight", 1)))
 
 
 SHAPED_FAMILIES = ("conv",)
@@ -188,4 +212,5 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
 
 
 __all__ = ["SHAPED_FAMILIES", "ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks",
-           "node_task", "shaped_problem", "template_version", "tensor_shapes", "view_shapes"]
+           "node_task", "shaped_problem", "task_attrs", "task_from_attrs", "template_version", "tensor_shapes",
+           "view_shapes"]

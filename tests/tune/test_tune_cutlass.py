@@ -20,6 +20,7 @@ from onnx_gtco.report_md import _tuning
 from onnx_gtco.tune import gpu
 from onnx_gtco.tune.analytical import LAUNCH_US, estimate_us
 from onnx_gtco.tune.apply import implementations, slots
+from onnx_gtco.tune.builder import Artifact
 from onnx_gtco.tune.driver import impl_bests, tune
 from onnx_gtco.tune.search import (
     IMPL_SPACES,
@@ -33,13 +34,13 @@ from onnx_gtco.tune.search import (
     open_storage,
     param_names,
     predict_us,
-    run_trial,
     study_for,
     study_name,
     to_config,
     to_params,
 )
 from onnx_gtco.tune.tasks import Task
+from onnx_gtco.tune.trials import run_trial
 
 COOP = {"impl": "cutlass", "TILE_M": 128, "TILE_N": 256, "TILE_K": 64, "CLUSTER_M": 2, "CLUSTER_N": 1,
         "SCHEDULE": "cooperative", "STAGES": 0, "RASTER": "heuristic", "TILE_SCHEDULER": "streamk"}
@@ -213,10 +214,10 @@ def test_gpu_measurer_builds_a_cutlass_trial_with_its_config_and_times_it(monkey
         built.append(inst)
         return Path(f"/fake/{inst.name}.so")
 
-    ran: list[tuple[Instance, Path]] = []
+    ran: list[Artifact] = []
 
-    def fake_run(self: gpu.GpuMeasurer, task: Task, config: dict, inst: Instance, lib: Path) -> Measurement:
-        ran.append((inst, lib))
+    def fake_run(self: gpu.GpuMeasurer, task: Task, config: dict, artifact: Artifact) -> Measurement:
+        ran.append(artifact)
         return Measurement(42.5, 0.5, runs=20)
 
     monkeypatch.setattr(gpu, "shared_library", fake_library)
@@ -230,7 +231,7 @@ def test_gpu_measurer_builds_a_cutlass_trial_with_its_config_and_times_it(monkey
     assert record.state == optuna.trial.TrialState.COMPLETE and record.value == 42.5
     assert record.user_attrs["median_us"] == 42.5 and record.user_attrs["gpu"] == m.device
     inst = built[-1]
-    assert ran[-1] == (inst, Path(f"/fake/{inst.name}.so"))
+    assert ran[-1] == Artifact(f"/fake/{inst.name}.so", inst.symbol)
     assert inst.arch == "sm_90a" and inst.config == PINGPONG
     assert inst.name.startswith("gemm_sm90a_cutlass_f16_64x128x64_c1x1_pp_s4_rh_dp")
     assert "cute::Shape<cute::_64, cute::_128, cute::_64>" in inst.source
