@@ -276,7 +276,7 @@ def test_the_whole_dry_plan_killed_at_a_random_point_finishes_with_resume_repeat
     for r in tuned:  # tuned into the run's storage (a row cut off mid-tuning finds its trials there on resume)
         t = r["optimize"]["tuning"]
         assert t["trials_per_task"] == 2 and t["tasks_found"] > 0, r["optimize"]
-    assert tuned and (out / "tuning.db").stat().st_size > 0
+    assert tuned and (out / "tuning.journal").stat().st_size > 0
     kernels = [r for r in summary["rows"] if r["kind"] == "kernels"]
     assert all(r["kernel_bench"]["compile_only"] for r in kernels if "kernel_bench" in r)
     tests = next(r for r in summary["rows"] if r["kind"] == "tests")

@@ -117,8 +117,10 @@ def export_files(out: Path, dest: Path) -> None:
 
 
 def storage_url(out: Path) -> str:
-    """The run's tuning storage: SQLite in OUT/tuning.db."""
-    return f"sqlite:///{(out / 'tuning.db').resolve()}"
+    """The run's tuning storage: an Optuna journal in OUT/tuning.journal (no SQL stack needed on the machine; it
+    comes back in the export archive, and `onnx-gtco tune-records merge --storage journal:PATH` turns its measured
+    trials into shipped tuning records)."""
+    return f"journal:{(out / 'tuning.journal').resolve()}"
 
 
 def earlier_run(out: Path, dry_run: bool) -> tuple[dict[str, dict[str, Any]], str]:
@@ -248,7 +250,7 @@ def run_suite(opts: Options) -> dict[str, Any]:
 def check_needs(opts: Options, env: dict[str, str], target: str | None, storage: str, summary: dict[str, Any],
                 stop: Callable[[str], None], say: Callable[[str, str, float, str], None]) -> None:
     """The preflight step, its lines printed; a missing piece stops the run."""
-    step = preflight(needs_for(opts.dry_run, target, storage.startswith("sqlite")), env)
+    step = preflight(needs_for(opts.dry_run, target, storage.startswith(("sqlite", "postgresql", "mysql"))), env)
     summary["steps"].append(step.as_json())
     say("preflight", step.status, step.seconds, step.reason)
     for line in preflight_lines(step):
