@@ -63,7 +63,7 @@ def group_function(
     used = {n.domain for n in body}
     fn = helper.make_function(
         DOMAIN, name, [f"x{i}" for i in range(len(inputs))], [f"y{i}" for i in range(len(outputs))], body,
-        opset_imports=[o for o in opsets if o.domain in used or (o.domain in ("", "ai.onnx") and "" in used)],
+        opset_imports=[o for o in opsets if o.domain in used],  # the loader spells the default domain ""
         attributes=sorted(attr_names),
     )
     fn.overload = "v" + hashlib.sha256(fn.SerializeToString(deterministic=True)).hexdigest()[:12]

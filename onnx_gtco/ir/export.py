@@ -14,6 +14,7 @@ import onnx
 from onnx_gtco.errors import OutputError, RewriteError, first_line
 from onnx_gtco.ir.load import (
     PROTOBUF_LIMIT,
+    checker_line,
     copy_fields,
     external_entries,
     external_tensors,
@@ -43,14 +44,14 @@ def validate(model: onnx.ModelProto, loaded: onnx.ModelProto | None = None) -> N
     try:
         onnx.checker.check_model(checked, full_check=True)
     except onnx.checker.ValidationError as e:
-        raise RewriteError(f"rewritten model fails onnx.checker: {first_line(e)}") from None
+        raise RewriteError(f"rewritten model fails onnx.checker: {checker_line(e)}") from None
     except onnx.shape_inference.InferenceError as e:
         if loaded is None or _infers_strictly(loaded):
             raise RewriteError(f"rewritten model fails onnx shape inference: {first_line(e)}") from None
         try:
             onnx.checker.check_model(checked)
         except onnx.checker.ValidationError as e2:
-            raise RewriteError(f"rewritten model fails onnx.checker: {first_line(e2)}") from None
+            raise RewriteError(f"rewritten model fails onnx.checker: {checker_line(e2)}") from None
 
 
 def _infers_strictly(model: onnx.ModelProto) -> bool:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +23,16 @@ MAX_FOLD_ROUNDS = 8
 """Rounds of folding and shape inference at most: the folders run a static model's shape arithmetic to its end in
 one or two; a round in which onnx-graphsurgeon folds nothing ends it sooner."""
 CONVERT_TO_OPSET = 17
+ONNX_DOMAIN_ALIAS = "ai.onnx"
+"""The default domain's other name (ORT's test generators import it so); the loader renames it to ""."""
 
 
 def default_opset(model: onnx.ModelProto) -> int | None:
     """The model's opset of the default ("" or "ai.onnx") domain, or None where it imports none (a model of other
-    domains only, e.g. ai.onnx.ml: nothing in it is ours to fuse, and it passes through as it is)."""
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx"):
-            return int(imp.version)
-    return None
+    domains only, e.g. ai.onnx.ml: nothing in it is ours to fuse, and it passes through as it is). Where both
+    names are imported the last import wins, as in onnxruntime."""
+    versions = [int(imp.version) for imp in model.opset_import if imp.domain in ("", ONNX_DOMAIN_ALIAS)]
+    return versions[-1] if versions else None
 
 
 # External data past this total stays on disk while planning (the plan needs shapes, not weights): tensors of
@@ -176,6 +180,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     model = read_model(source)
     progress.step("check")
     name = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+    model = _domains_normalized(model)
     _refuse_unknown_ops(model, name)
     _refuse_dangling_inputs(model, name)
     try:
@@ -188,8 +193,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
             model = _toposorted(model, name)
             onnx.checker.check_model(weightless(model))
     except onnx.checker.ValidationError as e:
-        first = first_line(e)
-        raise ModelError(f"{name}: invalid ONNX model: {first}") from None
+        raise ModelError(f"{name}: invalid ONNX model: {checker_line(e)}") from None
     progress.step("opset")
     if default_opset(model) is None:  # no ONNX op to fold or fuse
         return infer_shapes(model, name)
@@ -389,6 +393,91 @@ def _refuse_dangling_inputs(model: onnx.ModelProto, name: str) -> None:
         if missing is not None:
             raise ModelError(f"{name}: invalid ONNX model: input {missing!r} of node {n.name or n.op_type!r} "
                              f"({n.op_type}) is no graph input, initializer or node output")
+
+
+def checker_line(e: BaseException) -> str:
+    """The first line of an onnx.checker error. onnx names the default domain by its name, the empty string, so its
+    "No Opset registered for domain " reads as a message cut short; the domain is named '' here."""
+    return re.sub(r"(for domain) ?$", r"\1 '' (the default ONNX domain)", first_line(e))
+
+
+def _graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """The main graph and every subgraph in it (If branches, Loop and Scan bodies, nested ones too)."""
+    todo = [model.graph]
+    while todo:
+        g = todo.pop()
+        yield g
+        todo.extend(sub for n in g.node for sub in subgraphs(n))
+
+
+def _all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the model: its graphs' (subgraphs included) and its local functions' (their subgraphs too)."""
+    for g in _graphs(model):
+        yield from g.node
+    for f in model.functions:
+        todo = list(f.node)
+        while todo:
+            n = todo.pop()
+            yield n
+            todo.extend(m for sub in subgraphs(n) for m in sub.node)
+
+
+@functools.lru_cache(maxsize=1)
+def _ort_schemas() -> dict[tuple[str, str], tuple[int, ...]]:
+    """onnxruntime's op schemas, ONNX's and its own contrib ops: (domain, op) -> the versions it was defined at."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+    out: dict[tuple[str, str], list[int]] = {}
+    for schema in get_all_operator_schema():
+        out.setdefault((schema.domain, schema.name), []).append(int(schema.since_version))
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+def _ort_opset(domain: str) -> int:
+    """The opset onnxruntime reads a domain the model does not import at: its newest op version there (it imports
+    every domain it knows at its latest), 1 for a domain it does not know."""
+    return max((v for (d, _), versions in _ort_schemas().items() if d == domain for v in versions), default=1)
+
+
+def _imports_normalized(imports: Iterable[onnx.OperatorSetIdProto]) -> list[onnx.OperatorSetIdProto]:
+    """Opset imports with the alias `ai.onnx` as "", one import per domain, the last one winning (onnxruntime's
+    rule where a model imports a domain twice), in the order of their first import."""
+    versions: dict[str, int] = {}
+    for imp in imports:
+        domain = "" if imp.domain == ONNX_DOMAIN_ALIAS else imp.domain
+        versions[domain] = int(imp.version)
+    return [helper.make_opsetid(d, v) for d, v in versions.items()]
+
+
+def _domains_normalized(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model as onnxruntime reads it, which onnx's checker and the rewrite's functions need spelt out: the
+    default domain's alias `ai.onnx` renamed "" (in imports, nodes and functions), and an import for each domain
+    a node uses but the model does not import (at the opset onnxruntime gives it, e.g. com.microsoft 1). `model`
+    itself when it needs neither; else a copy."""
+    def irregular(imports: Iterable[onnx.OperatorSetIdProto]) -> bool:  # the alias, or a domain imported twice
+        domains = [imp.domain for imp in imports]
+        return ONNX_DOMAIN_ALIAS in domains or len(set(domains)) < len(domains)
+
+    imported = {"" if imp.domain == ONNX_DOMAIN_ALIAS else imp.domain for imp in model.opset_import}
+    used = {n.domain for g in _graphs(model) for n in g.node}
+    missing = sorted(d for d in used - imported if d not in ("", ONNX_DOMAIN_ALIAS))
+    if not (missing or irregular(model.opset_import) or any(irregular(f.opset_import) for f in model.functions)
+            or any(n.domain == ONNX_DOMAIN_ALIAS for n in _all_nodes(model))):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    imports = _imports_normalized(out.opset_import)
+    imports += [helper.make_opsetid(d, _ort_opset(d)) for d in missing]
+    del out.opset_import[:]
+    out.opset_import.extend(imports)
+    for f in out.functions:
+        imports = _imports_normalized(f.opset_import)
+        del f.opset_import[:]
+        f.opset_import.extend(imports)
+    for n in _all_nodes(out):
+        if n.domain == ONNX_DOMAIN_ALIAS:
+            n.domain = ""
+    return out
 
 
 def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:

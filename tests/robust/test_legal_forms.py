@@ -1,0 +1,141 @@
+"""Legal models in forms other tools write, all of which onnxruntime loads and runs: the default domain imported as
+`ai.onnx`, com.microsoft nodes without an import for that domain. Each loads, fuses where the rules apply, writes
+a model onnx.checker passes, and runs equal to the original in onnxruntime through its model-local functions and
+through the library's CPU kernels (`optimize --cpu`, then `check` and `check --library`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_gtco.cli import main
+from onnx_gtco.errors import RewriteError
+from onnx_gtco.ir.export import validate
+from onnx_gtco.ir.load import load_model
+
+F = TensorProto.FLOAT
+
+
+def _gemm_ln(opset: int, *, alias: bool = False) -> onnx.ModelProto:
+    """x [4, 16] -> MatMul + Add -> LayerNormalization(gamma, beta) -> y [4, 32], at `opset` of the default domain
+    (imported as `ai.onnx` with `alias`, its nodes then of domain `ai.onnx` too)."""
+    rng = np.random.default_rng(opset)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.25).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.uniform(0.5, 1.5, 32).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "beta")]
+    domain = "ai.onnx" if alias else ""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="fc", domain=domain),
+             helper.make_node("Add", ["m", "b"], ["a"], name="fc.bias", domain=domain),
+             helper.make_node("LayerNormalization", ["a", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5,
+                              domain=domain)]
+    graph = helper.make_graph(nodes, "gemm_ln", [helper.make_tensor_value_info("x", F, [4, 16])],
+                              [helper.make_tensor_value_info("y", F, [4, 32])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, opset)], ir_version=8)
+
+
+def _ms_gelu() -> onnx.ModelProto:
+    """x -> MatMul + Add -> com.microsoft FastGelu -> com.microsoft BiasGelu(c) -> y, importing only the default
+    domain (onnxruntime imports com.microsoft itself, at its opset 1)."""
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.25).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "c")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="fc"),
+             helper.make_node("Add", ["m", "b"], ["a"], name="fc.bias"),
+             helper.make_node("FastGelu", ["a"], ["g"], name="gelu", domain="com.microsoft"),
+             helper.make_node("BiasGelu", ["g", "c"], ["y"], name="bias_gelu", domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "ms_gelu", [helper.make_tensor_value_info("x", F, [4, 16])],
+                              [helper.make_tensor_value_info("y", F, [4, 32])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _run(model: onnx.ModelProto | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    src = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _optimize_and_check(model: onnx.ModelProto, d: Path, capsys: pytest.CaptureFixture[str]
+                        ) -> tuple[onnx.ModelProto, dict]:
+    """onnxruntime runs `model`; `optimize --cpu` writes a model onnx.checker passes (full check) and a library;
+    `check` (its functions) and `check --library` (the library's CPU kernels) pass at fp32's tolerances. Returns
+    the rewritten model and its report."""
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 16)).astype(
+        helper.tensor_dtype_to_np_dtype(model.graph.input[0].type.tensor_type.elem_type))}
+    _run(model, feeds)  # the premise: onnxruntime loads and runs it
+    src, out = d / "m.onnx", d / "m.gtco.onnx"
+    onnx.save(model, str(src))
+    assert main(["optimize", "--cpu", str(src)]) == 0, capsys.readouterr().err
+    onnx.checker.check_model(str(out), full_check=True)
+    for extra in ([], ["--library"]):
+        capsys.readouterr()
+        assert main(["check", *extra, str(src), str(out)]) == 0, capsys.readouterr().out
+        assert capsys.readouterr().out.splitlines()[-1].startswith("1 of 1 outputs within")
+    rewritten = onnx.load(str(out))
+    return rewritten, json.loads(out.with_name(out.name + ".report.json").read_text())
+
+
+def _fused(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node if n.domain == "ai.gtco"]
+
+
+def test_default_domain_under_its_alias(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ORT's test generators import the default domain as `ai.onnx`: the rewrite copied that import into the fused
+    nodes' functions, whose nodes are of domain "", and onnx.checker failed at the end."""
+    rewritten, _ = _optimize_and_check(_gemm_ln(17, alias=True), tmp_path, capsys)
+    assert _fused(rewritten) == ["Gemm_f32", "Layernorm_f32"]
+    imports = [(o.domain, o.version) for o in rewritten.opset_import]
+    imports += [(o.domain, o.version) for f in rewritten.functions for o in f.opset_import]
+    assert ("", 17) in imports and all(d != "ai.onnx" for d, _ in imports), imports
+    assert all(n.domain != "ai.onnx" for n in rewritten.graph.node)
+    assert all(n.domain != "ai.onnx" for f in rewritten.functions for n in f.node)
+
+
+def test_com_microsoft_nodes_without_an_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ORT imports every domain it knows that a model leaves out; onnx.checker refused such a model as invalid.
+    The loader imports com.microsoft at ORT's opset for it, and its nodes stay as they are (opaque)."""
+    src = _ms_gelu()
+    rewritten, _ = _optimize_and_check(src, tmp_path, capsys)
+    assert ("com.microsoft", 1) in [(o.domain, o.version) for o in rewritten.opset_import]
+    kept = [n for n in rewritten.graph.node if n.domain == "com.microsoft"]
+    assert [n.SerializeToString(deterministic=True) for n in kept] == \
+        [n.SerializeToString(deterministic=True) for n in src.graph.node[2:]]
+    assert _fused(rewritten) == ["Gemm_f32"]
+
+
+def test_default_domain_imported_twice_takes_the_last_import() -> None:
+    """A model importing both "" and `ai.onnx`: ORT reads the default domain at the last one. ReduceSum's axes is
+    an attribute at opset 11 and an input from 13, so only the right opset makes this model valid."""
+    x = helper.make_tensor_value_info("x", F, [2, 4])
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y"], axes=[1], keepdims=0)], "g", [x],
+                              [helper.make_tensor_value_info("y", F, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("ai.onnx", 13), helper.make_opsetid("", 11)],
+                              ir_version=8)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)}
+    loaded = load_model(model)
+    assert [(o.domain, o.version) for o in loaded.opset_import] == [("", 17)]  # opset 11, converted
+    np.testing.assert_allclose(_run(loaded, feeds)[0], _run(model, feeds)[0], rtol=1e-6)
+
+
+def test_checker_error_names_the_default_domain() -> None:
+    """onnx.checker names a node's domain in "No Opset registered for domain ", and the default domain's name is
+    empty: the one-line error says which domain it is."""
+    fn = helper.make_function("ai.gtco", "F", ["x0"], ["y0"], [helper.make_node("Relu", ["x0"], ["y0"])],
+                              opset_imports=[helper.make_opsetid("ai.onnx", 17)])
+    x, y = (helper.make_tensor_value_info(n, F, [2]) for n in ("x", "y"))
+    graph = helper.make_graph([helper.make_node("F", ["x"], ["y"], domain="ai.gtco")], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.gtco", 1)],
+                              functions=[fn], ir_version=10)
+    with pytest.raises(RewriteError) as e:
+        validate(model)
+    assert re.fullmatch(r"rewritten model fails onnx.checker: No Opset registered for domain '' \(the default ONNX "
+                        r"domain\)", str(e.value)), str(e.value)
