@@ -23,8 +23,16 @@ MAX_FOLD_ROUNDS = 8
 """Rounds of folding and shape inference at most: the folders run a static model's shape arithmetic to its end in
 one or two; a round in which onnx-graphsurgeon folds nothing ends it sooner."""
 CONVERT_TO_OPSET = 17
+LAYERNORM_OPSET = 17
+"""The opset ONNX defines LayerNormalization from. Below it, onnxruntime runs LayerNormalization of the default domain
+as its own contrib op (tf2onnx and ORT's optimizer write it at opsets 13-16), with the same inputs, outputs,
+attributes and defaults; the loader converts such a model to this opset, where the node means what it meant."""
+assert CONVERT_TO_OPSET >= LAYERNORM_OPSET
 ONNX_DOMAIN_ALIAS = "ai.onnx"
 """The default domain's other name (ORT's test generators import it so); the loader renames it to ""."""
+_HIDDEN_DOMAIN = "ai.gtco.load.contrib"
+"""Where contrib LayerNormalization nodes wait while onnx checks and converts the rest of the model (it knows no
+LayerNormalization below opset 17 and would refuse them)."""
 
 
 def default_opset(model: onnx.ModelProto) -> int | None:
@@ -183,6 +191,9 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     model = _domains_normalized(model)
     _refuse_unknown_ops(model, name)
     _refuse_dangling_inputs(model, name)
+    contrib = _has_contrib_layernorm(model)
+    if contrib:
+        model = _with_layernorm_domain(model, "", _HIDDEN_DOMAIN)
     try:
         try:
             onnx.checker.check_model(weightless(model))
@@ -197,7 +208,9 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     progress.step("opset")
     if default_opset(model) is None:  # no ONNX op to fold or fuse
         return infer_shapes(model, name)
-    model = _convert_opset(model, name)
+    model = _convert_opset(model, name, contrib)
+    if contrib:
+        model = _with_layernorm_domain(_mixed_layernorms_cast(model, name), _HIDDEN_DOMAIN, "")
     progress.step("fold constants, infer shapes")
     model = _folded(model, name)
     progress.step("order")
@@ -480,25 +493,87 @@ def _domains_normalized(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def _is_contrib_layernorm(node: onnx.NodeProto, opset: int) -> bool:
+    return node.op_type == "LayerNormalization" and node.domain == "" and opset < LAYERNORM_OPSET
+
+
+def _has_contrib_layernorm(model: onnx.ModelProto) -> bool:
+    """Whether a graph of the model holds LayerNormalization below opset 17 (onnxruntime's contrib op)."""
+    opset = default_opset(model)
+    return opset is not None and any(_is_contrib_layernorm(n, opset) for g in _graphs(model) for n in g.node)
+
+
+def _with_layernorm_domain(model: onnx.ModelProto, old: str, new: str) -> onnx.ModelProto:
+    """A copy of the model whose LayerNormalization nodes of domain `old` (in every graph) are of domain `new`, and
+    whose import of _HIDDEN_DOMAIN is there exactly when a node uses it."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in _graphs(out):
+        for n in g.node:
+            if n.op_type == "LayerNormalization" and n.domain == old:
+                n.domain = new
+    imports = [imp for imp in out.opset_import if imp.domain != _HIDDEN_DOMAIN]
+    if new == _HIDDEN_DOMAIN:
+        imports.append(helper.make_opsetid(_HIDDEN_DOMAIN, 1))
+    del out.opset_import[:]
+    out.opset_import.extend(imports)
+    return out
+
+
+def _mixed_layernorms_cast(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model with a Cast of X to Scale's type before each contrib LayerNormalization (in _HIDDEN_DOMAIN, main
+    graph) whose Scale is of another float type than X: onnxruntime's contrib op takes that mix and computes Y in
+    Scale's type, where ONNX's LayerNormalization wants one type for X, Scale and B. `model` itself when none is."""
+    inferred = infer_shapes(model, name)
+    g = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*g.input, *g.value_info, *g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    mixed = [i for i, n in enumerate(model.graph.node) if n.domain == _HIDDEN_DOMAIN and len(n.input) > 1
+             and types.get(n.input[0]) and types.get(n.input[1]) and types[n.input[0]] != types[n.input[1]]]
+    if not mixed:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = {t for n in out.graph.node for t in (*n.input, *n.output)} | {v.name for v in out.graph.input}
+    taken |= {t.name for t in out.graph.initializer}
+    nodes = list(out.graph.node)
+    for i in reversed(mixed):
+        ln = nodes[i]
+        to = types[ln.input[1]]
+        cast = f"{ln.input[0]}_as_{onnx.TensorProto.DataType.Name(to).lower()}"
+        while cast in taken:
+            cast += "_"
+        taken.add(cast)
+        nodes.insert(i, helper.make_node("Cast", [ln.input[0]], [cast], name=f"{ln.name or 'LayerNormalization'}/cast",
+                                         to=to))
+        ln.input[0] = cast
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
     """An op of the default domain without a schema at the model's opset (a misspelt op, or one of the
     experimental ops of old opsets, e.g. ImageScaler, which onnx.checker only warns about and the version converter
-    cannot convert) is refused naming the ops."""
+    cannot convert) is refused naming the ops. LayerNormalization below opset 17 is taken (LAYERNORM_OPSET)."""
     opset = default_opset(model)
     if opset is None:
         return
-    unknown = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")
-                      and not onnx.defs.has(n.op_type, opset, "")})
+    unknown = sorted({n.op_type for n in model.graph.node if n.domain == ""
+                      and not onnx.defs.has(n.op_type, opset, "") and not _is_contrib_layernorm(n, opset)})
     if unknown:
         raise UnsupportedError(f"{name}: op {', '.join(unknown)} has no ONNX definition at opset {opset} (an "
                                f"experimental or misspelt op); re-export the model with opset >= {MIN_OPSET}")
 
 
-def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
-    """The model at opset >= MIN_OPSET of the default domain (onnx's version converter, to CONVERT_TO_OPSET).
+def _convert_opset(model: onnx.ModelProto, name: str, contrib: bool = False) -> onnx.ModelProto:
+    """The model at opset >= MIN_OPSET of the default domain (onnx's version converter, to CONVERT_TO_OPSET); with
+    `contrib` (its contrib LayerNormalization nodes moved to _HIDDEN_DOMAIN, which the converter leaves as they are)
+    at CONVERT_TO_OPSET also from opsets 13-16, so that LayerNormalization has its ONNX definition.
 
     Raises:
-        UnsupportedError: an opset newer than the onnx package knows.
+        UnsupportedError: an opset newer than the onnx package knows; with `contrib`, a model the converter fails
+            on or converts into another model.
         OpsetNotConvertedError: an old opset the converter fails on or converts into another model.
     """
     opset = default_opset(model)
@@ -506,26 +581,30 @@ def _convert_opset(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     newest = onnx.defs.onnx_opset_version()
     if opset > newest:
         raise UnsupportedError(f"{name}: opset {opset} is newer than this onnx package supports ({newest})")
-    if opset >= MIN_OPSET:
+    if opset >= MIN_OPSET and not contrib:
         return model
+
+    def refusal(problem: str) -> UnsupportedError:
+        if contrib:  # the model cannot pass through at its own opset: onnx refuses LayerNormalization there
+            return UnsupportedError(
+                f"{name}: LayerNormalization at opset {opset} (onnxruntime's contrib op) needs the model at opset "
+                f"{LAYERNORM_OPSET}, and onnx's version converter {problem}; re-export the model with opset >= "
+                f"{LAYERNORM_OPSET}")
+        return OpsetNotConvertedError(f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter {problem}; "
+                                      f"re-export the model with opset >= {MIN_OPSET}", model)
+
     try:
         converted = onnx.version_converter.convert_version(model, CONVERT_TO_OPSET)
         onnx.checker.check_model(weightless(converted))
     except Exception as e:  # the converter raises bare RuntimeErrors and more
-        first = first_line(e)
-        raise OpsetNotConvertedError(
-            f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter failed: {first}; "
-            f"re-export the model with opset >= {MIN_OPSET}", model
-        ) from None
+        raise refusal(f"failed: {first_line(e)}") from None
     changed = next((b.name for a, b in zip([*model.graph.input, *model.graph.output],
                                            [*converted.graph.input, *converted.graph.output], strict=False)
                     if a.name != b.name or a.type != b.type), None)
     if changed is not None or len(converted.graph.input) != len(model.graph.input) \
             or len(converted.graph.output) != len(model.graph.output):
         # e.g. Scan-8's batch axis, which the converter drops from the graph's inputs and outputs
-        raise OpsetNotConvertedError(
-            f"{name}: opset {opset} < {MIN_OPSET} and onnx's version converter changed the graph's inputs or "
-            f"outputs ({changed or 'their number'}); re-export the model with opset >= {MIN_OPSET}", model)
+        raise refusal(f"changed the graph's inputs or outputs ({changed or 'their number'})")
     return converted
 
 

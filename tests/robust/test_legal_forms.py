@@ -1,7 +1,8 @@
 """Legal models in forms other tools write, all of which onnxruntime loads and runs: the default domain imported as
-`ai.onnx`, com.microsoft nodes without an import for that domain. Each loads, fuses where the rules apply, writes
-a model onnx.checker passes, and runs equal to the original in onnxruntime through its model-local functions and
-through the library's CPU kernels (`optimize --cpu`, then `check` and `check --library`)."""
+`ai.onnx`, LayerNormalization below opset 17 (onnxruntime's contrib op), com.microsoft nodes without an import for
+that domain. Each loads, fuses where the rules apply, writes a model onnx.checker passes, and runs equal to the
+original in onnxruntime through its model-local functions and through the library's CPU kernels (`optimize --cpu`,
+then `check` and `check --library`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.cli import main
-from onnx_gtco.errors import RewriteError
+from onnx_gtco.errors import RewriteError, UnsupportedError
 from onnx_gtco.ir.export import validate
 from onnx_gtco.ir.load import load_model
 
-F = TensorProto.FLOAT
+F, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 
 
 def _gemm_ln(opset: int, *, alias: bool = False) -> onnx.ModelProto:
@@ -100,6 +101,53 @@ def test_default_domain_under_its_alias(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(n.domain != "ai.onnx" for f in rewritten.functions for n in f.node)
 
 
+@pytest.mark.parametrize("opset", [13, 14, 15, 16])
+def test_layernormalization_below_opset_17(opset: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tf2onnx and ORT's optimizer write LayerNormalization at opsets 13-16, which ORT runs as its contrib op (same
+    inputs, outputs, attributes and defaults as ONNX's from opset 17): the model is converted to opset 17 and fuses
+    as the opset-17 model does."""
+    rewritten, report = _optimize_and_check(_gemm_ln(opset), tmp_path, capsys)
+    assert [(o.domain, o.version) for o in rewritten.opset_import if o.domain == ""] == [("", 17)]
+    at17 = main(["optimize", "--no-build", str(_save(_gemm_ln(17), tmp_path / "at17.onnx"))])
+    assert at17 == 0
+    capsys.readouterr()
+    reference = json.loads((tmp_path / "at17.gtco.onnx.report.json").read_text())
+    assert [(g["family"], g["nodes"]) for g in report["groups"]] == \
+        [(g["family"], g["nodes"]) for g in reference["groups"]] == [("gemm", ["fc", "fc.bias"]), ("layernorm", ["ln"])]
+    assert _fused(rewritten) == ["Gemm_f32", "Layernorm_f32"]
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path
+
+
+def _mixed_ln() -> onnx.ModelProto:
+    """fp16 x [4, 16] -> LayerNormalization with fp32 Scale and B -> fp32 y, at opset 16: onnxruntime's contrib op
+    takes that mix and computes Y in Scale's type. (x is the graph's input: an fp16 op before it would differ
+    between the two by how ORT's CPU EP runs fp16 ops, in fp32 with the rounding between them dropped or not.)"""
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, 16).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "beta")]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5)]
+    graph = helper.make_graph(nodes, "mixed_ln", [helper.make_tensor_value_info("x", F16, [4, 16])],
+                              [helper.make_tensor_value_info("y", F, [4, 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)], ir_version=8)
+
+
+def test_contrib_layernormalization_with_fp32_scale_on_fp16(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """ORT's contrib LayerNormalization takes an fp16 X with fp32 Scale and B and gives an fp32 Y; ONNX's wants one
+    type: the loader casts X to fp32 before it, which is what the contrib kernel computes."""
+    model = _mixed_ln()
+    loaded = load_model(model)
+    ln = next(n for n in loaded.graph.node if n.op_type == "LayerNormalization")
+    cast = next(n for n in loaded.graph.node if n.output[0] == ln.input[0])
+    assert cast.op_type == "Cast" and helper.get_attribute_value(cast.attribute[0]) == F
+    rewritten, _ = _optimize_and_check(model, tmp_path, capsys)
+    assert "Layernorm_f32" in _fused(rewritten)
+
+
 def test_com_microsoft_nodes_without_an_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ORT imports every domain it knows that a model leaves out; onnx.checker refused such a model as invalid.
     The loader imports com.microsoft at ORT's opset for it, and its nodes stay as they are (opaque)."""
@@ -124,6 +172,19 @@ def test_default_domain_imported_twice_takes_the_last_import() -> None:
     loaded = load_model(model)
     assert [(o.domain, o.version) for o in loaded.opset_import] == [("", 17)]  # opset 11, converted
     np.testing.assert_allclose(_run(loaded, feeds)[0], _run(model, feeds)[0], rtol=1e-6)
+
+
+def test_contrib_layernormalization_the_converter_cannot_keep_is_refused(scan8: onnx.ModelProto) -> None:
+    """The opset-8 Scan the version converter turns into another model, with a LayerNormalization after it: at
+    its own opset onnx refuses the LayerNormalization, so the model cannot pass through unfused either."""
+    model = onnx.ModelProto()
+    model.CopyFrom(scan8)
+    model.graph.node.append(helper.make_node("LayerNormalization", ["ys"], ["n"], axis=-1))
+    model.graph.output.append(helper.make_tensor_value_info("n", F, [1, 3, 2]))
+    with pytest.raises(UnsupportedError, match=r"^model: LayerNormalization at opset 8 \(onnxruntime's contrib op\) "
+                       r"needs the model at opset 17, and onnx's version converter changed the graph's inputs or "
+                       r"outputs \(.*\); re-export the model with opset >= 17$"):
+        load_model(model)
 
 
 def test_checker_error_names_the_default_domain() -> None:
