@@ -553,17 +553,25 @@ def _mixed_layernorms_cast(model: onnx.ModelProto, name: str) -> onnx.ModelProto
 
 
 def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
-    """An op of the default domain without a schema at the model's opset (a misspelt op, or one of the
-    experimental ops of old opsets, e.g. ImageScaler, which onnx.checker only warns about and the version converter
-    cannot convert) is refused naming the ops. LayerNormalization below opset 17 is taken (LAYERNORM_OPSET)."""
+    """An op of the default domain without a schema at the model's opset is refused naming the ops: a misspelt op,
+    or one of onnxruntime's own ops of the default domain (ImageScaler and the other experimental ops of old
+    opsets, SimplifiedLayerNormalization, ...), which onnx cannot check, convert or infer. LayerNormalization below
+    opset 17 is taken (LAYERNORM_OPSET)."""
     opset = default_opset(model)
     if opset is None:
         return
     unknown = sorted({n.op_type for n in model.graph.node if n.domain == ""
                       and not onnx.defs.has(n.op_type, opset, "") and not _is_contrib_layernorm(n, opset)})
+    strangers = [op for op in unknown if not any(v <= opset for v in _ort_schemas().get(("", op), ()))]
+    if strangers:
+        raise UnsupportedError(f"{name}: op {', '.join(strangers)} has no ONNX definition at opset {opset}, nor does "
+                               "onnxruntime know it (a misspelt op, or a custom op without its domain); correct the "
+                               "op's name, or give a custom op's node the domain its library registers")
     if unknown:
-        raise UnsupportedError(f"{name}: op {', '.join(unknown)} has no ONNX definition at opset {opset} (an "
-                               f"experimental or misspelt op); re-export the model with opset >= {MIN_OPSET}")
+        ops = ", ".join(unknown)
+        raise UnsupportedError(f"{name}: op {ops} has no ONNX definition at opset {opset}: onnxruntime runs {ops} as "
+                               "its own op, which onnx cannot check or convert; export the model with standard ONNX "
+                               "ops in its place (a current exporter, without onnxruntime's graph optimizations)")
 
 
 def _convert_opset(model: onnx.ModelProto, name: str, contrib: bool = False) -> onnx.ModelProto:

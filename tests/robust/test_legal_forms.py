@@ -187,6 +187,24 @@ def test_contrib_layernormalization_the_converter_cannot_keep_is_refused(scan8: 
         load_model(model)
 
 
+@pytest.mark.parametrize(("op", "message"), [
+    ("SimplifiedLayerNormalization", r"op SimplifiedLayerNormalization has no ONNX definition at opset 17: "
+     r"onnxruntime runs SimplifiedLayerNormalization as its own op, which onnx cannot check or convert; export the "
+     r"model with standard ONNX ops in its place \(a current exporter, without onnxruntime's graph optimizations\)"),
+    ("LayerNormalisation", r"op LayerNormalisation has no ONNX definition at opset 17, nor does onnxruntime know it "
+     r"\(a misspelt op, or a custom op without its domain\); correct the op's name, or give a custom op's node the "
+     r"domain its library registers"),
+])
+def test_unknown_default_domain_op_is_refused_saying_what_fixes_it(op: str, message: str) -> None:
+    x = helper.make_tensor_value_info("x", F, [2, 4])
+    graph = helper.make_graph([helper.make_node(op, ["x", "s"], ["y"], axis=-1)], "g",
+                              [x, helper.make_tensor_value_info("s", F, [4])],
+                              [helper.make_tensor_value_info("y", F, [2, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(UnsupportedError, match=f"^model: {message}$"):
+        load_model(model)
+
+
 def test_checker_error_names_the_default_domain() -> None:
     """onnx.checker names a node's domain in "No Opset registered for domain ", and the default domain's name is
     empty: the one-line error says which domain it is."""
