@@ -291,6 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     from onnx_gtco.models import BUILTIN
     from onnx_gtco.pipeline import __version__
+    from onnx_gtco.runtime.check import defaults_text
 
     model_help = "an .onnx file, or a built-in model's name: " + ", ".join(BUILTIN)
     ap = argparse.ArgumentParser(prog="onnx-gtco", description=DESCRIPTION, epilog=EPILOG,
@@ -381,10 +382,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
                    help="relative tolerance: a bare number for every output and/or NAME:TOL for one output, e.g. "
                    "--rtol 1e-3 logits:1e-2; an output passes when |new - ref| <= atol + rtol*|ref| everywhere "
-                   "(default by the rewritten model's gtco.precision: fp32 1e-4, fp16 1e-2, bf16 8e-2)")
+                   f"(default by the rewritten model's gtco.precision: {defaults_text('rtol')})")
     p.add_argument("--atol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
                    help="absolute tolerance, given like --rtol, e.g. --atol 1e-5 logits:1e-2 (default by the "
-                   "rewritten model's gtco.precision: fp32 1e-5, fp16 3e-3, bf16 2.4e-2)")
+                   f"rewritten model's gtco.precision: {defaults_text('atol')})")
     p.add_argument("--samples", type=int, default=None, metavar="N",
                    help="number of seeded input sets, seeds SEED..SEED+N-1; at least 1 (default 1)")
     p.add_argument("--seed", type=int, default=None, help="seed of the first input set, >= 0 (default 0)")

@@ -3,6 +3,7 @@ given flags win; and the fp16 defaults pass a correct fp16 model and fail a wron
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import GtcoConfig, models, optimize
-from onnx_gtco.cli import main
+from onnx_gtco.cli import main, parser
 from onnx_gtco.runtime.check import DEFAULT_TOLERANCES, compare, default_tolerances, resolve_tolerances
 
 
@@ -113,6 +114,26 @@ def _fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return convert_float_to_float16(model, keep_io_types=True)
+
+
+def _help_of(flag: str) -> str:
+    """check --help's text of one option (from its line to the next option's), its lines joined."""
+    sub = next(a for a in parser()._actions if a.dest == "cmd").choices["check"]
+    m = re.search(rf"^  {flag} (.*?)(?=^  -)", sub.format_help(), re.M | re.S)
+    assert m, f"check --help has no {flag}"
+    return " ".join(m.group(1).split())
+
+
+@pytest.mark.parametrize(("flag", "defaults"), [
+    ("--rtol", {p: t[0] for p, t in DEFAULT_TOLERANCES.items()}),
+    ("--atol", {p: t[1] for p, t in DEFAULT_TOLERANCES.items()}),
+])
+def test_help_states_the_defaults_check_applies(flag: str, defaults: dict[str, float]) -> None:
+    """Read back from check --help: each precision's number there is the one check uses (the help stated fp16 and
+    bf16 atols of 3e-3 and 2.4e-2 long after check had moved to 2e-2 and 1.6e-1)."""
+    text = _help_of(flag)
+    stated = {p: float(v) for p, v in re.findall(r"\b(fp32|fp16|bf16) (\d[\d.e+-]*)", text)}
+    assert stated == defaults, text
 
 
 def _scaled(model: onnx.ModelProto, name_part: str, factor: float) -> onnx.ModelProto:

@@ -14,6 +14,7 @@ import onnx
 import pytest
 
 from onnx_gtco.cli import main
+from onnx_gtco.runtime.check import defaults_text
 
 
 @pytest.fixture
@@ -123,9 +124,9 @@ def test_check_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["check", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    by_precision = "by the rewritten model's gtco.precision: "
-    for flag, default in (("--rtol", by_precision + "fp32 1e-4, fp16 1e-2, bf16 8e-2"),
-                          ("--atol", by_precision + "fp32 1e-5, fp16 3e-3, bf16 2.4e-2"), ("--samples", "1"),
+    by_precision = "by the rewritten model's gtco.precision: "  # the numbers: test_check_precision.py
+    for flag, default in (("--rtol", by_precision + defaults_text("rtol")),
+                          ("--atol", by_precision + defaults_text("atol")), ("--samples", "1"),
                           ("--seed", "0"), ("--save-inputs", "not written"), ("--load-inputs", "seeded inputs")):
         assert re.search(re.escape(flag) + r" .*?\(default:? " + re.escape(default) + r"\)", text), flag
 

@@ -93,6 +93,20 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
+def defaults_text(what: str) -> str:
+    """check's defaults of "rtol" or "atol" by precision, as --help states them: e.g. "fp32 1e-4, fp16 1e-2, bf16
+    8e-2" (from DEFAULT_TOLERANCES, which check applies)."""
+    index = ("rtol", "atol").index(what)
+    return ", ".join(f"{p} {_short(tols[index])}" for p, tols in DEFAULT_TOLERANCES.items())
+
+
+def _short(v: float) -> str:
+    """The shortest scientific notation that reads back as `v`: 1e-4, 2e-2, 1.6e-1."""
+    text = next(t for t in (f"{v:.{d}e}" for d in range(17)) if float(t) == v)
+    mantissa, exponent = text.split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def model_precision(model: onnx.ModelProto) -> str | None:
     """The `gtco.precision` metadata of a model optimize wrote, or None."""
     return next((p.value for p in model.metadata_props if p.key == PRECISION_KEY), None)
