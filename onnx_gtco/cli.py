@@ -201,9 +201,11 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from onnx_gtco.runtime.check import compare, format_diffs, resolve_tolerances
+    from onnx_gtco.runtime.check import compare, format_diffs, resolve_agreement, resolve_tolerances
 
-    rtol, atol, source = resolve_tolerances(args.rtol, args.atol, _model_arg(args.rewritten))
+    rewritten = _model_arg(args.rewritten)
+    rtol, atol, source = resolve_tolerances(args.rtol, args.atol, rewritten)
+    agreement, agreement_source = resolve_agreement(args.agreement, rewritten)
     if args.load_inputs is not None:
         unused = [flag for flag, v in (("--samples", args.samples), ("--seed", args.seed), ("--dim", args.dim))
                   if v is not None]
@@ -216,16 +218,22 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise GtcoError(f"--samples must be at least 1, got {samples}")
     if seed < 0:
         raise GtcoError(f"--seed must be >= 0, got {seed}")
-    diffs = compare(_model_arg(args.original), _model_arg(args.rewritten), args.provider, rtol, atol, samples, seed,
-                    _dims(args.dim or []), library=args.library, inputs=args.load_inputs, save_inputs=args.save_inputs)
+    diffs = compare(_model_arg(args.original), rewritten, args.provider, rtol, atol, samples, seed,
+                    _dims(args.dim or []), library=args.library, inputs=args.load_inputs, save_inputs=args.save_inputs,
+                    agreement=agreement)
     if args.library:
         print("rewritten model run with its custom-op library registered (the plugin's kernels)")
     print(format_diffs(diffs))
     if args.save_inputs is not None:
         print(f"wrote      {args.save_inputs} (the inputs used)")
     bad = [d.name for d in diffs if not d.ok]
-    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within {rtol.describe('rtol')} {atol.describe('atol')} "
-          f"({source})")
+    within = f"{rtol.describe('rtol')} {atol.describe('atol')}"
+    if any(d.exact for d in diffs):  # integer outputs: the agreement they were judged by, and where it comes from
+        same = agreement_source in (source, source.replace("defaults", "default", 1))
+        within += f" {agreement.describe('agreement')}" if same else \
+            f" ({source}), {agreement.describe('agreement')} for integer outputs"
+        source = source if same else agreement_source
+    print(f"{len(diffs) - len(bad)} of {len(diffs)} outputs within {within} ({source})")
     return EXIT_MISMATCH if bad else EXIT_OK
 
 
@@ -235,7 +243,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from onnx_gtco import models, report
     from onnx_gtco.ir.export import save_atomic
     from onnx_gtco.pipeline import optimize_file
-    from onnx_gtco.runtime.check import compare, format_diffs, resolve_tolerances
+    from onnx_gtco.runtime.check import compare, format_diffs, resolve_agreement, resolve_tolerances
 
     if args.model not in models.BUILTIN:
         raise GtcoError(f"demo --model {args.model}: not a built-in model; choose one of {', '.join(models.BUILTIN)}")
@@ -251,8 +259,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"wrote      {out}\nreport     {rep}\n")
     ok = True
     rtol, atol, source = resolve_tolerances(None, None, out)
+    agreement, _ = resolve_agreement(None, out)
     for library, what in ((False, "function fallback: no library"), (True, "the custom-op library's CPU kernels")):
-        diffs = compare(src, out, "cpu", rtol, atol, 1, 0, library=library)
+        diffs = compare(src, out, "cpu", rtol, atol, 1, 0, library=library, agreement=agreement)
         print(f"check: rewritten vs original on the CPU EP ({what}, seeded random inputs), "
               f"{rtol.describe('rtol')} {atol.describe('atol')} ({source})")
         print(format_diffs(diffs) + "\n")
@@ -381,11 +390,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="ORT execution provider (default cpu)")
     p.add_argument("--rtol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
                    help="relative tolerance: a bare number for every output and/or NAME:TOL for one output, e.g. "
-                   "--rtol 1e-3 logits:1e-2; an output passes when |new - ref| <= atol + rtol*|ref| everywhere "
-                   f"(default by the rewritten model's gtco.precision: {defaults_text('rtol')})")
+                   "--rtol 1e-3 logits:1e-2; a float output passes when |new - ref| <= atol + rtol*|ref| "
+                   f"everywhere (default by the rewritten model's gtco.precision: {defaults_text('rtol')})")
     p.add_argument("--atol", nargs="+", action="extend", default=None, metavar="NAME:TOL",
                    help="absolute tolerance, given like --rtol, e.g. --atol 1e-5 logits:1e-2 (default by the "
                    f"rewritten model's gtco.precision: {defaults_text('atol')})")
+    p.add_argument("--agreement", nargs="+", action="extend", default=None, metavar="NAME:SHARE",
+                   help="the share of an integer output's elements (class ids, token ids, masks) that must equal "
+                   "the original's, from 0 to 1, given like --rtol, e.g. --agreement 0.995 classes:0.98; integer "
+                   "outputs are judged by this, not by tolerances (default by the rewritten model's "
+                   f"gtco.precision: {defaults_text('agreement')})")
     p.add_argument("--samples", type=int, default=None, metavar="N",
                    help="number of seeded input sets, seeds SEED..SEED+N-1; at least 1 (default 1)")
     p.add_argument("--seed", type=int, default=None, help="seed of the first input set, >= 0 (default 0)")

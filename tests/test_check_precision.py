@@ -14,7 +14,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import GtcoConfig, models, optimize
 from onnx_gtco.cli import main, parser
-from onnx_gtco.runtime.check import DEFAULT_TOLERANCES, compare, default_tolerances, resolve_tolerances
+from onnx_gtco.runtime.check import (
+    DEFAULT_AGREEMENT,
+    DEFAULT_TOLERANCES,
+    compare,
+    default_tolerances,
+    resolve_tolerances,
+)
 
 
 def pair_model(noise: float) -> onnx.ModelProto:
@@ -127,6 +133,7 @@ def _help_of(flag: str) -> str:
 @pytest.mark.parametrize(("flag", "defaults"), [
     ("--rtol", {p: t[0] for p, t in DEFAULT_TOLERANCES.items()}),
     ("--atol", {p: t[1] for p, t in DEFAULT_TOLERANCES.items()}),
+    ("--agreement", DEFAULT_AGREEMENT),
 ])
 def test_help_states_the_defaults_check_applies(flag: str, defaults: dict[str, float]) -> None:
     """Read back from check --help: each precision's number there is the one check uses (the help stated fp16 and

@@ -126,7 +126,8 @@ def test_check_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> No
     text = " ".join(capsys.readouterr().out.split())
     by_precision = "by the rewritten model's gtco.precision: "  # the numbers: test_check_precision.py
     for flag, default in (("--rtol", by_precision + defaults_text("rtol")),
-                          ("--atol", by_precision + defaults_text("atol")), ("--samples", "1"),
+                          ("--atol", by_precision + defaults_text("atol")),
+                          ("--agreement", by_precision + defaults_text("agreement")), ("--samples", "1"),
                           ("--seed", "0"), ("--save-inputs", "not written"), ("--load-inputs", "seeded inputs")):
         assert re.search(re.escape(flag) + r" .*?\(default:? " + re.escape(default) + r"\)", text), flag
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -28,6 +29,10 @@ from onnx_gtco.runtime.cuda_ep import (
 )
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+INTEGER_TYPES = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
+                           onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
+                           onnx.TensorProto.UINT32, onnx.TensorProto.UINT64, onnx.TensorProto.BOOL})
+"""Output types check judges by agreement (ids, masks) rather than by tolerances."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,11 @@ class OutputDiff:
 
     need_atol is the smallest atol with which every element passes at the given rtol; need_rtol the smallest rtol
     at the given atol (inf: none does, the reference is 0 where the error exceeds atol). Both are inf when the
-    rewritten model has a NaN where the original has none (nan_bad)."""
+    rewritten model has a NaN where the original has none (nan_bad).
+
+    An integer (or bool) output (class ids, token ids, masks) is judged by agreement instead: `exact` is set, and
+    it is ok when the share of its elements equal to the original's (`agreement`, `equal` of `elements`) is at
+    least `min_agreement`; the error statistics are still given, but a size of error means nothing for ids."""
 
     name: str
     max_abs: float
@@ -54,6 +63,11 @@ class OutputDiff:
     need_atol: float = 0.0
     need_rtol: float = 0.0
     nan_bad: bool = False
+    exact: bool = False
+    agreement: float = 1.0
+    min_agreement: float = 1.0
+    equal: int = 0
+    elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,9 +107,26 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
+DEFAULT_AGREEMENT: dict[str, float] = {
+    # The share of an integer output's elements (ArgMax class ids, token ids, masks) that must equal the original's
+    # when --agreement is not given, by the rewritten model's precision.
+    # fp32: the fused kernels only reorder fp32 sums, so a changed id is a fault until shown otherwise (logits tied
+    # to their last bit can swap; --agreement passes such a model): every id must match.
+    "fp32": 1.0,
+    # fp16 and bf16 round the logits an ArgMax compares, so classes whose logits are closer than that rounding can
+    # swap (ArgMax class ids over 512 rows after an fp16 conversion: one flipped, 0.2%). 99% passes a few such
+    # ties and still fails a kernel that computes the wrong thing, which flips far more ids.
+    "fp16": 0.99,
+    "bf16": 0.99,
+}
+
+
 def defaults_text(what: str) -> str:
-    """check's defaults of "rtol" or "atol" by precision, as --help states them: e.g. "fp32 1e-4, fp16 1e-2, bf16
-    8e-2" (from DEFAULT_TOLERANCES, which check applies)."""
+    """check's defaults of "rtol", "atol" or "agreement" by precision, as --help states them: e.g. "fp32 1e-4,
+    fp16 1e-2, bf16 8e-2", "fp32 1, fp16 0.99, bf16 0.99" (from DEFAULT_TOLERANCES and DEFAULT_AGREEMENT, which
+    check applies)."""
+    if what == "agreement":
+        return ", ".join(f"{p} {v:g}" for p, v in DEFAULT_AGREEMENT.items())
     index = ("rtol", "atol").index(what)
     return ", ".join(f"{p} {_short(tols[index])}" for p, tols in DEFAULT_TOLERANCES.items())
 
@@ -119,16 +150,54 @@ def default_tolerances(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple
     Raises:
         CheckError: the model cannot be read.
     """
+    precision, why = _defaults_precision(model)
+    return (*DEFAULT_TOLERANCES[precision], why)
+
+
+def default_agreement(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[float, str]:
+    """check's default agreement of integer outputs for a rewritten model, and why (as default_tolerances).
+
+    Raises:
+        CheckError: the model cannot be read.
+    """
+    precision, why = _defaults_precision(model)
+    return DEFAULT_AGREEMENT[precision], why
+
+
+def _defaults_precision(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[str, str]:
+    """The precision whose defaults apply to a rewritten model, and why (see default_tolerances).
+
+    Raises:
+        CheckError: the model cannot be read.
+    """
+    if isinstance(model, onnx.ModelProto):
+        precision = model_precision(model)
+    else:
+        path = os.path.abspath(model)
+        try:
+            st = os.stat(path)
+            key: tuple = (path, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = (path,)  # read_model names what is wrong with it
+        precision = _file_precision(*key)
+    if precision in DEFAULT_TOLERANCES:
+        return precision, f"defaults for precision {precision}"
+    why = "no gtco.precision metadata" if precision is None else f"unknown gtco.precision {precision!r}"
+    return "fp32", f"defaults for precision fp32: the rewritten model has {why}"
+
+
+@functools.lru_cache(maxsize=4)
+def _file_precision(path: str, *version: int) -> str | None:
+    """The gtco.precision of the model file at `path`, read once per version of the file (its mtime and size in
+    `version`): check's tolerances and agreement both ask.
+
+    Raises:
+        CheckError: the model cannot be read.
+    """
     try:
-        proto = model if isinstance(model, onnx.ModelProto) else read_model(model)
+        return model_precision(read_model(path))
     except GtcoError as e:
         raise CheckError(str(e)) from None
-    precision = model_precision(proto)
-    if precision in DEFAULT_TOLERANCES:
-        return (*DEFAULT_TOLERANCES[precision], f"defaults for precision {precision}")
-    rtol, atol = DEFAULT_TOLERANCES["fp32"]
-    why = "no gtco.precision metadata" if precision is None else f"unknown gtco.precision {precision!r}"
-    return rtol, atol, f"defaults for precision fp32: the rewritten model has {why}"
 
 
 def _tolerance_value(text: str, entry: str, flag: str) -> float:
@@ -136,17 +205,21 @@ def _tolerance_value(text: str, entry: str, flag: str) -> float:
         v = float(text)
     except ValueError:
         v = float("nan")
+    if flag == "agreement" and not 0 <= v <= 1:  # NaN fails both tests
+        raise CheckError(f"--agreement {entry!r}: expected the share of equal elements, a number from 0 to 1 (0.99: "
+                         "99%), or NAME:SHARE for one output")
     if not math.isfinite(v) or v < 0:
         raise CheckError(f"--{flag} {entry!r}: expected a number >= 0, or NAME:NUMBER for one output")
     return v
 
 
 def parse_tolerance(items: Sequence[str] | None, default: float, flag: str) -> Tolerance:
-    """`--atol`/`--rtol` entries as a Tolerance: a bare number sets the default, `NAME:NUMBER` one output's value
-    (split at the last colon, so output names may hold colons); a later entry overrides an earlier one.
+    """`--atol`/`--rtol`/`--agreement` entries as a Tolerance: a bare number sets the default, `NAME:NUMBER` one
+    output's value (split at the last colon, so output names may hold colons); a later entry overrides an earlier
+    one.
 
     Raises:
-        CheckError: an entry is not a number >= 0 (or NAME:number), naming the entry.
+        CheckError: an entry is not a number >= 0 (for agreement: from 0 to 1), or NAME:number, naming the entry.
     """
     per: dict[str, float] = {}
     for it in items or ():
@@ -184,11 +257,28 @@ def resolve_tolerances(rtol: Sequence[str] | None, atol: Sequence[str] | None,
     return out["rtol"], out["atol"], why
 
 
+def resolve_agreement(items: Sequence[str] | None, rewritten: onnx.ModelProto | str | os.PathLike[str]
+                      ) -> tuple[Tolerance, str]:
+    """check's agreement of integer outputs from its --agreement entries, and where it comes from: "given", or, for
+    want of a bare number, the default for the rewritten model's precision (default_agreement), keeping any
+    NAME:SHARE.
+
+    Raises:
+        CheckError: a malformed entry (before the model is read), or the model cannot be read.
+    """
+    parsed = parse_tolerance(items, 1.0, "agreement")
+    if any(":" not in it for it in items or ()):
+        return parsed, "given"
+    default, why = default_agreement(rewritten)
+    return Tolerance(default, parsed.per_output), why.replace("defaults", "default", 1)
+
+
 def _as_tolerance(t: float | Tolerance, flag: str) -> Tolerance:
     tol = t if isinstance(t, Tolerance) else Tolerance(float(t))
     for name, v in (("", tol.default), *tol.per_output.items()):
-        if not math.isfinite(v) or v < 0:
-            raise CheckError(f"{flag} {f'{name}:' if name else ''}{v!r} is not a number >= 0")
+        if not math.isfinite(v) or v < 0 or (flag == "agreement" and v > 1):
+            bound = "from 0 to 1" if flag == "agreement" else ">= 0"
+            raise CheckError(f"{flag} {f'{name}:' if name else ''}{v!r} is not a number {bound}")
     return tol
 
 
@@ -442,11 +532,14 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
             provider: str = "cpu", rtol: float | Tolerance = 1e-4, atol: float | Tolerance = 1e-5, samples: int = 1,
             seed: int = 0, dims: dict[str, int] | None = None, library: bool = False, *,
             inputs: Sequence[Mapping[str, np.ndarray]] | str | os.PathLike[str] | None = None,
-            save_inputs: str | os.PathLike[str] | None = None) -> list[OutputDiff]:
-    """Per-output errors over `samples` seeded input sets. An output is ok when every element obeys
-    |new - ref| <= atol + rtol * |ref| (numpy.allclose) and no NaN appears where the original has none.
+            save_inputs: str | os.PathLike[str] | None = None, agreement: float | Tolerance = 1.0
+            ) -> list[OutputDiff]:
+    """Per-output errors over `samples` seeded input sets. A float output is ok when every element obeys
+    |new - ref| <= atol + rtol * |ref| (numpy.allclose) and no NaN appears where the original has none; an integer
+    or bool output (ids, masks) when at least the share `agreement` of its elements equal the original's.
 
-    rtol and atol are one value for every output or a Tolerance with per-output values (parse_tolerance).
+    rtol, atol and agreement are one value for every output or a Tolerance with per-output values
+    (parse_tolerance).
     `inputs` replaces the seeded inputs (then samples, seed and dims are unused): a list of feeds, or the path of
     an .npz (load_inputs). `save_inputs` writes the inputs used to that .npz (inputs_npz's keys), atomically and
     only once both models ran on them.
@@ -456,12 +549,13 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
 
     Raises:
         CheckError: a model or the inputs cannot be read or run, the two models' outputs differ in names, a
-            tolerance names an output the models do not have, or samples < 1 or seed < 0.
+            tolerance names an output the models do not have (an agreement, one that is not an integer output), or
+            samples < 1 or seed < 0.
         CudaProviderError: on "cuda", ORT gave a session no CUDA EP, or a fused node of the rewritten model did
             not run on it (its profile, runtime.cuda_ep.require_fused_on_cuda).
         OutputError: save_inputs cannot be written.
     """
-    rt, at = _as_tolerance(rtol, "rtol"), _as_tolerance(atol, "atol")
+    rt, at, ag = _as_tolerance(rtol, "rtol"), _as_tolerance(atol, "atol"), _as_tolerance(agreement, "agreement")
     if inputs is None and samples < 1:
         raise CheckError(f"samples must be at least 1, got {samples}")
     if inputs is None and seed < 0:
@@ -480,11 +574,17 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     if names != [o.name for o in new_model.graph.output]:
         raise CheckError(f"the two models have different outputs: {names} vs "
                          f"{[o.name for o in new_model.graph.output]}")
-    for flag, tol in (("rtol", rt), ("atol", at)):
+    for flag, tol in (("rtol", rt), ("atol", at), ("agreement", ag)):
         unknown = [n for n in tol.per_output if n not in names]
         if unknown:
             raise CheckError(f"--{flag} {unknown[0]}:{tol.per_output[unknown[0]]:g}: the models have no output "
                              f"{unknown[0]!r} (their outputs: {', '.join(names)})")
+    declared = {o.name: o.type.tensor_type.elem_type for o in orig_model.graph.output}
+    floats = [n for n in ag.per_output if declared[n] and declared[n] not in INTEGER_TYPES]
+    if floats:
+        raise CheckError(f"--agreement {floats[0]}:{ag.per_output[floats[0]]:g}: output {floats[0]!r} is "
+                         f"{helper.tensor_dtype_to_np_dtype(declared[floats[0]])}, and agreement judges integer "
+                         "outputs only; give a float output --atol / --rtol")
     if inputs is None:
         feeds_list = [make_inputs(orig_model, seed + k, dims) for k in range(samples)]
     elif isinstance(inputs, (str, os.PathLike)):
@@ -497,7 +597,7 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     s_new = _session(rewritten if not isinstance(rewritten, onnx.ModelProto) else new_model, provider, library,
                      placement.name if placement is not None else None)
     acc: dict[str, dict] = {n: {"abs": [], "rel": [], "cos": 1.0, "nan": False, "ok": True, "need_atol": 0.0,
-                                "need_rtol": 0.0} for n in names}
+                                "need_rtol": 0.0, "exact": False, "equal": 0, "elements": 0} for n in names}
     for feeds in feeds_list:
         try:
             ref = s_orig.run(None, feeds)
@@ -510,10 +610,15 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
             if r64.shape != g64.shape:
                 raise CheckError(f"output {name}: shape {g64.shape} != original {r64.shape}")
             diff, rel, nan_bad = _errors(r64, g64, o_atol)
-            need_atol, need_rtol = _needed(diff, r64, o_atol, o_rtol)
             a["abs"].append(diff.ravel())
             a["rel"].append(rel.ravel())
             a["cos"] = min(a["cos"], _cosine(r64, g64))
+            if np.issubdtype(np.asarray(r).dtype, np.integer) or np.asarray(r).dtype == np.bool_:
+                a["exact"] = True
+                a["equal"] += int(np.count_nonzero(np.asarray(r) == np.asarray(g)))
+                a["elements"] += int(r64.size)
+                continue
+            need_atol, need_rtol = _needed(diff, r64, o_atol, o_rtol)
             a["nan"] = a["nan"] or nan_bad
             a["ok"] = a["ok"] and not nan_bad and _within(diff, r64, o_atol, o_rtol)
             a["need_atol"] = max(a["need_atol"], need_atol)
@@ -529,9 +634,12 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
         d, r = np.concatenate(a["abs"]), np.concatenate(a["rel"])
         stats = [float(f(x)) if x.size else 0.0 for x in (d, r) for f in (np.max, np.mean, np.median)]
         inf = float("inf")
-        out.append(OutputDiff(n, stats[0], stats[3], a["cos"], a["ok"], stats[1], stats[2], stats[4], stats[5],
+        share = a["equal"] / a["elements"] if a["elements"] else 1.0
+        ok = share >= ag.of(n) if a["exact"] else a["ok"]
+        out.append(OutputDiff(n, stats[0], stats[3], a["cos"], ok, stats[1], stats[2], stats[4], stats[5],
                               at.of(n), rt.of(n), inf if a["nan"] else a["need_atol"],
-                              inf if a["nan"] else a["need_rtol"], a["nan"]))
+                              inf if a["nan"] else a["need_rtol"], a["nan"], a["exact"], share, ag.of(n), a["equal"],
+                              a["elements"]))
     return out
 
 
@@ -550,9 +658,20 @@ def round_up(x: float) -> str:
         m += 1
 
 
+def round_down(share: float) -> str:
+    """A share rounded down to four decimals, e.g. 511/512 -> '0.998', so that an agreement of that text passes
+    what one of `share` passes."""
+    k = math.floor(share * 10**4)
+    while k > 0 and k / 10**4 > share:  # share * 10**4 rounded up
+        k -= 1
+    return f"{k / 10**4:.4f}".rstrip("0").rstrip(".")
+
+
 def _verdict(d: OutputDiff) -> str:
     if d.ok:
         return "ok"
+    if d.exact:
+        return f"FAIL (would pass with --agreement {shlex.quote(f'{d.name}:{round_down(d.agreement)}')})"
     if d.nan_bad:
         return "FAIL (NaN where the original has none: no tolerance passes)"
     fixes = [f"--{flag} {shlex.quote(f'{d.name}:{round_up(v)}')}"
@@ -564,10 +683,16 @@ def _verdict(d: OutputDiff) -> str:
 
 def format_diffs(diffs: list[OutputDiff]) -> str:
     """A table of each output's absolute and relative error (max, mean, median over all samples), worst cosine
-    and verdict; a failing output's verdict names the --atol or --rtol that would pass it."""
+    and verdict, or for an integer output its equal elements and the agreement it needs; a failing output's verdict
+    names the --atol, --rtol or --agreement that would pass it."""
     cols = ("max_abs", "mean_abs", "med_abs", "max_rel", "mean_rel", "med_rel")
     rows = [f"{'output':<32} " + " ".join(f"{c:>10}" for c in cols) + f" {'cosine':>10}  result"]
+    width = 11 * (len(cols) + 1) - 1
     for d in diffs:
+        if d.exact:  # ids: how many are equal, not how far apart they are
+            what = f"{d.equal} of {d.elements} elements equal ({d.agreement:.3%}), needs {d.min_agreement:.3%}"
+            rows.append(f"{d.name[:32]:<32} {what:>{width}}  {_verdict(d)}")
+            continue
         vals = (d.max_abs, d.mean_abs, d.median_abs, d.max_rel, d.mean_rel, d.median_rel)
         rows.append(f"{d.name[:32]:<32} " + " ".join(f"{v:10.3e}" for v in vals) + f" {d.cosine:10.7f}  "
                     f"{_verdict(d)}")
