@@ -82,6 +82,16 @@ class BuildError(GtcoError):
     """A compiler is missing, failed, or timed out."""
 
 
+class KernelResourceError(BuildError):
+    """ptxas reports a spill, a stack frame or no kernel for an instance: the configuration must not be used (the
+    library build moves on to the family's next configuration)."""
+
+    def __init__(self, message: str, instance: str = "", arch: str = "") -> None:
+        super().__init__(message)
+        self.instance = instance
+        self.arch = arch
+
+
 class EmulationError(BuildError):
     """The emulated kernel faulted (a gtco-emu error), returned a GTCO_E* code, or timed out."""
 

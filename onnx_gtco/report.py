@@ -214,8 +214,16 @@ def summary(report: dict[str, Any]) -> str:
         if lib.get("kernels"):
             regs = max(k["registers"] for c in lib["kernels"] for k in c["kernels"])
             archs = ", ".join(sorted({c["arch"] for c in lib["kernels"]}))
+            rejected = lib.get("rejected") or {}
             lines.append(f"kernels    {len(lib['kernels'])} instances for {archs}, 0 spills, at most {regs} registers "
-                         "(ptxas report: library.kernels)")
+                         "(ptxas report: library.kernels)"
+                         + (f"; {len(rejected)} configurations that spill or need a stack frame passed over for the "
+                            "family's next (library.rejected)" if rejected else ""))
+        moved = lib.get("function_only") or {}
+        if moved:
+            types = sorted(set(moved.values()))
+            lines.append(f"functions  {len(moved)} fused nodes without a kernel of their own run their functions as "
+                         f"{', '.join(types)}, their siblings keep their kernels (library.function_only)")
     return "\n".join(lines)
 
 

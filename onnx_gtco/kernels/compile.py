@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from onnx_gtco import progress
-from onnx_gtco.errors import BuildError, HeaderError
+from onnx_gtco.errors import BuildError, HeaderError, KernelResourceError
 from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
 from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
@@ -62,13 +62,15 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
     """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance` (a cuBLASLt instance
     is host code calling the library's kernels: it has none of its own)."""
     if not kernels and instance.config.get("impl") != CUBLASLT:
-        raise BuildError(f"{describe(instance)} for {instance.arch}: ptxas reported no kernel")
+        raise KernelResourceError(f"{describe(instance)} for {instance.arch}: ptxas reported no kernel",
+                                  instance.name, instance.arch)
     for k in kernels:
         if k.spills or k.stack_frame_bytes:
-            raise BuildError(
+            raise KernelResourceError(
                 f"{describe(instance)} for {instance.arch}: ptxas reports {k.registers} registers, "
                 f"{k.stack_frame_bytes} B stack frame, {k.spill_store_bytes} B spill stores, "
-                f"{k.spill_load_bytes} B spill loads; this configuration must not be used")
+                f"{k.spill_load_bytes} B spill loads; this configuration must not be used",
+                instance.name, instance.arch)
 
 
 def include_dirs(instance: Instance) -> list[Path]:
@@ -115,8 +117,13 @@ def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | Non
 
 
 def compile_instances(instances: Iterable[Instance], cache_dir: str | os.PathLike[str] | None = None,
-                      jobs: int | None = None) -> list[CompiledInstance]:
-    """compile_instance over distinct instances (by name and arch), `jobs` nvcc processes at a time."""
+                      jobs: int | None = None, rejected: dict[tuple[str, str], str] | None = None
+                      ) -> list[CompiledInstance]:
+    """compile_instance over distinct instances (by name and arch), `jobs` nvcc processes at a time.
+
+    With `rejected` given, an instance ptxas rejects (KernelResourceError: a spill, a stack frame) is left out of
+    the result and recorded there ((name, arch) -> the reason) instead of raising; every other failure raises.
+    """
     unique: dict[tuple[str, str], Instance] = {}
     for inst in instances:
         prev = unique.setdefault((inst.name, inst.arch), inst)
@@ -129,8 +136,15 @@ def compile_instances(instances: Iterable[Instance], cache_dir: str | os.PathLik
         futures = {pool.submit(compile_instance, inst, cache_dir): key for key, inst in unique.items()}
         hits = 0
         for f in as_completed(futures):
-            c = done[futures[f]] = f.result()
+            try:
+                c = done[futures[f]] = f.result()
+            except KernelResourceError as e:
+                if rejected is None:
+                    raise
+                rejected[futures[f]] = str(e)
+                st.step(f"{hits} from the cache")
+                continue
             hits += c.cached
             st.step(f"{hits} from the cache")
         st.note = f"compiled {len(done) - hits} of {len(done)} kernels, {hits} from the cache"
-    return [done[k] for k in unique]
+    return [done[k] for k in unique if k in done]

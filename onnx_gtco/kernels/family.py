@@ -124,6 +124,11 @@ class KernelFamily(ABC):
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         """The instance's source. Raises ValueError with check()'s reason for an invalid config."""
 
+    def instance_name(self, problem: Problem, config: Config, arch: str) -> str:
+        """The name instantiate gives the instance (a family overrides this where it can say it without generating
+        the source)."""
+        return self.instantiate(problem, config, arch).name
+
     @abstractmethod
     def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
         """The C argument struct's fields for a run on `arrays` (inputs and preallocated outputs by name)."""

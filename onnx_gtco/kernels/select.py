@@ -15,8 +15,9 @@ fp32.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import onnx
@@ -132,18 +133,48 @@ def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:
                         head_dim=head_dim, **flags)
 
 
-def select_instance(problem: Problem, arch: str, config: Mapping[str, int] | None = None) -> Instance | str:
-    """The instance of `problem` for `arch`: `config`, or else the family's first valid configuration."""
+Avoid = Container[tuple[str, str]]
+"""(instance name, arch) pairs a selection must not return: instances ptxas rejected (a spill, a stack frame)."""
+
+
+def select_instance(problem: Problem, arch: str, config: Mapping[str, int] | None = None,
+                    avoid: Avoid = ()) -> Instance | str:
+    """The instance of `problem` for `arch`: `config`, or else the family's first valid configuration whose
+    instance is not in `avoid`; or why there is none (the family's own check, or that ptxas rejected each one)."""
     family = FAMILIES[problem.family]
     if config is None:
         configs = family.configs(problem, arch)
         if not configs:
-            return f"no valid {problem.family} configuration for {arch} (every candidate failed its check)"
-        config = configs[0]
+            return no_config_reason(family, problem, arch)
+        usable = [c for c in configs if (family.instance_name(problem, c, arch), arch) not in avoid]
+        if not usable:
+            return (f"each of the {len(configs)} valid {problem.family} configurations for {arch} spills or needs a "
+                    "stack frame (ptxas)")
+        config = usable[0]
     why = family.check(problem, config, arch)
     if why is not None:
         return f"{problem.family} config {dict(config)} for {arch}: {why}"
+    if (family.instance_name(problem, config, arch), arch) in avoid:
+        return f"{problem.family} config {dict(config)} for {arch} spills or needs a stack frame (ptxas)"
     return family.instantiate(problem, config, arch)
+
+
+SPACE_SCAN_LIMIT = 4096
+"""no_config_reason checks at most this many configurations of a family's space."""
+
+
+def no_config_reason(family: KernelFamily, problem: Problem, arch: str) -> str:
+    """Why `family` offers no configuration for `problem` on `arch`: the reason its check gives most often over the
+    family's space (a problem it cannot compute gives the same one for every configuration: a head dim, a dtype, a
+    layout), e.g. "no valid attention configuration for sm_90: head_dim 256 is not supported"."""
+    keys = list(family.space)
+    counts: dict[str, int] = {}
+    for vals in itertools.islice(itertools.product(*family.space.values()), SPACE_SCAN_LIMIT):
+        why = family.check(problem, dict(zip(keys, vals, strict=True)), arch)
+        if why is not None:
+            counts[why] = counts.get(why, 0) + 1
+    common = max(counts, key=counts.__getitem__) if counts else "every candidate failed its check"
+    return f"no valid {problem.family} configuration for {arch}: {common}"
 
 
 def node_problem(node: onnx.NodeProto, out_dtype: str | None = None) -> Problem | str:

@@ -1,7 +1,8 @@
 """Which fused nodes get a device kernel, decided without compiling anything.
 
 A fused node runs a device kernel when its family's binder binds it and plugin.device finds it an instance for every
-arch slot of the CUDA build (select_device; an op type gets device kernels only when all its nodes have them). That
+arch slot of the CUDA build (select_device; decided per node: a node without one runs its function, its siblings of
+the same op type keep theirs). That
 is a property of the node and of the kernel families, not of the toolchain: it needs neither nvcc nor a GPU, and
 holds for a model written with --no-build too. The library builder and this module ask the same functions
 (library.bind_nodes, library.select_device), so the report says what a CUDA build of the model registers.

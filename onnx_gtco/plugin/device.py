@@ -29,7 +29,7 @@ from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.select import node_problem, select_instance, with_out_dtype
+from onnx_gtco.kernels.select import Avoid, node_problem, select_instance, with_out_dtype
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
@@ -63,16 +63,21 @@ def _node_problem(node: FusedNode) -> Problem | str:
     return own(node) if own is not None else node_problem(node.node)
 
 
-def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None = None) -> Instance | str:
-    """select_instance (with `config`, else the family's first valid one); the elementwise family, which is not
-    tuned, always gets its first valid configuration (kernels.select chooses only among the families whose Problem
-    a node's attributes describe)."""
+def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None = None,
+                  avoid: Avoid = ()) -> Instance | str:
+    """select_instance (with `config`, else the family's first valid one not in `avoid`: instances ptxas rejected);
+    the elementwise family, which is not tuned, always gets its first valid configuration not in `avoid`
+    (kernels.select chooses only among the families whose Problem a node's attributes describe)."""
     if problem.family != ELEMENTWISE.name:
-        return select_instance(problem, arch, config)
+        return select_instance(problem, arch, config, avoid)
     configs = ELEMENTWISE.configs(problem, arch)
     if not configs:
         return f"no valid elementwise configuration for {arch} (every candidate failed its check)"
-    return ELEMENTWISE.instantiate(problem, configs[0], arch)
+    for c in configs:
+        inst = ELEMENTWISE.instantiate(problem, c, arch)
+        if (inst.name, arch) not in avoid:
+            return inst
+    return f"each of the {len(configs)} valid elementwise configurations for {arch} spills or needs a stack frame"
 
 
 def bound_problem(node: FusedNode, binding: Binding) -> Problem | str:
@@ -117,7 +122,7 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
     return with_out_dtype(problem, node.dtype, node.outputs[out].dtype) if 0 <= out < len(node.outputs) else problem
 
 
-def default_own_config(problem: Problem, arch: str) -> Mapping[str, object] | None:
+def default_own_config(problem: Problem, arch: str, avoid: Avoid = ()) -> Mapping[str, object] | None:
     """The configuration an arch-specific slot builds for `problem` when none is tuned, or None (the slot then holds
     its fallback slot's instance): on sm_90a the first CUTLASS configuration of a GEMM that 128x128 tiles fill the
     GPU with (a Hopper wgmma / TMA mainloop), where the CUTLASS headers are installed.
@@ -134,14 +139,17 @@ def default_own_config(problem: Problem, arch: str) -> Mapping[str, object] | No
         return None
     if tiles < TARGETS["sm_90"].sms:
         return None
-    configs = [c for c in GEMM.configs(problem, arch) if c.get("impl") == "cutlass"]
+    configs = [c for c in GEMM.configs(problem, arch) if c.get("impl") == "cutlass"
+               and (GEMM.instance_name(problem, c, arch), arch) not in avoid]
     return configs[0] if configs else None
 
 
 def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
-                     tuned: Mapping[str, Mapping[str, int]] | None = None) -> tuple[Instance, ...] | str:
+                     tuned: Mapping[str, Mapping[str, int]] | None = None, avoid: Avoid = ()
+                     ) -> tuple[Instance, ...] | str:
     """The node's instance for each of `archs`, or why it has none. `tuned` maps an arch to the configuration the
-    tuner found best for the node's task; one that does not fit the node's problem falls back to the default."""
+    tuner found best for the node's task; one that does not fit the node's problem, or that ptxas rejected (`avoid`),
+    falls back to the default, the family's first configuration not in `avoid`."""
     problem = device_problem(node, binding)
     if isinstance(problem, str):
         return problem
@@ -151,16 +159,16 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
         config = tuned.get(arch)
         fallback = FALLBACK_SLOTS.get(arch)
         if fallback is not None:  # its own instance where asked for (or by default) and fitting, else the fallback's
-            config = config or default_own_config(problem, arch)
-            inst = select_config(problem, arch, config) if config else "no configuration"
+            config = config or default_own_config(problem, arch, avoid)
+            inst = select_config(problem, arch, config, avoid) if config else "no configuration"
             if isinstance(inst, str):
                 arch, config = fallback, tuned.get(fallback)
             else:
                 out.append(inst)
                 continue
-        inst = select_config(problem, arch, config)
+        inst = select_config(problem, arch, config, avoid)
         if isinstance(inst, str) and config:  # a tuned config that does not fit this node: the default
-            inst = select_config(problem, arch)
+            inst = select_config(problem, arch, avoid=avoid)
         if isinstance(inst, str):
             return inst
         out.append(inst)

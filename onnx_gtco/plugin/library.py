@@ -3,11 +3,15 @@
 `build_library(model, out_dir, cuda=..., emulated=...)`:
 
 1. `fused_nodes(model)` (with the plan's types when the caller has them: optimize_file); each node's family binder
-   (binders.py) maps its operands onto the C++ roles or says why it cannot. Registration is per op type (a registered
-   op type hides the model-local function of *every* node of that name, facts §4/5): an op type is registered only
-   when every one of its nodes binds; otherwise all its nodes keep their functions and the report says why.
+   (binders.py) maps its operands onto the C++ roles or says why it cannot.
 2. For a device build, each bound node's kernel instance per arch (plugin.device: sm_80, sm_90 and sm_90a for CUDA,
-   the sm_80 one for the emulation), or why it has none. An op type gets a device kernel when all its nodes have one.
+   the sm_80 one for the emulation), or why it has none (its own reason: the arch and the family's check).
+   Support is decided per node. Registration is per op type (a registered op type hides the model-local function of
+   *every* node of that name, facts §4/5), so a node without a kernel where siblings of its op type have theirs (it
+   cannot be bound, or has no device instance) moves to an op type of its own that the library does not register
+   (function_only_op_type: `Attention_f16` -> `AttentionFn_f16`, its function copied under that name; `model` is
+   changed in place) and runs its function, while the siblings keep their kernels; the report lists it with the
+   reason (`function_only`, `skipped`).
    Dynamic shapes (plugin.dispatch): every bound node checks the declared ranges (the plan's, else the `gtco.dynamic`
    metadata) of its symbolic input dims on each call, and a node whose run-time extent is symbolic gets a dispatch
    table per arch (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
@@ -16,10 +20,13 @@
    family's host functions and node descriptors), the NodeSpec table `kNodes` (roles, the instances' entry points
    per arch slot, the hook's `node_data`, the ranges, extent factors and dispatch table of a dynamic node; each
    row names its fields), `add_ops()` registering one CPU-EP op per bound op type and a CUDA-EP op per op type with
-   device kernels, `kLibraryInfo` (JSON), then register.inc.
-4. g++ -std=c++20 -O3 -fPIC -fvisibility=hidden against `ort_include_dir()`. With cuda=True the instances are
-   compiled by kernels.compile (nvcc, cached objects, the ptxas report checked: a spill or a stack frame is a
-   BuildError naming the kernel and its parameters; registers / shared memory / spills go into the report), and
+   device kernels (every node of it has them, after step 2), `kLibraryInfo` (JSON), then register.inc.
+4. g++ -std=c++20 -O3 -fPIC -fvisibility=hidden against `ort_include_dir()` (found, with cuBLASLt's header where
+   an instance needs it, before anything compiles). With cuda=True the instances are compiled by kernels.compile
+   (nvcc, cached objects, the ptxas report checked; registers / shared memory / spills go into the report): an
+   instance that spills or needs a stack frame is never built into the library, its nodes select again without it
+   (the family's next configuration; a node with none left runs its function) and the report's `rejected` names it;
+   any other compiler failure is a BuildError naming the kernel and its parameters. The instances are
    linked with plugins/cuda/probe.cu and the CUDA runtime statically. With emulated=True they are compiled with
    g++ -DGTCO_EMULATE and their ops registered for the CPU EP instead of the reference ones, so a CPU session runs
    the whole device path (argument structs, strides, arch dispatch, the instances' checks) on the emulation.
@@ -53,6 +60,7 @@ from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.render import render
+from onnx_gtco.kernels.select import Avoid
 from onnx_gtco.kernels.toolchain import (
     PLUGINS_DIR,
     BuildError,
@@ -125,6 +133,10 @@ class LibraryResult:
         dispatch: dynamic node -> arch -> its dispatch table [(max_extent, instance name, config)] in ascending
             max_extent (the last entry's max_extent is the extent's top under the declared ranges, None when
             unbounded); nodes with one instance are absent.
+        rejected: "instance (arch)" -> ptxas's reason, for each instance the build compiled and did not use (a
+            spill, a stack frame): its nodes took the family's next configuration.
+        function_only: node -> the op type it was moved to (function_only_op_type): it has no kernel of its own
+            where siblings of its op type have theirs, and runs its model-local function.
     """
 
     path: Path
@@ -141,6 +153,8 @@ class LibraryResult:
     emulated: bool = False
     dispatch: dict[str, dict[str, list[tuple[int | None, str, dict[str, int]]]]] = field(default_factory=dict)
     built: bool = False
+    rejected: dict[str, str] = field(default_factory=dict)
+    function_only: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -169,7 +183,7 @@ class LibraryResult:
     def to_json(self) -> dict[str, object]:
         return {"file": self.name, "cuda": self.cuda, "emulated": self.emulated, "op_types": self.op_types,
                 "cuda_op_types": self.cuda_op_types, "skipped": self.skipped(), "kernels": self.kernels,
-                "kernel_skips": self.kernel_skips,
+                "kernel_skips": self.kernel_skips, "rejected": self.rejected, "function_only": self.function_only,
                 "dispatch": {n: {a: [[t, name, dict(c)] for t, name, c in rows] for a, rows in per.items()}
                              for n, per in self.dispatch.items()}}
 
@@ -192,7 +206,9 @@ def bind_node(n: FusedNode, unique: bool = True) -> Binding | str:
 
 
 def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, Binder]]:
-    """Bind every node; an op type is kept only when all its nodes bind (else every node of it gets a reason)."""
+    """Bind every node (a node that cannot be bound gets its reason; its siblings of the same op type keep their
+    bindings: build_library moves such a node to an op type of its own that the library does not register), and
+    the binder of each op type with a bound node."""
     results: list[NodeResult] = []
     binders: dict[str, Binder] = {}
     seen: dict[str, int] = {}
@@ -206,15 +222,7 @@ def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, 
         else:
             binders[n.node.op_type] = binder
             results.append(NodeResult(n.node.name, n.node.op_type, res, None))
-    failed = {r.op_type: r for r in results if r.reason is not None}
-    out = []
-    for r in results:
-        bad = failed.get(r.op_type)
-        if r.reason is None and bad is not None:
-            r = NodeResult(r.node, r.op_type, None, f"op type {r.op_type} not registered: node {bad.node!r} "
-                           f"cannot be bound ({bad.reason})")
-        out.append(r)
-    return out, {k: v for k, v in binders.items() if k not in failed}
+    return results, binders
 
 
 def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], binders: dict[str, Binder],
@@ -223,7 +231,8 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     """The glue source (plugins/ort/glue.cc.j2), the op types it registers, and those among them with device kernels.
 
     `device` maps a bound node's name to its instance per arch slot (device.ARCH_SLOTS; one, the sm_80 one, in
-    an emulated build). An op type gets a device kernel when every one of its nodes has instances. In an emulated
+    an emulated build). An op type gets a device kernel when every one of its bound nodes has instances (build_library
+    has moved the others to function-only op types where some had them). In an emulated
     build (`emulated`) the device kernels are registered for the CPU EP in place of the reference ones.
     `dynamic` maps a bound node to the ranges it checks and, with device kernels, its dispatch table (one table
     per arch slot of `device`)."""
@@ -359,30 +368,78 @@ def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str]) 
 
 
 def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
-                  tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None
+                  tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None, avoid: Avoid = ()
                   ) -> tuple[dict[str, tuple[Instance, ...]], dict[str, str]]:
     """Each bound node's instances for `archs` (from `tuned`: node -> arch -> configuration, where the tuner has
-    one), and why the others have none. An op type runs on the device only when all its nodes have instances, so a
-    node whose sibling has none gets that as its reason."""
+    one; never an instance in `avoid`, which ptxas rejected), and why each other bound node has none: its own
+    reason, naming the arch and the family's check. A node's siblings keep their instances (function_only_nodes
+    says which nodes then run their functions)."""
     by_name = {n.node.name: n for n in nodes}
     found: dict[str, tuple[Instance, ...]] = {}
     why: dict[str, str] = {}
     for r in results:
         if r.binding is None:
             continue
-        got = device_instances(by_name[r.node], r.binding, archs, (tuned or {}).get(r.node))
+        got = device_instances(by_name[r.node], r.binding, archs, (tuned or {}).get(r.node), avoid)
         if isinstance(got, str):
             why[r.node] = got
         else:
             found[r.node] = got
-    own = dict(why)  # each node's own reason: a sibling's reason names the node whose own reason it is
-    for r in results:
-        if r.node in found:
-            lacking = next((o for o in results if o.op_type == r.op_type and o.node in own), None)
-            if lacking is not None:
-                del found[r.node]
-                why[r.node] = f"op type {r.op_type} has no device kernel: node {lacking.node!r} {own[lacking.node]}"
     return found, why
+
+
+FUNCTION_ONLY_SUFFIX = "Fn"
+"""What function_only_op_type adds to a fused op type's family part: `Attention_f16` -> `AttentionFn_f16`, a name
+no binder has, so the library never registers it and ORT runs the node's model-local function."""
+
+
+def function_only_op_type(op_type: str) -> str:
+    """The op type a fused node without a kernel of its own moves to, its siblings keeping theirs."""
+    head, _, dtype = op_type.rpartition("_")
+    return f"{head}{FUNCTION_ONLY_SUFFIX}_{dtype}"
+
+
+def function_only_nodes(results: Sequence[NodeResult], device: Mapping[str, tuple[Instance, ...]] | None,
+                        why: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Node -> why it must run its function while siblings of its op type keep their kernels: a node that cannot
+    be bound beside bound ones, and, in a device build (`device` given), a bound node without device instances
+    beside ones that have them (`why`: select_device's reasons). An op type none of whose nodes has the kernel
+    keeps them all (nothing of it is registered, so they run their functions as they are)."""
+    out: dict[str, str] = {}
+    by_type: dict[str, list[NodeResult]] = {}
+    for r in results:
+        by_type.setdefault(r.op_type, []).append(r)
+    for group in by_type.values():
+        bound = [r for r in group if r.binding is not None]
+        if device is not None and any(r.node in device for r in bound):
+            out.update({r.node: r.reason or (why or {}).get(r.node) or "no device kernel" for r in group
+                        if r.binding is None or r.node not in device})
+        elif bound:
+            out.update({r.node: r.reason or "not bound" for r in group if r.binding is None})
+    return out
+
+
+def move_to_functions(model: onnx.ModelProto, nodes: Mapping[str, str]) -> dict[str, str]:
+    """Give each named node of `model` (changed in place) its function-only op type (function_only_op_type) and
+    the model a copy of its function under that name; returns node -> new op type."""
+    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
+    moved: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.name not in nodes:
+            continue
+        new = function_only_op_type(n.op_type)
+        key = (n.domain, n.op_type, n.overload)
+        if (n.domain, new, n.overload) not in functions:
+            if key not in functions:
+                raise BuildError(f"fused node {n.name!r} ({n.op_type}) has no model-local function to run")
+            fn = onnx.FunctionProto()
+            fn.CopyFrom(functions[key])
+            fn.name = new
+            model.functions.append(fn)
+            functions[(n.domain, new, n.overload)] = fn
+        n.op_type = new
+        moved[n.name] = new
+    return moved
 
 
 Dispatch = Mapping[str, Mapping[str, Sequence[tuple[int | None, Mapping[str, int]]]]]
@@ -391,7 +448,7 @@ Dispatch = Mapping[str, Mapping[str, Sequence[tuple[int | None, Mapping[str, int
 
 def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
                   device: Mapping[str, tuple[Instance, ...]], ranges: Mapping[str, tuple[int, int]],
-                  dispatch: Dispatch | None = None) -> dict[str, NodeDynamic]:
+                  dispatch: Dispatch | None = None, avoid: Avoid = ()) -> dict[str, NodeDynamic]:
     """What each bound node checks and dispatches on (plugin.dispatch): the declared ranges of its input dims, and
     for a node with device instances whose run-time extent has a symbolic dim, its table per arch of `archs`:
     `dispatch`'s entries for the node where given (an entry whose config does not fit takes the default config
@@ -428,9 +485,9 @@ def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
             table: list[tuple[int | None, Instance]] = []
             for t, config in rows:
                 at = with_extent(problem, t if t is not None else BUCKETS[-1])
-                inst = select_config(at, arch, config)
+                inst = select_config(at, arch, config, avoid)
                 if isinstance(inst, str) and config:
-                    inst = select_config(at, arch)
+                    inst = select_config(at, arch, avoid=avoid)
                 if isinstance(inst, str):  # no instance at this extent: the node's one instance serves them all
                     table = [(top, device[r.node][slot])]
                     break
@@ -483,27 +540,55 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
     if emulated and tuned:  # the emulation runs the generated kernels only: a library's configuration gives way
         tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") == "mma"} for n, per in tuned.items()}
-    device, kernel_skips = select_device(nodes, results, archs, tuned) if archs else ({}, {})
-    dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch)
-    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic)
-    on_device = [r.node for r in results if r.op_type in device_types and r.node in device]
-    unique = {(i.name, i.arch): i for node in on_device
-              for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t))}
-    # nodes of the same problem share an instance
-    tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
-                     for arch, table in zip(archs, dynamic[node].tables, strict=True)}
-              for node in on_device if node in dynamic and dynamic[node].tables}
-    instances = [unique[k] for k in sorted(unique)]
     # every header the build needs is found before the first compile: a machine without network learns what is
     # missing in a second, not after minutes of nvcc
     try:
         inc = ort_include_dir()
-        if cuda and any(i.config.get("impl") == CUBLASLT for i in instances):
-            cublaslt_include_dir()
     except HeaderError as e:
         raise BuildError(str(e)) from None
-    # nvcc per instance, cached across models; BuildError names a failing or spilling one
-    compiled: list[CompiledInstance] = compile_instances(instances) if cuda else []
+    # select, compile; an instance ptxas rejects (a spill, a stack frame) is avoided and its nodes select again,
+    # until every node has instances that compile clean or has none left (it then runs its function)
+    rejected: dict[tuple[str, str], str] = {}
+    compiled: list[CompiledInstance] = []
+    fresh = False  # an instance was compiled, not taken from the cache, in some round
+    while True:
+        device, kernel_skips = select_device(nodes, results, archs, tuned, rejected) if archs else ({}, {})
+        dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch, rejected)
+        unique = {(i.name, i.arch): i for node in device
+                  for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t))}
+        instances = [unique[k] for k in sorted(unique)]  # nodes of the same problem share an instance
+        if not cuda:
+            break
+        try:
+            if any(i.config.get("impl") == CUBLASLT for i in instances):
+                cublaslt_include_dir()
+        except HeaderError as e:
+            raise BuildError(str(e)) from None
+        new: dict[tuple[str, str], str] = {}
+        # nvcc per instance, cached across models; BuildError names a failing one
+        compiled = compile_instances(instances, rejected=new)
+        fresh = fresh or bool(new) or any(not c.cached for c in compiled)
+        if not new:
+            break
+        again = [k for k in new if k in rejected]
+        if again:  # a selection that returns what it was told to avoid would loop forever
+            raise BuildError(f"{new[again[0]]} (selected again after ptxas rejected it)")
+        rejected.update(new)
+    moved = move_to_functions(model, function_only_nodes(results, device if archs else None, kernel_skips))
+    results = [NodeResult(r.node, function_only_op_type(r.op_type), None,
+                          r.reason or kernel_skips.get(r.node) or "no device kernel")
+               if r.node in moved else r for r in results]
+    binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
+    kernel_skips = {n: why for n, why in kernel_skips.items() if n not in moved}
+    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic)
+    on_device = {r.node for r in results if r.op_type in device_types and r.node in device}
+    tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
+                     for arch, table in zip(archs, dynamic[node].tables, strict=True)}
+              for node in on_device if node in dynamic and dynamic[node].tables}
+    used = {(i.name, i.arch) for node in on_device
+            for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t))}
+    instances = [i for i in instances if (i.name, i.arch) in used]
+    compiled = [c for c in compiled if (c.instance.name, c.instance.arch) in used]
     cxx = find_cxx()
     nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
     h = hashlib.sha256()
@@ -516,10 +601,10 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     dest = out / name
 
     def result(built: bool, created: bool, log: str) -> LibraryResult:
-        fresh_kernels = any(not c.cached for c in compiled)
-        lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh_kernels, created,
+        lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh, created,
                             time.monotonic() - start, log, [c.summary() for c in compiled], kernel_skips, emulated,
-                            tables, built=built)
+                            tables, built=built, rejected={f"{n} ({a})": why for (n, a), why in rejected.items()},
+                            function_only=moved)
         st.note = lib.what()
         return lib
 

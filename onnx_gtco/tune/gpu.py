@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_gtco.errors import BuildError
+from onnx_gtco.errors import BuildError, KernelResourceError
 from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.compile import compile_instance
 from onnx_gtco.kernels.cublas_headers import installed_library
@@ -53,7 +53,7 @@ def shared_library(instance: Instance) -> Path | Measurement:
     try:
         compiled = compile_instance(instance)
     except BuildError as e:
-        kind = "resource" if "ptxas reports" in str(e) or "ptxas reported no kernel" in str(e) else "compile"
+        kind = "resource" if isinstance(e, KernelResourceError) else "compile"
         return Measurement(None, error_kind=kind, detail=str(e)[-2000:])
     lib = cache_root() / "measure" / (compiled.object_path.stem + ".so")
     if not lib.is_file():

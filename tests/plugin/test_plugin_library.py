@@ -29,7 +29,7 @@ from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.plugin import headers
 from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
 from onnx_gtco.plugin.binding import Binding, FusedNode
-from onnx_gtco.plugin.library import bind_nodes, build_library, library_info
+from onnx_gtco.plugin.library import bind_nodes, build_library, function_only_nodes, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
 from onnx_gtco.runtime.check import compare, make_inputs
 from onnx_gtco.runtime.session import LibraryError, make_session
@@ -145,7 +145,7 @@ def test_wrong_shape_is_an_ort_error_naming_op_and_shapes(small: Built) -> None:
     assert out.shape == (2, 16)
 
 
-def test_one_unbindable_node_keeps_its_whole_op_type_on_functions() -> None:
+def test_one_unbindable_node_runs_its_function_and_its_siblings_keep_their_bindings() -> None:
     nodes = fused_nodes(optimize(ln_softmax_model()).model)
     ln = next(n for n in nodes if n.family == "layernorm")
     broken_node = onnx.NodeProto()
@@ -157,9 +157,12 @@ def test_one_unbindable_node_keeps_its_whole_op_type_on_functions() -> None:
     assert "is f16; the Layernorm_f32 kernel takes f32 only" in str(LayerNormBinder().bind(broken))
     results, binders = bind_nodes([ln, broken, *[n for n in nodes if n is not ln]])
     by = {r.node: r for r in results}
-    assert "Layernorm_f32" not in binders and "Softmax_f32" in binders
-    assert by[ln.node.name].binding is None and "node 'broken' cannot be bound" in str(by[ln.node.name].reason)
+    assert "Layernorm_f32" in binders and "Softmax_f32" in binders
+    assert isinstance(by[ln.node.name].binding, Binding) and by[ln.node.name].reason is None
+    assert by["broken"].binding is None and "the Layernorm_f32 kernel takes f32 only" in str(by["broken"].reason)
     assert isinstance(by["gtco/softmax/sm"].binding, Binding)
+    # the build moves the unbindable node to an op type the library does not register: it runs its function
+    assert function_only_nodes(results, None) == {"broken": by["broken"].reason}
 
 
 # --- build: cache, errors, atomicity ------------------------------------------------------------------------------
@@ -288,13 +291,28 @@ def test_cuda_build_registers_fixed_size_kernels_and_refuses_a_spill(tmp_path: P
 
     from onnx_gtco.plugin import device
 
-    def spilling(problem: Problem, arch: str, config: object = None) -> Instance:
+    def spilling(problem: Problem, arch: str, config: object = None, avoid: object = ()) -> Instance | str:
+        if ("fake_spill", arch) in avoid:  # type: ignore[operator]
+            return f"each valid {problem.family} configuration for {arch} spills (ptxas)"
         return Instance("fake_spill", "gtco_fake_softmax", _SPILL_KERNEL, problem, arch=arch)
 
+    # the only configuration spills: the build rejects it, the nodes keep their functions on the device (no CUDA
+    # kernel is registered) and their CPU kernels, and the report says why
     monkeypatch.setattr(device, "select_instance", spilling)
+    lib = build_library(optimize(ln_softmax_model(hidden=16)).model, tmp_path / "good", cuda=True)
+    assert lib.cuda_op_types == [] and lib.op_types == ["Layernorm_f32", "Softmax_f32"]
+    assert set(lib.rejected) == {"fake_spill (sm_80)", "fake_spill (sm_90)"}
+    assert all(re.search(r"fake_spill \(\) for sm_\d0: ptxas reports .* B stack frame", why)
+               for why in lib.rejected.values())
+    assert lib.kernel_skips and all("spills" in why for why in lib.kernel_skips.values())
+    assert not lib.kernels and not lib.function_only
+
+    # a selection that returns an instance it was told to avoid is an error, not an endless loop
+    monkeypatch.setattr(device, "select_instance", lambda p, a, c=None, avoid=(): Instance(
+        "fake_spill", "gtco_fake_softmax", _SPILL_KERNEL, p, arch=a))
     out = tmp_path / "spill"
     out.mkdir()
-    with pytest.raises(BuildError, match=r"fake_spill \(\) for sm_\d0: ptxas reports .* B stack frame"):
+    with pytest.raises(BuildError, match=r"fake_spill \(\) for sm_\d0: ptxas reports .*\(selected again"):
         build_library(optimize(ln_softmax_model(hidden=16)).model, out, cuda=True)
     assert not list(out.iterdir())
 
