@@ -136,3 +136,26 @@ def test_a_qkv_node_chooses_its_tiles_for_one_projection():
     assert select_instance(qkv, "sm_90").config.get("SPLITK", 1) > 1
     uneven = _problem("qkv", "f16", {**attrs, "ns": [768, 256, 256], "n_out": 1280})
     assert isinstance(uneven, Problem) and uneven.size("N") == 768
+
+
+@NEEDS_NVCC
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit-b16", "bert-base"])
+def test_builtin_fp32_libraries_build_only_kernels_ptxas_accepts(tmp_path, name):
+    """TF32 is the register-hungry precision (fp32 operands and accumulators): a CUDA build of the full-size built-in
+    models at precision fp32, BERT-base with symbolic batch and sequence and its mask, has every fused node on a
+    device kernel for sm_80 and sm_90 with none spilling or using a stack frame: a configuration ptxas rejects is
+    passed over for the family's next (the library's `rejected`), never built."""
+    from onnx_gtco.plugin.library import build_library
+
+    model = build(name, batch="batch", seq="seq") if name == "bert-base" else build(name)
+    rewritten = optimize(model, GtcoConfig(precision="fp32", target="sm_90")).model
+    lib = build_library(rewritten, tmp_path, cuda=True)
+    assert not lib.function_only and not lib.kernel_skips, (lib.function_only, lib.kernel_skips)
+    assert {k["arch"] for k in lib.kernels} >= {"sm_80", "sm_90"}
+    for k in lib.kernels:
+        for r in k["kernels"]:
+            assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["stack_frame_bytes"] == 0, k["instance"]
+    used = {k["instance"] for k in lib.kernels}
+    assert not used & {key.split(" (")[0] for key in lib.rejected}
