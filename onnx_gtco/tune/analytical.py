@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.kernels.attention import kernel_head_dim
 from onnx_gtco.kernels.conv import gemm_sizes
 from onnx_gtco.kernels.conv import out_hw as conv_out_hw
 from onnx_gtco.kernels.family import Problem
@@ -80,9 +81,15 @@ def _gemm_smem(c: Mapping[str, int]) -> int:
     return max(c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2, epilogue_tile_bytes(c))
 
 
+def _head_dim(p: Problem) -> int:
+    """The head dim the kernel computes with: a padded one's (26 runs as 32) costs what that one costs."""
+    d = p.size("head_dim")
+    return kernel_head_dim(d) or d
+
+
 def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
     kv_tiles = c["STAGES"] * c["BKV"] * (1 if p.family == "bmm_softmax" else 2)
-    return (c["BQ"] + kv_tiles) * (p.size("head_dim") + 8) * 2
+    return (c["BQ"] + kv_tiles) * (_head_dim(p) + 8) * 2
 
 
 def _rowwise_resident(c: Mapping[str, int], arch: str) -> int:
@@ -117,7 +124,8 @@ def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
 
 
 def _attention(p: Problem, c: Mapping[str, int], arch: str) -> float:
-    b, h, sq, sk, d = (p.size(k) for k in ("batch", "heads", "seq_q", "seq_k", "head_dim"))
+    b, h, sq, sk = (p.size(k) for k in ("batch", "heads", "seq_q", "seq_k"))
+    d = _head_dim(p)
     bq, bkv, warps, stages = c["BQ"], c["BKV"], c["WARPS"], c["STAGES"]
     blocks = b * h * math.ceil(sq / bq)
     sk_pad = math.ceil(sk / bkv) * bkv
@@ -127,7 +135,8 @@ def _attention(p: Problem, c: Mapping[str, int], arch: str) -> float:
     reuse = min(1.0, (rows_per_warp * bkv / (16 * 128)) ** 0.25)
     flops = 2.0 * bq * sk_pad * d * (2 if p.family == "attention" else passes)
     loads = sk_pad * d * _BYTES[p.dtype] * (2 if p.family == "attention" else passes)
-    return _tiled_us(arch, blocks, warps * 32, smem, flops, loads, stages, reuse, True)
+    padded = d != p.size("head_dim")  # a padded head's rows are read element by element
+    return _tiled_us(arch, blocks, warps * 32, smem, flops, loads, stages, reuse, not padded)
 
 
 def _rowwise(p: Problem, c: Mapping[str, int], arch: str) -> float:
