@@ -1,4 +1,8 @@
-"""The attention score chain, walked up from a Softmax: QKᵀ MatMul -> scale -> mask/bias Adds -> Softmax."""
+"""The attention score chain, walked up from a Softmax: QKᵀ MatMul -> scale -> mask/bias Adds -> Softmax.
+
+The two products are MatMuls, or Einsums whose equation is one (onnx_gtco.ir.einsum; tf2onnx writes
+Einsum("bhqd,bhkd->bhqk") for Q Kᵀ, reading k as it is, and Einsum("bhqk,bhkd->bhqd") for P V).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnx_gtco.ir.einsum import batched_matmul
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._util import const_close, const_scalar, sole_reader
 from onnx_gtco.patterns.base import is_op
@@ -23,6 +28,7 @@ class Scores:
     nodes: set[int] = field(default_factory=set)
     q: str = ""
     k: str = ""
+    k_rows: bool = False  # the QKᵀ product reads k as [.., S, D] (an Einsum with a transposed B), not as kᵀ
     probs: str = ""
     scale: float = 1.0
     mask: bool = False
@@ -49,6 +55,18 @@ def scalar_operand(view: GraphView, node: Node) -> tuple[str, float] | None:
     return None
 
 
+def matmul_form(node: Node | None) -> bool | None:
+    """For a MatMul, or an Einsum of two operands that is one with A as it is stored: whether it reads B
+    transposed ([.., N, K]); None for any other node."""
+    if is_op(node, "MatMul"):
+        return False
+    if is_op(node, "Einsum") and node is not None and len(node.inputs) == 2:
+        form = batched_matmul(node.attrs.get("equation"))
+        if form is not None and not form.trans_a:
+            return form.trans_b
+    return None
+
+
 def is_projection(view: GraphView, mm: Node) -> bool:
     """A MatMul by a constant 2-D weight (a linear layer); a constant Q (learned queries) is attention."""
     shape = view.shape(mm.inputs[1])
@@ -60,7 +78,7 @@ def leads_to_qk(view: GraphView, tensor: str, depth: int = 8) -> bool:
     node = view.producer_of(tensor)
     if node is None or depth == 0:
         return False
-    if is_op(node, "MatMul"):
+    if matmul_form(node) is not None:
         return not is_projection(view, node)
     if is_op(node, *PATH_OPS):
         return leads_to_qk(view, node.inputs[0], depth - 1)
@@ -89,7 +107,7 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
         node = view.producer_of(tensor)
         if node is None:
             return "the Softmax input is a graph input, not a QKᵀ MatMul"
-        if is_op(node, "MatMul"):
+        if matmul_form(node) is not None:
             break
         if is_op(node, *PATH_OPS) and not scaled and (top := _window_mask(view, s, node)) is not None:
             s.nodes |= {node.id, view.producer_of(node.inputs[0]).id}  # type: ignore[union-attr]
@@ -128,8 +146,9 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
         s.nodes.add(node.id)
         tensor, reader = nxt, node
     if is_projection(view, node):
-        return f"MatMul {node.name!r} before the Softmax has a constant 2-D B: a projection, not QKᵀ"
+        return f"{node.op_type} {node.name!r} before the Softmax has a constant 2-D B: a projection, not QKᵀ"
     s.qk = node
+    s.k_rows = bool(matmul_form(node))
     s.nodes.add(node.id)
     s.q, s.k = (_prescale(view, s, t, node) for t in node.inputs)
     return s
@@ -208,8 +227,11 @@ def walk_probs(view: GraphView, s: Scores) -> Node | str:
     if probs in view.graph_outputs or len(users) != 1:
         return f"attention probabilities {probs!r} are also read outside (graph output or a second reader)"
     pv = users[0]
-    if not is_op(pv, "MatMul"):
+    form = matmul_form(pv)
+    if form is None:
         return f"the probabilities go to {pv.op_type} {pv.name!r}, not to a MatMul with V"
+    if form:
+        return f"{pv.op_type} {pv.name!r} reads V transposed ([.., D, S]), which the kernels do not take"
     if pv.inputs[0] != probs:
         return f"second MatMul {pv.name!r} reads the scores as its B operand"
     return pv

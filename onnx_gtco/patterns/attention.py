@@ -16,7 +16,9 @@ from onnx_gtco.patterns.base import Match, Reject, is_op
 class AttentionPattern:
     """Attention sites, anchored at each Softmax over the last axis (and the ONNX ``Attention`` op).
 
-    Formula: ``O = softmax(s * Q Kᵀ + M + B) V`` where s is a Div/Mul by a scalar after the MatMul, or
+    Formula: ``O = softmax(s * Q Kᵀ + M + B) V`` where the products are MatMuls or Einsums that are one (tf2onnx's
+    "bhqd,bhkd->bhqk" reads k as it is: k_layout then names k itself, not kᵀ), s is a Div/Mul by a scalar after the
+    MatMul, or
     Muls by sqrt(s) on q and k before it (or none), M an additive mask (run-time, or 0/-big constants, or a
     ``Where``) and B an additive bias (Swin's relative position bias). Swin's shifted-window mask, added between
     Reshape [B*nW, H, N, N] -> [B, nW, H, N, N] and back, is the mask with ``mask_period`` nW: batch row b reads
@@ -70,7 +72,7 @@ class AttentionPattern:
         core = len(dims(view, s.qk.outputs[0]) or (0, 0, 0, 0))
         h, d = attrs["heads"], attrs["head_dim"]
         width = h * d if isinstance(h, int) and isinstance(d, int) else None
-        factor, names, srcs = _heads.split_heads(view, group, frozenset(base), ins, core, width)
+        factor, names, srcs = _heads.split_heads(view, group, frozenset(base), ins, core, width, k_rows=s.k_rows)
         out_layout, out = _heads.merge_heads(view, group, pv.outputs[0], core)
         if group == base:
             return
@@ -83,7 +85,7 @@ class AttentionPattern:
         scores = dims(view, s.qk.outputs[0]) or ("?", "?", "?", "?")
         head_dim = dim(view, s.q, -1)
         if not isinstance(head_dim, int):
-            head_dim = dim(view, s.k, -2)
+            head_dim = dim(view, s.k, -1 if s.k_rows else -2)
         return {
             "heads": scores[-3] if len(scores) >= 4 else 1,
             "head_dim": head_dim,
@@ -97,7 +99,7 @@ class AttentionPattern:
             **({"mask_period": s.mask_period} if s.mask_period else {}),
             "batch_dims": tuple(scores[:-3] if len(scores) >= 4 else scores[:-2]),
             "q_layout": "bhsd",
-            "k_layout": "bhds",
+            "k_layout": "bhsd" if s.k_rows else "bhds",
         }
 
     def _onnx_attention(self, view: GraphView, node: Node) -> Iterator[Match | Reject]:

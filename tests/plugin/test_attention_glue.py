@@ -342,18 +342,21 @@ def test_binders_on_builtin_models(ref_lib, name: str, overrides: dict) -> None:
 
 def small_model(*, guard: bool = False, probs_out: bool = False, mask: bool = False, bias: bool = False,
                 k_transposed: bool = True, seq: int = 13, heads: int = 2, head_dim: int = 32,
-                dtype: type = np.float32) -> onnx.ModelProto:
+                dtype: type = np.float32, einsum: bool = False) -> onnx.ModelProto:
     """q, k, v [1,H,S,D] (k [1,H,D,S] unless k_transposed) -> softmax(QKᵀ*s [+mask] [+bias]) [guarded] V;
-    probs_out also returns P (then the group is a BmmSoftmax)."""
+    probs_out also returns P (then the group is a BmmSoftmax). einsum: both products are tf2onnx's Einsums
+    ("bhqd,bhkd->bhqk" on k as it is, "bhqk,bhkd->bhqd")."""
     b, h, s, d = 1, heads, seq, head_dim
+    k_transposed = k_transposed and not einsum
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    ins = [helper.make_tensor_value_info(n, et, [b, h, d, s] if n == "k" and not k_transposed
+    ins = [helper.make_tensor_value_info(n, et, [b, h, d, s] if n == "k" and not k_transposed and not einsum
                                          else [b, h, s, d]) for n in "qkv"]
     inits = [numpy_helper.from_array(np.array(0.25, dtype), "sc"),
              numpy_helper.from_array(np.array(0.0, dtype), "zero")]
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])] if k_transposed else []
-    nodes += [helper.make_node("MatMul", ["q", "kt" if k_transposed else "k"], ["s0"]),
-              helper.make_node("Mul", ["s0", "sc"], ["s1"])]
+    qk = (helper.make_node("Einsum", ["q", "k"], ["s0"], equation="bhqd,bhkd->bhqk") if einsum else
+          helper.make_node("MatMul", ["q", "kt" if k_transposed else "k"], ["s0"]))
+    nodes += [qk, helper.make_node("Mul", ["s0", "sc"], ["s1"])]
     scores = "s1"
     if mask:
         ins.append(helper.make_tensor_value_info("mask", et, [b, 1, s, s]))
@@ -369,7 +372,8 @@ def small_model(*, guard: bool = False, probs_out: bool = False, mask: bool = Fa
     if guard:
         nodes += [helper.make_node("IsNaN", ["p"], ["isn"]), helper.make_node("Where", ["isn", "zero", "p"], ["pg"])]
         probs = "pg"
-    nodes.append(helper.make_node("MatMul", [probs, "v"], ["o"]))
+    nodes.append(helper.make_node("Einsum", [probs, "v"], ["o"], equation="bhqk,bhkd->bhqd") if einsum else
+                 helper.make_node("MatMul", [probs, "v"], ["o"]))
     outs = [helper.make_tensor_value_info("o", et, [b, h, s, d])]
     if probs_out:
         outs.append(helper.make_tensor_value_info("p", et, [b, h, s, s]))
@@ -451,8 +455,10 @@ def test_swin_shifted_windows_bind_as_one_attention_node(ref_lib) -> None:
 
 @pytest.mark.parametrize("kw", [{"guard": True, "mask": True}, {"bias": True, "mask": True},
                                 {"probs_out": True, "mask": True}, {"probs_out": True, "bias": True},
-                                {"k_transposed": False, "seq": 50, "head_dim": 80}],
-                         ids=["guard_mask", "mask_bias", "bmm_mask", "bmm_bias", "k_untransposed"])
+                                {"k_transposed": False, "seq": 50, "head_dim": 80},
+                                {"einsum": True, "mask": True}, {"einsum": True, "probs_out": True, "bias": True}],
+                         ids=["guard_mask", "mask_bias", "bmm_mask", "bmm_bias", "k_untransposed", "einsum",
+                              "einsum_bmm"])
 def test_binders_on_small_models(ref_lib, kw: dict) -> None:
     model = small_model(**kw)
     result = optimize(model, GtcoConfig())
@@ -649,6 +655,7 @@ E2E = {  # name -> (model builder, family)
     "bmm": (lambda: small_model(probs_out=True, mask=True, bias=True), "bmm_softmax"),
     "guard": (lambda: small_model(guard=True, mask=True, k_transposed=False), "attention"),
     "f16": (lambda: small_model(mask=True, bias=True, seq=40, head_dim=64, dtype=np.float16), "attention"),
+    "einsum": (lambda: small_model(einsum=True, mask=True, bias=True, seq=21), "attention"),
     "onnx_causal": (lambda: onnx_attention_model(causal=True, merged=True, sq=9, sk=20, head_dim=64), "attention"),
     "swin": (swin_model, "attention"),
     "swin_bmm": (lambda: swin_model(probs_out=True), "bmm_softmax"),
