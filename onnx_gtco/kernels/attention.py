@@ -1,13 +1,16 @@
 """The attention kernel families of `plugins/include/gtco/attention.cuh`.
 
-- ``attention``: ``O = softmax(scale * Q Kᵀ + mask + bias) V`` in one kernel, FlashAttention-2 style (online
-  softmax on the accumulator registers, K/V streamed through a cp.async ring). Any sequence length.
+- ``attention``: ``O = softmax(scale * Q Kᵀ + mask + bias) V`` (mask and bias times their own scales) in one
+  kernel, FlashAttention-2 style (online softmax on the accumulator registers, K/V streamed through a cp.async ring).
+  Any sequence length.
 - ``bmm_softmax``: GTCO's fused BMM + softmax, ``P = softmax(scale * Q Kᵀ + mask + bias)`` written out. Two passes
   over the key tiles: the first keeps the online row max and sum, the second recomputes S and writes P. Any
   sequence length; the instance does not depend on seq_k.
 
 Problem (both families): sizes ``batch`` (the product of the batch dims), ``heads``, ``seq_q``, ``seq_k``,
-``head_dim``; flags ``scale`` (float), ``mask`` / ``bias`` (bool), ``mask_shape`` / ``bias_shape`` (4-tuples
+``head_dim``; flags ``scale`` (float), ``mask`` / ``bias`` (bool), ``mask_scale`` / ``bias_scale`` (floats that
+multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M) * s)`` is ``softmax(s Q Kᵀ + s M)``; run-time
+arguments, no part of the instance), ``mask_shape`` / ``bias_shape`` (4-tuples
 ``[B', H', Sq', Sk']`` with each dim 1 or full; B' may also divide batch, Swin's window mask; defaults
 ``(batch, 1, 1, seq_k)`` key padding and ``(1, heads, seq_q, seq_k)`` bias), ``q_layout``, ``k_layout`` and, for
 attention, ``v_layout``, ``out_layout``.
@@ -89,7 +92,7 @@ _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("bias_sb", "i64"), ("bias_sh", "i64"), ("bias_sq", "i64"), ("bias_sk", "i64"),
     ("batch", "i32"), ("heads", "i32"), ("seq_q", "i32"), ("seq_k", "i32"), ("head_dim", "i32"),
     ("m_bmod", "i32"), ("bias_bmod", "i32"),
-    ("scale", "f32"),
+    ("scale", "f32"), ("mask_scale", "f32"), ("bias_scale", "f32"),
 )
 
 
@@ -365,7 +368,9 @@ class _AttentionBase(KernelFamily):
             vals |= dict(zip((f"{prefix}_sb", f"{prefix}_sh", f"{prefix}_sq", f"{prefix}_sk"), strides, strict=True))
             vals[f"{prefix}_bmod"] = bmod
         vals |= {"batch": b, "heads": h, "seq_q": sq, "seq_k": sk, "head_dim": d,
-                 "scale": float(problem.flag("scale", 1.0 / math.sqrt(d)))}
+                 "scale": float(problem.flag("scale", 1.0 / math.sqrt(d))),
+                 "mask_scale": float(problem.flag("mask_scale", 1.0)),
+                 "bias_scale": float(problem.flag("bias_scale", 1.0))}
         return [Field(name, kind, vals[name]) for name, kind in _ARG_FIELDS]
 
     # ---- numerics ----------------------------------------------------------------------------------------------
@@ -393,7 +398,7 @@ class _AttentionBase(KernelFamily):
                 if add.shape[0] not in (1, b):  # Swin: [nW, ...] over batch = (B / nW, nW)
                     add = np.tile(add, (b // add.shape[0], 1, 1, 1))
                 with np.errstate(invalid="ignore"):
-                    s = s + add
+                    s = s + float(problem.flag(f"{which}_scale", 1.0)) * add
         return _softmax_rows(s)
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:

@@ -124,6 +124,7 @@ def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:
     flags: dict[str, Any] = {
         "scale": op["scale"] if op["scale"] is not None else 1.0 / math.sqrt(head_dim),
         "mask": op["mask"], "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],
+        **{f"{t}_scale": float(op[f"{t}_scale"]) for t in ("mask", "bias") if float(op[f"{t}_scale"]) != 1.0},
     }
     if family == "attention":
         flags["v_layout"] = op["v_layout"]

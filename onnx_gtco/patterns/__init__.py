@@ -7,7 +7,8 @@ plays which role:
     attention    heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, batch_dims,
                  q_layout, k_layout, v_layout, out_layout (ONNX Attention op: also causal; scores_path when
                  more than a scale, a mask and a bias lie between QKᵀ and the Softmax; mask_period nW for
-                 Swin's shifted-window mask, read at batch row b % nW)
+                 Swin's shifted-window mask, read at batch row b % nW; mask_scale / bias_scale for a scale
+                 applied after the mask's / bias's Add)
     bmm_softmax  as attention, without v_layout / out_layout
     qkv          m, k, ns, n_out, bias
     gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set)

@@ -37,6 +37,8 @@ class Scores:
     mask_tensor: str = ""  # the additive mask / bias operand, when one Add adds it to the scores
     mask_period: int = 0  # Swin's shifted windows: the mask is read at batch row b % mask_period (0: at row b)
     bias_tensor: str = ""
+    mask_scale: float = 1.0  # what the scales applied after the mask's / bias's Add multiply it by:
+    bias_scale: float = 1.0  # softmax((QKᵀ + M) * s) adds s * M to s * QKᵀ
     path: list[str] = field(default_factory=list)  # what else is between QKᵀ and the Softmax (reshapes, a Where,
                                                    # a second mask or bias Add), from the Softmax up
 
@@ -101,6 +103,7 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
     """Follow the Softmax's input up to the QKᵀ MatMul; a reason string when the chain is not attention."""
     s = Scores(qk=sm, softmax=sm, nodes={sm.id})
     tensor, reader, scaled = sm.inputs[0], sm, False
+    after = 1.0  # the product of the scales between `tensor` and the Softmax
     while True:
         if tensor in view.graph_outputs or view.consumers.get(tensor, ()) != (reader.id,):
             return f"scores {tensor!r} are also read outside the attention chain"
@@ -120,7 +123,7 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
             ways = [t for t in ins if leads_to_qk(view, t)]
             if not ways:
                 return f"{node.op_type} {node.name!r} before the Softmax: no operand comes from a QKᵀ MatMul"
-            if scaled:
+            if scaled and node.op_type == "Where":
                 return f"the scale is applied after {node.op_type} {node.name!r} (mask/bias), not to QKᵀ"
             nxt = ways[0]
             if node.op_type == "Where":
@@ -133,12 +136,14 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
                 if getattr(s, f"{kind}_tensor"):
                     s.path.append(f"Add({kind})")
                 setattr(s, f"{kind}_tensor", term)
+                setattr(s, f"{kind}_scale", after)  # (QKᵀ + term) * after: the term is scaled too
         elif is_op(node, "Mul", "Div"):
             found = scalar_operand(view, node)
             if found is None:
                 return f"scale of {node.op_type} {node.name!r} on the scores is not a scalar constant"
             nxt, factor = found
             s.scale *= factor
+            after *= factor
             scaled = True
         else:
             what = f"{node.op_type} {node.name!r}"

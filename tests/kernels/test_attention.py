@@ -199,6 +199,24 @@ def test_fully_masked_rows_are_zero_not_nan(emu, family):
     assert rel_error(out[1], ref[name][1]) < TOL["f16"]
 
 
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_mask_and_bias_scales_multiply_their_terms(emu, family):
+    """softmax((Q Kᵀ + M + B) * s) as the graph writes it: the kernel scales M and B by their own factors (run-time
+    arguments). With a mask of moderate values (where scaling it matters) it matches the reference, and the
+    reference of the mask left unscaled is far from it."""
+    kw = dict(batch=2, heads=2, seq_q=40, seq_k=50, head_dim=64, mask=True, bias=True, scale=0.125,
+              mask_scale=0.125, bias_scale=0.5)
+    problem = make_problem(family.name, "f16", **kw)
+    inputs = family.random_inputs(problem, seed=21)
+    rng = np.random.default_rng(21)
+    inputs["mask"] = to_storage(4.0 * rng.standard_normal(inputs["mask"].shape), "f16")
+    got, ref, _ = emu(family, problem, cfg(64, 32, 4, 2), inputs=inputs)
+    assert_close(got, ref, "f16")
+    unscaled = family.reference(make_problem(family.name, "f16", **{**kw, "mask_scale": 1.0}), inputs)
+    (name, want), = ref.items()
+    assert rel_error(unscaled[name], want) > 0.05
+
+
 def test_padded_head_reads_and_writes_only_its_elements(emu):
     """head_dim 26 in bhsd: each operand is followed by NaNs and the output by a sentinel; a kernel reading past a
     row would mix the next row (or the NaNs) into the scores, one writing past it would touch the next row or the

@@ -251,7 +251,9 @@ def test_near_misses_say_why(kit) -> None:
     assert matches[0].family == "bmm_softmax"
 
 
-def test_scale_after_the_mask_is_not_a_scale_of_qk(kit) -> None:
+def test_scale_after_the_mask_scales_the_mask_too(kit) -> None:
+    """softmax((QKᵀ + mask) * s) is softmax(s QKᵀ + s mask): scale s and mask_scale s (the mask is no 0 / -inf
+    constant here, so the two readings differ); a scale between the mask and the bias scales only the mask."""
     g = kit.graph()
     for n in ("q", "k", "mask"):
         g.input(n, [1, 2, 8, 8])
@@ -260,8 +262,42 @@ def test_scale_after_the_mask_is_not_a_scale_of_qk(kit) -> None:
     g.op("Mul", ["masked", g.const("s", np.float32(0.125))], "scaled")
     g.op("Softmax", ["scaled"], "softmax", axis=-1)
     g.output("softmax")
+    view = g.view()
+    matches, rejects = kit.run(RULE, view)
+    assert [r.reason for r in rejects] == ["attention probabilities 'softmax' are also read outside (graph output or a "
+                                          "second reader)"]
+    assert kit.groups(view, matches) == [{"qk", "masked", "scaled", "softmax"}]
+    attrs = matches[0].attrs
+    assert (attrs["scale"], attrs["mask_scale"], attrs["mask"]) == (0.125, 0.125, True)
+    assert "bias_scale" not in attrs and matches[0].roles["mask"] == "mask"
+
+    g = kit.graph()
+    for n in ("q", "k", "mask"):
+        g.input(n, [1, 2, 8, 8])
+    g.op("MatMul", ["q", "k"], "qk")
+    g.op("Div", ["qk", g.const("d", np.float32(2.0))], "half")
+    g.op("Add", ["half", "mask"], "masked")
+    g.op("Mul", ["masked", g.const("s", np.float32(0.25))], "scaled")
+    g.op("Add", ["scaled", g.weight("rel_pos", 1, 2, 8, 8)], "biased")
+    g.op("Softmax", ["biased"], "softmax", axis=-1)
+    g.output("softmax")
+    (match,), _ = kit.run(RULE, g.view())
+    assert (match.attrs["scale"], match.attrs["mask_scale"], match.attrs["bias"]) == (0.125, 0.25, True)
+    assert "bias_scale" not in match.attrs
+
+
+def test_scale_after_a_where_mask_is_refused(kit) -> None:
+    g = kit.graph()
+    for n in ("q", "k"):
+        g.input(n, [1, 2, 8, 8])
+    g.input("keep", [1, 1, 8, 8], TensorProto.BOOL)
+    g.op("MatMul", ["q", "k"], "qk")
+    g.op("Where", ["keep", "qk", g.const("ninf", np.float32(-np.inf))], "masked")
+    g.op("Mul", ["masked", g.const("s", np.float32(0.125))], "scaled")
+    g.op("Softmax", ["scaled"], "softmax", axis=-1)
+    g.output("softmax")
     _, rejects = kit.run(RULE, g.view())
-    assert rejects[0].reason == "the scale is applied after Add 'masked' (mask/bias), not to QKᵀ"
+    assert rejects[0].reason == "the scale is applied after Where 'masked' (mask/bias), not to QKᵀ"
 
 
 def test_graph_outputs_inside_the_chain_leave_only_legal_candidates(kit) -> None:

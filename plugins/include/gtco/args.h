@@ -67,7 +67,8 @@ struct gtco_attention_args {
     int64_t bias_sb, bias_sh, bias_sq, bias_sk;
     int32_t batch, heads, seq_q, seq_k, head_dim;
     int32_t m_bmod, bias_bmod;  // batch index of mask / bias = b % bmod
-    float scale;
+    float scale;                // multiplies Q Kᵀ
+    float mask_scale, bias_scale;  // multiply the mask and the bias (1, unless the graph scales after adding them)
 };
 
 // LayerNorm (gtco/layernorm.cuh).

@@ -1,8 +1,10 @@
 // Attention kernel families on Tensor Cores (mma.m16n8k16 for f16 / bf16, m16n8k8 .tf32 for fp32; fp32
 // accumulation), one header for two families:
 //
-//   attention:   O = softmax(scale * Q Kᵀ + mask + bias) V, FlashAttention-2 style. One block per (q tile of BQ
-//                rows, batch * head); each warp owns 16 * MT rows of the tile (MT = BQ / (16 * WARPS) m-tiles).
+//   attention:   O = softmax(scale * Q Kᵀ + mask + bias) V, FlashAttention-2 style (mask and bias times
+//                mask_scale and bias_scale, 1 unless the graph scales the scores after adding them). One block per
+//                (q tile of BQ rows, batch * head); each warp owns 16 * MT rows of the tile (MT = BQ / (16 * WARPS)
+//                m-tiles).
 //                K/V tiles of BKV keys stream through a STAGES-deep cp.async ring in shared memory. S = Q Kᵀ is
 //                computed into accumulator registers, scaled and masked there, and the softmax runs online on the
 //                registers: a running row max m and partial row sum l per thread (the four lanes of a quad hold
@@ -264,12 +266,14 @@ GTCO_DEVICE void qk_tile(float (&s)[MT][BKV / 8][4], const T* qs, const T* ks, i
     }
 }
 
-// Scores in the log2 domain: s * scale * log2(e) + (mask + bias) * log2(e); keys at or past seq_k become -inf.
-// row0: the query row of the warp's first row; kv0: the tile's first key. mask/bias: already offset to (b, h).
+// Scores in the log2 domain: s * scale * log2(e) + (mask * mask_scale + bias * bias_scale) * log2(e); keys at or past
+// seq_k become -inf. row0: the query row of the warp's first row; kv0: the tile's first key. mask/bias: already
+// offset to (b, h).
 template <typename T, int MT, int NB, bool MASK, bool BIAS>
 GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args& a, const T* mask, const T* bias,
                                int row0, int kv0, int lane, float scale_log2) {
     const int g = lane / 4, t = lane % 4;
+    const float mask_log2 = a.mask_scale * kLog2e, bias_log2 = a.bias_scale * kLog2e;
     const int msq = static_cast<int>(a.m_sq), msk = static_cast<int>(a.m_sk);
     const int bsq = static_cast<int>(a.bias_sq), bsk = static_cast<int>(a.bias_sk);
     GTCO_UNROLL
@@ -282,10 +286,8 @@ GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args&
                 float x = s[mt][n][i] * scale_log2;
                 if constexpr (MASK || BIAS) {
                     if (row < a.seq_q && col < a.seq_k) {
-                        float add = 0.0f;
-                        if constexpr (MASK) add += to_float(mask[row * msq + col * msk]);
-                        if constexpr (BIAS) add += to_float(bias[row * bsq + col * bsk]);
-                        x += add * kLog2e;
+                        if constexpr (MASK) x += to_float(mask[row * msq + col * msk]) * mask_log2;
+                        if constexpr (BIAS) x += to_float(bias[row * bsq + col * bsk]) * bias_log2;
                     }
                 }
                 s[mt][n][i] = col < a.seq_k ? x : -INFINITY;
