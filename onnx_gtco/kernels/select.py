@@ -109,7 +109,8 @@ def _gemm(dtype: str, op: FusedOp) -> Problem | str:
     return gemm_problem(dtype, batch, m, n, k, b_batched=batch > 1 or bool(batch_dims),
                         trans_b=bool(op.attrs.get("trans_b")), bias=bool(op["bias"]),
                         activation=str(op.attrs.get("activation") or "none"),
-                        residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)))
+                        residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)),
+                        layer_scale=bool(op.attrs.get("layer_scale")))
 
 
 def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:

@@ -11,7 +11,8 @@ plays which role:
                  applied after the mask's / bias's Add)
     bmm_softmax  as attention, without v_layout / out_layout
     qkv          m, k, ns, n_out, bias
-    gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set)
+    gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set;
+                 layer_scale when a per-column Mul follows the activation)
     conv         kernel, stride, pads, dilations, auto_pad, groups, bias, scale, shift, batchnorm, epsilon,
                  affine, activation, residual, post_activation
     layernorm    epsilon, axis, hidden, residual, decomposed, affine

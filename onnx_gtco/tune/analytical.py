@@ -105,7 +105,8 @@ def _mma_block(c: Mapping[str, int], k_pad: int) -> tuple[float, int, float]:
 
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     """SPLITK slices multiply the blocks and divide each one's k-tiles; every slice writes its fp32 partial tile and
-    the last reads the others' (2 x BM x BN x 4 bytes per block, amortized). The epilogue's y and residual traffic
+    the last reads the others' (2 x BM x BN x 4 bytes per block, amortized). A LayerScale adds its BN factors per
+    tile. The epilogue's y and residual traffic
     is counted once per tile: straight from the fragments (EPI = 0) each 32-byte sector is written half by one
     access and half by another, so it costs twice what the staged 16-byte chunks (EPI = 1) cost."""
     batch, m, n, k = p.size("batch"), p.size("M"), p.size("N"), p.size("K")
@@ -120,6 +121,8 @@ def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     out_bytes = _BYTES[str(p.flag("out_dtype", p.dtype) or p.dtype)]
     epilogue = bm * bn * out_bytes * (2 if p.flag("residual", False) else 1) / splits
     loads += epilogue * (1 if c.get("EPI", 0) else 2)
+    if p.flag("layer_scale", False):  # LayerScale: one factor per column of the tile
+        loads += bn * _BYTES[p.dtype] / splits
     return _tiled_us(arch, blocks, wm * wn * 32, smem, flops, loads, stages, reuse, bool(c.get("VEC", 1)))
 
 
