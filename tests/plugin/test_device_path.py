@@ -48,6 +48,10 @@ MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels
                     {"BmmSoftmax_f16"}),
     "attention_kt": (lambda: small_model(k_transposed=False, mask=True, seq=37, head_dim=32), {"Attention_f16"}),
     "swin_window": (swin_model, {"Attention_f16"}),  # the shift mask read at batch row b % nW
+    # attention as other exporters write it: Einsum products (tf2onnx), the scale after the mask and bias Adds (which
+    # scales them too), a head dim of 26 (padded to 32 inside the kernel)
+    "attention_forms": (lambda: small_model(einsum=True, scale_after=True, mask=True, bias=True, seq=37,
+                                            head_dim=26), {"Attention_f16"}),
     "layer_scale": (layer_scale_model, {"Gemm_f16"}),  # LayerScale in the GEMM epilogue (DINOv2, CaiT)
 }
 
