@@ -160,14 +160,15 @@ _ATTENTION = (Attr("heads", DIM), Attr("head_dim", DIM), Attr("seq_q", DIM), Att
               Attr("scale", FLOAT), Attr("mask", BOOL, False), Attr("bias", BOOL, False),
               Attr("nan_guard", BOOL, False), Attr("batch_dims", DIMS, ()), Attr("q_layout", STR, "bhsd"),
               Attr("k_layout", STR, "bhds"), Attr("causal", BOOL, False), Attr("scores_path", STRS, ()),
-              Attr("mask_period", INT, 0))
+              Attr("mask_period", INT, 0), Attr("mask_scale", FLOAT, 1.0), Attr("bias_scale", FLOAT, 1.0))
 QKV_PROJECTIONS = 3  # the projections a qkv op names roles for (C++ gtco::Qkv::kMaxProj)
 _EPILOGUE = (Attr("bias", BOOL, False), Attr("activation", STR, "none"), Attr("residual", BOOL, False))
 
 SPECS: dict[str, OpSpec] = {s.family: s for s in (
-    # softmax(scale * q kᵀ + mask + bias) v; scores_path: ops between QKᵀ and the Softmax other than the scale and
-    # the additive terms (a reshape, a Where mask), which a kernel reading [B, H, Sq, Sk] scores cannot take;
-    # mask_period: the mask is read at batch row b % mask_period (Swin's window mask [1, nW, 1|H, N, N]; 0: row b)
+    # softmax(scale * q kᵀ + mask_scale * mask + bias_scale * bias) v; scores_path: ops between QKᵀ and the Softmax
+    # other than the scale and the additive terms (a reshape, a Where mask), which a kernel reading [B, H, Sq, Sk]
+    # scores cannot take; mask_period: the mask is read at batch row b % mask_period (Swin's window mask
+    # [1, nW, 1|H, N, N]; 0: row b); mask_scale / bias_scale: the scales the graph applies after adding the term
     OpSpec("attention", ("q", "k", "v", "mask", "bias"), ("out",),
            (*_ATTENTION, Attr("v_layout", STR, "bhsd"), Attr("out_layout", STR, "bhsd"))),
     OpSpec("bmm_softmax", ("q", "k", "mask", "bias"), ("probs",), _ATTENTION),
@@ -175,10 +176,11 @@ SPECS: dict[str, OpSpec] = {s.family: s for s in (
     OpSpec("qkv", ("a", *(f"w{p}" for p in range(QKV_PROJECTIONS)), *(f"bias{p}" for p in range(QKV_PROJECTIONS))),
            tuple(f"y{p}" for p in range(QKV_PROJECTIONS)),
            (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False))),
-    # y = act(alpha * a @ op(b) + beta * bias) + residual
-    OpSpec("gemm", ("a", "b", "bias", "residual"), ("y",),
+    # y = act(alpha * a @ op(b) + beta * bias) * layer_scale + residual (layer_scale: one factor per column of y)
+    OpSpec("gemm", ("a", "b", "bias", "residual", "layer_scale"), ("y",),
            (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
-            Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE)),
+            Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE,
+            Attr("layer_scale", BOOL, False))),
     # y = post_act(act(affine(conv(x, w) + bias)) + residual); affine: v * scale + shift, or with batchnorm
     # (v - mean) * scale / sqrt(var + epsilon) + shift (patterns/conv.py); auto_pad: ONNX Conv's (SAME_* pads depend
     # on x's spatial size, so the kernels compute them from x's shape and `pads` is zero then)

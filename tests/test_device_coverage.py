@@ -147,3 +147,37 @@ def test_an_untuned_gemm_that_fills_the_gpu_gets_a_cutlass_instance_on_sm90a() -
     assert default_own_config(gemm_problem("f16", 1, 1, 3072, 768), "sm_90a") is None
     odd = gemm_problem("f16", 1, 197 * 64, 3000 + 4, 768)  # N % 8 != 0: TMA cannot take its rows
     assert default_own_config(odd, "sm_90a") is None
+
+
+def test_a_layer_scale_gemm_runs_the_mma_kernel_in_every_slot() -> None:
+    """LayerScale (a per-column Mul before the residual) is in the mma kernels' epilogue only: a GEMM with it big
+    enough for CUTLASS on sm_90a keeps the mma instance there (CUTLASS and cuBLASLt refuse the problem, saying why),
+    and every slot's instance is built with the scale."""
+    from onnx_gtco.kernels.gemm import FAMILY as GEMM
+    from onnx_gtco.kernels.gemm import gemm_problem
+    from onnx_gtco.plugin.device import default_own_config, device_problem
+
+    big = gemm_problem("f16", 1, 197 * 64, 768, 3072, bias=True, layer_scale=True, residual=True)
+    assert default_own_config(big, "sm_90a") is None
+    assert GEMM.check(big, {"impl": "cublaslt", "RANK": 0}, "sm_90") is not None
+    rng = np.random.default_rng(1)
+    d, rows = 64, 197 * 64
+    inits = [numpy_helper.from_array(rng.standard_normal((4 * d, d)).astype(np.float16), "w"),
+             numpy_helper.from_array(rng.standard_normal(d).astype(np.float16), "b"),
+             numpy_helper.from_array(rng.standard_normal(d).astype(np.float16), "gamma")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc2"),
+             helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+             helper.make_node("Mul", ["hb", "gamma"], ["ls"], name="ls"),
+             helper.make_node("Add", ["r", "ls"], ["y"], name="res")]
+    f16 = TensorProto.FLOAT16
+    graph = helper.make_graph(nodes, "ls", [helper.make_tensor_value_info("x", f16, [rows, 4 * d]),
+                                            helper.make_tensor_value_info("r", f16, [rows, d])],
+                              [helper.make_tensor_value_info("y", f16, [rows, d])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    (node,) = fused_nodes(optimize(model, GtcoConfig(precision="fp16")).model)
+    (result,), _ = bind_nodes([node])
+    problem = device_problem(node, result.binding)
+    assert not isinstance(problem, str) and problem.flag("layer_scale") is True
+    insts = device_instances(node, result.binding, ARCH_SLOTS)
+    assert not isinstance(insts, str) and [i.arch for i in insts] == ["sm_80", "sm_90", "sm_90"]
+    assert all("_ls_res" in i.name and "HAS_SCALE=*/true" in i.source for i in insts)

@@ -18,6 +18,7 @@ import numpy as np
 from onnx import TensorProto
 
 from onnx_gtco.config import GtcoConfig, Target
+from onnx_gtco.ir.einsum import batched_matmul
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.plan.types import Candidate
 
@@ -76,6 +77,11 @@ def node_flops(view: GraphView, n: Node) -> tuple[float, float]:
             return 0.0, 0.0
         k = a[0] if (n.op_type == "Gemm" and n.attrs.get("transA", 0)) else a[-1]
         return 2.0 * out * k, float(out if n.op_type == "Gemm" and len(n.inputs) > 2 else 0)
+    if n.op_type == "Einsum" and (form := batched_matmul(n.attrs.get("equation"))) is not None:
+        a = _static(view.shape(n.inputs[0]))
+        if a is None or len(a) < 2:
+            return 0.0, 0.0
+        return 2.0 * out * (a[-2] if form.trans_a else a[-1]), 0.0
     if n.op_type in ("Conv", "ConvTranspose"):
         w = _static(view.shape(n.inputs[1]))
         if w is None:

@@ -1,13 +1,16 @@
 """The attention kernel families of `plugins/include/gtco/attention.cuh`.
 
-- ``attention``: ``O = softmax(scale * Q Kᵀ + mask + bias) V`` in one kernel, FlashAttention-2 style (online
-  softmax on the accumulator registers, K/V streamed through a cp.async ring). Any sequence length.
+- ``attention``: ``O = softmax(scale * Q Kᵀ + mask + bias) V`` (mask and bias times their own scales) in one
+  kernel, FlashAttention-2 style (online softmax on the accumulator registers, K/V streamed through a cp.async ring).
+  Any sequence length.
 - ``bmm_softmax``: GTCO's fused BMM + softmax, ``P = softmax(scale * Q Kᵀ + mask + bias)`` written out. Two passes
   over the key tiles: the first keeps the online row max and sum, the second recomputes S and writes P. Any
   sequence length; the instance does not depend on seq_k.
 
 Problem (both families): sizes ``batch`` (the product of the batch dims), ``heads``, ``seq_q``, ``seq_k``,
-``head_dim``; flags ``scale`` (float), ``mask`` / ``bias`` (bool), ``mask_shape`` / ``bias_shape`` (4-tuples
+``head_dim``; flags ``scale`` (float), ``mask`` / ``bias`` (bool), ``mask_scale`` / ``bias_scale`` (floats that
+multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M) * s)`` is ``softmax(s Q Kᵀ + s M)``; run-time
+arguments, no part of the instance), ``mask_shape`` / ``bias_shape`` (4-tuples
 ``[B', H', Sq', Sk']`` with each dim 1 or full; B' may also divide batch, Swin's window mask; defaults
 ``(batch, 1, 1, seq_k)`` key padding and ``(1, heads, seq_q, seq_k)`` bias), ``q_layout``, ``k_layout`` and, for
 attention, ``v_layout``, ``out_layout``.
@@ -16,6 +19,12 @@ Layouts (arrays as the kernel reads them; the batch dims flattened to one):
   bhsd [B, H, S, D]; bshd [B, S, H, D]; bshd_merged [B, S, H*D]; qkv_packed one [B, S, 3*H*D] array "qkv" for
   q, k and v; bhds [B, H, D, S] (Kᵀ, k only: gathered element by element, the slower path).
 Inputs: "q", "k", "v" (or "qkv"), "mask", "bias"; outputs: attention "out", bmm_softmax "probs" [B, H, Sq, Sk].
+
+Head dims: 32, 64, 80, 96, 128 and 256 run as they are; any smaller one (26, 40, 100, ...) runs padded, as the next
+of those (26 as 32): the kernel reads its rows element by element (they need no 16-byte alignment), zero-fills the
+dims past head_dim in shared memory, so they add nothing to Q Kᵀ and give O zero columns, and writes only the
+head_dim columns (`kernel_head_dim`; PAD_D in attention.cuh). Between 128 and 256 only 256 itself runs. The register
+budget, shared memory and instance name (``..._d26p32_...``) count the padded size.
 
 dtype f16 / bf16: mma.m16n8k16; f32: TF32 (mma.m16n8k8 on operands rounded by cvt.rna, fp32 softmax and I/O), whose
 reference multiplies the TF32-rounded q, k and v (P is rounded too in the kernel, not in the reference).
@@ -48,7 +57,16 @@ from onnx_gtco.kernels.family import (
     to_storage,
 )
 
-HEAD_DIMS = (32, 64, 80, 128)
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+PAD_BELOW = 128
+"""Head dims under this that are not in HEAD_DIMS run padded to the next one (kernel_head_dim)."""
+WIDE_HEAD = 256
+WIDE_HEAD_TILE = {"BQ": 64, "BKV": 32, "WARPS": 4}
+"""The only tile of the attention family at head dim WIDE_HEAD: one m-tile per warp, whose 16 x 256 fp32 O accumulators
+are 128 registers per thread. With 32-key tiles ptxas (CUDA 13.0) fits it into 255 registers without spills or a stack
+frame on sm_80 and sm_90, f16 and f32 (TF32), with a mask, a bias and a gathered Kᵀ; BKV 64 and 128, 2 m-tiles per
+warp, and BQ 128 on 8 warps (sm_80, mask + bias + Kᵀ) spill. The bmm_softmax family keeps no O and takes d256 under
+its ordinary budget."""
 LAYOUTS = ("bhsd", "bshd", "bshd_merged", "qkv_packed")
 K_LAYOUTS = (*LAYOUTS, "bhds")
 OUT_LAYOUTS = ("bhsd", "bshd", "bshd_merged")
@@ -57,9 +75,10 @@ MAX_CONFIGS = 6  # configs() proposes at most this many (the tuner explores from
 ACC_REG_BUDGET = 112
 """Per-thread budget of live tile registers, `_acc_regs`: attention O + S tile fp32 accumulators, bmm_softmax the
 S tile plus the Q fragments of the whole head dim. Fitted to ptxas -v (CUDA 13.0, sm_80 and sm_90) over every
-config of the space x head dims 32/64/80/128 x {mask+bias with gathered Kᵀ, mask, plain}: nothing at or under 112
-spills or has a stack frame; at 128 (attention d128 with BKV 128, bmm_softmax BQ 128 on 4 warps with BKV 128, or
-BKV 64 with d128) ptxas reaches 255 registers and spills."""
+config of the space x head dims 32/64/80/96/128 (and bmm_softmax's 256) x {mask+bias with gathered Kᵀ, mask,
+plain}: nothing at or under 112 spills or has a stack frame; at 128 (attention d128 with BKV 128, bmm_softmax BQ 128
+on 4 warps with BKV 128, or BKV 64 with d128) ptxas reaches 255 registers and spills. Attention at head dim 256 is
+over it with any tile and takes WIDE_HEAD_TILE instead."""
 _CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 
 _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
@@ -73,7 +92,7 @@ _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("bias_sb", "i64"), ("bias_sh", "i64"), ("bias_sq", "i64"), ("bias_sk", "i64"),
     ("batch", "i32"), ("heads", "i32"), ("seq_q", "i32"), ("seq_k", "i32"), ("head_dim", "i32"),
     ("m_bmod", "i32"), ("bias_bmod", "i32"),
-    ("scale", "f32"),
+    ("scale", "f32"), ("mask_scale", "f32"), ("bias_scale", "f32"),
 )
 
 
@@ -88,6 +107,22 @@ def elem_bytes(dtype: str) -> int:
 
 def _dims(p: Problem) -> tuple[int, int, int, int, int]:
     return p.size("batch"), p.size("heads"), p.size("seq_q"), p.size("seq_k"), p.size("head_dim")
+
+
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The head dim a kernel runs `head_dim` as: itself when it is one of HEAD_DIMS, the next of them for a smaller one
+    under PAD_BELOW (zero-padded inside the kernel), else None (no kernel)."""
+    if head_dim in HEAD_DIMS:
+        return head_dim
+    if 0 < head_dim < PAD_BELOW:
+        return min(d for d in HEAD_DIMS if d > head_dim)
+    return None
+
+
+def _kd(p: Problem) -> int:
+    """The (padded) head dim of a checked problem's kernel."""
+    d = p.size("head_dim")
+    return kernel_head_dim(d) or d
 
 
 def _layouts(p: Problem) -> dict[str, str]:
@@ -201,8 +236,9 @@ class _AttentionBase(KernelFamily):
             b, h, sq, sk, d = _dims(problem)
         except KeyError as e:
             return str(e)
-        if d not in HEAD_DIMS:
-            return f"head_dim {d} not supported (supported: {', '.join(map(str, HEAD_DIMS))})"
+        if kernel_head_dim(d) is None:
+            return (f"head_dim {d} not supported (supported: {', '.join(map(str, HEAD_DIMS))}, and any head dim under "
+                    f"{PAD_BELOW} padded to the next of them)")
         if min(b, h, sq, sk) <= 0:
             return f"empty problem (batch {b}, heads {h}, seq_q {sq}, seq_k {sk})"
         if b * h > 65535:
@@ -235,8 +271,13 @@ class _AttentionBase(KernelFamily):
         bq, warps = config["BQ"], config["WARPS"]
         if bq % (16 * warps):
             return f"BQ={bq} does not give each of {warps} warps whole 16-row m-tiles"
+        if self.name == "attention" and _kd(problem) == WIDE_HEAD:
+            tile = {k: config[k] for k in WIDE_HEAD_TILE}
+            if tile != WIDE_HEAD_TILE:
+                return (f"head_dim {WIDE_HEAD} takes only the tile {WIDE_HEAD_TILE} (its O accumulators are 128 "
+                        f"registers per thread; other tiles spill), not {tile}")
         regs = self._acc_regs(problem, config)
-        if regs > ACC_REG_BUDGET:
+        if regs > ACC_REG_BUDGET and not (self.name == "attention" and _kd(problem) == WIDE_HEAD):
             return (f"{regs} fp32 accumulator registers per thread exceed the budget of {ACC_REG_BUDGET} "
                     f"(would spill)")
         smem, limit = self._smem(problem, config), TARGETS[arch].smem_kib * 1024
@@ -265,7 +306,9 @@ class _AttentionBase(KernelFamily):
         return sorted(valid, key=rank)[:MAX_CONFIGS]
 
     def _tag(self, problem: Problem, config: Config, arch: str, extra: str = "") -> str:
-        d = problem.size("head_dim")
+        d, kd = problem.size("head_dim"), _kd(problem)
+        if kd != d:
+            extra = f"p{kd}{extra}"
         tags = "".join(f"_{t}" for t in ("mask", "bias") if problem.flag(t, False))
         kt = "_kt" if _layouts(problem)["k"] == "bhds" else ""
         return (f"{self.name}_{arch.replace('_', '')}_{problem.dtype}_d{d}{extra}_q{config['BQ']}_kv{config['BKV']}"
@@ -278,13 +321,16 @@ class _AttentionBase(KernelFamily):
                 f"    return {call}(args, stream);\n}}\n")
 
     def _template_args(self, problem: Problem, config: Config) -> str:
-        return (f"{_CTYPE[problem.dtype]}, {problem.size('head_dim')}, {config['BQ']}, {config['BKV']}, "
+        return (f"{_CTYPE[problem.dtype]}, {_kd(problem)}, {config['BQ']}, {config['BKV']}, "
                 f"{config['WARPS']}, {config['STAGES']}")
 
     def _flags_args(self, problem: Problem) -> str:
+        """K_TRANS, MASK, BIAS, and PAD_D = true for a padded head dim (left at its default otherwise)."""
         kt = _layouts(problem)["k"] == "bhds"
-        return ", ".join("true" if f else "false"
-                         for f in (kt, problem.flag("mask", False), problem.flag("bias", False)))
+        flags = [kt, problem.flag("mask", False), problem.flag("bias", False)]
+        if _kd(problem) != problem.size("head_dim"):
+            flags.append(True)
+        return ", ".join("true" if f else "false" for f in flags)
 
     # ---- run-time arguments ------------------------------------------------------------------------------------
     def _input_names(self, problem: Problem) -> list[str]:
@@ -322,7 +368,9 @@ class _AttentionBase(KernelFamily):
             vals |= dict(zip((f"{prefix}_sb", f"{prefix}_sh", f"{prefix}_sq", f"{prefix}_sk"), strides, strict=True))
             vals[f"{prefix}_bmod"] = bmod
         vals |= {"batch": b, "heads": h, "seq_q": sq, "seq_k": sk, "head_dim": d,
-                 "scale": float(problem.flag("scale", 1.0 / math.sqrt(d)))}
+                 "scale": float(problem.flag("scale", 1.0 / math.sqrt(d))),
+                 "mask_scale": float(problem.flag("mask_scale", 1.0)),
+                 "bias_scale": float(problem.flag("bias_scale", 1.0))}
         return [Field(name, kind, vals[name]) for name, kind in _ARG_FIELDS]
 
     # ---- numerics ----------------------------------------------------------------------------------------------
@@ -350,7 +398,7 @@ class _AttentionBase(KernelFamily):
                 if add.shape[0] not in (1, b):  # Swin: [nW, ...] over batch = (B / nW, nW)
                     add = np.tile(add, (b // add.shape[0], 1, 1, 1))
                 with np.errstate(invalid="ignore"):
-                    s = s + add
+                    s = s + float(problem.flag(f"{which}_scale", 1.0)) * add
         return _softmax_rows(s)
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
@@ -386,13 +434,13 @@ class AttentionFamily(_AttentionBase):
     name = "attention"
 
     def _smem(self, problem: Problem, config: Config) -> int:
-        d, bq, bkv, st = problem.size("head_dim"), config["BQ"], config["BKV"], config["STAGES"]
+        d, bq, bkv, st = _kd(problem), config["BQ"], config["BKV"], config["STAGES"]
         rs, size = d + row_pad(problem.dtype), elem_bytes(problem.dtype)
         k_elems = d * (bkv + PAD) if _layouts(problem)["k"] == "bhds" else bkv * rs
         return size * (bq * rs + st * (k_elems + bkv * rs))
 
     def _acc_regs(self, problem: Problem, config: Config) -> int:
-        mt, d = config["BQ"] // (16 * config["WARPS"]), problem.size("head_dim")
+        mt, d = config["BQ"] // (16 * config["WARPS"]), _kd(problem)
         # O: D/8 n-tiles x 4, S: BKV/8 x 4; f32 (TF32) keeps one register per Q element of its A fragments (twice
         # f16's), of which ptxas holds about a quarter live: fitted to ptxas (d64 with 2 m-tiles and d128 with one
         # stay under 255 registers with no spill, d80 with 2 m-tiles is left out)
@@ -431,13 +479,13 @@ class BmmSoftmaxFamily(_AttentionBase):
     name = "bmm_softmax"
 
     def _smem(self, problem: Problem, config: Config) -> int:
-        d, bq, bkv, st = problem.size("head_dim"), config["BQ"], config["BKV"], config["STAGES"]
+        d, bq, bkv, st = _kd(problem), config["BQ"], config["BKV"], config["STAGES"]
         rs, size = d + row_pad(problem.dtype), elem_bytes(problem.dtype)
         k_elems = d * (bkv + PAD) if _layouts(problem)["k"] == "bhds" else bkv * rs
         return size * (bq * rs + st * k_elems)
 
     def _acc_regs(self, problem: Problem, config: Config) -> int:
-        mt, d = config["BQ"] // (16 * config["WARPS"]), problem.size("head_dim")
+        mt, d = config["BQ"] // (16 * config["WARPS"]), _kd(problem)
         # one S tile (BKV/8 n-tiles x 4 per m-tile, whatever seq_k is) and the Q A-fragments of D/16 k-steps x 4;
         # f32 (TF32) holds D/8 x 4 of those (one tf32 element per register) and, fitted to ptxas, half as much again
         # per S register (d64 with a 128-key tile spills 8 bytes at the f16 weights)

@@ -110,6 +110,9 @@ def unsupported(problem: Problem) -> str | None:
     scales = [k for k in ("beta", "scale") if problem.flag(k) is not None and float(problem.flag(k)) != 1.0]
     for key in layout + scales:
         return f"{key}={problem.flag(key)!r}: not expressible by one cuBLASLt matmul with its epilogue"
+    if problem.flag("layer_scale", False):
+        return ("layer_scale: cuBLASLt's epilogues have no per-column scale after the activation (a device alpha "
+                "vector scales the product before the bias and activation, and only with beta = 0: no residual)")
     act = str(problem.flag("activation", "none") or "none")
     if act not in {a for _, a in _EPILOGUES}:
         why = " (cuBLASLt's GELU is the tanh form)" if act == "gelu_erf" else ""

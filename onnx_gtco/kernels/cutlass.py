@@ -78,7 +78,7 @@ ACTIVATIONS: Mapping[str, str] = {
     "tanh": "cutlass::epilogue::thread::Tanh",
 }
 """GEMM activation -> the CUTLASS functor the epilogue applies in fp32."""
-_FLAGS = frozenset({"trans_b", "bias", "activation", "residual", "alpha", "out_dtype"})
+_FLAGS = frozenset({"trans_b", "bias", "activation", "residual", "alpha", "out_dtype", "layer_scale"})
 _SCHEDULES = {
     "cooperative": ("cutlass::gemm::KernelTmaWarpSpecializedCooperative",
                     "cutlass::epilogue::TmaWarpSpecializedCooperative", "coop"),
@@ -140,6 +140,9 @@ def unsupported(problem: Problem) -> str | None:
         return (f"GEMM flag(s) {', '.join(unknown)} are not expressed by the CUTLASS instantiation (it reads dense "
                 f"row-major A, y and residual)")
     trans_b, _, act, _, out_dtype = _flags(problem)
+    if problem.flag("layer_scale", False):
+        return ("layer_scale: the epilogue tree here has no per-column scale between the activation and the residual "
+                "(the mma kernels take it)")
     if act != "none" and act not in ACTIVATIONS:
         return (f"activation {act!r} has no CUTLASS epilogue functor in the mapping (have: none, "
                 f"{', '.join(ACTIVATIONS)})")

@@ -110,7 +110,8 @@ def _gemm(dtype: str, op: FusedOp) -> Problem | str:
     return gemm_problem(dtype, batch, m, n, k, b_batched=batch > 1 or bool(batch_dims),
                         trans_b=bool(op.attrs.get("trans_b")), bias=bool(op["bias"]),
                         activation=str(op.attrs.get("activation") or "none"),
-                        residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)))
+                        residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)),
+                        layer_scale=bool(op.attrs.get("layer_scale")))
 
 
 def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:
@@ -125,6 +126,7 @@ def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:
     flags: dict[str, Any] = {
         "scale": op["scale"] if op["scale"] is not None else 1.0 / math.sqrt(head_dim),
         "mask": op["mask"], "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],
+        **{f"{t}_scale": float(op[f"{t}_scale"]) for t in ("mask", "bias") if float(op[f"{t}_scale"]) != 1.0},
     }
     if family == "attention":
         flags["v_layout"] = op["v_layout"]

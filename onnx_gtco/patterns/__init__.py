@@ -7,10 +7,12 @@ plays which role:
     attention    heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, batch_dims,
                  q_layout, k_layout, v_layout, out_layout (ONNX Attention op: also causal; scores_path when
                  more than a scale, a mask and a bias lie between QKᵀ and the Softmax; mask_period nW for
-                 Swin's shifted-window mask, read at batch row b % nW)
+                 Swin's shifted-window mask, read at batch row b % nW; mask_scale / bias_scale for a scale
+                 applied after the mask's / bias's Add)
     bmm_softmax  as attention, without v_layout / out_layout
     qkv          m, k, ns, n_out, bias
-    gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set)
+    gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set;
+                 layer_scale when a per-column Mul follows the activation)
     conv         kernel, stride, pads, dilations, auto_pad, groups, bias, scale, shift, batchnorm, epsilon,
                  affine, activation, residual, post_activation
     layernorm    epsilon, axis, hidden, residual, decomposed, affine

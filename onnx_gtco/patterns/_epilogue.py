@@ -1,4 +1,5 @@
-"""Epilogue steps GEMM and Conv groups share: a broadcast bias Add and a same-shape residual Add."""
+"""Epilogue steps GEMM and Conv groups share: a broadcast bias Add and a same-shape residual Add (and GEMM's
+LayerScale Mul)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,16 @@ def const_add(view: GraphView, tensor: str, axis: int, op: str = "Add") -> tuple
         shape = view.shape(other)
         return None, f"{op} {add.name!r} of constant shape {shape} does not broadcast along axis {axis}"
     return add, None
+
+
+def layer_scale(view: GraphView, tensor: str, n: object) -> Node | None:
+    """The sole reader of `tensor` if it is a Mul by a constant of one value per column of the last axis, `n` of them
+    (LayerScale's gamma: [n], or [1, .., 1, n]); None otherwise (a scalar Mul is no LayerScale)."""
+    mul, _ = const_add(view, tensor, -1, op="Mul")
+    if mul is None:
+        return None
+    val = view.const_value(other_input(mul, tensor) or "")
+    return mul if val is not None and isinstance(n, int) and n > 1 and val.size == n else None
 
 
 def residual_add(view: GraphView, tensor: str, group: set[int]) -> tuple[Node | None, str | None]:

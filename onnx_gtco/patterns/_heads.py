@@ -84,12 +84,12 @@ def _walk_up(
 
 
 def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dict[str, str], core_rank: int,
-                width: int | None) -> tuple[float, dict[str, str], dict[str, str]]:
+                width: int | None, k_rows: bool = False) -> tuple[float, dict[str, str], dict[str, str]]:
     """Pull the head split of q, k, v (keys of `ins`, values the core's operands) into `group`.
 
     Each branch keeps the longest prefix whose source has a nameable layout; q, k and v read from one
-    tensor is "qkv_packed". Returns the scale factor absorbed on q and k, the layout per branch and the tensor
-    each branch reads (its source).
+    tensor is "qkv_packed". `k_rows`: the core reads k as [.., S, D] (an Einsum), not as kᵀ. Returns the scale
+    factor absorbed on q and k, the layout per branch and the tensor each branch reads (its source).
     """
     for role in ("q", "k"):
         absorb_up(view, group, [ins[role]], lambda n, _t: scale_step(view, n))
@@ -101,7 +101,8 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
     else:
         names = {}
         for role, walk in walks.items():
-            kind, wide = ("k", width) if role == "k" else ("q", width if role == "q" else None)
+            kind = "k" if role == "k" and not k_rows else "q"
+            wide = width if role in ("q", "k") else None
             names[role] = layout(view, ins[role], tuple(range(core_rank)), core_rank, kind)
             keep = 0
             for i, (_, src, perm) in enumerate(walk, 1):

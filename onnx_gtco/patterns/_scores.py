@@ -1,4 +1,8 @@
-"""The attention score chain, walked up from a Softmax: QKᵀ MatMul -> scale -> mask/bias Adds -> Softmax."""
+"""The attention score chain, walked up from a Softmax: QKᵀ MatMul -> scale -> mask/bias Adds -> Softmax.
+
+The two products are MatMuls, or Einsums whose equation is one (onnx_gtco.ir.einsum; tf2onnx writes
+Einsum("bhqd,bhkd->bhqk") for Q Kᵀ, reading k as it is, and Einsum("bhqk,bhkd->bhqd") for P V).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnx_gtco.ir.einsum import batched_matmul
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._util import const_close, const_scalar, sole_reader
 from onnx_gtco.patterns.base import is_op
@@ -23,6 +28,7 @@ class Scores:
     nodes: set[int] = field(default_factory=set)
     q: str = ""
     k: str = ""
+    k_rows: bool = False  # the QKᵀ product reads k as [.., S, D] (an Einsum with a transposed B), not as kᵀ
     probs: str = ""
     scale: float = 1.0
     mask: bool = False
@@ -31,6 +37,8 @@ class Scores:
     mask_tensor: str = ""  # the additive mask / bias operand, when one Add adds it to the scores
     mask_period: int = 0  # Swin's shifted windows: the mask is read at batch row b % mask_period (0: at row b)
     bias_tensor: str = ""
+    mask_scale: float = 1.0  # what the scales applied after the mask's / bias's Add multiply it by:
+    bias_scale: float = 1.0  # softmax((QKᵀ + M) * s) adds s * M to s * QKᵀ
     path: list[str] = field(default_factory=list)  # what else is between QKᵀ and the Softmax (reshapes, a Where,
                                                    # a second mask or bias Add), from the Softmax up
 
@@ -49,6 +57,18 @@ def scalar_operand(view: GraphView, node: Node) -> tuple[str, float] | None:
     return None
 
 
+def matmul_form(node: Node | None) -> bool | None:
+    """For a MatMul, or an Einsum of two operands that is one with A as it is stored: whether it reads B
+    transposed ([.., N, K]); None for any other node."""
+    if is_op(node, "MatMul"):
+        return False
+    if is_op(node, "Einsum") and node is not None and len(node.inputs) == 2:
+        form = batched_matmul(node.attrs.get("equation"))
+        if form is not None and not form.trans_a:
+            return form.trans_b
+    return None
+
+
 def is_projection(view: GraphView, mm: Node) -> bool:
     """A MatMul by a constant 2-D weight (a linear layer); a constant Q (learned queries) is attention."""
     shape = view.shape(mm.inputs[1])
@@ -60,7 +80,7 @@ def leads_to_qk(view: GraphView, tensor: str, depth: int = 8) -> bool:
     node = view.producer_of(tensor)
     if node is None or depth == 0:
         return False
-    if is_op(node, "MatMul"):
+    if matmul_form(node) is not None:
         return not is_projection(view, node)
     if is_op(node, *PATH_OPS):
         return leads_to_qk(view, node.inputs[0], depth - 1)
@@ -83,13 +103,14 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
     """Follow the Softmax's input up to the QKᵀ MatMul; a reason string when the chain is not attention."""
     s = Scores(qk=sm, softmax=sm, nodes={sm.id})
     tensor, reader, scaled = sm.inputs[0], sm, False
+    after = 1.0  # the product of the scales between `tensor` and the Softmax
     while True:
         if tensor in view.graph_outputs or view.consumers.get(tensor, ()) != (reader.id,):
             return f"scores {tensor!r} are also read outside the attention chain"
         node = view.producer_of(tensor)
         if node is None:
             return "the Softmax input is a graph input, not a QKᵀ MatMul"
-        if is_op(node, "MatMul"):
+        if matmul_form(node) is not None:
             break
         if is_op(node, *PATH_OPS) and not scaled and (top := _window_mask(view, s, node)) is not None:
             s.nodes |= {node.id, view.producer_of(node.inputs[0]).id}  # type: ignore[union-attr]
@@ -102,7 +123,7 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
             ways = [t for t in ins if leads_to_qk(view, t)]
             if not ways:
                 return f"{node.op_type} {node.name!r} before the Softmax: no operand comes from a QKᵀ MatMul"
-            if scaled:
+            if scaled and node.op_type == "Where":
                 return f"the scale is applied after {node.op_type} {node.name!r} (mask/bias), not to QKᵀ"
             nxt = ways[0]
             if node.op_type == "Where":
@@ -115,12 +136,14 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
                 if getattr(s, f"{kind}_tensor"):
                     s.path.append(f"Add({kind})")
                 setattr(s, f"{kind}_tensor", term)
+                setattr(s, f"{kind}_scale", after)  # (QKᵀ + term) * after: the term is scaled too
         elif is_op(node, "Mul", "Div"):
             found = scalar_operand(view, node)
             if found is None:
                 return f"scale of {node.op_type} {node.name!r} on the scores is not a scalar constant"
             nxt, factor = found
             s.scale *= factor
+            after *= factor
             scaled = True
         else:
             what = f"{node.op_type} {node.name!r}"
@@ -128,8 +151,9 @@ def walk_scores(view: GraphView, sm: Node) -> Scores | str:
         s.nodes.add(node.id)
         tensor, reader = nxt, node
     if is_projection(view, node):
-        return f"MatMul {node.name!r} before the Softmax has a constant 2-D B: a projection, not QKᵀ"
+        return f"{node.op_type} {node.name!r} before the Softmax has a constant 2-D B: a projection, not QKᵀ"
     s.qk = node
+    s.k_rows = bool(matmul_form(node))
     s.nodes.add(node.id)
     s.q, s.k = (_prescale(view, s, t, node) for t in node.inputs)
     return s
@@ -208,8 +232,11 @@ def walk_probs(view: GraphView, s: Scores) -> Node | str:
     if probs in view.graph_outputs or len(users) != 1:
         return f"attention probabilities {probs!r} are also read outside (graph output or a second reader)"
     pv = users[0]
-    if not is_op(pv, "MatMul"):
+    form = matmul_form(pv)
+    if form is None:
         return f"the probabilities go to {pv.op_type} {pv.name!r}, not to a MatMul with V"
+    if form:
+        return f"{pv.op_type} {pv.name!r} reads V transposed ([.., D, S]), which the kernels do not take"
     if pv.inputs[0] != probs:
         return f"second MatMul {pv.name!r} reads the scores as its B operand"
     return pv

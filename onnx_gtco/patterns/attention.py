@@ -16,9 +16,12 @@ from onnx_gtco.patterns.base import Match, Reject, is_op
 class AttentionPattern:
     """Attention sites, anchored at each Softmax over the last axis (and the ONNX ``Attention`` op).
 
-    Formula: ``O = softmax(s * Q Kᵀ + M + B) V`` where s is a Div/Mul by a scalar after the MatMul, or
-    Muls by sqrt(s) on q and k before it (or none), M an additive mask (run-time, or 0/-big constants, or a
-    ``Where``) and B an additive bias (Swin's relative position bias). Swin's shifted-window mask, added between
+    Formula: ``O = softmax(s * Q Kᵀ + sm * M + sb * B) V``. The products are MatMuls, or Einsums that are one
+    (tf2onnx's "bhqd,bhkd->bhqk" reads k as it is: k_layout then names k itself, not kᵀ); s is a Div/Mul by a scalar
+    after the product, or Muls by sqrt(s) on q and k before it (or none); M an additive mask (run-time, or 0/-big
+    constants, or a ``Where``) and B an additive bias (Swin's relative position bias). sm and sb are 1 unless a scale
+    follows their Add: ``softmax((Q Kᵀ + M) * s)`` scales the mask too, so mask_scale / bias_scale are the product of
+    the scales after that Add (s is the product of all of them). Swin's shifted-window mask, added between
     Reshape [B*nW, H, N, N] -> [B, nW, H, N, N] and back, is the mask with ``mask_period`` nW: batch row b reads
     the mask of window b % nW.
 
@@ -32,9 +35,10 @@ class AttentionPattern:
     and "attention" with the head split of q, k, v (Reshape[B,S,H,D] -> Transpose, k's Transpose[0,2,3,1],
     the unbind of a packed qkv: Reshape[B,S,3,H,D] -> Transpose[2,0,3,1,4] -> Split/Gather/Slice ->
     Squeeze) and the head merge (Transpose[0,2,1,3] -> Reshape[B,S,H*D]) pulled in where only the chain
-    reads them. attrs: heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, mask_period, batch_dims, q_layout,
-    k_layout, and for "attention" v_layout, out_layout. Layouts: "bhsd", "bhds" (kᵀ as the MatMul reads
-    it), "bshd", "bshd_merged" ([B, S, H*D]), "qkv_packed" (one [B, S, 3*H*D] tensor for q, k and v).
+    reads them. attrs: heads, head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, mask_period, mask_scale,
+    bias_scale, batch_dims, q_layout, k_layout, and for "attention" v_layout, out_layout. Layouts: "bhsd", "bhds"
+    (kᵀ as the MatMul reads it), "bshd", "bshd_merged" ([B, S, H*D]), "qkv_packed" (one [B, S, 3*H*D] tensor for q,
+    k and v).
     """
 
     name = "attention"
@@ -70,7 +74,7 @@ class AttentionPattern:
         core = len(dims(view, s.qk.outputs[0]) or (0, 0, 0, 0))
         h, d = attrs["heads"], attrs["head_dim"]
         width = h * d if isinstance(h, int) and isinstance(d, int) else None
-        factor, names, srcs = _heads.split_heads(view, group, frozenset(base), ins, core, width)
+        factor, names, srcs = _heads.split_heads(view, group, frozenset(base), ins, core, width, k_rows=s.k_rows)
         out_layout, out = _heads.merge_heads(view, group, pv.outputs[0], core)
         if group == base:
             return
@@ -83,7 +87,7 @@ class AttentionPattern:
         scores = dims(view, s.qk.outputs[0]) or ("?", "?", "?", "?")
         head_dim = dim(view, s.q, -1)
         if not isinstance(head_dim, int):
-            head_dim = dim(view, s.k, -2)
+            head_dim = dim(view, s.k, -1 if s.k_rows else -2)
         return {
             "heads": scores[-3] if len(scores) >= 4 else 1,
             "head_dim": head_dim,
@@ -95,9 +99,10 @@ class AttentionPattern:
             "nan_guard": s.nan_guard,
             **({"scores_path": tuple(s.path)} if s.path else {}),
             **({"mask_period": s.mask_period} if s.mask_period else {}),
+            **{f"{k}_scale": float(v) for k, v in (("mask", s.mask_scale), ("bias", s.bias_scale)) if v != 1.0},
             "batch_dims": tuple(scores[:-3] if len(scores) >= 4 else scores[:-2]),
             "q_layout": "bhsd",
-            "k_layout": "bhds",
+            "k_layout": "bhsd" if s.k_rows else "bhds",
         }
 
     def _onnx_attention(self, view: GraphView, node: Node) -> Iterator[Match | Reject]:

@@ -1,4 +1,5 @@
-"""GEMM with its epilogue: MatMul or Gemm, + bias, + activation, + residual; every prefix is a candidate."""
+"""GEMM with its epilogue: MatMul or Gemm, + bias, + activation, * LayerScale, + residual; every prefix is a
+candidate."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns._act import find_activation
-from onnx_gtco.patterns._epilogue import const_add, residual_add
+from onnx_gtco.patterns._epilogue import const_add, layer_scale, residual_add
 from onnx_gtco.patterns._util import dims, prod
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 
@@ -15,16 +16,17 @@ from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 class GemmPattern:
     """A matrix product and the elementwise epilogue a GEMM kernel applies before storing.
 
-    Formula: ``y = act(A @ B + bias) + residual`` (bias, act and residual optional), where ``A @ B`` is a
-    MatMul (2-D weight, or batched with any B, including attention's QKᵀ and PV) or a Gemm.
+    Formula: ``y = act(A @ B + bias) * gamma + residual`` (bias, act, gamma and residual optional), where
+    ``A @ B`` is a MatMul (2-D weight, or batched with any B, including attention's QKᵀ and PV) or a Gemm, and
+    gamma is LayerScale (DINOv2, CaiT, DeiT-III): a Mul by a constant of one value per output column.
 
         A    B
          \\  /
-        MatMul/Gemm -> [Add bias] -> [act: Relu | GELU (erf, tanh) | SiLU | ...] -> [Add residual] -> y
+        MatMul/Gemm -> [Add bias] -> [act: Relu | GELU (erf, tanh) | SiLU | ...] -> [Mul gamma] -> [Add residual] -> y
 
-    Each prefix (matmul alone, +bias, +act, +residual) is proposed; the planner keeps the cheapest cover.
+    Each prefix (matmul alone, +bias, +act, +gamma, +residual) is proposed; the planner keeps the cheapest cover.
     attrs: m, n, k, batch (batch dims of a batched GEMM, () for a weight GEMM), trans_b, bias, activation,
-    residual.
+    layer_scale (only when true), residual.
     """
 
     name = "gemm"
@@ -70,6 +72,13 @@ class GemmPattern:
             group |= act[1]
             out = act[2]
             attrs["activation"] = act[0]
+            yield match()
+        gamma = layer_scale(view, out, attrs["n"])
+        if gamma is not None:
+            group.add(gamma.id)
+            roles["layer_scale"] = other_input(gamma, out) or ""
+            out = gamma.outputs[0]
+            attrs["layer_scale"] = True
             yield match()
         res, why = residual_add(view, out, group)
         if why and weight:

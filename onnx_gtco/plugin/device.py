@@ -43,7 +43,7 @@ EMULATED_ARCH = "sm_80"
 _ROLE_FLAGS: dict[str, tuple[tuple[str, str, int], ...]] = {
     # family -> (flag, "in"/"out", role index): the flag is whether the node has that operand
     "layernorm": (("residual", "in", 1), ("residual_out", "out", 1), ("gamma", "in", 2), ("beta", "in", 3)),
-    "gemm": (("bias", "in", 2), ("residual", "in", 3)),
+    "gemm": (("bias", "in", 2), ("residual", "in", 3), ("layer_scale", "in", 4)),
     "qkv": (("bias", "in", 4),),
     "attention": (("mask", "in", 3), ("bias", "in", 4)),
     "bmm_softmax": (("mask", "in", 3), ("bias", "in", 4)),
@@ -94,14 +94,18 @@ def _bound(problem: Problem, node: FusedNode, binding: Binding) -> Problem | str
     for flag, side, role in _ROLE_FLAGS.get(node.family, ()):
         roles = binding.inputs if side == "in" else binding.outputs
         flags[flag] = role < len(roles) and roles[role] >= 0
-    if node.family in ("gemm", "qkv") and flags.get("bias"):
-        first = 2 if node.family == "gemm" else 4
-        bias = node.inputs[binding.inputs[first]]
+    if node.family == "gemm" and not flags.get("layer_scale"):
+        flags.pop("layer_scale", None)  # a GEMM without it keeps the Problem (and tuning task) it always had
+    rows = {"gemm": (("bias", 2), ("layer_scale", 4)), "qkv": (("bias", 4),)}.get(node.family, ())
+    for role, index in rows:  # operands of one value per column
+        if not flags.get(role):
+            continue
+        operand = node.inputs[binding.inputs[index]]
         n = problem.size("N") if node.family == "gemm" else None
-        if bias.shape is not None and all(isinstance(d, int) for d in bias.shape):
-            dims = [int(d) for d in bias.shape]
+        if operand.shape is not None and all(isinstance(d, int) for d in operand.shape):
+            dims = [int(d) for d in operand.shape]
             if len(dims) == 0 or math.prod(dims[:-1]) != 1 or (n is not None and dims[-1] != n):
-                return f"bias of shape {dims}: the device kernel adds one row of N"
+                return f"{role} of shape {dims}: the device kernel {'adds' if role == 'bias' else 'takes'} one row of N"
     return _with_flags(problem, **flags) if flags else problem
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.kernels.attention import kernel_head_dim
 from onnx_gtco.kernels.conv import gemm_sizes
 from onnx_gtco.kernels.conv import out_hw as conv_out_hw
 from onnx_gtco.kernels.family import Problem
@@ -80,9 +81,15 @@ def _gemm_smem(c: Mapping[str, int]) -> int:
     return max(c["STAGES"] * (c["BM"] + c["BN"]) * (c["BK"] + 8) * 2, epilogue_tile_bytes(c))
 
 
+def _head_dim(p: Problem) -> int:
+    """The head dim the kernel computes with: a padded one's (26 runs as 32) costs what that one costs."""
+    d = p.size("head_dim")
+    return kernel_head_dim(d) or d
+
+
 def _attention_smem(p: Problem, c: Mapping[str, int]) -> int:
     kv_tiles = c["STAGES"] * c["BKV"] * (1 if p.family == "bmm_softmax" else 2)
-    return (c["BQ"] + kv_tiles) * (p.size("head_dim") + 8) * 2
+    return (c["BQ"] + kv_tiles) * (_head_dim(p) + 8) * 2
 
 
 def _rowwise_resident(c: Mapping[str, int], arch: str) -> int:
@@ -98,7 +105,8 @@ def _mma_block(c: Mapping[str, int], k_pad: int) -> tuple[float, int, float]:
 
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     """SPLITK slices multiply the blocks and divide each one's k-tiles; every slice writes its fp32 partial tile and
-    the last reads the others' (2 x BM x BN x 4 bytes per block, amortized). The epilogue's y and residual traffic
+    the last reads the others' (2 x BM x BN x 4 bytes per block, amortized). A LayerScale adds its BN factors per
+    tile. The epilogue's y and residual traffic
     is counted once per tile: straight from the fragments (EPI = 0) each 32-byte sector is written half by one
     access and half by another, so it costs twice what the staged 16-byte chunks (EPI = 1) cost."""
     batch, m, n, k = p.size("batch"), p.size("M"), p.size("N"), p.size("K")
@@ -113,11 +121,14 @@ def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     out_bytes = _BYTES[str(p.flag("out_dtype", p.dtype) or p.dtype)]
     epilogue = bm * bn * out_bytes * (2 if p.flag("residual", False) else 1) / splits
     loads += epilogue * (1 if c.get("EPI", 0) else 2)
+    if p.flag("layer_scale", False):  # LayerScale: one factor per column of the tile
+        loads += bn * _BYTES[p.dtype] / splits
     return _tiled_us(arch, blocks, wm * wn * 32, smem, flops, loads, stages, reuse, bool(c.get("VEC", 1)))
 
 
 def _attention(p: Problem, c: Mapping[str, int], arch: str) -> float:
-    b, h, sq, sk, d = (p.size(k) for k in ("batch", "heads", "seq_q", "seq_k", "head_dim"))
+    b, h, sq, sk = (p.size(k) for k in ("batch", "heads", "seq_q", "seq_k"))
+    d = _head_dim(p)
     bq, bkv, warps, stages = c["BQ"], c["BKV"], c["WARPS"], c["STAGES"]
     blocks = b * h * math.ceil(sq / bq)
     sk_pad = math.ceil(sk / bkv) * bkv
@@ -127,7 +138,8 @@ def _attention(p: Problem, c: Mapping[str, int], arch: str) -> float:
     reuse = min(1.0, (rows_per_warp * bkv / (16 * 128)) ** 0.25)
     flops = 2.0 * bq * sk_pad * d * (2 if p.family == "attention" else passes)
     loads = sk_pad * d * _BYTES[p.dtype] * (2 if p.family == "attention" else passes)
-    return _tiled_us(arch, blocks, warps * 32, smem, flops, loads, stages, reuse, True)
+    padded = d != p.size("head_dim")  # a padded head's rows are read element by element
+    return _tiled_us(arch, blocks, warps * 32, smem, flops, loads, stages, reuse, not padded)
 
 
 def _rowwise(p: Problem, c: Mapping[str, int], arch: str) -> float:

@@ -1,6 +1,6 @@
 // CPU reference of the attention families (op types Attention_* and BmmSoftmax_*): plain C++, no ORT, no CUDA.
 //
-//     S = scale * Q Kᵀ [+ mask] [+ bias]          per (batch, head), [seq_q, seq_k]
+//     S = scale * Q Kᵀ [+ mask_scale * mask] [+ bias_scale * bias]          per (batch, head), [seq_q, seq_k]
 //     P = softmax(S) over the keys                 (BmmSoftmax writes P)
 //     O = P V                                      (Attention writes O)
 //
@@ -9,7 +9,8 @@
 // qkv_packed one [B,S,3*H*D] array for q, k and v (slot 0, 1, 2), bhds [B,H,D,S] (k only: Kᵀ as MatMul reads it).
 // One batch dim: the glue only binds [B, H, Sq, Sk] score cores. mask / bias are additive [B',H',Sq',Sk'] arrays
 // (right-aligned, rank <= 4, each dim 1 = broadcast, or full), given here as element strides (0 = broadcast); a
-// mask with a period P (Swin's shifted windows) is read at batch row b % P.
+// mask with a period P (Swin's shifted windows) is read at batch row b % P. Each carries the factor the graph scales
+// it by after adding it (softmax((Q Kᵀ + M) * s) adds s * M to s * Q Kᵀ; 1 otherwise).
 //
 // Numerics follow the unfused ONNX subgraph: math in fp32 (the softmax sum accumulates in double);
 // the scores stay fp32 through scale, mask and bias (ORT itself fuses MatMul and scale, and rounding them to a
@@ -158,6 +159,7 @@ struct Addend {
     const T* data = nullptr;  // nullptr: absent
     int64_t sb = 0, sh = 0, sq = 0, sk = 0;
     int64_t bmod = 0;
+    float scale = 1.0f;  // the factor the graph applies to this term (a scale after its Add)
     int64_t row(int64_t b) const { return bmod > 0 ? b % bmod : b; }
 };
 
@@ -193,7 +195,8 @@ void probs_row(const Problem& pr, const float* qi, const float* kh, const Addend
     for (int64_t j = 0; j < pr.seq_k; ++j) {
         float s = dot(qi, kh + j * pr.head_dim, pr.head_dim) * pr.scale;
         for (const Addend<T>* a : {&mask, &bias}) {
-            if (a->data != nullptr) s += load(a->data[a->row(b) * a->sb + h * a->sh + i * a->sq + j * a->sk]);
+            if (a->data != nullptr)
+                s += load(a->data[a->row(b) * a->sb + h * a->sh + i * a->sq + j * a->sk]) * a->scale;
         }
         if (pr.causal && j > i) s = -inf;
         if (std::isnan(s)) bad = true;

@@ -1,12 +1,15 @@
 // CPU reference of the GEMM and QKV families (op types Gemm_f32 / _f16 / _bf16, Qkv_*): plain C++, no ORT, no CUDA.
 //
-//     Gemm:  y[b] = act(alpha * A[b] @ op(B[b]) + beta * bias) + residual[b]     (bias, act, residual optional)
+//     Gemm:  y[b] = act(alpha * A[b] @ op(B[b]) + beta * bias) * layer_scale + residual[b]
+//                                                           (bias, act, layer_scale, residual optional)
 //     Qkv:   y_p  = A @ W_p (+ bias_p)          for each projection p (one A, several [K, N_p] weights)
 //
 // Shapes follow ONNX: MatMul's batch broadcasting (A [..., M, K], B [..., K, N], the leading dims broadcast
 // numpy-style; a 2-D B is one weight shared by every row of A, whose leading dims then fold into M) and Gemm's
 // 2-D transA / transB. bias is a broadcast [bm, bn] matrix (bm in {1, M}, bn in {1, N}: a scalar, a row of N
-// values, a column of M, or a full [M, N]); residual has y's shape. plan_gemm / plan_bias check the shapes and
+// values, a column of M, or a full [M, N]); layer_scale (LayerScale: one factor per column, after the activation) is
+// one value per column of y, [N] or [1, .., 1, N] (plan_layer_scale); residual has y's shape. plan_gemm / plan_bias
+// check the shapes and
 // say what is wrong (an empty string when nothing is); the glue (plugins/ort/gemm_op.h) and the test harness
 // both use them.
 //
@@ -191,12 +194,24 @@ inline std::string plan_bias(const std::vector<int64_t>& bias, const GemmPlan& p
     return "";
 }
 
+// layer_scale [N] (or [1, .., 1, N]) against y: "" or what is wrong.
+inline std::string plan_layer_scale(const std::vector<int64_t>& scale, const GemmPlan& p) {
+    int64_t lead = 1;
+    for (size_t i = 0; i + 1 < scale.size(); ++i) lead *= scale[i];
+    if (scale.empty() || lead != 1 || scale.back() != p.n) {
+        return "layer_scale " + dims_str(scale) + " is not one value per column of the output " +
+               dims_str(p.out_shape) + " ([N=" + std::to_string(p.n) + "])";
+    }
+    return "";
+}
+
 // TOut: y's type and the residual's (T, or float for a half GEMM whose output cast is fused in).
 template <class T, class TOut = T>
 struct GemmIO {
     const T* a = nullptr;
     const T* b = nullptr;
     const T* bias = nullptr;         // broadcast [bias_m, bias_n] (each 1 or M / N), nullptr: none
+    const T* layer_scale = nullptr;  // [N], nullptr: none
     const TOut* residual = nullptr;  // y's shape, nullptr: none
     TOut* y = nullptr;
     int64_t bias_m = 1, bias_n = 1;
@@ -271,6 +286,7 @@ void gemm_rows(const GemmPlan& p, const GemmIO<T, TOut>& io, int64_t e, int64_t 
                     v += io.beta * load(io.bias[bi]);
                 }
                 v = activate(io.act, v);
+                if (io.layer_scale != nullptr) v *= load(io.layer_scale[j]);
                 if (res != nullptr) v += load_out(res[row * n + j]);
                 y[row * n + j] = store(v);
             }

@@ -6,7 +6,8 @@
 //
 // Node attributes (onnx_gtco/patterns/attention.py): heads, head_dim (ints; the binder refuses nodes where either
 // is symbolic), seq_q, seq_k (int, or a string when symbolic: then only the inputs' consistency is checked),
-// scale (float; 1/sqrt(head_dim) when absent), mask, bias, nan_guard, causal (ints; causal comes from an ONNX
+// scale (float; 1/sqrt(head_dim) when absent), mask_scale, bias_scale (floats, 1 when absent: the graph's scale
+// after adding the mask / bias, which multiplies that term), mask, bias, nan_guard, causal (ints; causal comes from an ONNX
 // Attention op body: key j > query i masked, upper-left as that op without past_key), batch_dims (ints, or strings
 // when symbolic: then not checked), q_layout, k_layout, v_layout, out_layout (strings: bhsd, bshd, bshd_merged,
 // qkv_packed, bhds (k only); out: bhsd, bshd, bshd_merged), precision (string; the CPU reference computes in fp32
@@ -47,6 +48,7 @@ struct AttentionGlue {
         int64_t seq_k = -1;
         float scale = 0.0f;
         bool has_scale = false;
+        float mask_scale = 1.0f, bias_scale = 1.0f;
         int64_t mask = 0, bias = 0, nan_guard = 0, causal = 0;
         int64_t mask_period = 0;          // > 0: the mask is read at batch row b % mask_period
         std::vector<int64_t> batch_dims;  // empty: symbolic or absent
@@ -62,6 +64,8 @@ struct AttentionGlue {
         if (!attr_int(info, "seq_q", a.seq_q) || a.seq_q < 0) a.seq_q = -1;
         if (!attr_int(info, "seq_k", a.seq_k) || a.seq_k < 0) a.seq_k = -1;
         a.has_scale = attr_float(info, "scale", a.scale);
+        attr_float(info, "mask_scale", a.mask_scale);
+        attr_float(info, "bias_scale", a.bias_scale);
         attr_int(info, "mask", a.mask);
         attr_int(info, "bias", a.bias);
         attr_int(info, "nan_guard", a.nan_guard);
@@ -175,6 +179,7 @@ struct AttentionGlue {
             a.data = static_cast<const T*>(t.data);
             a.sb = st[0], a.sh = st[1], a.sq = st[2], a.sk = st[3];
             a.bmod = period > 0 ? period : 0;
+            a.scale = r == 0 ? at.mask_scale : at.bias_scale;
         }
         // output
         const std::vector<int64_t> out_shape = WithV ? ref::layout_shape(lo, bq, H, sq, Dh) : scores;
@@ -208,6 +213,7 @@ struct AttentionGlue {
             args.seq_q = static_cast<int32_t>(sq), args.seq_k = static_cast<int32_t>(sk);
             args.head_dim = static_cast<int32_t>(Dh);
             args.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
+            args.mask_scale = at.mask_scale, args.bias_scale = at.bias_scale;
             return run_instance(ctx, ref, args, shapes);
         }
         ref::Problem pr;

@@ -6,7 +6,8 @@
 // Gemm node attributes (onnx_gtco/patterns/gemm.py): m, n, k (ints, or strings such as "N*197" when the optimizer
 // saw a symbolic size: then any size is accepted), batch (the output's batch dims of a batched GEMM; absent for a
 // weight GEMM), trans_b, trans_a (Gemm's transA, absent when 0), alpha, beta (Gemm's, absent when 1), bias,
-// residual (ints), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string).
+// residual, layer_scale (ints; layer_scale: LayerScale, a [N] factor per column after the activation, before the
+// residual), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string).
 // Qkv node attributes (onnx_gtco/patterns/qkv.py): k, m, n_out (ints or strings), ns (ints: N of each
 // projection, in output order), bias (int), precision.
 // The roles of the node's inputs and outputs come from the generated node table (onnx_gtco/plugin/bind_gemm.py
@@ -108,14 +109,14 @@ OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs&
 }  // namespace gemm_glue
 
 struct Gemm {
-    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3 };
+    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3, IN_LAYER_SCALE = 4 };
     enum OutRole { OUT_Y = 0 };
 
     struct Attrs {
         int64_t m = -1, n = -1, k = -1;  // -1: not known when the library was built (symbolic)
         bool batch_known = false;         // batch holds the output's batch dims (empty: a weight GEMM)
         std::vector<int64_t> batch;
-        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0;
+        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0, layer_scale = 0;
         float alpha = 1.0f, beta = 1.0f;
         std::string activation;
         bool act_known = false;
@@ -142,6 +143,7 @@ struct Gemm {
         attr_int(info, "trans_b", a.trans_b);
         attr_int(info, "bias", a.bias);
         attr_int(info, "residual", a.residual);
+        attr_int(info, "layer_scale", a.layer_scale);
         attr_float(info, "alpha", a.alpha);
         attr_float(info, "beta", a.beta);
         a.activation = attr_string(info, "activation", "none");
@@ -178,11 +180,12 @@ struct Gemm {
         const Input b = get_input(ctx, spec.in[IN_B]);
         const Input bias = get_input(ctx, spec.in[IN_BIAS]);
         const Input res = get_input(ctx, spec.in[IN_RESIDUAL]);
+        const Input scale = get_input(ctx, spec.in[IN_LAYER_SCALE]);
         if (!a.present) return ref.fail("input A is missing");
         if (!b.present) return ref.fail("input B is missing");
-        const char* names[] = {"A", "B", "bias"};
-        const Input* ins[] = {&a, &b, &bias};
-        for (int i = 0; i < 3; ++i) {
+        const char* names[] = {"A", "B", "bias", "layer_scale"};
+        const Input* ins[] = {&a, &b, &bias, &scale};
+        for (int i = 0; i < 4; ++i) {
             if (OrtStatus* st = gemm_glue::check_type<D>(ref, *ins[i], names[i])) return st;
         }
         if (OrtStatus* st = gemm_glue::check_type<DOut>(ref, res, "residual (y's type)")) return st;
@@ -205,6 +208,14 @@ struct Gemm {
             return ref.fail(std::string("the node attribute residual=") + std::to_string(at.residual) +
                             " but the node " + (res.present ? "has" : "has no") + " residual input");
         }
+        if ((at.layer_scale != 0) != scale.present) {
+            return ref.fail(std::string("the node attribute layer_scale=") + std::to_string(at.layer_scale) +
+                            " but the node " + (scale.present ? "has" : "has no") + " layer_scale input");
+        }
+        if (scale.present) {
+            why = ref::plan_layer_scale(scale.shape, p);
+            if (!why.empty()) return ref.fail(why + " (" + operands() + ")");
+        }
         ref::GemmIO<T, TO> io;
         if (bias.present) {
             why = ref::plan_bias(bias.shape, p, io.bias_m, io.bias_n);
@@ -223,11 +234,13 @@ struct Gemm {
                 return st;
             }
             args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data, args.y = y;
+            args.layer_scale = scale.data;
             return gemm_glue::run_gemm(ctx, ref, args, operands);
         }
         io.a = static_cast<const T*>(a.data);
         io.b = static_cast<const T*>(b.data);
         io.bias = static_cast<const T*>(bias.data);
+        io.layer_scale = static_cast<const T*>(scale.data);
         io.residual = static_cast<const TO*>(res.data);
         io.y = y;
         io.alpha = at.alpha;

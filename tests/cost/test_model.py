@@ -60,6 +60,20 @@ def test_memory_bound_group_is_priced_by_bandwidth() -> None:
     assert e.time_us(hw, "fp32") == pytest.approx(1000.0 + hw.launch_us)  # 2.039 GB at 2039 GB/s = 1 ms
 
 
+def test_einsum_that_is_a_matmul_counts_matmul_flops() -> None:
+    """tf2onnx's Einsum("bhqd,bhkd->bhqk") is Q Kᵀ on Tensor Cores (2 x out x D); another equation stays a CUDA-core
+    op of one FLOP per output element."""
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, 8, 4]) for n in "qk"]
+    g = helper.make_graph([
+        helper.make_node("Einsum", ["q", "k"], ["s"], name="qk", equation="bhqd,bhkd->bhqk"),
+        helper.make_node("Einsum", ["q", "k"], ["t"], name="other", equation="bhqd,bhkd->bhqdk"),
+    ], "g", ins, [helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 2, 8, 8]),
+                  helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 2, 8, 4, 8])])
+    view = GraphView(load_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
+    assert node_flops(view, view.nodes[0]) == (2.0 * (2 * 8 * 8) * 4, 0.0)
+    assert node_flops(view, view.nodes[1]) == (0.0, 2.0 * 8 * 4 * 8)
+
+
 def test_reshape_and_shape_arithmetic_are_free() -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6])  # symbolic: Shape is not folded
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])

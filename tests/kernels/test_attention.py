@@ -1,8 +1,8 @@
 """plugins/include/gtco/attention.cuh through onnx_gtco/kernels/attention.py: numerics in the CPU emulation against
-the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 128, with and without mask / bias), a
-deliberately broken online softmax that the comparison must catch in both families, check()'s rejections, and
-ptxas resources (no spills, no stack): every config configs() proposes for the zoo's attention shapes, and the
-configs check() accepts closest to its register budget."""
+the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 96 / 128 / 256 and padded ones such as 26 and
+40, with and without mask / bias), a deliberately broken online softmax that the comparison must catch in both
+families, check()'s rejections, and ptxas resources (no spills, no stack): every config configs() proposes for the
+zoo's attention shapes, and the configs check() accepts closest to its register budget."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from onnx_gtco.kernels.attention import (
     FAMILIES,
     AttentionFamily,
     BmmSoftmaxFamily,
+    kernel_head_dim,
     make_problem,
     output_dtype_array,
 )
@@ -59,6 +60,7 @@ def emu(tmp_path_factory):
         got = {k: from_storage(v, problem.dtype) for k, v in out.items()}
         return got, family.reference(problem, inputs), inputs
 
+    run.out_dir = out_dir  # type: ignore[attr-defined]
     return run
 
 
@@ -95,6 +97,22 @@ ATTENTION_CASES = [
     ("f16", cfg(128, 64, 8, 2), dict(batch=1, heads=1, seq_q=70, seq_k=1050, head_dim=32, mask=True)),
     ("bf16", cfg(64, 64, 4, 3), dict(batch=1, heads=1, seq_q=20, seq_k=1050, head_dim=128, mask=True, bias=True,
                                      k_layout="bhds")),
+    # head dims 96 and 256 (256 on its one tile), and padded ones: 26 and 40 run as 32 and 64, their rows read and
+    # written element by element (26 halves are no 16-byte multiple), dims past head_dim zero in shared memory
+    ("f16", cfg(64, 64, 4, 2), dict(batch=1, heads=2, seq_q=40, seq_k=77, head_dim=96, mask=True, bias=True,
+                                    k_layout="bhds")),
+    ("bf16", cfg(128, 32, 8, 3), dict(batch=2, heads=1, seq_q=50, head_dim=96, q_layout="bshd_merged",
+                                      k_layout="bshd_merged", v_layout="bshd_merged", out_layout="bshd_merged")),
+    ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=1, seq_q=33, seq_k=70, head_dim=256, mask=True, q_layout="bshd",
+                                    k_layout="bshd", v_layout="bshd", out_layout="bshd")),
+    ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=2, seq_q=20, seq_k=45, head_dim=256, bias=True, k_layout="bhds")),
+    ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=3, seq_q=37, seq_k=45, head_dim=26, mask=True,
+                                    q_layout="bshd_merged", k_layout="bshd_merged", v_layout="bshd_merged",
+                                    out_layout="bshd_merged")),
+    ("f16", cfg(64, 64, 4, 2), dict(batch=1, heads=2, seq_q=29, head_dim=26, q_layout="qkv_packed",
+                                    k_layout="qkv_packed", v_layout="qkv_packed", out_layout="bshd")),
+    ("bf16", cfg(64, 32, 4, 2), dict(batch=2, heads=3, seq_q=30, seq_k=41, head_dim=40, mask=True, bias=True,
+                                     k_layout="bhds")),
 ]
 
 BMM_CASES = [
@@ -109,6 +127,11 @@ BMM_CASES = [
     ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=1, seq_q=20, seq_k=257, head_dim=80)),
     ("f16", cfg(64, 64, 4, 2), dict(batch=1, heads=1, seq_q=40, seq_k=577, head_dim=64, mask=True, k_layout="bhds")),
     ("f16", cfg(128, 128, 8, 2), dict(batch=1, heads=1, seq_q=30, seq_k=1050, head_dim=32, mask=True)),
+    ("bf16", cfg(128, 32, 4, 3), dict(batch=1, heads=2, seq_q=40, seq_k=77, head_dim=96, mask=True)),
+    ("f16", cfg(64, 64, 4, 2), dict(batch=1, heads=1, seq_q=33, seq_k=70, head_dim=256, bias=True, k_layout="bhds")),
+    ("f16", cfg(64, 32, 4, 2), dict(batch=1, heads=3, seq_q=37, seq_k=45, head_dim=26, mask=True,
+                                    q_layout="bshd_merged", k_layout="bshd_merged")),
+    ("bf16", cfg(64, 32, 4, 3), dict(batch=1, heads=2, seq_q=21, seq_k=50, head_dim=26, k_layout="bhds")),
 ]
 
 
@@ -176,13 +199,72 @@ def test_fully_masked_rows_are_zero_not_nan(emu, family):
     assert rel_error(out[1], ref[name][1]) < TOL["f16"]
 
 
+@pytest.mark.parametrize("family", [ATTN, BMM], ids=lambda f: f.name)
+def test_mask_and_bias_scales_multiply_their_terms(emu, family):
+    """softmax((Q Kᵀ + M + B) * s) as the graph writes it: the kernel scales M and B by their own factors (run-time
+    arguments). With a mask of moderate values (where scaling it matters) it matches the reference, and the
+    reference of the mask left unscaled is far from it."""
+    kw = dict(batch=2, heads=2, seq_q=40, seq_k=50, head_dim=64, mask=True, bias=True, scale=0.125,
+              mask_scale=0.125, bias_scale=0.5)
+    problem = make_problem(family.name, "f16", **kw)
+    inputs = family.random_inputs(problem, seed=21)
+    rng = np.random.default_rng(21)
+    inputs["mask"] = to_storage(4.0 * rng.standard_normal(inputs["mask"].shape), "f16")
+    got, ref, _ = emu(family, problem, cfg(64, 32, 4, 2), inputs=inputs)
+    assert_close(got, ref, "f16")
+    unscaled = family.reference(make_problem(family.name, "f16", **{**kw, "mask_scale": 1.0}), inputs)
+    (name, want), = ref.items()
+    assert rel_error(unscaled[name], want) > 0.05
+
+
+def test_padded_head_reads_and_writes_only_its_elements(emu):
+    """head_dim 26 in bhsd: each operand is followed by NaNs and the output by a sentinel; a kernel reading past a
+    row would mix the next row (or the NaNs) into the scores, one writing past it would touch the next row or the
+    sentinel."""
+    problem = make_problem("attention", "f16", batch=1, heads=2, seq_q=19, seq_k=35, head_dim=26)
+    inputs = ATTN.random_inputs(problem, seed=13)
+    tail = 64
+    arrays = {k: np.concatenate([v.reshape(-1), np.full(tail, np.nan, v.dtype)]) for k, v in inputs.items()}
+    (shape, dtype), = ATTN.outputs(problem).values()
+    out = output_dtype_array(shape, dtype).reshape(-1)
+    arrays["out"] = np.concatenate([out, to_storage(np.full(tail, 7.0), dtype).astype(out.dtype)])
+    inst = ATTN.instantiate(problem, cfg(64, 32, 4, 2), "sm_90")
+    lib = build_emulated(inst, emu.out_dir, extra=("-O1",))
+    got = run_emulated(lib, inst.symbol, ATTN.args_fields(problem, arrays), arrays, ["out"])["out"]
+    o = from_storage(got, "f16")
+    assert np.all(o[out.size:] == 7.0)
+    assert rel_error(o[:out.size].reshape(shape), ATTN.reference(problem, inputs)["out"]) < TOL["f16"]
+
+
+def test_kernel_head_dims():
+    """Supported head dims run as they are, smaller ones as the next supported one, 129..255 and > 256 not at all."""
+    assert [kernel_head_dim(d) for d in (26, 32, 40, 80, 90, 96, 100, 128, 129, 200, 256, 257)] == [
+        32, 32, 64, 80, 96, 96, 128, 128, None, None, 256, None]
+    p26 = make_problem("attention", "f16", batch=1, heads=2, seq_q=77, head_dim=26, mask=True)
+    inst = ATTN.instantiate(p26, cfg(64, 32, 4, 2), "sm_80")
+    assert inst.name == "attention_sm80_f16_d26p32_q64_kv32_w4_s2_mask"
+    assert "gtco::attention_launch<__half, 32, 64, 32, 4, 2, false, true, false, true>" in inst.source
+    p32 = make_problem("attention", "f16", batch=1, heads=2, seq_q=77, head_dim=32, mask=True)
+    assert inst.smem_bytes == ATTN.instantiate(p32, cfg(64, 32, 4, 2), "sm_80").smem_bytes
+    wide = make_problem("attention", "f16", batch=1, heads=4, seq_q=197, head_dim=256)
+    assert [{k: c[k] for k in ("BQ", "BKV", "WARPS")} for c in ATTN.configs(wide, "sm_90")] == [
+        {"BQ": 64, "BKV": 32, "WARPS": 4}] * 2  # its one tile, with 2 and 3 stages
+    assert BMM.configs(make_problem("bmm_softmax", "f16", batch=1, heads=4, seq_q=197, head_dim=256), "sm_80")
+
+
 # ---- check() -------------------------------------------------------------------------------------------------------
 VIT = dict(batch=1, heads=12, seq_q=197, head_dim=64, mask=False)
 
 
 @pytest.mark.parametrize(("family", "dtype", "config", "kw", "arch", "reason"), [
     (BMM, "f32", cfg(128, 64, 4, 2), {**VIT, "head_dim": 128}, "sm_90", "224 fp32 accumulator registers"),
-    (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "head_dim": 96}, "sm_90", "head_dim 96 not supported"),
+    (ATTN, "f16", cfg(64, 32, 4, 2), {**VIT, "head_dim": 200}, "sm_90", "head_dim 200 not supported"),
+    (BMM, "f16", cfg(64, 32, 4, 2), {**VIT, "head_dim": 257}, "sm_90", "head_dim 257 not supported"),
+    (ATTN, "f16", cfg(64, 64, 4, 2), {**VIT, "head_dim": 256}, "sm_90", "head_dim 256 takes only the tile"),
+    (ATTN, "f16", cfg(128, 32, 8, 2), {**VIT, "head_dim": 256}, "sm_80", "head_dim 256 takes only the tile"),
+    (ATTN, "f32", cfg(64, 32, 4, 2), {**VIT, "head_dim": 256}, "sm_80", "exceeds the sm_80 limit"),
+    (BMM, "f16", cfg(64, 128, 4, 2), {**VIT, "head_dim": 256}, "sm_90", "128 fp32 accumulator registers"),
+    (ATTN, "f16", cfg(128, 32, 4, 2), {**VIT, "head_dim": 90}, "sm_90", "128 fp32 accumulator registers"),
     (ATTN, "f16", cfg(64, 32, 8, 2), VIT, "sm_90", "whole 16-row m-tiles"),
     (ATTN, "f16", cfg(64, 48, 4, 2), VIT, "sm_90", "BKV=48 not in the space"),
     # 2 * (128 x 136 + 3 * 2 * 128 x 136) B is over sm_80's 166912 B too, but the register budget says so first:
@@ -304,7 +386,7 @@ def test_check_budget_is_honest_at_its_edge(tmp_path, family, arch):
     flags (mask + bias, gathered Kᵀ), compiles without spills or a stack frame: the budget is not optimistic."""
     keys = list(family.space)
     insts: list[Instance] = []
-    for d in (32, 64, 80, 128):
+    for d in (32, 64, 80, 96, 128, 256):
         problem = make_problem(family.name, "f16", batch=1, heads=4, seq_q=197, head_dim=d, mask=True, bias=True,
                                k_layout="bhds")
         for vals in itertools.product(*family.space.values()):
@@ -333,6 +415,10 @@ F32_CASES = [
     (BMM, cfg(64, 32, 4, 2), dict(batch=2, heads=2, seq_q=49, seq_k=70, head_dim=64, mask=True, k_layout="bhds")),
     (BMM, cfg(64, 64, 4, 3), dict(batch=1, heads=2, seq_q=40, head_dim=128, bias=True, q_layout="bshd_merged",
                                   k_layout="bshd_merged")),
+    (ATTN, cfg(64, 32, 4, 2), dict(batch=1, heads=1, seq_q=20, seq_k=37, head_dim=256, mask=True)),
+    (ATTN, cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=41, head_dim=26, q_layout="qkv_packed",
+                                   k_layout="qkv_packed", v_layout="qkv_packed", out_layout="bshd_merged")),
+    (BMM, cfg(128, 64, 8, 2), dict(batch=1, heads=2, seq_q=40, seq_k=45, head_dim=96, mask=True, k_layout="bhds")),
 ]
 NO_TF32_ROUND = "#define GTCO_ATTN_TEST_NO_TF32_ROUND 1\n"
 
@@ -403,11 +489,14 @@ def test_f32_heaviest_configs_do_not_spill(tmp_path, family, arch):
     flags (mask + bias, gathered Kᵀ), compiles without spills or a stack frame (one nvcc per family and arch)."""
     keys = list(family.space)
     insts: list[Instance] = []
-    for d in (32, 64, 80, 128):
+    for d in (32, 64, 80, 96, 128, 256):
         problem = make_problem(family.name, "f32", batch=1, heads=4, seq_q=197, head_dim=d, mask=True, bias=True,
                                k_layout="bhds")
         valid = [c for c in (dict(zip(keys, v, strict=True)) for v in itertools.product(*family.space.values()))
                  if family.check(problem, c, arch) is None]
+        if d == 256 and (family is BMM or arch == "sm_80"):  # over the budget, or sm_80's shared memory
+            assert not valid
+            continue
         insts.append(family.instantiate(problem, max(valid, key=lambda c: family._acc_regs(problem, c)), arch))
     src = tmp_path / f"{family.name}_f32_{arch}.cu"
     src.write_text("\n".join(i.source for i in insts))
@@ -415,3 +504,25 @@ def test_f32_heaviest_configs_do_not_spill(tmp_path, family, arch):
     assert len(kernels) == len(insts)
     for k in kernels:
         assert 0 < k.registers <= 255 and not k.spills and k.stack_frame_bytes == 0, k
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+@pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_padded_and_wide_head_configs_do_not_spill(tmp_path, arch):
+    """Every config configs() proposes for padded head dims (26 -> 32, 40 -> 64, 100 -> 128) and for 256, both
+    families, f16 and f32, with the heaviest flags (mask + bias, gathered Kᵀ): no spills, no stack frame."""
+    insts: list[Instance] = []
+    for family, dtype, d in itertools.product((ATTN, BMM), ("f16", "f32"), (26, 40, 100, 256)):
+        problem = make_problem(family.name, dtype, batch=1, heads=4, seq_q=197, head_dim=d, mask=True, bias=True,
+                               k_layout="bhds")
+        insts += [family.instantiate(problem, c, arch) for c in family.configs(problem, arch)]
+    assert len(insts) >= 20
+    assert any(i.name.startswith("attention_") and "_d256_" in i.name for i in insts)
+    src = tmp_path / f"padded_wide_{arch}.cu"
+    src.write_text("\n".join(i.source for i in insts))
+    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=1200).stderr)
+    assert len(kernels) == len(insts)
+    for k in kernels:
+        assert not k.spills and k.stack_frame_bytes == 0, k

@@ -79,6 +79,8 @@ def test_fp32_is_tf32() -> None:
     (_problem(activation="gelu_erf"), "tanh form"),
     (_problem(activation="silu"), "'silu' has no cuBLASLt epilogue"),
     (_problem(activation="relu", residual=True), "act(x) + residual"),
+    (Problem.make("gemm", "f16", {"batch": 1, "M": M, "N": N, "K": K}, {"layer_scale": True}),
+     "layer_scale: cuBLASLt's epilogues have no per-column scale"),
     (Problem.make("gemm", "f16", {"batch": 1, "M": M, "N": N, "K": K}, {"trans_a": True}), "trans_a"),
     (Problem.make("gemm", "f16", {"batch": 1, "M": M, "N": N, "K": K}, {"head_split": 12}), "head_split"),
     (Problem.make("gemm", "f16", {"batch": 1, "M": M, "N": N, "K": K, "b_batched": 0}, {"out_dtype": "bf16"}),

@@ -46,7 +46,7 @@ lib = ctypes.CDLL(lib_path)
 class GemmArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("a", "b", "bias", "residual", "y")] + [
         (n, ctypes.c_int64) for n in ("batch", "m", "n", "k", "stride_a", "stride_b", "stride_y")] + [
-        ("alpha", ctypes.c_float)]
+        ("alpha", ctypes.c_float), ("layer_scale", ctypes.c_void_p)]
 for f in ("gtco_test_api_error", "gtco_cublaslt_error"):
     getattr(lib, f).restype = ctypes.c_char_p
 api_error = lib.gtco_test_api_error().decode()
@@ -54,7 +54,7 @@ rc = None
 if not preload:  # without the library nothing touches the device: the call fails before
     buf = ctypes.create_string_buffer(4096)
     p = ctypes.cast(buf, ctypes.c_void_p)
-    args = GemmArgs(p, p, p, None, p, 1, 64, 128, 32, 64 * 32, 0, 64 * 128, 1.0)
+    args = GemmArgs(p, p, p, None, p, 1, 64, 128, 32, 64 * 32, 0, 64 * 128, 1.0, None)
     rc = getattr(lib, symbol)(ctypes.byref(args), None)
 print(json.dumps({"api_error": api_error, "rc": rc, "last_error": lib.gtco_cublaslt_error().decode()}))
 """

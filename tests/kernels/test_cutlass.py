@@ -99,6 +99,7 @@ def test_epilogue_tree_orders_scale_bias_activation_residual(bias: bool, act: st
     (zoo_problem({}, k=36), COOP, "sm_90a", "K=36: TMA"),
     (Problem.make("gemm", "f16", {"batch": 1, "M": 8, "N": 64, "K": 64}, {"layout": "head_split"}), COOP, "sm_90a",
      "flag(s) layout are not expressed"),
+    (zoo_problem({"layer_scale": True}), COOP, "sm_90a", "layer_scale: the epilogue tree here has no per-column"),
     (zoo_problem({}), COOP, "sm_90", "built for sm_90a only"),
     (zoo_problem({}), {**COOP, "TILE_K": 32}, "sm_90a", "TILE_K=32: 64 B rows"),
     (zoo_problem({}), {**COOP, "TILE_M": 64}, "sm_90a", "cooperative schedule splits"),

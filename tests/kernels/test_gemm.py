@@ -87,6 +87,19 @@ SPLIT = [
     ("es-f16", {**E1, "EPI": 1}, "f16", FULL),
     ("es-f32", {**E4, "EPI": 1}, "f32", {"trans_b": True, "bias": False, "activation": "relu", "residual": True}),
 ]
+# LayerScale (y = act(A @ B + bias) * gamma + residual, gamma one factor per column) in each epilogue path: straight
+# from the fragments (VEC 1 and the element-wise VEC 0 with an odd N), staged through shared memory with split-K, and
+# with the fused fp32 output cast.
+LAYER_SCALE = [
+    ("ls-f16", E1, "f16", {**FULL, "layer_scale": True}, (2, 72, 40, 56, False)),
+    ("ls-sc-bf16", {**E1, "VEC": 0}, "bf16", {"trans_b": True, "bias": False, "activation": "none",
+                                              "residual": True, "layer_scale": True}, (2, 45, 37, 29, True)),
+    ("ls-sk-es-f32", {**E3, "SPLITK": 2, "EPI": 1}, "f32", {"trans_b": False, "bias": True, "activation": "silu",
+                                                           "residual": True, "layer_scale": True},
+     (1, 197, 96, 200, False)),
+    ("ls-of32-f16", E2, "f16", {"trans_b": True, "bias": True, "activation": "gelu_tanh", "residual": False,
+                                "layer_scale": True, "out_dtype": "f32"}, (1, 40, 24, 48, False)),
+]
 FAULTS = {"bias_twice": "GTCO_GEMM_TEST_FAULT=1", "wait_too_few": "GTCO_GEMM_TEST_FAULT=2"}
 TF32_FAULTS = {"no_tf32_rounding": "GTCO_GEMM_TEST_FAULT=3"}
 
@@ -116,6 +129,8 @@ def _all_builds() -> dict[tuple, tuple[Instance, tuple[str, ...]]]:
         builds[("act", act)] = (instance(E1, "f16", flags), ())
     for key, config, dtype, flags, _ in SCALAR:
         builds[("scalar", key)] = (instance(config, dtype, flags), ())
+    for key, config, dtype, flags, _ in LAYER_SCALE:
+        builds[("ls", key)] = (instance(config, dtype, flags), ())
     for fault, define in FAULTS.items():
         builds[("fault", fault)] = (instance(E1, "f16", FULL), (*EMU_FLAGS, f"-D{define}"))
     for fault, define in TF32_FAULTS.items():
@@ -206,6 +221,34 @@ def test_split_k_and_staged_epilogue_match_fp64_reference(libs, key, config, dty
         assert_close(got, prob, inputs)
         once, _ = run(inst, lib, prob, seed=20 + i)
         assert np.array_equal(got, once)
+
+
+@pytest.mark.parametrize(("key", "config", "dtype", "flags", "shape"), LAYER_SCALE, ids=[s[0] for s in LAYER_SCALE])
+def test_layer_scale_epilogue_matches_fp64_reference(libs, key, config, dtype, flags, shape):
+    """The per-column factor after the activation and before the residual, in every epilogue path; the reference
+    without it is far from the kernel's answer (a kernel that dropped it would fail)."""
+    inst, lib = libs[("ls", key)]
+    assert "_ls" in inst.name and "HAS_SCALE=*/true" in inst.source
+    prob = problem(dtype, shape, flags)
+    got, inputs = run(inst, lib, prob, seed=40, calls=2 if config.get("SPLITK", 1) > 1 else 1)
+    assert_close(got, prob, inputs)
+    plain = dataclasses.replace(prob, flags=tuple((k, v) for k, v in prob.flags if k != "layer_scale"))
+    assert rel_error(got, FAMILY.reference(plain, inputs)["y"]) > 0.1
+
+
+def test_layer_scale_pointer_must_match_the_instance(libs):
+    """An instance built with LayerScale refuses a call without its factors, and one without it refuses factors."""
+    inst, lib = libs[("ls", "ls-f16")]
+    prob = problem("f16", (1, 40, 24, 48, False), {**FULL, "layer_scale": True})
+    arrays = {**FAMILY.random_inputs(prob, 0), **FAMILY.allocate_outputs(prob)}
+    with pytest.raises(EmulationError, match="returned error code 1"):
+        run_emulated(lib, inst.symbol, _fields_with(prob, arrays, layer_scale=""), arrays, ["y"])
+    plain_inst, plain_lib = libs[("grid", "f16", tuple(E1.items()), tuple(GRID[0][3].items()))]
+    plain = problem("f16", (1, 40, 24, 48, False), GRID[0][3])
+    arrays = {**FAMILY.random_inputs(plain, 0), **FAMILY.allocate_outputs(plain), "layer_scale": arrays["layer_scale"]}
+    with pytest.raises(EmulationError, match="returned error code 1"):
+        run_emulated(plain_lib, plain_inst.symbol, _fields_with(plain, arrays, layer_scale="layer_scale"), arrays,
+                     ["y"])
 
 
 def test_staged_epilogue_is_bit_identical_to_the_direct_one(libs):
@@ -462,6 +505,9 @@ NVCC_PROBLEMS = {
     # ViT-B fc2 at batch 1 (few tiles, long K): split-K
     "vit_fc2_b1": gemm_problem("f16", 1, 197, 768, 3072, trans_b=True, bias=True, residual=True),
     "vit_fc2_b1_f32": gemm_problem("f32", 1, 197, 768, 3072, trans_b=True, bias=True, residual=True),
+    # DINOv2 / CaiT fc2 with LayerScale between the bias and the residual
+    "ls_fc2": gemm_problem("f16", 1, 197 * 8, 768, 3072, bias=True, layer_scale=True, residual=True),
+    "ls_fc2_f32": gemm_problem("f32", 1, 197, 768, 3072, trans_b=True, bias=True, layer_scale=True, residual=True),
 }
 
 
@@ -481,6 +527,13 @@ def _nvcc_cases() -> list[tuple[str, str, dict]]:
             cases.append((key, "sm_80", {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3, "VEC": 1,
                                          "SPLITK": 8, "EPI": epi}))
     cases += [("vit_fc2_b1", arch, FAMILY.configs(NVCC_PROBLEMS["vit_fc2_b1"], arch)[0]) for arch in ("sm_80", "sm_90")]
+    # LayerScale: every configuration offered on sm_80, the first two on sm_90, and the 128-accumulator fp32 split-K
+    # tile with the staged epilogue
+    cases += [("ls_fc2", "sm_80", c) for c in FAMILY.configs(NVCC_PROBLEMS["ls_fc2"], "sm_80")]
+    cases += [("ls_fc2", "sm_90", c) for c in FAMILY.configs(NVCC_PROBLEMS["ls_fc2"], "sm_90")[:2]]
+    cases += [("ls_fc2_f32", arch, FAMILY.configs(NVCC_PROBLEMS["ls_fc2_f32"], arch)[0]) for arch in ("sm_80", "sm_90")]
+    cases.append(("ls_fc2_f32", "sm_80", {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3, "VEC": 1,
+                                          "SPLITK": 8, "EPI": 1}))
     return cases
 
 

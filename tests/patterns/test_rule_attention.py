@@ -251,7 +251,9 @@ def test_near_misses_say_why(kit) -> None:
     assert matches[0].family == "bmm_softmax"
 
 
-def test_scale_after_the_mask_is_not_a_scale_of_qk(kit) -> None:
+def test_scale_after_the_mask_scales_the_mask_too(kit) -> None:
+    """softmax((QKᵀ + mask) * s) is softmax(s QKᵀ + s mask): scale s and mask_scale s (the mask is no 0 / -inf
+    constant here, so the two readings differ); a scale between the mask and the bias scales only the mask."""
     g = kit.graph()
     for n in ("q", "k", "mask"):
         g.input(n, [1, 2, 8, 8])
@@ -260,8 +262,42 @@ def test_scale_after_the_mask_is_not_a_scale_of_qk(kit) -> None:
     g.op("Mul", ["masked", g.const("s", np.float32(0.125))], "scaled")
     g.op("Softmax", ["scaled"], "softmax", axis=-1)
     g.output("softmax")
+    view = g.view()
+    matches, rejects = kit.run(RULE, view)
+    assert [r.reason for r in rejects] == ["attention probabilities 'softmax' are also read outside (graph output or a "
+                                          "second reader)"]
+    assert kit.groups(view, matches) == [{"qk", "masked", "scaled", "softmax"}]
+    attrs = matches[0].attrs
+    assert (attrs["scale"], attrs["mask_scale"], attrs["mask"]) == (0.125, 0.125, True)
+    assert "bias_scale" not in attrs and matches[0].roles["mask"] == "mask"
+
+    g = kit.graph()
+    for n in ("q", "k", "mask"):
+        g.input(n, [1, 2, 8, 8])
+    g.op("MatMul", ["q", "k"], "qk")
+    g.op("Div", ["qk", g.const("d", np.float32(2.0))], "half")
+    g.op("Add", ["half", "mask"], "masked")
+    g.op("Mul", ["masked", g.const("s", np.float32(0.25))], "scaled")
+    g.op("Add", ["scaled", g.weight("rel_pos", 1, 2, 8, 8)], "biased")
+    g.op("Softmax", ["biased"], "softmax", axis=-1)
+    g.output("softmax")
+    (match,), _ = kit.run(RULE, g.view())
+    assert (match.attrs["scale"], match.attrs["mask_scale"], match.attrs["bias"]) == (0.125, 0.25, True)
+    assert "bias_scale" not in match.attrs
+
+
+def test_scale_after_a_where_mask_is_refused(kit) -> None:
+    g = kit.graph()
+    for n in ("q", "k"):
+        g.input(n, [1, 2, 8, 8])
+    g.input("keep", [1, 1, 8, 8], TensorProto.BOOL)
+    g.op("MatMul", ["q", "k"], "qk")
+    g.op("Where", ["keep", "qk", g.const("ninf", np.float32(-np.inf))], "masked")
+    g.op("Mul", ["masked", g.const("s", np.float32(0.125))], "scaled")
+    g.op("Softmax", ["scaled"], "softmax", axis=-1)
+    g.output("softmax")
     _, rejects = kit.run(RULE, g.view())
-    assert rejects[0].reason == "the scale is applied after Add 'masked' (mask/bias), not to QKᵀ"
+    assert rejects[0].reason == "the scale is applied after Where 'masked' (mask/bias), not to QKᵀ"
 
 
 def test_graph_outputs_inside_the_chain_leave_only_legal_candidates(kit) -> None:
@@ -300,3 +336,56 @@ def test_scale_from_the_static_last_dim_of_a_dynamic_shape(kit) -> None:
     view = GraphView(onnx.shape_inference.infer_shapes(g.model()))
     assert const_scalar(view, "as_float") == 4.0 and const_scalar(view, "d") == 4.0
     assert static_value(view, "b") is None
+
+
+def tf2onnx_einsum(kit, *, qk: str = "bhqd,bhkd->bhqk", pv: str = "bhqk,bhkd->bhqd"):
+    """tf2onnx's BERT attention: q, k, v [1,8,2,8] -> Transpose [0,2,1,3] -> Einsum(qk) -> Mul s -> Add mask ->
+    Softmax -> Einsum(pv) -> Transpose -> Reshape [1,8,16]."""
+    g = kit.graph()
+    g.input("x", [1, 8, 16])
+    g.input("mask", [1, 1, 1, 8])
+    heads = g.const("heads", np.array([1, 8, 2, 8], dtype=np.int64))
+    for n in "qkv":
+        g.op("MatMul", ["x", g.weight(f"w{n}", 16, 16)], f"{n}_proj")
+        g.op("Reshape", [f"{n}_proj", heads], f"{n}_split")
+        g.op("Transpose", [f"{n}_split"], f"{n}_t", perm=[0, 2, 1, 3])
+    g.op("Einsum", ["q_t", "k_t"], "qk", equation=qk)
+    g.op("Mul", ["qk", g.const("s", np.float32(8 ** -0.5))], "scale")
+    g.op("Add", ["scale", "mask"], "mask_add")
+    g.op("Softmax", ["mask_add"], "softmax", axis=-1)
+    g.op("Einsum", ["softmax", "v_t"], "pv", equation=pv)
+    g.op("Transpose", ["pv"], "merge_t", perm=[0, 2, 1, 3])
+    g.op("Reshape", ["merge_t", g.const("merged", np.array([1, 8, 16], dtype=np.int64))], "merge")
+    g.output("merge")
+    return g
+
+
+def test_einsum_scores_of_tf2onnx_are_attention_reading_k_as_it_is(kit) -> None:
+    """Einsum("bhqd,bhkd->bhqk") is Q Kᵀ with k untransposed: k_layout names k itself (bhsd, not bhds), and the head
+    split pulls in the same Transpose for q, k and v."""
+    view = tf2onnx_einsum(kit).view()
+    matches, rejects = kit.run(RULE, view)
+    assert rejects == []
+    split = {f"{n}_{op}" for n in "qkv" for op in ("split", "t")}
+    assert kit.groups(view, matches) == [CORE, CORE | {"pv"}, CORE | {"pv", "merge_t", "merge"} | split]
+    assert [m.family for m in matches] == ["bmm_softmax", "attention", "attention"]
+    base, ext = matches[1].attrs, matches[2].attrs
+    assert (base["q_layout"], base["k_layout"], base["v_layout"], base["head_dim"]) == ("bhsd", "bhsd", "bhsd", 8)
+    assert base["scale"] == pytest.approx(8 ** -0.5) and base["mask"] is True
+    assert {ext[f"{r}_layout"] for r in ("q", "k", "v", "out")} == {"bshd_merged"}
+    assert matches[2].roles["k"] == "k_proj"
+
+
+@pytest.mark.parametrize(("qk", "pv", "reason"), [
+    ("bhqd,bhkd->bhkq", "bhqk,bhkd->bhqd", "Add 'mask_add' before the Softmax: no operand comes from a QKᵀ MatMul"),
+    ("bhqd,bhkd->bhqk", "bhqk,bhdk->bhqd", "Einsum 'pv' reads V transposed"),
+    ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhdq", "the probabilities go to Einsum 'pv', not to a MatMul with V"),
+])
+def test_einsums_that_are_no_batched_matmul_are_left_alone(kit, qk: str, pv: str, reason: str) -> None:
+    """Scores transposed by the equation (K Qᵀ), V read transposed, an output in another order: no attention group
+    (the BMM+softmax half still fuses where only PV is off). S = D = 8 here, so every equation is shape-valid."""
+    view = tf2onnx_einsum(kit, qk=qk, pv=pv).view()
+    matches, rejects = kit.run(RULE, view)
+    assert any(reason in r.reason for r in rejects), rejects
+    assert all(m.family == "bmm_softmax" for m in matches)
+    assert bool(matches) == qk.endswith("bhqk")

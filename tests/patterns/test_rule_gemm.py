@@ -130,3 +130,44 @@ def test_an_intermediate_graph_output_stops_the_epilogue(kit) -> None:
     gemms = [c for c in cands if c.family == "gemm"]
     assert all(view.external_outputs(c.nodes) for c in cands)
     assert sorted(sorted(kit.names(view, c.nodes)) for c in gemms) == [["bias", "mm"], ["mm"]]
+
+
+def layer_scale_block(kit, gamma_shape: tuple[int, ...] = (16,), act: bool = True):
+    """x[2,5,8] -> MatMul W[8,16] + b -> [Relu] -> Mul gamma -> + r[2,5,16] (DINOv2 / CaiT LayerScale)."""
+    g = kit.graph()
+    g.input("x", [2, 5, 8])
+    g.input("r", [2, 5, 16])
+    g.op("MatMul", ["x", g.weight("w", 8, 16)], "mm")
+    out = g.op("Add", ["mm", g.weight("b", 16)], "bias")
+    if act:
+        out = g.op("Relu", [out], "relu")
+    g.op("Mul", [g.weight("gamma", *gamma_shape), out], "ls")
+    g.op("Add", ["r", "ls"], "res")
+    g.output("res")
+    return g.view()
+
+
+def test_layer_scale_mul_joins_before_the_residual(kit) -> None:
+    """A per-channel Mul between the GEMM (+bias, +activation) and the residual Add is the epilogue's LayerScale:
+    the chain up to the residual is one group, gamma its layer_scale role."""
+    view = layer_scale_block(kit)
+    matches, rejects = kit.run(RULE, view)
+    assert rejects == []
+    assert kit.groups(view, matches) == [{"mm"}, {"mm", "bias"}, {"mm", "bias", "relu"},
+                                         {"mm", "bias", "relu", "ls"}, {"mm", "bias", "relu", "ls", "res"}]
+    assert ["layer_scale" in m.attrs for m in matches] == [False, False, False, True, True]
+    last = matches[-1]
+    assert last.attrs["layer_scale"] is True and last.attrs["residual"] is True
+    assert (last.roles["layer_scale"], last.roles["residual"], last.roles["bias"]) == ("gamma", "r", "b")
+    assert kit.groups(view, [c for c in kit.collect(view)[0] if c.family == "gemm"])[-1] == {
+        "mm", "bias", "relu", "ls", "res"}
+
+
+@pytest.mark.parametrize(("gamma_shape", "joins"), [((1, 1, 16), True), ((1,), False), ((5, 16), False)])
+def test_only_a_per_column_constant_is_a_layer_scale(kit, gamma_shape: tuple[int, ...], joins: bool) -> None:
+    """[1, 1, N] is one factor per column too; a scalar Mul or a [rows, N] one is no LayerScale (the group stops
+    before it and the residual)."""
+    view = layer_scale_block(kit, gamma_shape, act=False)
+    matches, _ = kit.run(RULE, view)
+    assert ("ls" in kit.groups(view, matches)[-1]) is joins
+    assert ("res" in kit.groups(view, matches)[-1]) is joins

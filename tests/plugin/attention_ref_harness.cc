@@ -43,7 +43,7 @@ int run(int with_v, const void* q, const int64_t* q_shape, int q_rank, const voi
         int k_rank, const void* v, const int64_t* v_shape, int v_rank, const void* mask, const int64_t* mask_shape,
         int mask_rank, const void* bias, const int64_t* bias_shape, int bias_rank, void* out, int64_t heads,
         int64_t head_dim, const char* ql, const char* kl, const char* vl, const char* ol, float scale, int causal,
-        int nan_guard, char* err, int err_len, Load load, Store store) {
+        int nan_guard, float mask_scale, float bias_scale, char* err, int err_len, Load load, Store store) {
     using namespace gtco::ref;
     const Layout lq = parse_layout(ql), lk = parse_layout(kl), lv = parse_layout(vl), lo = parse_layout(ol);
     int64_t b = 0, sq = 0, bk = 0, sk = 0, bv = 0, sv = 0;
@@ -60,10 +60,12 @@ int run(int with_v, const void* q, const int64_t* q_shape, int q_rank, const voi
     if (mask != nullptr) {
         if (!addend_strides(dims(mask_shape, mask_rank), b, heads, sq, sk, st)) return set_error(err, err_len, "mask"), 1;
         am = Addend<T>{static_cast<const T*>(mask), st[0], st[1], st[2], st[3]};
+        am.scale = mask_scale;
     }
     if (bias != nullptr) {
         if (!addend_strides(dims(bias_shape, bias_rank), b, heads, sq, sk, st)) return set_error(err, err_len, "bias"), 1;
         ab = Addend<T>{static_cast<const T*>(bias), st[0], st[1], st[2], st[3]};
+        ab.scale = bias_scale;
     }
     Operand<T> oq{static_cast<const T*>(q), layout_strides(lq, heads, sq, head_dim, 0)};
     Operand<T> ok{static_cast<const T*>(k), layout_strides(lk, heads, sk, head_dim, 1)};
@@ -86,12 +88,15 @@ extern "C" int gtco_attention_ref(int dtype, int with_v, const void* q, const in
                                   int mask_rank, const void* bias, const int64_t* bias_shape, int bias_rank,
                                   void* out, int64_t heads, int64_t head_dim, const char* q_layout,
                                   const char* k_layout, const char* v_layout, const char* out_layout, float scale,
-                                  int causal, int nan_guard, char* err, int err_len) {
+                                  int causal, int nan_guard, float mask_scale, float bias_scale, char* err,
+                                  int err_len) {
     if (dtype == 0)
         return run<float>(with_v, q, q_shape, q_rank, k, k_shape, k_rank, v, v_shape, v_rank, mask, mask_shape,
                           mask_rank, bias, bias_shape, bias_rank, out, heads, head_dim, q_layout, k_layout, v_layout,
-                          out_layout, scale, causal, nan_guard, err, err_len, f32_load, f32_store);
+                          out_layout, scale, causal, nan_guard, mask_scale, bias_scale, err, err_len, f32_load,
+                          f32_store);
     return run<uint16_t>(with_v, q, q_shape, q_rank, k, k_shape, k_rank, v, v_shape, v_rank, mask, mask_shape,
                          mask_rank, bias, bias_shape, bias_rank, out, heads, head_dim, q_layout, k_layout, v_layout,
-                         out_layout, scale, causal, nan_guard, err, err_len, bf16_load, bf16_store);
+                         out_layout, scale, causal, nan_guard, mask_scale, bias_scale, err, err_len, bf16_load,
+                         bf16_store);
 }

@@ -41,11 +41,13 @@ int fail(const std::string& msg, char* err, int err_cap) {
 
 template <class T, class Load, class Store>
 void run(const gtco::ref::GemmPlan& p, const void* a, const void* b, const void* bias, int64_t bm, int64_t bn,
-         const void* res, float alpha, float beta, gtco::ref::Act act, void* y, Load load, Store store) {
+         const void* scale, const void* res, float alpha, float beta, gtco::ref::Act act, void* y, Load load,
+         Store store) {
     gtco::ref::GemmIO<T> io;
     io.a = static_cast<const T*>(a);
     io.b = static_cast<const T*>(b);
     io.bias = static_cast<const T*>(bias);
+    io.layer_scale = static_cast<const T*>(scale);
     io.bias_m = bm;
     io.bias_n = bn;
     io.residual = static_cast<const T*>(res);
@@ -58,11 +60,13 @@ void run(const gtco::ref::GemmPlan& p, const void* a, const void* b, const void*
 
 }  // namespace
 
-// Plans and runs one GEMM. bias_rank < 0: no bias; res: y-shaped or null. y_cap: elements y can hold; y_shape
-// (8 dims) and y_rank receive y's shape. Returns 0, or 1 with the planner's message in err.
+// Plans and runs one GEMM. bias_rank < 0: no bias; scale_rank < 0: no layer_scale; res: y-shaped or null. y_cap:
+// elements y can hold; y_shape (8 dims) and y_rank receive y's shape. Returns 0, or 1 with the planner's message in
+// err.
 extern "C" int gtco_test_gemm(int dtype, const void* a, const int64_t* a_shape, int a_rank, const void* b,
                               const int64_t* b_shape, int b_rank, const void* bias, const int64_t* bias_shape,
-                              int bias_rank, const void* res, int trans_a, int trans_b, float alpha, float beta,
+                              int bias_rank, const void* scale, const int64_t* scale_shape, int scale_rank,
+                              const void* res, int trans_a, int trans_b, float alpha, float beta,
                               const char* act_name, void* y, int64_t y_cap, int64_t* y_shape, int* y_rank, char* err,
                               int err_cap) {
     gtco::ref::Act act;
@@ -76,6 +80,10 @@ extern "C" int gtco_test_gemm(int dtype, const void* a, const int64_t* a_shape, 
         why = gtco::ref::plan_bias(dims(bias_shape, bias_rank), p, bm, bn);
         if (!why.empty()) return fail(why, err, err_cap);
     }
+    if (scale_rank >= 0) {
+        why = gtco::ref::plan_layer_scale(dims(scale_shape, scale_rank), p);
+        if (!why.empty()) return fail(why, err, err_cap);
+    }
     if (p.out_shape.size() > 8) return fail("output rank > 8", err, err_cap);
     int64_t numel = 1;
     for (size_t i = 0; i < p.out_shape.size(); ++i) {
@@ -85,10 +93,11 @@ extern "C" int gtco_test_gemm(int dtype, const void* a, const int64_t* a_shape, 
     *y_rank = static_cast<int>(p.out_shape.size());
     if (numel > y_cap) return fail("output of " + std::to_string(numel) + " elements does not fit", err, err_cap);
     const void* bias_data = bias_rank >= 0 ? bias : nullptr;
+    const void* scale_data = scale_rank >= 0 ? scale : nullptr;
     if (dtype == 0) {
-        run<float>(p, a, b, bias_data, bm, bn, res, alpha, beta, act, y, f32_load, f32_store);
+        run<float>(p, a, b, bias_data, bm, bn, scale_data, res, alpha, beta, act, y, f32_load, f32_store);
     } else {
-        run<uint16_t>(p, a, b, bias_data, bm, bn, res, alpha, beta, act, y, bf16_load, bf16_store);
+        run<uint16_t>(p, a, b, bias_data, bm, bn, scale_data, res, alpha, beta, act, y, bf16_load, bf16_store);
     }
     return 0;
 }

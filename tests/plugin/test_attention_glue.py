@@ -45,13 +45,14 @@ BINDER = {b.family: b for b in BINDERS}
 
 
 def np_probs(q: np.ndarray, k: np.ndarray, scale: float, mask: np.ndarray | None = None,
-             bias: np.ndarray | None = None, causal: bool = False, nan_guard: bool = False) -> np.ndarray:
+             bias: np.ndarray | None = None, causal: bool = False, nan_guard: bool = False,
+             mask_scale: float = 1.0, bias_scale: float = 1.0) -> np.ndarray:
     """q [B,H,Sq,D], k [B,H,Sk,D] -> P [B,H,Sq,Sk]; rows with a NaN or an infinite max are NaN (0 if guarded)."""
     s = scale * np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64))
     with np.errstate(invalid="ignore"):
-        for add in (mask, bias):
+        for add, factor in ((mask, mask_scale), (bias, bias_scale)):
             if add is not None:
-                s = s + add.astype(np.float64)
+                s = s + factor * add.astype(np.float64)
         if causal:
             sq, sk = s.shape[-2:]
             s = np.where(np.arange(sk)[None, :] > np.arange(sq)[:, None], -np.inf, s)
@@ -62,8 +63,9 @@ def np_probs(q: np.ndarray, k: np.ndarray, scale: float, mask: np.ndarray | None
     return np.where(np.isnan(p), 0.0, p) if nan_guard else p
 
 
-def np_attention(q, k, v, scale, mask=None, bias=None, causal=False, nan_guard=False) -> np.ndarray:
-    p = np_probs(q, k, scale, mask, bias, causal, nan_guard)
+def np_attention(q, k, v, scale, mask=None, bias=None, causal=False, nan_guard=False, mask_scale=1.0,
+                 bias_scale=1.0) -> np.ndarray:
+    p = np_probs(q, k, scale, mask, bias, causal, nan_guard, mask_scale, bias_scale)
     with np.errstate(invalid="ignore"):
         return np.einsum("bhqk,bhkd->bhqd", p, v.astype(np.float64))
 
@@ -92,7 +94,7 @@ def _arr(x: np.ndarray | None):
 def run_ref(lib: ctypes.CDLL, *, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, heads: int, head_dim: int,
             layouts: dict[str, str], scale: float, out_shape: tuple[int, ...], mask: np.ndarray | None = None,
             bias: np.ndarray | None = None, causal: bool = False, nan_guard: bool = False,
-            dtype: str = "f32") -> np.ndarray:
+            dtype: str = "f32", mask_scale: float = 1.0, bias_scale: float = 1.0) -> np.ndarray:
     """Call the C++ reference; arrays in their layouts (float32, or bfloat16 when dtype == "bf16")."""
     st = ml_dtypes.bfloat16 if dtype == "bf16" else np.float32
 
@@ -108,7 +110,8 @@ def run_ref(lib: ctypes.CDLL, *, q: np.ndarray, k: np.ndarray, v: np.ndarray | N
         out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(heads), ctypes.c_int64(head_dim),
         layouts["q"].encode(), layouts["k"].encode(), layouts.get("v", "bhsd").encode(),
         layouts.get("out", "bhsd").encode(), ctypes.c_float(scale), ctypes.c_int(int(causal)),
-        ctypes.c_int(int(nan_guard)), err, ctypes.c_int(len(err)))
+        ctypes.c_int(int(nan_guard)), ctypes.c_float(mask_scale), ctypes.c_float(bias_scale), err,
+        ctypes.c_int(len(err)))
     assert rc == 0, err.value.decode()
     return out.astype(np.float64)
 
@@ -266,7 +269,10 @@ def check_binding(model: onnx.ModelProto, fn: FusedNode, binding: Binding, lib: 
             feeds[i] = rng.standard_normal(_concrete(fn.inputs[i].shape)).astype(np.float32)
     if roles["mask"] >= 0:
         shape = _concrete(fn.inputs[roles["mask"]].shape)
-        feeds[roles["mask"]] = np.where(rng.random(shape) < 0.25, -10000.0, 0.0).astype(np.float32)
+        mask = np.where(rng.random(shape) < 0.25, -10000.0, 0.0)
+        if a.get("mask_scale", 1.0) != 1.0:  # moderate values too, where scaling the mask or not differs
+            mask += rng.standard_normal(shape)
+        feeds[roles["mask"]] = mask.astype(np.float32)
     got = _run_function(model, fn, feeds)
 
     h, d, scale = a["heads"], a["head_dim"], a["scale"]
@@ -280,16 +286,17 @@ def check_binding(model: onnx.ModelProto, fn: FusedNode, binding: Binding, lib: 
     mask = feeds.get(roles["mask"]) if roles["mask"] >= 0 else None
     bias = feeds.get(roles["bias"]) if roles["bias"] >= 0 else None
     guard, causal = bool(a.get("nan_guard", 0)), bool(a.get("causal", 0))
+    scales = {"mask_scale": a.get("mask_scale", 1.0), "bias_scale": a.get("bias_scale", 1.0)}
     if with_v:
         want = from_bhsd(np_attention(bhsd["q"], bhsd["k"], bhsd["v"], scale, mask, bias, causal=causal,
-                                      nan_guard=guard), lay["out"])
+                                      nan_guard=guard, **scales), lay["out"])
     else:
-        want = np_probs(bhsd["q"], bhsd["k"], scale, mask, bias, nan_guard=guard)
+        want = np_probs(bhsd["q"], bhsd["k"], scale, mask, bias, nan_guard=guard, **scales)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     cpp = run_ref(lib, q=feeds[roles["q"]], k=feeds[roles["k"]], v=feeds[roles["v"]] if with_v else None,
                   heads=h, head_dim=d, layouts=lay, scale=scale, out_shape=got.shape, mask=mask, bias=bias,
-                  causal=causal, nan_guard=guard)
+                  causal=causal, nan_guard=guard, **scales)
     np.testing.assert_allclose(cpp, got, rtol=1e-4, atol=1e-5)
 
 
@@ -342,19 +349,26 @@ def test_binders_on_builtin_models(ref_lib, name: str, overrides: dict) -> None:
 
 def small_model(*, guard: bool = False, probs_out: bool = False, mask: bool = False, bias: bool = False,
                 k_transposed: bool = True, seq: int = 13, heads: int = 2, head_dim: int = 32,
-                dtype: type = np.float32) -> onnx.ModelProto:
+                dtype: type = np.float32, einsum: bool = False, scale_after: bool = False) -> onnx.ModelProto:
     """q, k, v [1,H,S,D] (k [1,H,D,S] unless k_transposed) -> softmax(QKᵀ*s [+mask] [+bias]) [guarded] V;
-    probs_out also returns P (then the group is a BmmSoftmax)."""
+    probs_out also returns P (then the group is a BmmSoftmax). einsum: both products are tf2onnx's Einsums
+    ("bhqd,bhkd->bhqk" on k as it is, "bhqk,bhkd->bhqd"). scale_after: softmax((QKᵀ [+mask] [+bias]) * s), the
+    scale after the additive terms (which it scales too)."""
     b, h, s, d = 1, heads, seq, head_dim
+    k_transposed = k_transposed and not einsum
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    ins = [helper.make_tensor_value_info(n, et, [b, h, d, s] if n == "k" and not k_transposed
+    ins = [helper.make_tensor_value_info(n, et, [b, h, d, s] if n == "k" and not k_transposed and not einsum
                                          else [b, h, s, d]) for n in "qkv"]
     inits = [numpy_helper.from_array(np.array(0.25, dtype), "sc"),
              numpy_helper.from_array(np.array(0.0, dtype), "zero")]
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])] if k_transposed else []
-    nodes += [helper.make_node("MatMul", ["q", "kt" if k_transposed else "k"], ["s0"]),
-              helper.make_node("Mul", ["s0", "sc"], ["s1"])]
-    scores = "s1"
+    qk = (helper.make_node("Einsum", ["q", "k"], ["s0"], equation="bhqd,bhkd->bhqk") if einsum else
+          helper.make_node("MatMul", ["q", "kt" if k_transposed else "k"], ["s0"]))
+    nodes.append(qk)
+    scores = "s0"
+    if not scale_after:
+        nodes.append(helper.make_node("Mul", ["s0", "sc"], ["s1"]))
+        scores = "s1"
     if mask:
         ins.append(helper.make_tensor_value_info("mask", et, [b, 1, s, s]))
         nodes.append(helper.make_node("Add", [scores, "mask"], ["s2"]))
@@ -364,12 +378,16 @@ def small_model(*, guard: bool = False, probs_out: bool = False, mask: bool = Fa
         inits.append(numpy_helper.from_array(rng.standard_normal((1, h, s, s)).astype(dtype), "rel_bias"))
         nodes.append(helper.make_node("Add", [scores, "rel_bias"], ["s3"]))
         scores = "s3"
+    if scale_after:
+        nodes.append(helper.make_node("Mul", [scores, "sc"], ["s4"]))
+        scores = "s4"
     nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=-1))
     probs = "p"
     if guard:
         nodes += [helper.make_node("IsNaN", ["p"], ["isn"]), helper.make_node("Where", ["isn", "zero", "p"], ["pg"])]
         probs = "pg"
-    nodes.append(helper.make_node("MatMul", [probs, "v"], ["o"]))
+    nodes.append(helper.make_node("Einsum", [probs, "v"], ["o"], equation="bhqk,bhkd->bhqd") if einsum else
+                 helper.make_node("MatMul", [probs, "v"], ["o"]))
     outs = [helper.make_tensor_value_info("o", et, [b, h, s, d])]
     if probs_out:
         outs.append(helper.make_tensor_value_info("p", et, [b, h, s, s]))
@@ -451,8 +469,12 @@ def test_swin_shifted_windows_bind_as_one_attention_node(ref_lib) -> None:
 
 @pytest.mark.parametrize("kw", [{"guard": True, "mask": True}, {"bias": True, "mask": True},
                                 {"probs_out": True, "mask": True}, {"probs_out": True, "bias": True},
-                                {"k_transposed": False, "seq": 50, "head_dim": 80}],
-                         ids=["guard_mask", "mask_bias", "bmm_mask", "bmm_bias", "k_untransposed"])
+                                {"k_transposed": False, "seq": 50, "head_dim": 80},
+                                {"einsum": True, "mask": True}, {"einsum": True, "probs_out": True, "bias": True},
+                                {"scale_after": True, "mask": True, "bias": True},
+                                {"scale_after": True, "mask": True, "probs_out": True}],
+                         ids=["guard_mask", "mask_bias", "bmm_mask", "bmm_bias", "k_untransposed", "einsum",
+                              "einsum_bmm", "scale_after_mask", "scale_after_mask_bmm"])
 def test_binders_on_small_models(ref_lib, kw: dict) -> None:
     model = small_model(**kw)
     result = optimize(model, GtcoConfig())
@@ -469,6 +491,9 @@ def test_binders_on_small_models(ref_lib, kw: dict) -> None:
     assert names["v"] == (None if kw.get("probs_out") else "v")
     assert names["k"] in ("k", "kt")
     assert _attrs(fn).get("nan_guard", 0) == int(kw.get("guard", False))
+    after = 0.25 if kw.get("scale_after") else 1.0  # small_model's scale, applied after the mask (and the bias)
+    assert (_attrs(fn).get("mask_scale", 1.0), _attrs(fn).get("bias_scale", 1.0)) == (
+        after if kw.get("mask") else 1.0, after if kw.get("bias") else 1.0)
     check_binding(result.model, fn, binding, ref_lib, seed=5)
 
 
@@ -649,6 +674,8 @@ E2E = {  # name -> (model builder, family)
     "bmm": (lambda: small_model(probs_out=True, mask=True, bias=True), "bmm_softmax"),
     "guard": (lambda: small_model(guard=True, mask=True, k_transposed=False), "attention"),
     "f16": (lambda: small_model(mask=True, bias=True, seq=40, head_dim=64, dtype=np.float16), "attention"),
+    "einsum": (lambda: small_model(einsum=True, mask=True, bias=True, seq=21), "attention"),
+    "scale_after": (lambda: small_model(scale_after=True, mask=True, bias=True, seq=21), "attention"),
     "onnx_causal": (lambda: onnx_attention_model(causal=True, merged=True, sq=9, sk=20, head_dim=64), "attention"),
     "swin": (swin_model, "attention"),
     "swin_bmm": (lambda: swin_model(probs_out=True), "bmm_softmax"),
@@ -784,3 +811,22 @@ def test_swin_custom_kernel_reads_the_window_mask_per_row(e2e) -> None:
     with pytest.raises(Exception, match=r"mask \[1,3,1,16,16\] with mask_period=4 does not broadcast to "
                                         r"\[1, 4, 2, 16, 16\]"):
         _one_node_session(model, fn, feeds, lib, free_shapes=True)()
+
+
+def test_scale_after_the_mask_scales_it_in_the_custom_kernel(e2e) -> None:
+    """softmax((QKᵀ + mask + bias) * s) V with a mask of moderate values (an ALiBi-like term, where scaling it or not
+    matters): the library's kernel gives what the function gives, and a kernel that added the mask unscaled would
+    not (the float64 reference of that reading is far off)."""
+    lib, cases = e2e
+    model, fn, binding = cases["scale_after"]
+    roles = dict(zip(IN_ROLES, binding.inputs, strict=True))
+    rng = np.random.default_rng(3)
+    feeds = {roles[r]: rng.standard_normal((1, 2, 21, 32)).astype(np.float32) for r in "qkv"}
+    feeds[roles["mask"]] = (4.0 * rng.standard_normal((1, 1, 21, 21))).astype(np.float32)
+    want = _one_node_session(model, fn, feeds, None)()
+    got = _one_node_session(model, fn, feeds, lib)()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    inits = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    q, k, v = (feeds[roles[r]].astype(np.float64) for r in "qkv")
+    unscaled = np_attention(q, k, v, 0.25, feeds[roles["mask"]], inits["rel_bias"])
+    assert np.max(np.abs(unscaled - want)) > 0.05

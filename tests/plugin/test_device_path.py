@@ -29,6 +29,7 @@ from onnx import TensorProto
 from onnxruntime.transformers.float16 import convert_float_to_float16
 from plugin_helpers import ln_softmax_model
 from test_attention_glue import small_model, swin_model
+from test_gemm_glue import layer_scale_model
 
 from onnx_gtco import optimize
 from onnx_gtco.kernels.family import rel_error
@@ -47,6 +48,11 @@ MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels
                     {"BmmSoftmax_f16"}),
     "attention_kt": (lambda: small_model(k_transposed=False, mask=True, seq=37, head_dim=32), {"Attention_f16"}),
     "swin_window": (swin_model, {"Attention_f16"}),  # the shift mask read at batch row b % nW
+    # attention as other exporters write it: Einsum products (tf2onnx), the scale after the mask and bias Adds (which
+    # scales them too), a head dim of 26 (padded to 32 inside the kernel)
+    "attention_forms": (lambda: small_model(einsum=True, scale_after=True, mask=True, bias=True, seq=37,
+                                            head_dim=26), {"Attention_f16"}),
+    "layer_scale": (layer_scale_model, {"Gemm_f16"}),  # LayerScale in the GEMM epilogue (DINOv2, CaiT)
 }
 
 

@@ -62,13 +62,14 @@ def from_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def c_gemm(lib: ctypes.CDLL, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
-           res: np.ndarray | None = None, *, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0,
-           beta: float = 1.0, act: str = "none", dtype: str = "f32") -> np.ndarray:
+           res: np.ndarray | None = None, layer_scale: np.ndarray | None = None, *, trans_a: bool = False,
+           trans_b: bool = False, alpha: float = 1.0, beta: float = 1.0, act: str = "none",
+           dtype: str = "f32") -> np.ndarray:
     """Run gtco::ref::gemm; raises ValueError with the planner's message."""
     conv = (lambda t: np.ascontiguousarray(t, dtype=np.float32)) if dtype == "f32" else to_bf16
-    arrays = [None if t is None else conv(t) for t in (a, b, bias, res)]
+    arrays = [None if t is None else conv(t) for t in (a, b, bias, res, layer_scale)]
     ptr = [None if t is None else t.ctypes.data_as(ctypes.c_void_p) for t in arrays]
-    shapes = [np.asarray(t.shape if t is not None else (), dtype=np.int64) for t in (a, b, bias)]
+    shapes = [np.asarray(t.shape if t is not None else (), dtype=np.int64) for t in (a, b, bias, layer_scale)]
     sp = [s.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)) for s in shapes]
     cap = 1 << 22
     y = np.zeros(cap, dtype=np.float32 if dtype == "f32" else np.uint16)
@@ -78,11 +79,13 @@ def c_gemm(lib: ctypes.CDLL, a: np.ndarray, b: np.ndarray, bias: np.ndarray | No
     f = lib.gtco_test_gemm
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                  ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+                  ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                  ctypes.c_int]
     rc = f(0 if dtype == "f32" else 1, ptr[0], sp[0], a.ndim, ptr[1], sp[1], b.ndim, ptr[2], sp[2],
-           -1 if bias is None else bias.ndim, ptr[3], int(trans_a), int(trans_b), alpha, beta, act.encode(),
+           -1 if bias is None else bias.ndim, ptr[4], sp[3], -1 if layer_scale is None else layer_scale.ndim, ptr[3],
+           int(trans_a), int(trans_b), alpha, beta, act.encode(),
            y.ctypes.data_as(ctypes.c_void_p), cap, y_shape.ctypes.data_as(ctypes.c_void_p), ctypes.byref(y_rank),
            err, len(err))
     if rc != 0:
@@ -92,16 +95,18 @@ def c_gemm(lib: ctypes.CDLL, a: np.ndarray, b: np.ndarray, bias: np.ndarray | No
     return out if dtype == "f32" else from_bf16(out)
 
 
-def np_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None, res: np.ndarray | None = None, *,
-            trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0, beta: float = 1.0,
-            act: str = "none") -> np.ndarray:
-    """fp64 numpy: act(alpha * A @ op(B) + beta * bias) + res, with _act.REFERENCE's activations."""
+def np_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None, res: np.ndarray | None = None,
+            layer_scale: np.ndarray | None = None, *, trans_a: bool = False, trans_b: bool = False,
+            alpha: float = 1.0, beta: float = 1.0, act: str = "none") -> np.ndarray:
+    """fp64 numpy: act(alpha * A @ op(B) + beta * bias) * layer_scale + res, with _act.REFERENCE's activations."""
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     y = alpha * np.matmul(a64.T if trans_a else a64, b64.T if trans_b else b64)
     if bias is not None:
         y = y + beta * np.asarray(bias, np.float64)
     if act != "none":
         y = REFERENCE[act](y)
+    if layer_scale is not None:
+        y = y * np.asarray(layer_scale, np.float64)
     if res is not None:
         y = y + np.asarray(res, np.float64)
     return y
@@ -180,6 +185,25 @@ def test_bf16_storage(lib: ctypes.CDLL, act: str) -> None:
     got = c_gemm(lib, a, b, bias, res, act=act, dtype="bf16")
     want = np_gemm(*q, act=act)
     np.testing.assert_allclose(got, want, rtol=8e-3, atol=8e-3 * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_layer_scale_after_the_activation_before_the_residual(lib: ctypes.CDLL, dtype: str) -> None:
+    """LayerScale: one factor per column between the activation and the residual ([N] or [1, 1, N])."""
+    rng = np.random.default_rng(17)
+    a, b, bias, res = rand(rng, 2, 61, 33), rand(rng, 33, 77), rand(rng, 77), rand(rng, 2, 61, 77)
+    for gamma in (rand(rng, 77), rand(rng, 1, 1, 77)):
+        got = c_gemm(lib, a, b, bias, res, gamma, act="gelu_erf", dtype=dtype)
+        if dtype == "f32":
+            close(got, np_gemm(a, b, bias, res, gamma, act="gelu_erf"))
+        else:
+            q = [from_bf16(to_bf16(t)) for t in (a, b, bias, res, gamma)]
+            want = np_gemm(*q, act="gelu_erf")
+            np.testing.assert_allclose(got, want, rtol=8e-3, atol=8e-3 * float(np.max(np.abs(want))))
+        assert np.max(np.abs(got - np_gemm(a, b, bias, res, act="gelu_erf"))) > 0.1  # the factors matter
+    for shape in ((76,), (2, 77), (61, 77)):
+        with pytest.raises(ValueError, match=r"layer_scale \[[0-9,]+\] is not one value per column"):
+            c_gemm(lib, a, b, bias, res, rand(rng, *shape))
 
 
 @pytest.mark.parametrize(("sa", "sb", "sbias", "kw", "message"), [
@@ -264,6 +288,42 @@ def reference_from_roles(node: FusedNode, binding: Binding, values: list[np.ndar
     return outs
 
 
+def layer_scale_model(d: int = 48, tokens: int = 17, seed: int = 0) -> onnx.ModelProto:
+    """One ViT MLP with LayerScale (DINOv2, CaiT): y = x + gamma * fc2(gelu(fc1(x))), gamma [d] and fc2 + bias."""
+    rng = np.random.default_rng(seed)
+    inits = [_init(rng, "w1", d, 4 * d), _init(rng, "b1", 4 * d), _init(rng, "w2", 4 * d, d), _init(rng, "b2", d),
+             _init(rng, "gamma", d), _scalar("half", 0.5), _scalar("one", 1.0), _scalar("sqrt2", 1.4142135)]
+    nodes = [mk("MatMul", ["x", "w1"], ["h"]), mk("Add", ["h", "b1"], ["hb"]), mk("Div", ["hb", "sqrt2"], ["g0"]),
+             mk("Erf", ["g0"], ["g1"]), mk("Add", ["g1", "one"], ["g2"]), mk("Mul", ["hb", "g2"], ["g3"]),
+             mk("Mul", ["g3", "half"], ["g4"]), mk("MatMul", ["g4", "w2"], ["o"]), mk("Add", ["o", "b2"], ["ob"]),
+             mk("Mul", ["gamma", "ob"], ["ls"]), mk("Add", ["x", "ls"], ["y"])]
+    for n in nodes:
+        n.name = f"ls.{n.output[0]}"  # names of their own beside the synthetic model's in one library
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "layer_scale", [helper.make_tensor_value_info("x", f, [2, tokens, d])],
+                              [helper.make_tensor_value_info("y", f, [2, tokens, d])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_layer_scale_binds_as_the_fifth_role(lib: ctypes.CDLL) -> None:
+    """fc2 + bias, gamma and the residual are one Gemm node; its roles compute its function (numpy and the C++
+    reference fed per the roles)."""
+    result = optimize(layer_scale_model(), GtcoConfig())
+    nodes = {n.node.name: n for n in fused_nodes(result.model, result)}
+    assert len(nodes) == 2 and len(result.model.graph.node) == 2
+    fc2 = next(n for n in nodes.values() if n.attrs.get("layer_scale"))
+    binding = GEMM.bind(fc2)
+    assert binding == Binding(inputs=(0, 1, 2, 3, 4), outputs=(0,))
+    assert [fc2.node.input[i] for i in binding.inputs] == ["g4", "w2", "b2", "x", "gamma"]
+    values = feed(fc2, np.random.default_rng(2))
+    want = run_function(fc2, values)
+    for got in (reference_from_roles(fc2, binding, values), reference_from_roles(fc2, binding, values, lib)):
+        close(np.asarray(got[0], np.float64), want[0].astype(np.float64), rtol=1e-4)
+    why = GEMM.bind(_fused([mk("MatMul", ["x0", "x1"], ["t"]), mk("Mul", ["t", "x2"], ["y0"])], 2, 1,
+                           GEMM_ATTRS | AB | {"layer_scale": 1}))
+    assert isinstance(why, str) and "layer_scale is not a node input" in why
+
+
 MODELS = {
     "vit-tiny": ("vit-tiny", {}),
     "bert-tiny": ("bert-tiny", {}),
@@ -312,11 +372,11 @@ def test_builtin_role_layout() -> None:
     result = optimize(build("vit-tiny", depth=1, seed=0), GtcoConfig())
     nodes = {n.node.name: n for n in fused_nodes(result.model, result)}
     fc1 = nodes["gtco/gemm/blocks.0.mlp.fc1.matmul"]
-    assert GEMM.bind(fc1) == Binding(inputs=(0, 1, 2, -1), outputs=(0,))   # sqrt2 / one / half: no role
+    assert GEMM.bind(fc1) == Binding(inputs=(0, 1, 2, -1, -1), outputs=(0,))   # sqrt2 / one / half: no role
     proj = nodes["gtco/gemm/blocks.0.attn.proj.matmul"]
-    assert GEMM.bind(proj) == Binding(inputs=(0, 1, 2, 3), outputs=(0,))
+    assert GEMM.bind(proj) == Binding(inputs=(0, 1, 2, 3, -1), outputs=(0,))
     head = nodes["gtco/gemm/head"]                                            # ONNX Gemm, transB, C
-    assert GEMM.bind(head) == Binding(inputs=(0, 1, 2, -1), outputs=(0,))
+    assert GEMM.bind(head) == Binding(inputs=(0, 1, 2, -1, -1), outputs=(0,))
     result = optimize(build("bert-tiny", depth=1, seed=0), GtcoConfig())
     (qkv,) = [n for n in fused_nodes(result.model, result) if n.family == "qkv"]
     assert QKV.bind(qkv) == Binding(inputs=(0, 1, 2, 3, 4, 5, 6), outputs=(0, 1, 2))  # the roles in opspec order
@@ -386,7 +446,7 @@ def test_synthetic_forms_bind_and_compute(lib: ctypes.CDLL) -> None:
         for got in (reference_from_roles(node, binding, values), reference_from_roles(node, binding, values, lib)):
             close(np.asarray(got[0], np.float64), want[0].astype(np.float64), rtol=1e-4)
     assert set(acts) == {"quick_gelu", "relu", "silu", "relu6", "tanh", "sigmoid"}
-    assert acts["quick_gelu"].inputs == (0, 1, 2, 3)    # c1702 (input 4, after the roles) has no role
+    assert acts["quick_gelu"].inputs == (0, 1, 2, 3, -1)    # c1702 (input 4, after the roles) has no role
 
 
 def _fused(nodes: list[onnx.NodeProto], n_in: int, n_out: int, attrs: dict, op_type: str = "Gemm_f32",
@@ -452,7 +512,7 @@ def test_gemm_act_op_and_residual_bind() -> None:
              mk("Add", ["v", "x3"], ["y0"])]
     roles = {"roles": ["a", "b", "bias", "residual"], "out_roles": ["y"]}
     got = GEMM.bind(_fused(nodes, 4, 1, GEMM_ATTRS | roles | {"activation": "gelu_erf", "bias": 1, "residual": 1}))
-    assert got == Binding(inputs=(0, 1, 2, 3), outputs=(0,))
+    assert got == Binding(inputs=(0, 1, 2, 3, -1), outputs=(0,))
 
 
 def test_qkv_reasons() -> None:
@@ -489,7 +549,8 @@ template struct FusedKernel<Qkv, DType::f32, false>;
 template struct FusedKernel<Qkv, DType::f16, false>;
 template struct FusedKernel<Qkv, DType::bf16, false>;
 template struct FusedKernel<Qkv, DType::bf16, true>;
-static_assert(Gemm::IN_A == 0 && Gemm::IN_B == 1 && Gemm::IN_BIAS == 2 && Gemm::IN_RESIDUAL == 3, "roles");
+static_assert(Gemm::IN_A == 0 && Gemm::IN_B == 1 && Gemm::IN_BIAS == 2 && Gemm::IN_RESIDUAL == 3 &&
+              Gemm::IN_LAYER_SCALE == 4, "roles");
 static_assert(Qkv::IN_W0 == 1 && Qkv::IN_BIAS0 == 4 && Qkv::kMaxProj == 3, "roles");
 }  // namespace gtco
 """
@@ -497,7 +558,7 @@ static_assert(Qkv::IN_W0 == 1 && Qkv::IN_BIAS0 == 4 && Qkv::kMaxProj == 3, "role
 
 def test_glue_header_compiles(tmp_path: Path) -> None:
     inc = ort_include_dir()
-    assert len(GEMM_IN) == 4 and len(QKV_IN) == 7     # the static_asserts above spell out the same order
+    assert len(GEMM_IN) == 5 and len(QKV_IN) == 7     # the static_asserts above spell out the same order
     src = tmp_path / "gemm_glue.cc"
     src.write_text(GLUE_TU)
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
@@ -537,12 +598,14 @@ def node_row(node: FusedNode, binding: Binding) -> str:
 
 @pytest.fixture(scope="module")
 def glue_models(tmp_path_factory: pytest.TempPathFactory):
-    """Optimized models (ViT with a symbolic batch, BERT with Q/K/V, the synthetic forms) and a library
-    built for their nodes."""
+    """Optimized models (ViT with a symbolic batch, BERT with Q/K/V, the synthetic forms, a LayerScale MLP) and a
+    library built for their nodes."""
     inc = ort_include_dir()
     models, rows, nodes = [], [], {}
-    for name, kw in (("vit-tiny", {"depth": 1, "batch": "N"}), ("bert-tiny", {"depth": 1}), ("synthetic", {})):
-        src = synthetic_model() if name == "synthetic" else build(name, seed=0, **kw)
+    own = {"synthetic": synthetic_model, "layer_scale": layer_scale_model}
+    for name, kw in (("vit-tiny", {"depth": 1, "batch": "N"}), ("bert-tiny", {"depth": 1}), ("synthetic", {}),
+                     ("layer_scale", {})):
+        src = own[name]() if name in own else build(name, seed=0, **kw)
         result = optimize(src, GtcoConfig())
         for node in fused_nodes(result.model, result):
             binding = binder_for(node).bind(node)

@@ -11,7 +11,7 @@
 #define GTCO_EBADSHAPE 1    // a size differs from the one the instance was built for, or breaks its divisibility
 #define GTCO_ELAUNCH 2      // the launch itself failed (cudaGetLastError after the launch)
 
-// GEMM (gtco/gemm.cuh), y = act(alpha * A @ B + bias) + residual; mirrored by GemmFamily.args_fields.
+// GEMM (gtco/gemm.cuh), y = act(alpha * A @ B + bias) * layer_scale + residual; mirrored by GemmFamily.args_fields.
 // Sizes and strides count elements. Batch strides: A[b] = a + b * stride_a, B[b] = b + b * stride_b (0: one B
 // shared by the batch), y[b] and residual[b] = ... + b * stride_y. Leading dimensions are dense: K for A, N (or K
 // when transposed) for B, N for y and residual.
@@ -24,6 +24,7 @@ struct GemmArgs {
     int64_t batch, m, n, k;
     int64_t stride_a, stride_b, stride_y;
     float alpha;           // scales A @ B before the bias (ONNX Gemm's alpha; 1 for a MatMul)
+    const void* layer_scale;  // [N]: multiplies column n after the activation (LayerScale); null when none
 };
 
 // Convolution (gtco/conv.cuh: implicit GEMM or direct), y = post_act(act((conv(x, w) + bias) * a + b) + residual), a
@@ -67,7 +68,8 @@ struct gtco_attention_args {
     int64_t bias_sb, bias_sh, bias_sq, bias_sk;
     int32_t batch, heads, seq_q, seq_k, head_dim;
     int32_t m_bmod, bias_bmod;  // batch index of mask / bias = b % bmod
-    float scale;
+    float scale;                // multiplies Q Kᵀ
+    float mask_scale, bias_scale;  // multiply the mask and the bias (1, unless the graph scales after adding them)
 };
 
 // LayerNorm (gtco/layernorm.cuh).

@@ -1,8 +1,10 @@
 // Attention kernel families on Tensor Cores (mma.m16n8k16 for f16 / bf16, m16n8k8 .tf32 for fp32; fp32
 // accumulation), one header for two families:
 //
-//   attention:   O = softmax(scale * Q Kᵀ + mask + bias) V, FlashAttention-2 style. One block per (q tile of BQ
-//                rows, batch * head); each warp owns 16 * MT rows of the tile (MT = BQ / (16 * WARPS) m-tiles).
+//   attention:   O = softmax(scale * Q Kᵀ + mask + bias) V, FlashAttention-2 style (mask and bias times
+//                mask_scale and bias_scale, 1 unless the graph scales the scores after adding them). One block per
+//                (q tile of BQ rows, batch * head); each warp owns 16 * MT rows of the tile (MT = BQ / (16 * WARPS)
+//                m-tiles).
 //                K/V tiles of BKV keys stream through a STAGES-deep cp.async ring in shared memory. S = Q Kᵀ is
 //                computed into accumulator registers, scaled and masked there, and the softmax runs online on the
 //                registers: a running row max m and partial row sum l per thread (the four lanes of a quad hold
@@ -21,6 +23,12 @@
 // (plain loads, any strides) into a [D][BKV] shared tile and read with ldmatrix.trans: slower, always correct.
 // mask and bias are [B', H', Sq', Sk'] additive T tensors with element strides per dim (0 broadcasts); the batch
 // index used for them is b % bmod (bmod = B for a per-batch mask, nW for Swin's [nW, 1, N, N] window mask).
+//
+// Head dims: D is a multiple of 16 up to 256 (32, 64, 80, 96, 128 and 256 are instantiated). PAD_D instances take any
+// head_dim below D (a small odd one such as 26 runs as D = 32): Q, K and V rows are read element by element with
+// plain loads (rows of head_dim elements need not be 16-byte aligned), dims head_dim .. D-1 are zero-filled in shared
+// memory, so they add nothing to Q Kᵀ and give O zero columns there, which the epilogue does not store (it writes
+// the head_dim columns element by element). No element past a row's head_dim is read or written.
 //
 // Edges: rows of Q and K/V beyond seq_q / seq_k are zero-filled in shared memory, key columns beyond seq_k get
 // -inf before the row max. A row whose every score is -inf (a -inf mask over all keys) has l = 0: its output is
@@ -140,9 +148,37 @@ GTCO_DEVICE void load_rows_async(T* dst, const T* src, int row_stride, int row0,
     }
 }
 
-// A Kᵀ tile: dst[d][j] = K[key kv0 + j][dim d] for any strides, plain loads (keys past seq_k are zero).
+// ROWS rows of a padded head (PAD_D): dst[r][c] = src[row0 + r][c] for c < dim, zero for c in dim .. D-1 and for
+// rows at or past `limit`; plain element loads (the rows need no alignment), stored synchronously.
+template <typename T, int ROWS, int D, int THREADS>
+GTCO_DEVICE void load_rows_padded(T* dst, const T* src, int row_stride, int row0, int limit, int dim, int tid) {
+    constexpr int kElems = ROWS * D, kIters = (kElems + THREADS - 1) / THREADS;
+    GTCO_ATTN_UNROLL_BY(4)
+    for (int i = 0; i < kIters; ++i) {
+        const int e = tid + i * THREADS;
+        if (kElems % THREADS == 0 || e < kElems) {
+            const int r = e / D, c = e % D;
+            dst[r * (D + kRowPad<T>) + c] =
+                row0 + r < limit && c < dim ? src[(row0 + r) * row_stride + c] : from_float<T>(0.0f);
+        }
+    }
+}
+
+// Rows of Q, K or V into shared memory: cp.async 16-byte chunks, or for a padded head (PAD_D) element loads of the
+// head_dim leading dims with zeros after them.
+template <typename T, int ROWS, int D, int THREADS, bool PAD_D>
+GTCO_DEVICE void load_rows(T* dst, const T* src, int row_stride, int row0, int limit, int dim, int tid) {
+    if constexpr (PAD_D) {
+        load_rows_padded<T, ROWS, D, THREADS>(dst, src, row_stride, row0, limit, dim, tid);
+    } else {
+        load_rows_async<T, ROWS, D, THREADS>(dst, src, row_stride, row0, limit, tid);
+    }
+}
+
+// A Kᵀ tile: dst[d][j] = K[key kv0 + j][dim d] for any strides, plain loads (keys past seq_k and dims past `dim`, a
+// padded head's, are zero).
 template <typename T, int D, int BKV, int THREADS>
-GTCO_DEVICE void load_kt_tile(T* dst, const T* src, int ss, int sd, int kv0, int seq_k, int tid) {
+GTCO_DEVICE void load_kt_tile(T* dst, const T* src, int ss, int sd, int kv0, int seq_k, int dim, int tid) {
     constexpr int kElems = D * BKV, kIters = (kElems + THREADS - 1) / THREADS;
     // Not fully unrolled: kIters reaches 128, and hoisting that many scattered loads ahead of their stores would
     // take as many registers and spill.
@@ -152,7 +188,7 @@ GTCO_DEVICE void load_kt_tile(T* dst, const T* src, int ss, int sd, int kv0, int
         if (kElems % THREADS == 0 || e < kElems) {
             const int d = e / BKV, j = e % BKV;
             dst[d * (BKV + kPad) + j] =
-                kv0 + j < seq_k ? src[(kv0 + j) * ss + d * sd] : from_float<T>(0.0f);
+                kv0 + j < seq_k && d < dim ? src[(kv0 + j) * ss + d * sd] : from_float<T>(0.0f);
         }
     }
 }
@@ -230,12 +266,14 @@ GTCO_DEVICE void qk_tile(float (&s)[MT][BKV / 8][4], const T* qs, const T* ks, i
     }
 }
 
-// Scores in the log2 domain: s * scale * log2(e) + (mask + bias) * log2(e); keys at or past seq_k become -inf.
-// row0: the query row of the warp's first row; kv0: the tile's first key. mask/bias: already offset to (b, h).
+// Scores in the log2 domain: s * scale * log2(e) + (mask * mask_scale + bias * bias_scale) * log2(e); keys at or past
+// seq_k become -inf. row0: the query row of the warp's first row; kv0: the tile's first key. mask/bias: already
+// offset to (b, h).
 template <typename T, int MT, int NB, bool MASK, bool BIAS>
 GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args& a, const T* mask, const T* bias,
                                int row0, int kv0, int lane, float scale_log2) {
     const int g = lane / 4, t = lane % 4;
+    const float mask_log2 = a.mask_scale * kLog2e, bias_log2 = a.bias_scale * kLog2e;
     const int msq = static_cast<int>(a.m_sq), msk = static_cast<int>(a.m_sk);
     const int bsq = static_cast<int>(a.bias_sq), bsk = static_cast<int>(a.bias_sk);
     GTCO_UNROLL
@@ -248,10 +286,8 @@ GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args&
                 float x = s[mt][n][i] * scale_log2;
                 if constexpr (MASK || BIAS) {
                     if (row < a.seq_q && col < a.seq_k) {
-                        float add = 0.0f;
-                        if constexpr (MASK) add += to_float(mask[row * msq + col * msk]);
-                        if constexpr (BIAS) add += to_float(bias[row * bsq + col * bsk]);
-                        x += add * kLog2e;
+                        if constexpr (MASK) x += to_float(mask[row * msq + col * msk]) * mask_log2;
+                        if constexpr (BIAS) x += to_float(bias[row * bsq + col * bsk]) * bias_log2;
                     }
                 }
                 s[mt][n][i] = col < a.seq_k ? x : -INFINITY;
@@ -303,7 +339,7 @@ GTCO_DEVICE void pv_tile_tf32(float (&o)[MT][D / 8][4], const float (&p)[MT][BKV
 // ------------------------------------------------------------------------------------------------------------
 // attention: FlashAttention-2 style online softmax
 // ------------------------------------------------------------------------------------------------------------
-template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS>
+template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_attention_args a) {
     using S = Shape<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>;
     constexpr int MT = S::MT, NB = S::NB, ND = S::ND, RS = S::RS, kThreads = S::kThreads;
@@ -322,19 +358,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
     const int nkt = (a.seq_k + BKV - 1) / BKV;
     const float scale_log2 = a.scale * kLog2e;
     const int k_ss = static_cast<int>(a.k_ss), k_sd = static_cast<int>(a.k_sd), v_ss = static_cast<int>(a.v_ss);
+    const int dim = PAD_D ? a.head_dim : D;  // the dims a row holds; a padded head's are zero from here to D
 
     auto load_kv = [&](int tile) {
         const int stage = tile % STAGES, kv0 = tile * BKV;
         if constexpr (K_TRANS) {
-            load_kt_tile<T, D, BKV, kThreads>(ks + stage * S::kKElems, kg, k_ss, k_sd, kv0, a.seq_k, tid);
+            load_kt_tile<T, D, BKV, kThreads>(ks + stage * S::kKElems, kg, k_ss, k_sd, kv0, a.seq_k, dim, tid);
         } else {
-            load_rows_async<T, BKV, D, kThreads>(ks + stage * S::kKElems, kg, k_ss, kv0, a.seq_k, tid);
+            load_rows<T, BKV, D, kThreads, PAD_D>(ks + stage * S::kKElems, kg, k_ss, kv0, a.seq_k, dim, tid);
         }
-        load_rows_async<T, BKV, D, kThreads>(vs + stage * S::kVElems, vg, v_ss, kv0, a.seq_k, tid);
+        load_rows<T, BKV, D, kThreads, PAD_D>(vs + stage * S::kVElems, vg, v_ss, kv0, a.seq_k, dim, tid);
     };
 
     // Prologue: Q and key tiles 0 .. STAGES-2, one commit group per tile (Q rides with tile 0).
-    load_rows_async<T, BQ, D, kThreads>(qs, qg, static_cast<int>(a.q_ss), blk.q0, a.seq_q, tid);
+    load_rows<T, BQ, D, kThreads, PAD_D>(qs, qg, static_cast<int>(a.q_ss), blk.q0, a.seq_q, dim, tid);
     GTCO_UNROLL
     for (int t = 0; t < STAGES - 1; ++t) {
         if (t < nkt) load_kv(t);
@@ -456,14 +493,23 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
     __syncwarp();
     T* const og = static_cast<T*>(a.out) + blk.b * a.o_sb + blk.h * a.o_sh;
     const int o_ss = static_cast<int>(a.o_ss);
-    constexpr int CH = kChunkElems<T>, kChunks = 16 * MT * (D / CH);
-    GTCO_UNROLL
-    for (int i = 0; i < (kChunks + 31) / 32; ++i) {
-        const int c = lane + i * 32;
-        const int r = c / (D / CH), col = (c % (D / CH)) * CH, row = blk.q0 + wrow + r;
-        if ((kChunks % 32 == 0 || c < kChunks) && row < a.seq_q)
-            *reinterpret_cast<Chunk*>(og + (row * o_ss + col)) =
-                *reinterpret_cast<const Chunk*>(qs + (wrow + r) * RS + col);
+    if constexpr (PAD_D) {  // the head_dim leading columns, element by element (rows need no alignment)
+        constexpr int kElems = 16 * MT * D;
+        GTCO_ATTN_UNROLL_BY(4)
+        for (int i = 0; i < kElems / 32; ++i) {
+            const int e = lane + i * 32, r = e / D, col = e % D, row = blk.q0 + wrow + r;
+            if (row < a.seq_q && col < dim) og[row * o_ss + col] = qs[(wrow + r) * RS + col];
+        }
+    } else {
+        constexpr int CH = kChunkElems<T>, kChunks = 16 * MT * (D / CH);
+        GTCO_UNROLL
+        for (int i = 0; i < (kChunks + 31) / 32; ++i) {
+            const int c = lane + i * 32;
+            const int r = c / (D / CH), col = (c % (D / CH)) * CH, row = blk.q0 + wrow + r;
+            if ((kChunks % 32 == 0 || c < kChunks) && row < a.seq_q)
+                *reinterpret_cast<Chunk*>(og + (row * o_ss + col)) =
+                    *reinterpret_cast<const Chunk*>(qs + (wrow + r) * RS + col);
+        }
     }
 }
 
@@ -475,7 +521,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
 // the same tiles again through the same cp.async ring (steps nkt .. 2 nkt - 1), recomputes S and writes
 // P = exp(s - m) / l. Only one S tile (MT x BKV / 8 x 4 floats) is live per thread, whatever seq_k is; the price
 // is Q Kᵀ computed twice, cheap next to writing P.
-template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS>
+template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D>
 __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_attention_args a) {
     using S = Shape<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>;
     constexpr int MT = S::MT, NB = S::NB, RS = S::RS, kThreads = S::kThreads;
@@ -492,14 +538,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
     const float scale_log2 = a.scale * kLog2e;
     const int k_ss = static_cast<int>(a.k_ss), k_sd = static_cast<int>(a.k_sd);
     const int nkt = (a.seq_k + BKV - 1) / BKV, steps = 2 * nkt;  // step i reads key tile i % nkt
+    const int dim = PAD_D ? a.head_dim : D;  // the dims a row holds; a padded head's are zero from here to D
 
     auto load_k = [&](int step) {
         T* const dst = ks + (step % STAGES) * S::kKElems;
         const int kv0 = (step % nkt) * BKV;
         if constexpr (K_TRANS) {
-            load_kt_tile<T, D, BKV, kThreads>(dst, kg, k_ss, k_sd, kv0, a.seq_k, tid);
+            load_kt_tile<T, D, BKV, kThreads>(dst, kg, k_ss, k_sd, kv0, a.seq_k, dim, tid);
         } else {
-            load_rows_async<T, BKV, D, kThreads>(dst, kg, k_ss, kv0, a.seq_k, tid);
+            load_rows<T, BKV, D, kThreads, PAD_D>(dst, kg, k_ss, kv0, a.seq_k, dim, tid);
         }
     };
     // Prefetch step + STAGES - 1 into the slot freed at the end of step - 1, wait for this step's tile.
@@ -511,7 +558,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
         return ks + (step % STAGES) * S::kKElems;
     };
 
-    load_rows_async<T, BQ, D, kThreads>(qs, qg, static_cast<int>(a.q_ss), blk.q0, a.seq_q, tid);
+    load_rows<T, BQ, D, kThreads, PAD_D>(qs, qg, static_cast<int>(a.q_ss), blk.q0, a.seq_q, dim, tid);
     GTCO_UNROLL
     for (int t = 0; t < STAGES - 1; ++t) {
         if (t < steps) load_k(t);
@@ -611,10 +658,12 @@ inline bool chunk_strides(int64_t a, int64_t b, int64_t c) {
     return a % CH == 0 && b % CH == 0 && c % CH == 0;
 }
 
-// The shape checks both families share; K is checked for cp.async only when it is not gathered (K_TRANS).
-template <typename T, int D, bool K_TRANS, bool MASK, bool BIAS>
+// The shape checks both families share; K is checked for cp.async only when it is not gathered (K_TRANS), and
+// nothing of a padded head (PAD_D, read element by element) for alignment.
+template <typename T, int D, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D>
 inline bool common_ok(const gtco_attention_args* a) {
-    if (a->head_dim != D || a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return false;
+    if (PAD_D ? (a->head_dim <= 0 || a->head_dim >= D) : a->head_dim != D) return false;
+    if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return false;
     if (static_cast<int64_t>(a->batch) * a->heads > 65535) return false;
     // Offsets inside one (batch, head) slice are 32-bit in the kernels.
     const int64_t lim = int64_t{1} << 31, sq = a->seq_q, sk = a->seq_k;
@@ -622,8 +671,9 @@ inline bool common_ok(const gtco_attention_args* a) {
         (sq + 1) * a->o_ss + sk * a->o_sd >= lim || sq * a->m_sq + sk * a->m_sk >= lim ||
         sq * a->bias_sq + sk * a->bias_sk >= lim)
         return false;
-    if (!aligned16<T>(a->q, a->q_off) || !chunk_strides<T>(a->q_sb, a->q_sh, a->q_ss)) return false;
-    if (!K_TRANS && (a->k_sd != 1 || !aligned16<T>(a->k, a->k_off) || !chunk_strides<T>(a->k_sb, a->k_sh, a->k_ss)))
+    if (!K_TRANS && a->k_sd != 1) return false;
+    if (!PAD_D && (!aligned16<T>(a->q, a->q_off) || !chunk_strides<T>(a->q_sb, a->q_sh, a->q_ss))) return false;
+    if (!PAD_D && !K_TRANS && (!aligned16<T>(a->k, a->k_off) || !chunk_strides<T>(a->k_sb, a->k_sh, a->k_ss)))
         return false;
     if (MASK && (a->mask == nullptr || a->m_bmod <= 0)) return false;
     if (BIAS && (a->bias == nullptr || a->bias_bmod <= 0)) return false;
@@ -644,24 +694,27 @@ constexpr int bmm_softmax_smem_bytes() {
 
 }  // namespace attn
 
-template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS>
+template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS,
+          bool PAD_D = false>
 int attention_launch(const gtco_attention_args* a, void* stream) {
-    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS>(a)) return GTCO_EBADSHAPE;
-    if (!attn::aligned16<T>(a->v, a->v_off) || !attn::chunk_strides<T>(a->v_sb, a->v_sh, a->v_ss)) return GTCO_EBADSHAPE;
-    if (a->o_sd != 1 || !attn::aligned16<T>(a->out, 0) || !attn::chunk_strides<T>(a->o_sb, a->o_sh, a->o_ss))
+    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS, PAD_D>(a)) return GTCO_EBADSHAPE;
+    if (a->o_sd != 1) return GTCO_EBADSHAPE;
+    if (!PAD_D && (!attn::aligned16<T>(a->v, a->v_off) || !attn::chunk_strides<T>(a->v_sb, a->v_sh, a->v_ss) ||
+                   !attn::aligned16<T>(a->out, 0) || !attn::chunk_strides<T>(a->o_sb, a->o_sh, a->o_ss)))
         return GTCO_EBADSHAPE;
     constexpr int smem = attn::attention_smem_bytes<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>();
     const dim3 grid(static_cast<unsigned>((a->seq_q + BQ - 1) / BQ), static_cast<unsigned>(a->batch * a->heads));
-    auto kernel = attn::attention_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS>;
+    auto kernel = attn::attention_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS, PAD_D>;
     return GTCO_LAUNCH_SMEM(kernel, grid, dim3(WARPS * 32), smem, stream, *a);
 }
 
-template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS>
+template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS,
+          bool PAD_D = false>
 int bmm_softmax_launch(const gtco_attention_args* a, void* stream) {
-    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS>(a)) return GTCO_EBADSHAPE;
+    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS, PAD_D>(a)) return GTCO_EBADSHAPE;
     constexpr int smem = attn::bmm_softmax_smem_bytes<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>();
     const dim3 grid(static_cast<unsigned>((a->seq_q + BQ - 1) / BQ), static_cast<unsigned>(a->batch * a->heads));
-    auto kernel = attn::bmm_softmax_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS>;
+    auto kernel = attn::bmm_softmax_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS, PAD_D>;
     return GTCO_LAUNCH_SMEM(kernel, grid, dim3(WARPS * 32), smem, stream, *a);
 }
 

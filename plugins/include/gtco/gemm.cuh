@@ -1,9 +1,12 @@
 // GEMM / batched GEMM on Tensor Cores with a fused epilogue:
 //
-//     y[b] = act(alpha * A[b] @ B[b] + bias) + residual[b]  (bias, act and residual optional; alpha at run time)
+//     y[b] = act(alpha * A[b] @ B[b] + bias) * layer_scale + residual[b]  (bias, act, layer_scale and residual
+//                                                                          optional; alpha at run time)
 //
 // A [batch, M, K] row-major; B [K, N] row-major (TRANS_B = false) or [N, K] (TRANS_B = true: ONNX Gemm transB,
-// nn.Linear weights), per batch or shared by the whole batch (stride_b = 0, a weight GEMM); bias [N]; residual and
+// nn.Linear weights), per batch or shared by the whole batch (stride_b = 0, a weight GEMM); bias [N]; layer_scale
+// [N] (HAS_SCALE: LayerScale, DINOv2's / CaiT's per-channel Mul between a block's projection and its residual Add,
+// one factor per column after the activation); residual and
 // y [batch, M, N] row-major. Inputs are T; products accumulate in fp32, the epilogue runs in fp32 and rounds once
 // to TOut: T, or float (the output cast fused in: a group that ends in Cast to fp32). The residual has y's type.
 //   T = __half / __nv_bfloat16: mma.m16n8k16 with f16 / bf16 operands.
@@ -275,7 +278,7 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
 }  // namespace gemm_detail
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false>
+          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false>
 __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, const GemmSplit split_ws) {
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
     static_assert(SPLITK >= 1 && SPLITK <= 16, "SPLITK: 1..16");
@@ -431,6 +434,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
 
     // Epilogue: lane (g, tig) of mma tile (mi, ni) holds rows g and g+8, columns 2*tig and 2*tig+1.
     const T* const bias = static_cast<const T*>(p.bias);
+    const T* const lscale = static_cast<const T*>(p.layer_scale);
     TOut* const Y = static_cast<TOut*>(p.y) + bz * p.stride_y;
     const TOut* const R = HAS_RES ? static_cast<const TOut*>(p.residual) + bz * p.stride_y : nullptr;
     const int g = lane / 4, tig = lane % 4;
@@ -475,6 +479,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
 #endif
                 }
                 v[e] = gemm_detail::activate<ACT>(v[e] * p.alpha + b);
+                if constexpr (HAS_SCALE) v[e] *= gemm_detail::to_f32(lscale[col + e]);
             }
             const int64_t off = static_cast<int64_t>(row) * N + col;
             if constexpr (std::is_same<TOut, float>::value) {
@@ -525,7 +530,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
         const int col = n0 + wn * TN + ni * 8 + 2 * tig;
         if (col >= N) continue;  // VEC (N % 8 == 0, fp32: N % 4 == 0): col < N implies col + 1 < N
         const bool pair = VEC || col + 1 < N;
-        float b0 = 0.0f, b1 = 0.0f;
+        float b0 = 0.0f, b1 = 0.0f, s0 = 1.0f, s1 = 1.0f;
         if constexpr (HAS_BIAS) {
             b0 = gemm_detail::to_f32(bias[col]);
             b1 = pair ? gemm_detail::to_f32(bias[col + 1]) : 0.0f;
@@ -533,6 +538,10 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
             b0 *= 2.0f;
             b1 *= 2.0f;
 #endif
+        }
+        if constexpr (HAS_SCALE) {
+            s0 = gemm_detail::to_f32(lscale[col]);
+            s1 = pair ? gemm_detail::to_f32(lscale[col + 1]) : 0.0f;
         }
         GTCO_UNROLL
         for (int mi = 0; mi < MI; ++mi) {
@@ -542,6 +551,10 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
                 if (row >= M) continue;
                 float v0 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h] * p.alpha + b0);
                 float v1 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h + 1] * p.alpha + b1);
+                if constexpr (HAS_SCALE) {
+                    v0 *= s0;
+                    v1 *= s1;
+                }
                 const int64_t off = static_cast<int64_t>(row) * N + col;
                 if constexpr (VEC && std::is_same<TOut, float>::value) {  // fp32 output: 8-byte pairs
                     if constexpr (HAS_RES) {
@@ -577,10 +590,11 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 }  // namespace gemm_detail
 
 // Check *args against what the instance was built for, then launch on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE
-// (sizes out of range, K or N not a multiple of a 16-byte chunk (8 halves, 4 floats) for a VEC instance, a bias/residual pointer present or absent
+// (sizes out of range, K or N not a multiple of a 16-byte chunk (8 halves, 4 floats) for a VEC instance, a
+// bias / residual / layer_scale pointer present or absent
 // against the instance, misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false>
+          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false>
 int launch_gemm(const GemmArgs* args, void* stream) {
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
@@ -591,6 +605,8 @@ int launch_gemm(const GemmArgs* args, void* stream) {
     if (p.batch * SPLITK > 65535 || (p.m + BM - 1) / BM > 65535) return GTCO_EBADSHAPE;  // grid z and y limits
     if (p.a == nullptr || p.b == nullptr || p.y == nullptr) return GTCO_EBADSHAPE;
     if ((p.bias != nullptr) != HAS_BIAS || (p.residual != nullptr) != HAS_RES) return GTCO_EBADSHAPE;
+    if ((p.layer_scale != nullptr) != HAS_SCALE || !gemm_detail::aligned(p.layer_scale, sizeof(T)))
+        return GTCO_EBADSHAPE;
     if (p.stride_a < 0 || p.stride_b < 0 || p.stride_y < 0) return GTCO_EBADSHAPE;
     if (!gemm_detail::aligned(p.a, 2) || !gemm_detail::aligned(p.b, 2) || !gemm_detail::aligned(p.y, 2) ||
         !gemm_detail::aligned(p.residual, 2) || !gemm_detail::aligned(p.bias, 2))
@@ -634,7 +650,7 @@ int launch_gemm(const GemmArgs* args, void* stream) {
         split_ws.parts = reinterpret_cast<float*>(static_cast<unsigned char*>(ws) + counter_bytes);
     }
     auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut, SPLITK,
-                                EPI_SMEM>;
+                                EPI_SMEM, HAS_SCALE>;
     (void)stream;
     if constexpr (Smem::kDynamic) {
         return GTCO_LAUNCH_SMEM(kernel, grid, block, Smem::kBytes, stream, p, split_ws);
