@@ -13,8 +13,8 @@ scale, a run-time argument; absent = 1), "out_dtype" ("f32": y and the residual 
 into the epilogue; absent = the input dtype).
 
 Arrays of a run: "a" [batch, M, K]; "b" [batch, K, N] / [K, N] (or [.., N, K] with trans_b); "bias" and
-"layer_scale" [N]; "residual" and "y" [batch, M, N]. The kernel is generic in the sizes (they are runtime arguments checked by the
-launcher), so one built instance serves every shape with the same flags.
+"layer_scale" [N]; "residual" and "y" [batch, M, N]. The kernel is generic in the sizes (they are runtime arguments
+checked by the launcher), so one built instance serves every shape with the same flags.
 
 Config "VEC" (optional, default 1) picks the global->shared copy: 1 is the cp.async pipeline with 16-byte chunks,
 which needs K and N multiples of a chunk, 8 elements (f16 / bf16) or 4 (f32) (`check` rejects other shapes with
