@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -353,6 +354,18 @@ def test_bmm_softmax_configs_do_not_spill(tmp_path, shape, arch):
         assert not k.spills and k.stack_frame_bytes == 0, k
 
 
+def ptxas_clean(insts: list[Instance], src: Path, arch: str, timeout_s: float = 600) -> list:
+    """Compile `insts` as one source `src` for `arch` and return ptxas's report of their kernels, one per instance,
+    each asserted free of spills and of a stack frame."""
+    src.write_text("\n".join(i.source for i in insts))
+    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE],
+                                       timeout_s=timeout_s).stderr)
+    assert len(kernels) == len(insts)
+    for k in kernels:
+        assert not k.spills and k.stack_frame_bytes == 0, k
+    return kernels
+
+
 @pytest.mark.nvcc
 @pytest.mark.slow
 @pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
@@ -367,13 +380,8 @@ def test_swin_window_configs_do_not_spill(tmp_path, arch):
         configs = ATTN.configs(problem, arch)
         assert len(configs) >= 3
         insts += [ATTN.instantiate(problem, c, arch) for c in configs]
-    src = tmp_path / f"swin_{arch}.cu"
-    src.write_text("\n".join(i.source for i in insts))
-    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600).stderr)
-    assert len(kernels) == len(insts)
-    for k in kernels:
+    for k in ptxas_clean(insts, tmp_path / f"swin_{arch}.cu", arch):
         assert k.arch == arch and "attention_kernel" in k.name
-        assert not k.spills and k.stack_frame_bytes == 0, k
 
 
 @pytest.mark.nvcc
@@ -394,12 +402,7 @@ def test_check_budget_is_honest_at_its_edge(tmp_path, family, arch):
             if family.check(problem, c, arch) is None and family._acc_regs(problem, c) >= ACC_REG_BUDGET - 16:
                 insts.append(family.instantiate(problem, c, arch))
     assert len(insts) >= 4
-    src = tmp_path / f"{family.name}_edge_{arch}.cu"
-    src.write_text("\n".join(i.source for i in insts))
-    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600).stderr)
-    assert len(kernels) == len(insts)
-    for k in kernels:
-        assert not k.spills and k.stack_frame_bytes == 0, k
+    ptxas_clean(insts, tmp_path / f"{family.name}_edge_{arch}.cu", arch)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -498,12 +501,8 @@ def test_f32_heaviest_configs_do_not_spill(tmp_path, family, arch):
             assert not valid
             continue
         insts.append(family.instantiate(problem, max(valid, key=lambda c: family._acc_regs(problem, c)), arch))
-    src = tmp_path / f"{family.name}_f32_{arch}.cu"
-    src.write_text("\n".join(i.source for i in insts))
-    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600).stderr)
-    assert len(kernels) == len(insts)
-    for k in kernels:
-        assert 0 < k.registers <= 255 and not k.spills and k.stack_frame_bytes == 0, k
+    for k in ptxas_clean(insts, tmp_path / f"{family.name}_f32_{arch}.cu", arch):
+        assert 0 < k.registers <= 255, k
 
 
 @pytest.mark.nvcc
@@ -520,9 +519,4 @@ def test_padded_and_wide_head_configs_do_not_spill(tmp_path, arch):
         insts += [family.instantiate(problem, c, arch) for c in family.configs(problem, arch)]
     assert len(insts) >= 20
     assert any(i.name.startswith("attention_") and "_d256_" in i.name for i in insts)
-    src = tmp_path / f"padded_wide_{arch}.cu"
-    src.write_text("\n".join(i.source for i in insts))
-    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=1200).stderr)
-    assert len(kernels) == len(insts)
-    for k in kernels:
-        assert not k.spills and k.stack_frame_bytes == 0, k
+    ptxas_clean(insts, tmp_path / f"padded_wide_{arch}.cu", arch, timeout_s=1200)
