@@ -37,7 +37,7 @@ from onnx_gtco import optimize  # noqa: E402
 from onnx_gtco.config import TUNE_DELAY_ENV, GtcoConfig, tune_test_delay_s  # noqa: E402
 from onnx_gtco.models import build as build_model  # noqa: E402
 from onnx_gtco.tune import search  # noqa: E402
-from onnx_gtco.tune.builder import Artifact, BuildResult  # noqa: E402
+from onnx_gtco.tune.builder import Artifact, BuildResult, build_and_run  # noqa: E402
 from onnx_gtco.tune.driver import tune  # noqa: E402
 from onnx_gtco.tune.runner import LocalRunner  # noqa: E402
 from onnx_gtco.tune.search import Measurement, predict_us  # noqa: E402
@@ -85,8 +85,7 @@ class DryRun:
         return self.runner.run(task, config, artifact)
 
     def measure(self, task: Task, config: Mapping[str, Any]) -> Measurement:
-        built = self.build(task, config)
-        return built.failure or self.run(task, config, built.artifact)  # type: ignore[arg-type]
+        return build_and_run(self, task, config)
 
     def environment(self) -> dict[str, str]:
         return {"measurer": self.name, "gpu": "", "driver": "", "toolchain": ""}

@@ -67,6 +67,15 @@ class SplitMeasurer(Protocol):
     def environment(self) -> dict[str, str]: ...
 
 
+def build_and_run(measurer: SplitMeasurer, task: Task, config: Mapping[str, Any]) -> Measurement:
+    """One trial's measurement by a SplitMeasurer: its build, then its run of what was built (a failed build is the
+    trial's failed Measurement). What each SplitMeasurer's `measure` is."""
+    built = measurer.build(task, config)
+    if built.failure is not None or built.artifact is None:
+        return built.failure or Measurement(None, error_kind="compile")
+    return measurer.run(task, config, built.artifact)
+
+
 def is_split(measurer: object) -> bool:
     """Whether `measurer` builds and runs apart (SplitMeasurer), so that its builds can run in parallel."""
     return callable(getattr(measurer, "build", None)) and callable(getattr(measurer, "run", None))

@@ -39,7 +39,7 @@ from onnx_gtco.kernels.cublas_headers import installed_library
 from onnx_gtco.kernels.family import Instance, c_args, entry_point, from_storage, np_dtype, rel_error
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
-from onnx_gtco.tune.builder import Artifact, BuildResult
+from onnx_gtco.tune.builder import Artifact, BuildResult, build_and_run
 from onnx_gtco.tune.runner import RUN_TIMEOUT_S, LocalRunner
 from onnx_gtco.tune.search import Measurement, config_arch
 from onnx_gtco.tune.tasks import Task
@@ -120,10 +120,7 @@ class GpuMeasurer:
 
     def measure(self, task: Task, config: Mapping[str, Any]) -> Measurement:
         """build, then run: one trial's measurement."""
-        built = self.build(task, config)
-        if built.failure is not None or built.artifact is None:
-            return built.failure or Measurement(None, error_kind="compile")
-        return self.run(task, config, built.artifact)
+        return build_and_run(self, task, config)
 
     def build(self, task: Task, config: Mapping[str, Any]) -> BuildResult:
         """The trial's shared library (build_candidate), or why it is not built: a compile or resource error, or

@@ -19,7 +19,7 @@ import optuna
 import pytest
 
 from onnx_gtco.kernels.gemm import gemm_problem
-from onnx_gtco.tune.builder import Artifact, BuildResult, LocalBuilder
+from onnx_gtco.tune.builder import Artifact, BuildResult, LocalBuilder, build_and_run
 from onnx_gtco.tune.driver import tune
 from onnx_gtco.tune.runner import LocalRunner, exit_reason
 from onnx_gtco.tune.scheduler import Curve, Policy, next_round, next_task
@@ -90,8 +90,7 @@ class StandIn:
         return self.runner.run(task, config, artifact)
 
     def measure(self, task: Task, config: Mapping[str, Any]) -> Measurement:
-        built = self.build(task, config)
-        return built.failure or self.run(task, config, built.artifact)  # type: ignore[arg-type]
+        return build_and_run(self, task, config)
 
     def environment(self) -> dict[str, str]:
         return {"measurer": self.name, "gpu": self.device}
