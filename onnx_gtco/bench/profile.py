@@ -62,10 +62,9 @@ def profile_kernels(run: Callable[[], Any], sync: Callable[[], None], runs: int 
                 sync()
         durations: dict[str, list[float]] = {}
         for e in prof.events():
-            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
-                durations.setdefault(e.name, []).append(float(e.time_range.elapsed_us()))
-            elif e.device_type == DeviceType.CUDA:
-                durations.setdefault(e.name.split(" ")[0], []).append(float(e.time_range.elapsed_us()))
+            if e.device_type == DeviceType.CUDA:  # copies and memsets by kind ("Memcpy HtoD (...)" -> "Memcpy")
+                name = e.name.split(" ")[0] if e.name.startswith(("Memcpy", "Memset")) else e.name
+                durations.setdefault(name, []).append(float(e.time_range.elapsed_us()))
     except Exception as e:  # CUPTI or the profiler itself
         return {"reason": f"torch's profiler failed: {first_line(e)}"}
     if not durations:
