@@ -23,6 +23,7 @@ from onnx_gtco.errors import OpsetNotConvertedError, OutputError
 from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_parent, write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
+from onnx_gtco.patterns.pack import pack_qkv
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
 from onnx_gtco.plan.types import Candidate, Plan, Reject
@@ -133,6 +134,8 @@ def plan_model(
     reason is its one reject). `matched`: the candidates and rejects an earlier plan of the same view found (the
     rules are not matched again)."""
     with progress.stage("plan", total=3) as st:
+        if not isinstance(model, GraphView) and not unfused and matched is None:
+            model, _ = pack_qkv(model)  # one GEMM for a block's Q, K and V (patterns/pack.py)
         view = model if isinstance(model, GraphView) else GraphView(model)
         if matched is not None:
             candidates, rejects = matched
@@ -262,8 +265,9 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
     # which fused nodes get device kernels: the binders' answer, nothing compiled
     device = model_coverage(new_model, planned=planned_types(view, conversion))
     t3 = time.perf_counter()
+    original = view if view.model is model else GraphView(model)  # before the QKV packing, if any
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
-                                  loaded.source, device)
+                                  loaded.source, device, original)
     if measured is not None:
         measured_groups = 0
         for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):
