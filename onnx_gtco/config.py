@@ -37,6 +37,10 @@ class Target:
         smem_kib: shared memory a block may use, KiB.
         sms: streaming multiprocessors.
         max_threads_per_sm: threads resident on one SM at once.
+        sm_l2_gbps: L2 bandwidth one SM reads and writes at, GB/s (64 bytes per clock at about 1.6 GHz: an
+            assumption of the cost model, not a data-sheet number; it prices work one block does alone).
+        pdl_overlap_us: what a programmatic dependent launch hides of launch_us when a kernel follows one of ours
+            (0: the arch has none; an assumption until measured).
     """
 
     name: str
@@ -49,12 +53,14 @@ class Target:
     smem_kib: int
     sms: int
     max_threads_per_sm: int
+    sm_l2_gbps: float = 100.0
+    pdl_overlap_us: float = 0.0
 
 
 # A100-SXM4-80GB and H100-SXM5 data-sheet numbers (dense, no sparsity).
 TARGETS: dict[str, Target] = {
     "sm_80": Target("sm_80", "A100-SXM4-80GB", 312.0, 156.0, 19.5, 2039.0, 3.0, 163, 108, 2048),
-    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227, 132, 2048),
+    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227, 132, 2048, 100.0, 1.0),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16")

@@ -176,11 +176,12 @@ SPECS: dict[str, OpSpec] = {s.family: s for s in (
     OpSpec("qkv", ("a", *(f"w{p}" for p in range(QKV_PROJECTIONS)), *(f"bias{p}" for p in range(QKV_PROJECTIONS))),
            tuple(f"y{p}" for p in range(QKV_PROJECTIONS)),
            (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False))),
-    # y = act(alpha * a @ op(b) + beta * bias) * layer_scale + residual (layer_scale: one factor per column of y)
-    OpSpec("gemm", ("a", "b", "bias", "residual", "layer_scale"), ("y",),
+    # y = act(alpha * a @ op(b) + beta * bias) * layer_scale + residual (layer_scale: one factor per column of y);
+    # layernorm: norm = LayerNorm(y) * gamma + beta over each row of N (y then an output only when read outside)
+    OpSpec("gemm", ("a", "b", "bias", "residual", "layer_scale", "gamma", "beta"), ("y", "norm"),
            (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
             Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE,
-            Attr("layer_scale", BOOL, False))),
+            Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5))),
     # y = post_act(act(affine(conv(x, w) + bias)) + residual); affine: v * scale + shift, or with batchnorm
     # (v - mean) * scale / sqrt(var + epsilon) + shift (patterns/conv.py); auto_pad: ONNX Conv's (SAME_* pads depend
     # on x's spatial size, so the kernels compute them from x's shape and `pads` is zero then)

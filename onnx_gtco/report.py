@@ -6,7 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from onnx_gtco.config import GtcoConfig
-from onnx_gtco.cost.model import estimate, node_flops, unfused_cost
+from onnx_gtco.cost.model import estimate, launches, node_flops, unfused_cost
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan.types import Candidate, Plan, Reject
@@ -41,13 +41,16 @@ def build_report(
     nodes_after: int,
     source: str,
     device: ModelCoverage | None = None,
+    original: GraphView | None = None,
 ) -> dict[str, Any]:
     """Report as a JSON-ready dict. Deterministic: no timestamps or timings (the caller adds those apart).
 
     `device`: which fused nodes have device kernels (plugin.coverage.model_coverage of the rewritten model): each
     group gets `device_kernels` (the arch slots it has one for) and `device_reason` (why it has none), and the
     report a `device` entry (device_summary). A group without a device kernel on the config's target runs its
-    function: its predicted time, and its share of the predicted time after fusion, are its nodes' unfused cost."""
+    function: its predicted time, and its share of the predicted time after fusion, are its nodes' unfused cost.
+    `original`: the model before any rewrite of the planner's own (the QKV packing, patterns/pack.py), whose node
+    count `launches` gives beside ours; default `view`."""
     groups = []
     kernelless: dict[Candidate, float] = {}  # fused groups with no device kernel on the target: their unfused cost
     for cand, name in zip(plan.fused_groups, node_names, strict=True):
@@ -68,6 +71,7 @@ def build_report(
             "dram_bytes": est.dram_bytes,
             "predicted_us": round(kernelless.get(cand, cost(cand)), 4),
             "predicted_unfused_us": round(unfused, 4),
+            **_pair(cand, candidates, cost),
             **({"device_kernels": list(kernels.archs), "device_reason": kernels.reason} if kernels is not None
                else {}),
         })
@@ -87,17 +91,23 @@ def build_report(
     unfused_ops = _count(n.op_type for n in view.nodes if n.id not in fused_ids)
     total_flops = _flops(view, frozenset(range(len(view))))
     fused_flops = sum(g["flops"] for g in groups)
-    before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
+    if original is not None and original is not view:  # the model as given, before the planner's QKV packing
+        from onnx_gtco.cost.model import cost_fn
+
+        cost_orig = cost_fn(original, config)
+        before = sum(cost_orig(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(original)))
+    else:
+        before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
     after = plan.cost_us
     if device is not None and len(plan.costs) == len(plan.groups):
         # what the DP charged each group, except a fused one without a device kernel on the target: its nodes, unfused
         after = sum(kernelless.get(g, c) for g, c in zip(plan.groups, plan.costs, strict=True))
-    return {
+    out = {
         "model": source,
         "target": config.target,
         "gpu": config.hw.gpu,
         "precision": config.precision,
-        "nodes_before": len(view),
+        "nodes_before": len(original or view),
         "nodes_after": nodes_after,
         "groups_fused": len(groups),
         "flops_total": total_flops,
@@ -116,7 +126,94 @@ def build_report(
         "rejected": [{"pattern": r.pattern, "anchor": r.anchor, "reason": r.reason} for r in rejects],
         "not_chosen": not_chosen,
         **({"device": device_summary(groups, device)} if device is not None else {}),
+        "launches": launch_counts(view, plan, kernelless, original or view),
     }
+    dependent = out["launches"]["after_ours"]
+    if config.hw.pdl_overlap_us > 0 and dependent:
+        out["predicted_us_after_pdl"] = round(after - dependent * config.hw.pdl_overlap_us, 3)
+        out["assumptions"] = {
+            "launch_us": config.hw.launch_us, "pdl_overlap_us": config.hw.pdl_overlap_us,
+            "sm_l2_gbps": config.hw.sm_l2_gbps,
+            "note": ("launch_us (a launch's gap inside a CUDA graph), pdl_overlap_us (what a programmatic dependent "
+                     "launch hides of it) and sm_l2_gbps (one SM's L2 bandwidth) are the cost model's assumptions "
+                     "until a GPU run measures them")}
+    return out
+
+
+def _pair(cand: Candidate, candidates: list[Candidate], cost: Any) -> dict[str, Any]:
+    """For a GEMM + LayerNorm group, what the DP chose it over: the GEMM and the LayerNorm as two kernels, and
+    their cost (`instead_of`); {} for other groups."""
+    if cand.family != "gemm" or not cand.attr("layernorm"):
+        return {}
+    gemms = [c for c in candidates if c.family == "gemm" and not c.attr("layernorm") and c.nodes < cand.nodes]
+    lns = {c.nodes: c for c in candidates if c.family == "layernorm" and c.nodes < cand.nodes}
+    pairs = [(g, lns[cand.nodes - g.nodes]) for g in gemms if cand.nodes - g.nodes in lns]
+    if not pairs:
+        return {}
+    best = min(pairs, key=lambda p: cost(p[0]) + cost(p[1]))
+    return {"instead_of": {"groups": ["gemm", "layernorm"],
+                           "predicted_us": round(cost(best[0]) + cost(best[1]), 4)}}
+
+
+def _runs(view: GraphView, cand: Candidate) -> bool:
+    """Whether an unfused node launches a kernel (not a view op or host-side shape arithmetic)."""
+    return estimate(view, cand).launches > 0
+
+
+def launch_counts(view: GraphView, plan: Plan, kernelless: dict[Candidate, float] | Any, original: GraphView
+                  ) -> dict[str, Any]:
+    """Kernel launches of one forward: ours (a fused node with a device kernel: its launches; one without: its
+    nodes', as its function runs them; an unfused node that runs: one) beside the original's node count and its
+    nodes that launch; and per repeated block (the span between two occurrences of the attention group, one per
+    transformer layer, or else of the most repeated fused group), the same counts divided by the blocks it spans."""
+
+    def ours(g: Candidate) -> int:
+        if not g.fused:
+            return 1 if _runs(view, g) else 0
+        if g in kernelless:
+            return sum(_runs(view, Candidate(frozenset([i]), "unfused", "single")) for i in g.nodes)
+        return launches(g)
+
+    per_group = [ours(g) for g in plan.groups]
+
+    # launches of ours whose every input computed at run time comes from a kernel of ours (programmatic
+    # dependent launch applies to them: plugin's node table `pdl`)
+    producer = {t: k for k, g in enumerate(plan.groups) for i in g.nodes for t in view.nodes[i].outputs}
+    after_ours = 0
+    for k, g in enumerate(plan.groups):
+        if not g.fused or g in kernelless or not per_group[k]:
+            continue
+        srcs = [producer.get(t) for t in view.external_inputs(g.nodes) if not view.is_constant(t)]
+        if srcs and all(j is not None and plan.groups[j].fused and plan.groups[j] not in kernelless for j in srcs):
+            after_ours += per_group[k]
+
+    def runs_orig(i: int) -> bool:
+        return _runs(original, Candidate(frozenset([i]), "unfused", "single"))
+
+    out: dict[str, Any] = {"ours": sum(per_group), "after_ours": after_ours, "original_nodes": len(original),
+                           "original_launching_nodes": sum(runs_orig(i) for i in range(len(original)))}
+    keys = [(g.family, g.attrs) if g.fused else None for g in plan.groups]
+    counts: dict[Any, int] = {}
+    for k in keys:
+        if k is not None:
+            counts[k] = counts.get(k, 0) + 1
+    repeated = [k for k in dict.fromkeys(keys) if k is not None and counts[k] >= 2]
+    if not repeated:
+        return out
+    key = max(repeated, key=lambda k: (k[0] == "attention", counts[k]))  # one attention per transformer layer
+    at = [i for i, k in enumerate(keys) if k == key]
+    blocks = len(at) - 1
+    # the original's span: from the last node of the first occurrence to that of the last, by name
+    index = {n.name: n.id for n in original.nodes}
+    ends = [index.get(view.nodes[max(plan.groups[i].nodes)].name) for i in (at[0], at[-1])]
+    block: dict[str, Any] = {"anchor": key[0], "blocks": blocks,
+                             "ours": round(sum(per_group[at[0]:at[-1]]) / blocks, 2)}
+    if ends[0] is not None and ends[1] is not None:
+        span = range(ends[0], ends[1])
+        block["original_nodes"] = round(len(span) / blocks, 2)
+        block["original_launching_nodes"] = round(sum(runs_orig(i) for i in span) / blocks, 2)
+    out["per_block"] = block
+    return out
 
 
 def device_summary(groups: list[dict[str, Any]], device: ModelCoverage) -> dict[str, Any]:
@@ -183,6 +280,28 @@ def _time_line(report: dict[str, Any]) -> str:
             "the analytical model, not measured)")
 
 
+def launch_lines(report: dict[str, Any]) -> list[str]:
+    """`launches  64 per forward (the original: 616 nodes, 567 of them launch); per layer 5.0 (the original: 50
+    nodes)` and, where the target has programmatic dependent launch, the predicted time with it."""
+    la = report.get("launches")
+    if not la:
+        return []
+    line = (f"launches   {la['ours']} per forward (the original: {la['original_nodes']} nodes, "
+            f"{la['original_launching_nodes']} of them launch)")
+    blk = la.get("per_block")
+    if blk:
+        what = "layer" if blk["anchor"] == "attention" else f"repeated block ({blk['anchor']})"
+        line += f"; per {what} {blk['ours']:g}"
+        if "original_nodes" in blk:
+            line += f" (the original: {blk['original_nodes']:g} nodes)"
+    out = [line]
+    if report.get("predicted_us_after_pdl") is not None:
+        a = report["assumptions"]
+        out.append(f"with PDL   {report['predicted_us_after_pdl']:.1f} us predicted: {la['after_ours']} launches "
+                   f"follow one of ours, each assumed to hide {a['pdl_overlap_us']:g} of its {a['launch_us']:g} us")
+    return out
+
+
 def summary(report: dict[str, Any]) -> str:
     """A short human-readable summary (the CLI prints this)."""
     fam = ", ".join(f"{k} x{v}" for k, v in report["families"].items()) or "none"
@@ -194,6 +313,7 @@ def summary(report: dict[str, Any]) -> str:
         f"FLOPs      {report['flops_total'] / 1e9:.3f} G total, "
         f"{100 * report['fused_flop_share']:.1f}% inside fused groups",
         _time_line(report),
+        *launch_lines(report),
         f"unfused    {_top(report['unfused_ops'])}",
         f"rejected   {len(report['rejected'])} matches by rule checks, {len(report['not_chosen'])} legal candidates "
         "not chosen by the DP",

@@ -1,11 +1,17 @@
 """Analytical cost of one group on a Target: FLOPs at peak, DRAM bytes at bandwidth, plus launch overhead.
 
     time_us = max(mm_flops / mm_peak + other_flops / cuda_peak,  dram_bytes / bandwidth) + launches * launch_us
+              + serial_us
 
-mm_flops run on Tensor Cores (fp16/bf16, or TF32 for fp32 compute); everything else on CUDA cores. A fused group
-reads its external inputs and writes its external outputs once (not the constant shapes, axes, pads or bounds of its
-view and layout ops: its kernel holds those in its code); an unfused node does the same on its own. Nodes that only
-compute shapes (small integer tensors), and metadata-only ops (Reshape, Squeeze, ...), cost nothing.
+mm_flops run on Tensor Cores (fp16/bf16, or TF32 for fp32 compute); everything else on CUDA cores. A QKV group
+launches once per projection (gtco::Qkv runs its GEMM per projection); every other fused group once. serial_us is
+work that does not overlap the rest: a GEMM + LayerNorm group's normalize step, which the last block of each row
+panel runs alone over the panel it reads back (LN_PANEL_ROWS rows, read and written at one SM's share of L2
+bandwidth, Target.sm_l2_gbps: an assumption until measured).
+
+A fused group reads its external inputs and writes its external outputs once (not the constant shapes, axes, pads
+or bounds of its view and layout ops: its kernel holds those in its code); an unfused node does the same on its own.
+Nodes that only compute shapes (small integer tensors), and metadata-only ops (Reshape, Squeeze, ...), cost nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ OPERAND_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Slice", "Pad"})
 _EW_FLOPS = {"Erf": 8, "Tanh": 6, "Exp": 4, "Sqrt": 4, "Pow": 4, "Div": 2, "Gelu": 12, "Sigmoid": 5, "Log": 4}
 _NORM_FLOPS = {"Softmax": 5, "LayerNormalization": 8}
 SMALL_INT = 64  # integer tensors up to this many elements are shape arithmetic, run on the host
+LN_PANEL_ROWS = 64  # rows of the panel a GEMM + LayerNorm kernel's last block normalizes (a typical BM)
 
 
 @dataclass(frozen=True)
@@ -40,12 +47,14 @@ class Estimate:
     other_flops: float = 0.0
     dram_bytes: float = 0.0
     launches: int = 0
+    panel_elems: float = 0.0  # read back and written by one block after the rest (GEMM + LayerNorm)
 
     def time_us(self, hw: Target, precision: str) -> float:
         mm_peak = hw.tf32_tflops if precision == "fp32" else hw.tc_tflops
         compute = self.mm_flops / (mm_peak * 1e6) + self.other_flops / (hw.cuda_tflops * 1e6)
         memory = self.dram_bytes / (hw.dram_gbps * 1e3)
-        return max(compute, memory) + self.launches * hw.launch_us
+        panel = self.panel_elems * (4 if precision == "fp32" else 2) / (hw.sm_l2_gbps * 1e3)  # the kernel's dtype
+        return max(compute, memory) + self.launches * hw.launch_us + panel
 
 
 # A symbolic or unknown dim (a dynamic batch, say) counts as SYMBOLIC_DIM when costing: the plan is then the plan
@@ -138,7 +147,25 @@ def estimate(view: GraphView, cand: Candidate) -> Estimate:
     if cand.fused:  # a shape, axes or pads operand is compiled into the kernel, not read
         reads = tuple(t for t in reads if not _compiled_in(view, t, nodes))
     dram = _bytes(view, reads) + _bytes(view, view.external_outputs(cand.nodes))
-    return Estimate(mm, other, dram, 1)
+    return Estimate(mm, other, dram, launches(cand), _panel_elems(cand))
+
+
+def launches(cand: Candidate) -> int:
+    """Kernel launches of a fused group (a QKV group: one per projection) or of an unfused node that runs."""
+    if cand.family == "qkv":
+        return max(1, len(cand.attr("ns") or ()))
+    return 1
+
+
+def _panel_elems(cand: Candidate) -> float:
+    """What the normalize step of a GEMM + LayerNorm group reads back and writes: LN_PANEL_ROWS rows of N, twice."""
+    if cand.family != "gemm" or not cand.attr("layernorm"):
+        return 0.0
+    n, m = cand.attr("n"), cand.attr("m")
+    if not isinstance(n, int):
+        return 0.0
+    rows = min(m, LN_PANEL_ROWS) if isinstance(m, int) else LN_PANEL_ROWS
+    return 2.0 * rows * n
 
 
 def _compiled_in(view: GraphView, t: str, nodes: list[Node]) -> bool:

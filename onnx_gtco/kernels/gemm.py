@@ -490,12 +490,16 @@ def flag_suffix(problem: Problem) -> str:
 
 def gemm_problem(dtype: str, batch: int, m: int, n: int, k: int, *, b_batched: bool = False, trans_b: bool = False,
                  bias: bool = False, activation: str = "none", residual: bool = False, alpha: float = 1.0,
-                 out_dtype: str | None = None, layer_scale: bool = False) -> Problem:
+                 out_dtype: str | None = None, layer_scale: bool = False, layernorm: bool = False,
+                 epsilon: float = 1e-5) -> Problem:
     """A GEMM Problem from keyword arguments (alpha, a run-time argument of the instance, is a flag only when not 1;
     layer_scale only when set, so problems without it stay what they were)."""
     flags: dict[str, Any] = {"trans_b": trans_b, "bias": bias, "activation": activation, "residual": residual}
     if layer_scale:
         flags["layer_scale"] = True
+    if layernorm:
+        flags["layernorm"] = True
+        flags["epsilon"] = float(epsilon)
     if alpha != 1.0:
         flags["alpha"] = float(alpha)
     if out_dtype is not None and out_dtype != dtype:

@@ -12,7 +12,8 @@ plays which role:
     bmm_softmax  as attention, without v_layout / out_layout
     qkv          m, k, ns, n_out, bias
     gemm         m, n, k, batch, trans_b, bias, activation, residual (Gemm: trans_a, alpha, beta if set;
-                 layer_scale when a per-column Mul follows the activation)
+                 layer_scale when a per-column Mul follows the activation; layernorm, epsilon when the
+                 LayerNorm over the GEMM's rows is in the group: GemmLayerNormPattern)
     conv         kernel, stride, pads, dilations, auto_pad, groups, bias, scale, shift, batchnorm, epsilon,
                  affine, activation, residual, post_activation
     layernorm    epsilon, axis, hidden, residual, decomposed, affine
@@ -26,7 +27,7 @@ from onnx_gtco.patterns.attention import AttentionPattern
 from onnx_gtco.patterns.base import Match, Pattern
 from onnx_gtco.patterns.conv import ConvPattern
 from onnx_gtco.patterns.elementwise import ElementwisePattern
-from onnx_gtco.patterns.gemm import GemmPattern
+from onnx_gtco.patterns.gemm import GemmLayerNormPattern, GemmPattern
 from onnx_gtco.patterns.layernorm import LayerNormPattern
 from onnx_gtco.patterns.qkv import QkvPattern
 from onnx_gtco.patterns.softmax import SoftmaxPattern
@@ -35,6 +36,7 @@ PATTERNS: tuple[Pattern, ...] = (
     AttentionPattern(),
     QkvPattern(),
     GemmPattern(),
+    GemmLayerNormPattern(),
     ConvPattern(),
     LayerNormPattern(),
     SoftmaxPattern(),
@@ -42,6 +44,6 @@ PATTERNS: tuple[Pattern, ...] = (
 )
 
 __all__ = [
-    "PATTERNS", "AttentionPattern", "ConvPattern", "ElementwisePattern", "GemmPattern", "LayerNormPattern",
-    "Match", "Pattern", "QkvPattern", "SoftmaxPattern",
+    "PATTERNS", "AttentionPattern", "ConvPattern", "ElementwisePattern", "GemmLayerNormPattern", "GemmPattern",
+    "LayerNormPattern", "Match", "Pattern", "QkvPattern", "SoftmaxPattern",
 ]

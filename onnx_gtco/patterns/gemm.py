@@ -11,6 +11,7 @@ from onnx_gtco.patterns._act import find_activation
 from onnx_gtco.patterns._epilogue import const_add, layer_scale, residual_add
 from onnx_gtco.patterns._util import dims, prod
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
+from onnx_gtco.patterns.layernorm import LayerNormPattern
 
 
 class GemmPattern:
@@ -111,3 +112,66 @@ class GemmPattern:
             return {"m": prod(a[:-1]), "k": a[-1], "n": b[-1], "trans_b": False, "batch": ()}
         out = dims(view, mm.outputs[0]) or ()
         return {"m": a[-2], "k": a[-1], "n": b[-1], "trans_b": False, "batch": tuple(out[:-2])}
+
+
+MAX_LN_N = 1024  # widest row the GEMM + LayerNorm kernel normalizes (kernels.gemm.MAX_LN_N)
+
+
+class GemmLayerNormPattern:
+    """A weight GEMM and the LayerNorm over its rows as one group: ``sum = GEMM epilogue (+ residual)``,
+    ``norm = LayerNorm(sum) * gamma + beta``. The GEMM kernel then normalizes the rows it wrote (a block or the last
+    block of each row panel), so the pair is one launch and the sum is not read back by a second kernel.
+
+        pre-LN (ViT):   MatMul -> [+bias] -> [act] -> [*gamma] -> Add residual -> sum --> LayerNorm -> norm
+        post-LN (BERT): MatMul -> +bias -> Add residual -> LayerNorm -> norm   (the LayerNorm match holds the Add)
+
+    Proposed beside the GEMM and LayerNorm candidates (never instead of them): the planner takes it only where the
+    cost model says one kernel beats the pair. Only where the normalized width is the GEMM's N, N <= MAX_LN_N, the
+    LayerNorm has gamma and beta and normalizes the last axis alone, and, post-LN, the GEMM's own result is read by
+    the LayerNorm's Add alone. attrs: the GEMM's, with layernorm and epsilon; roles gamma, beta; outputs y (the sum,
+    when read outside) and norm.
+    """
+
+    name = "gemm_layernorm"
+
+    def match(self, view: GraphView) -> Iterator[Match | Reject]:
+        by_input: dict[str, list[Match]] = {}
+        for ln in LayerNormPattern().match(view):
+            if isinstance(ln, Match) and ln.attrs.get("affine") and {"gamma", "beta"} <= set(ln.roles) \
+                    and ln.attrs.get("axis") == -1:
+                for role in ("a", "b"):
+                    if role in ln.roles:
+                        by_input.setdefault(ln.roles[role], []).append(ln)
+        for g in GemmPattern().match(view):
+            if not isinstance(g, Match) or g.attrs.get("batch") != () or g.attrs.get("trans_a"):
+                continue
+            n = g.attrs.get("n")
+            if not isinstance(n, int) or n > MAX_LN_N:
+                continue
+            y = g.outputs["y"]
+            for ln in by_input.get(y, ()):
+                merged = self._merge(view, g, ln, y, n)
+                if merged is not None:
+                    yield merged
+
+    @staticmethod
+    def _merge(view: GraphView, g: Match, ln: Match, y: str, n: int) -> Match | None:
+        if ln.attrs.get("hidden") != n:
+            return None
+        attrs = dict(g.attrs) | {"layernorm": True, "epsilon": float(ln.attrs.get("epsilon", 1e-5))}
+        roles = dict(g.roles) | {"gamma": ln.roles["gamma"], "beta": ln.roles["beta"]}
+        outs = {"y": y, "norm": ln.outputs["y"]}
+        if ln.attrs.get("residual"):  # post-LN: the LayerNorm's Add is the GEMM's residual
+            if g.attrs.get("residual"):
+                return None
+            other = ln.roles["b"] if ln.roles["a"] == y else ln.roles["a"]
+            if other == y or view.shape(other) != view.shape(y):
+                return None
+            if any(c.id not in ln.nodes for c in view.consumers_of(y)) or y in view.graph_outputs:
+                return None  # the GEMM's own result is read elsewhere: the kernel does not write it
+            roles["residual"] = other
+            attrs["residual"] = True
+            outs["y"] = ln.outputs.get("sum", "")
+            if not outs["y"]:
+                del outs["y"]
+        return Match(g.nodes | ln.nodes, "gemm", attrs, roles, outs)

@@ -1,6 +1,6 @@
 """Binders of the GEMM and QKV families for plugins/ort/gemm_op.h (C++ roles: the InRole / OutRole enums there).
 
-    gtco::Gemm  in:  A, B, BIAS, RESIDUAL, LAYER_SCALE          out: Y
+    gtco::Gemm  in:  A, B, BIAS, RESIDUAL, LAYER_SCALE, GAMMA, BETA      out: Y, NORM
     gtco::Qkv   in:  A, W0, W1, W2, BIAS0, BIAS1, BIAS2         out: Y0, Y1, Y2
 
 The rule found the roles (patterns/gemm.py, patterns/qkv.py) and the rewrite wrote them in order (opspec); what
@@ -24,7 +24,8 @@ QKV_IN, QKV_OUT = SPECS["qkv"].roles, SPECS["qkv"].outputs          # gtco::Qkv:
 
 @dataclass(frozen=True)
 class GemmBinder:
-    """`Gemm_*` nodes: y = act(alpha * A @ op(B) + beta * bias) * layer_scale + residual."""
+    """`Gemm_*` nodes: y = act(alpha * A @ op(B) + beta * bias) * layer_scale + residual; with layernorm, also
+    norm = LayerNorm(y) * gamma + beta over each row (y then a node output only where the model reads it)."""
 
     family: str = "gemm"
     header: str = HEADER
@@ -39,10 +40,16 @@ class GemmBinder:
         else:
             # a half GEMM may write fp32 (a graph output folded into it): the cast in its epilogue; not with a
             # residual, which the kernel reads in y's dtype
-            out_dtypes = ("f32",) if not op["residual"] else ()
+            ln = bool(op["layernorm"])
+            out_dtypes = ("f32",) if not op["residual"] and not ln else ()
             need = {"a": True, "b": True, "bias": op["bias"], "residual": op["residual"],
-                    "layer_scale": op["layer_scale"]}
-            why = bind_roles(node, op, need, GEMM_IN, GEMM_OUT, out_dtypes=out_dtypes)  # type: ignore[arg-type]
+                    "layer_scale": op["layer_scale"], "gamma": ln, "beta": ln}
+            why = bind_roles(node, op, need, GEMM_IN, GEMM_OUT, outputs=2 if ln else 1,  # type: ignore[arg-type]
+                             out_dtypes=out_dtypes)
+            if not isinstance(why, str) and ln and "norm" not in op.outputs:
+                why = "a LayerNorm GEMM without its norm output"
+            elif not isinstance(why, str) and not ln and "y" not in op.outputs:
+                why = "a GEMM without its y output"
         return f"{node.node.op_type} node {node.node.name!r}: {why}" if isinstance(why, str) else why
 
 

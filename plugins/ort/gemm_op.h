@@ -7,7 +7,10 @@
 // saw a symbolic size: then any size is accepted), batch (the output's batch dims of a batched GEMM; absent for a
 // weight GEMM), trans_b, trans_a (Gemm's transA, absent when 0), alpha, beta (Gemm's, absent when 1), bias,
 // residual, layer_scale (ints; layer_scale: LayerScale, a [N] factor per column after the activation, before the
-// residual), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string).
+// residual), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string), layernorm (int) and
+// epsilon (float): the LayerNorm over each row of y in the node (patterns/gemm.py GemmLayerNormPattern), inputs
+// gamma and beta [N], output norm = (y - mean) / sqrt(var + epsilon) * gamma + beta computed from y rounded to the
+// node's dtype (what the unfused LayerNorm reads); y is then an output only where the model reads it.
 // Qkv node attributes (onnx_gtco/patterns/qkv.py): k, m, n_out (ints or strings), ns (ints: N of each
 // projection, in output order), bias (int), precision.
 // The roles of the node's inputs and outputs come from the generated node table (onnx_gtco/plugin/bind_gemm.py
@@ -24,6 +27,7 @@
 #pragma once
 
 #include "gemm_ref.h"
+#include "layernorm_ref.h"
 #include "gtco/cublaslt_shape.h"
 #include "gtco_ort.h"
 
@@ -109,15 +113,15 @@ OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs&
 }  // namespace gemm_glue
 
 struct Gemm {
-    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3, IN_LAYER_SCALE = 4 };
-    enum OutRole { OUT_Y = 0 };
+    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3, IN_LAYER_SCALE = 4, IN_GAMMA = 5, IN_BETA = 6 };
+    enum OutRole { OUT_Y = 0, OUT_NORM = 1 };
 
     struct Attrs {
         int64_t m = -1, n = -1, k = -1;  // -1: not known when the library was built (symbolic)
         bool batch_known = false;         // batch holds the output's batch dims (empty: a weight GEMM)
         std::vector<int64_t> batch;
-        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0, layer_scale = 0;
-        float alpha = 1.0f, beta = 1.0f;
+        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0, layer_scale = 0, layernorm = 0;
+        float alpha = 1.0f, beta = 1.0f, epsilon = 1e-5f;
         std::string activation;
         bool act_known = false;
         ref::Act act = ref::Act::kNone;
@@ -144,6 +148,8 @@ struct Gemm {
         attr_int(info, "bias", a.bias);
         attr_int(info, "residual", a.residual);
         attr_int(info, "layer_scale", a.layer_scale);
+        attr_int(info, "layernorm", a.layernorm);
+        attr_float(info, "epsilon", a.epsilon);
         attr_float(info, "alpha", a.alpha);
         attr_float(info, "beta", a.beta);
         a.activation = attr_string(info, "activation", "none");
@@ -155,7 +161,7 @@ struct Gemm {
     // y of the op's dtype, or fp32 where the node's output is float on a half op type (the fused output cast)
     template <DType D, bool Cuda>
     static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
-        if (D != DType::f32 && at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        if (D != DType::f32 && at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && at.layernorm == 0) {
             return compute_out<D, DType::f32, Cuda>(ctx, ref, spec, at);
         }
         if (at.out_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED && at.out_type != Storage<D>::onnx) {
@@ -181,11 +187,13 @@ struct Gemm {
         const Input bias = get_input(ctx, spec.in[IN_BIAS]);
         const Input res = get_input(ctx, spec.in[IN_RESIDUAL]);
         const Input scale = get_input(ctx, spec.in[IN_LAYER_SCALE]);
+        const Input gamma = get_input(ctx, spec.in[IN_GAMMA]);
+        const Input beta = get_input(ctx, spec.in[IN_BETA]);
         if (!a.present) return ref.fail("input A is missing");
         if (!b.present) return ref.fail("input B is missing");
-        const char* names[] = {"A", "B", "bias", "layer_scale"};
-        const Input* ins[] = {&a, &b, &bias, &scale};
-        for (int i = 0; i < 4; ++i) {
+        const char* names[] = {"A", "B", "bias", "layer_scale", "gamma", "beta"};
+        const Input* ins[] = {&a, &b, &bias, &scale, &gamma, &beta};
+        for (int i = 0; i < 6; ++i) {
             if (OrtStatus* st = gemm_glue::check_type<D>(ref, *ins[i], names[i])) return st;
         }
         if (OrtStatus* st = gemm_glue::check_type<DOut>(ref, res, "residual (y's type)")) return st;
@@ -225,6 +233,16 @@ struct Gemm {
             return ref.fail("residual " + shape_str(res.shape) + " differs from the output shape " +
                             shape_str(p.out_shape) + " of " + operands());
         }
+        const bool ln = at.layernorm != 0;
+        if (ln) {
+            if constexpr (D != DOut) {
+                return ref.fail("a LayerNorm GEMM writes its own dtype only");
+            } else {
+                return compute_ln<D, Cuda>(ctx, ref, spec, at, a, b, bias, res, scale, gamma, beta, p, io,
+                                           operands);
+            }
+        }
+        if (gamma.present || beta.present) return ref.fail("gamma / beta inputs on a node without layernorm=1");
         if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
         TO* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<TO>();
         if (Cuda) {
@@ -247,6 +265,63 @@ struct Gemm {
         io.beta = at.beta;
         io.act = at.act;
         ref::gemm(p, io, S::load, SO::store, SO::load);
+        return nullptr;
+    }
+
+    // The LayerNorm GEMM: y (the node's output when bound, else a buffer of the kernel's: the norm output on the
+    // device, written in place) then norm over each row of N.
+    template <DType D, bool Cuda, class Describe>
+    static OrtStatus* compute_ln(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at,
+                                 const Input& a, const Input& b, const Input& bias, const Input& res,
+                                 const Input& scale, const Input& gamma, const Input& beta, const ref::GemmPlan& p,
+                                 ref::GemmIO<typename Storage<D>::type, typename Storage<D>::type>& io,
+                                 const Describe& operands) {
+        using S = Storage<D>;
+        using T = typename S::type;
+        if (!gamma.present || !beta.present) return ref.fail("a LayerNorm GEMM needs its gamma and beta inputs");
+        const std::vector<int64_t> row{p.n};
+        for (const Input* g : {&gamma, &beta}) {
+            if (g->shape != row) {
+                return ref.fail(std::string(g == &gamma ? "gamma " : "beta ") + shape_str(g->shape) +
+                                " is not one value per column of the output (N=" + std::to_string(p.n) + ")");
+            }
+        }
+        if (spec.out[OUT_NORM] < 0) return ref.fail("the node table binds no output norm");
+        T* norm = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_NORM]), p.out_shape)
+                      .template GetTensorMutableData<T>();
+        T* y = spec.out[OUT_Y] >= 0
+                   ? ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<T>()
+                   : nullptr;
+        if (Cuda) {
+            GemmArgs args{};
+            if (OrtStatus* st = gemm_glue::device_args(ref, p, at.trans_a != 0, at.alpha, bias.present ? at.beta : 1.0f,
+                                                       bias.present, io.bias_m, io.bias_n, operands, args)) {
+                return st;
+            }
+            args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data;
+            args.y = y != nullptr ? static_cast<void*>(y) : static_cast<void*>(norm);  // in place without y
+            args.layer_scale = scale.data;
+            args.ln_gamma = gamma.data, args.ln_beta = beta.data, args.ln_y = norm, args.ln_eps = at.epsilon;
+            return gemm_glue::run_gemm(ctx, ref, args, operands);
+        }
+        const int64_t rows = p.batch * p.m;
+        std::vector<T> own;
+        if (y == nullptr) {
+            own.resize(static_cast<size_t>(rows * p.n));
+            y = own.data();
+        }
+        io.a = static_cast<const T*>(a.data);
+        io.b = static_cast<const T*>(b.data);
+        io.bias = static_cast<const T*>(bias.data);
+        io.layer_scale = static_cast<const T*>(scale.data);
+        io.residual = static_cast<const T*>(res.data);
+        io.y = y;
+        io.alpha = at.alpha;
+        io.beta = at.beta;
+        io.act = at.act;
+        ref::gemm(p, io, S::load, S::store, S::load);
+        ref::layernorm<T>(y, nullptr, static_cast<const T*>(gamma.data), p.n, static_cast<const T*>(beta.data), p.n,
+                          norm, nullptr, rows, p.n, at.epsilon, S::load, S::store);
         return nullptr;
     }
 };

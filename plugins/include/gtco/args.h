@@ -25,6 +25,10 @@ struct GemmArgs {
     int64_t stride_a, stride_b, stride_y;
     float alpha;           // scales A @ B before the bias (ONNX Gemm's alpha; 1 for a MatMul)
     const void* layer_scale;  // [N]: multiplies column n after the activation (LayerScale); null when none
+    const void* ln_gamma;  // [N], with ln_beta: the LayerNorm over each row of y (null when the instance has none)
+    const void* ln_beta;   // [N]
+    void* ln_y;            // the normalized rows, like y; may be y itself (normalized in place)
+    float ln_eps;
 };
 
 // Convolution (gtco/conv.cuh: implicit GEMM or direct), y = post_act(act((conv(x, w) + bias) * a + b) + residual), a
