@@ -113,6 +113,9 @@ def unsupported(problem: Problem) -> str | None:
     if problem.flag("layer_scale", False):
         return ("layer_scale: cuBLASLt's epilogues have no per-column scale after the activation (a device alpha "
                 "vector scales the product before the bias and activation, and only with beta = 0: no residual)")
+    if problem.flag("layernorm", False):
+        return ("layernorm: cuBLASLt's epilogues have no row reduction (a LayerNorm of y's rows over N); the mma "
+                "kernels fuse it")
     act = str(problem.flag("activation", "none") or "none")
     if act not in {a for _, a in _EPILOGUES}:
         why = " (cuBLASLt's GELU is the tanh form)" if act == "gelu_erf" else ""

@@ -78,7 +78,8 @@ ACTIVATIONS: Mapping[str, str] = {
     "tanh": "cutlass::epilogue::thread::Tanh",
 }
 """GEMM activation -> the CUTLASS functor the epilogue applies in fp32."""
-_FLAGS = frozenset({"trans_b", "bias", "activation", "residual", "alpha", "out_dtype", "layer_scale"})
+_FLAGS = frozenset({"trans_b", "bias", "activation", "residual", "alpha", "out_dtype", "layer_scale", "layernorm",
+                    "epsilon"})
 _SCHEDULES = {
     "cooperative": ("cutlass::gemm::KernelTmaWarpSpecializedCooperative",
                     "cutlass::epilogue::TmaWarpSpecializedCooperative", "coop"),
@@ -143,6 +144,9 @@ def unsupported(problem: Problem) -> str | None:
     if problem.flag("layer_scale", False):
         return ("layer_scale: the epilogue tree here has no per-column scale between the activation and the residual "
                 "(the mma kernels take it)")
+    if problem.flag("layernorm", False):
+        return ("layernorm: the epilogue here has no row reduction over N (a LayerNorm of y's rows); the mma kernels "
+                "fuse it")
     if act != "none" and act not in ACTIVATIONS:
         return (f"activation {act!r} has no CUTLASS epilogue functor in the mapping (have: none, "
                 f"{', '.join(ACTIVATIONS)})")

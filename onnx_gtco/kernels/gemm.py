@@ -10,10 +10,13 @@ weight GEMM). Flags: "trans_b" (B is [N, K]), "bias" (bias [N]), "activation" (a
 onnx_gtco.patterns.activation.REFERENCE, or "none"), "layer_scale" (LayerScale: y's column n times layer_scale[n]
 after the activation, before the residual; DINOv2, CaiT, DeiT-III), "residual" (residual like y), "alpha" (the
 scale, a run-time argument; absent = 1), "out_dtype" ("f32": y and the residual are fp32, the output cast fused
-into the epilogue; absent = the input dtype).
+into the epilogue; absent = the input dtype), "layernorm" with "epsilon" (LayerNorm of y's rows fused: y is written
+as before, rounded to the dtype, and ln_y = (y - mean) / sqrt(var + epsilon) * gamma + beta from that rounded y, fp32
+statistics; N <= MAX_LN_N, VEC = 1, no split-K, no out_dtype; absent = no LayerNorm).
 
 Arrays of a run: "a" [batch, M, K]; "b" [batch, K, N] / [K, N] (or [.., N, K] with trans_b); "bias" and
-"layer_scale" [N]; "residual" and "y" [batch, M, N]. The kernel is generic in the sizes (they are runtime arguments
+"layer_scale" [N]; "residual" and "y" [batch, M, N]; with layernorm "gamma" and "beta" [N] and "ln_y" [batch, M, N]
+(which may be the same buffer as y: in place). The kernel is generic in the sizes (they are runtime arguments
 checked by the launcher), so one built instance serves every shape with the same flags.
 
 Config "VEC" (optional, default 1) picks the global->shared copy: 1 is the cp.async pipeline with 16-byte chunks,
@@ -86,6 +89,8 @@ MIN_KTILES_PER_SPLIT = 4
 _FILL_TILE: dict[str, int] = {"BM": 64, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4}
 """The tile configs() tries first for a problem that 128x128 tiles leave mostly idle (a 4-stage pipeline: a
 split's few k-tiles leave it no time to fill a shallower one)."""
+MAX_LN_N = 1024
+"""The largest N of a layernorm problem (gemm.cuh kMaxLnN): one warp holds a row, at most 32 floats per lane."""
 SPLIT_WORKSPACE_MAX = 64 << 20
 """Bytes of split-K workspace `check` allows a configuration: the buffer stays allocated per device and stream for
 the process, and a split of a problem that needs more has tiles enough to fill the GPU without it."""
@@ -141,6 +146,14 @@ def _flags(problem: Problem) -> tuple[bool, bool, str, bool]:
 
 def _layer_scale(problem: Problem) -> bool:
     return bool(problem.flag("layer_scale", False))
+
+
+def _layernorm(problem: Problem) -> bool:
+    return bool(problem.flag("layernorm", False))
+
+
+def _epsilon(problem: Problem) -> float:
+    return float(problem.flag("epsilon", 1e-5) or 0.0)
 
 
 def _out_dtype(problem: Problem) -> str:
@@ -241,6 +254,17 @@ class GemmFamily(KernelFamily):
         if splits > 1 and (ws := split_workspace_bytes(config, batch, m, n)) > SPLIT_WORKSPACE_MAX:
             return (f"SPLITK={splits}: a split-K workspace of {ws / 2**20:.0f} MiB for M={m}, N={n} (batch {batch}) "
                     f"exceeds {SPLIT_WORKSPACE_MAX >> 20} MiB")
+        if _layernorm(problem):
+            if splits > 1:
+                return (f"SPLITK={splits}: the fused LayerNorm reads whole rows of y after the epilogue; split-K's "
+                        f"partial tiles are summed first (use SPLITK=1)")
+            if _out_dtype(problem) != problem.dtype:
+                return (f"out_dtype {_out_dtype(problem)}: the fused LayerNorm writes y and ln_y in the input dtype "
+                        f"{problem.dtype}")
+            if n > MAX_LN_N:
+                return f"N={n}: the fused LayerNorm holds a row in one warp's registers, N <= {MAX_LN_N}"
+            if not config["VEC"]:
+                return f"VEC=0: the fused LayerNorm moves 16-byte chunks of rows (N % {ch} == 0, VEC=1)"
         if config["EPI"] and not config["VEC"]:
             return "EPI=1 (the epilogue staged through shared memory, 16-byte chunks of y) needs VEC=1"
         bm, bn, bk, wm, wn = config["BM"], config["BN"], config["BK"], config["WM"], config["WN"]
@@ -325,6 +349,11 @@ class GemmFamily(KernelFamily):
         except KeyError:
             vec = 1
         order = [{**c, "VEC": vec} for c in order]
+        if _layernorm(problem):  # no split-K; ranked by the analytical model, which counts the normalize step
+            from onnx_gtco.tune.analytical import estimate_us
+
+            order = [{k: v for k, v in c.items() if k != "SPLITK"} for c in order]
+            order.sort(key=lambda c: estimate_us(problem, c, arch))
         seen: set[tuple[tuple[str, int], ...]] = set()
         unique = [c for c in order if (key := tuple(sorted(c.items()))) not in seen and not seen.add(key)]
         return [c for c in unique if self.check(problem, c, arch) is None]
@@ -366,16 +395,20 @@ class GemmFamily(KernelFamily):
                  f"/*TRANS_B=*/{b}, /*HAS_BIAS=*/{str(bias).lower()}, gtco::Act::{ACTIVATIONS[act]}, "
                  f"/*HAS_RES=*/{str(res).lower()}, /*VEC=*/{'true' if c.get('VEC', 1) else 'false'}")
         splits, epi = int(c.get("SPLITK", 1)), bool(c.get("EPI", 0))
-        if _out_dtype(problem) != problem.dtype or splits > 1 or epi or scale:
+        if _out_dtype(problem) != problem.dtype or splits > 1 or epi or scale or _layernorm(problem):
             targs += f", /*TOut=*/{'float' if _out_dtype(problem) != problem.dtype else _CTYPE[problem.dtype]}"
-        if splits > 1 or epi or scale:
+        if splits > 1 or epi or scale or _layernorm(problem):
             targs += f", /*SPLITK=*/{splits}, /*EPI_SMEM=*/{str(epi).lower()}"
-        if scale:
-            targs += ", /*HAS_SCALE=*/true"
+        ln = _layernorm(problem)
+        if scale or ln:
+            targs += f", /*HAS_SCALE=*/{str(scale).lower()}"
+        if ln:
+            targs += ", /*LN=*/true"
         source = (
             f"// Generated by onnx_gtco.kernels.gemm: {name}\n"
             f"// y = {act}(A @ B{'^T' if trans_b else ''}{' + bias' if bias else ''})"
             f"{' * layer_scale' if scale else ''}{' + residual' if res else ''}"
+            f"{'; ln_y = LayerNorm(y) * gamma + beta' if ln else ''}"
             f"; tile {c['BM']}x{c['BN']}x{c['BK']}, warps {c['WM']}x{c['WN']}, {c['STAGES']} stages"
             f"{f', split-K {splits}' if splits > 1 else ''}{', staged epilogue' if epi else ''}, {arch}\n"
             f"#include \"gtco/gemm.cuh\"\n"
@@ -399,11 +432,15 @@ class GemmFamily(KernelFamily):
             shapes["layer_scale"] = (n,)
         if res:
             shapes["residual"] = (batch, m, n)
+        if _layernorm(problem):
+            shapes["gamma"] = (n,)
+            shapes["beta"] = (n,)
         return shapes
 
     def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
         batch, m, n, k, b_batched = _sizes(problem)
         _, bias, _, res = _flags(problem)
+        ln = _layernorm(problem)
         return [
             Field("a", "ptr", "a"),
             Field("b", "ptr", "b"),
@@ -419,11 +456,18 @@ class GemmFamily(KernelFamily):
             Field("stride_y", "i64", m * n),
             Field("alpha", "f32", float(problem.flag("alpha", 1.0))),
             Field("layer_scale", "ptr", "layer_scale" if _layer_scale(problem) else ""),
+            Field("ln_gamma", "ptr", "gamma" if ln else ""),
+            Field("ln_beta", "ptr", "beta" if ln else ""),
+            Field("ln_y", "ptr", "ln_y" if ln else ""),
+            Field("ln_eps", "f32", _epsilon(problem) if ln else 0.0),
         ]
 
     def outputs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
         batch, m, n, _, _ = _sizes(problem)
-        return {"y": ((batch, m, n), _out_dtype(problem))}
+        out = {"y": ((batch, m, n), _out_dtype(problem))}
+        if _layernorm(problem):
+            out["ln_y"] = ((batch, m, n), problem.dtype)
+        return out
 
     def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         _, _, _, _, b_batched = _sizes(problem)
@@ -445,11 +489,19 @@ class GemmFamily(KernelFamily):
         if res:
             y = y + from_storage(np.asarray(inputs["residual"]), _out_dtype(problem))
         del b_batched
-        return {"y": y}
+        if not _layernorm(problem):
+            return {"y": y}
+        # the LayerNorm reads y as stored (rounded to the dtype), as an unfused GEMM then LayerNorm does
+        v = from_storage(to_storage(y, dt), dt)
+        mean = v.mean(axis=-1, keepdims=True)
+        var = ((v - mean) ** 2).mean(axis=-1, keepdims=True)
+        ln_y = ((v - mean) / np.sqrt(var + _epsilon(problem)) * from_storage(np.asarray(inputs["gamma"]), dt)
+                + from_storage(np.asarray(inputs["beta"]), dt))
+        return {"y": y, "ln_y": ln_y}
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
         """Standard normal A, B scaled by 1/sqrt(K) (so A @ B is O(1)), bias, layer_scale and residual at 0.5
-        scale."""
+        scale; LayerNorm's gamma 1 + 0.25 N(0, 1) and beta 0.25 N(0, 1)."""
         rng = np.random.default_rng(seed)
         _, _, _, k, _ = _sizes(problem)
         out: dict[str, np.ndarray] = {}
@@ -459,6 +511,10 @@ class GemmFamily(KernelFamily):
                 x = x / math.sqrt(k)
             elif key in ("bias", "residual", "layer_scale"):
                 x = 0.5 * x
+            elif key == "gamma":
+                x = 1.0 + 0.25 * x
+            elif key == "beta":
+                x = 0.25 * x
             out[key] = to_storage(x.astype(np.float32), _out_dtype(problem) if key == "residual" else problem.dtype)
         return out
 
@@ -485,6 +541,8 @@ def flag_suffix(problem: Problem) -> str:
         parts.append("res")
     if _out_dtype(problem) != problem.dtype:
         parts.append("of32")
+    if _layernorm(problem):
+        parts.append("ln")
     return "_".join(parts)
 
 
@@ -493,7 +551,7 @@ def gemm_problem(dtype: str, batch: int, m: int, n: int, k: int, *, b_batched: b
                  out_dtype: str | None = None, layer_scale: bool = False, layernorm: bool = False,
                  epsilon: float = 1e-5) -> Problem:
     """A GEMM Problem from keyword arguments (alpha, a run-time argument of the instance, is a flag only when not 1;
-    layer_scale only when set, so problems without it stay what they were)."""
+    layer_scale, and layernorm with its epsilon, only when set, so problems without them stay what they were)."""
     flags: dict[str, Any] = {"trans_b": trans_b, "bias": bias, "activation": activation, "residual": residual}
     if layer_scale:
         flags["layer_scale"] = True

@@ -106,9 +106,10 @@ def _mma_block(c: Mapping[str, int], k_pad: int) -> tuple[float, int, float]:
 def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     """SPLITK slices multiply the blocks and divide each one's k-tiles; every slice writes its fp32 partial tile and
     the last reads the others' (2 x BM x BN x 4 bytes per block, amortized). A LayerScale adds its BN factors per
-    tile. The epilogue's y and residual traffic
-    is counted once per tile: straight from the fragments (EPI = 0) each 32-byte sector is written half by one
-    access and half by another, so it costs twice what the staged 16-byte chunks (EPI = 1) cost."""
+    tile; a fused LayerNorm the normalize step's traffic, each row panel's BM x N values of y read back and ln_y
+    written (and gamma and beta), spread over the panel's blocks (the last of them does it). The epilogue's y and
+    residual traffic is counted once per tile: straight from the fragments (EPI = 0) each 32-byte sector is written
+    half by one access and half by another, so it costs twice what the staged 16-byte chunks (EPI = 1) cost."""
     batch, m, n, k = p.size("batch"), p.size("M"), p.size("N"), p.size("K")
     bm, bn, bk, wm, wn, stages = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"], c["STAGES"]
     splits = int(c.get("SPLITK", 1))
@@ -123,6 +124,8 @@ def _gemm(p: Problem, c: Mapping[str, int], arch: str) -> float:
     loads += epilogue * (1 if c.get("EPI", 0) else 2)
     if p.flag("layer_scale", False):  # LayerScale: one factor per column of the tile
         loads += bn * _BYTES[p.dtype] / splits
+    if p.flag("layernorm", False):  # the panel's BM x N values of y read back and ln_y written, per tile of it
+        loads += 2 * bm * n * _BYTES[p.dtype] / math.ceil(n / bn) + 2 * n * _BYTES[p.dtype]
     return _tiled_us(arch, blocks, wm * wn * 32, smem, flops, loads, stages, reuse, bool(c.get("VEC", 1)))
 
 

@@ -765,6 +765,7 @@ inline unsigned atomic_add_u32(unsigned* p, unsigned v) {
 }
 inline float ld_cg(const float* p) { return *p; }
 inline void st_cg(float* p, float v) { *p = v; }
+inline uint4 ld_cg_16(const void* p) { return *static_cast<const uint4*>(p); }
 
 // Workspace of a launch (gtco/scratch.h's stream_scratch_zeroed on a GPU): zero-filled when first made or grown,
 // kept for the process; blocks that use it leave it zeroed again (split-K's tile counters).

@@ -12,6 +12,7 @@
 #define GTCO_ELAUNCH 2      // the launch itself failed (cudaGetLastError after the launch)
 
 // GEMM (gtco/gemm.cuh), y = act(alpha * A @ B + bias) * layer_scale + residual; mirrored by GemmFamily.args_fields.
+// With a fused LayerNorm (gemm.cuh's LN instances) also ln_y = LayerNorm(y) over each row of N, from y as stored.
 // Sizes and strides count elements. Batch strides: A[b] = a + b * stride_a, B[b] = b + b * stride_b (0: one B
 // shared by the batch), y[b] and residual[b] = ... + b * stride_y. Leading dimensions are dense: K for A, N (or K
 // when transposed) for B, N for y and residual.
@@ -25,9 +26,11 @@ struct GemmArgs {
     int64_t stride_a, stride_b, stride_y;
     float alpha;           // scales A @ B before the bias (ONNX Gemm's alpha; 1 for a MatMul)
     const void* layer_scale;  // [N]: multiplies column n after the activation (LayerScale); null when none
-    const void* ln_gamma;  // [N], with ln_beta: the LayerNorm over each row of y (null when the instance has none)
+    // LayerNorm of y's rows (LN instances only; null / 0 otherwise): ln_y = (y - mean) / sqrt(var + ln_eps) *
+    // ln_gamma + ln_beta. ln_y is like y and may be y itself (in place, when the pre-LN sum is not needed).
+    const void* ln_gamma;  // [N]
     const void* ln_beta;   // [N]
-    void* ln_y;            // the normalized rows, like y; may be y itself (normalized in place)
+    void* ln_y;
     float ln_eps;
 };
 

@@ -44,11 +44,20 @@
 //     zero for the next launch and runs the epilogue. The workspace (stream_scratch_zeroed: counters zero when made,
 //     zero again after every launch) holds one counter and SPLITK partial tiles per output tile. For small M x N
 //     with a long K (fc2 of a batch-1 ViT: 12 tiles of 96 k-tiles), where one block per tile leaves most SMs idle.
+//   - LN = true: LayerNorm of y's rows fused (GEMM + bias + residual + LayerNorm, a transformer's post-LN block
+//     or the next block's pre-LN): after the epilogue wrote the tile of y (T-rounded, the residual stream), the
+//     block that completes a row panel (BM rows, all N columns) computes ln_y = (y - mean) / sqrt(var + eps) *
+//     gamma + beta from y as stored, as an unfused GEMM then LayerNorm would: with BN >= N the block itself, else
+//     the last of the panel's blocks to arrive at the panel's counter (the stream's zeroed workspace, like
+//     split-K's; reset by that block), reading the other blocks' y through L2. fp32 statistics, the mean first,
+//     then the centered sum of squares (gtco/layernorm.cuh); one warp per row, the row in registers (N <= 1024),
+//     read whole before ln_y is written, so ln_y may be y. VEC, SPLITK = 1 and TOut = T only.
 // Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
 //
 // Test hook: GTCO_GEMM_TEST_FAULT=1 adds the bias twice, =2 waits for one cp.async group too few (reads a stage
 // before its copy landed), =3 skips the tf32 rounding of the fp32 operands, =4 leaves split-K's tile counters
-// where the last launch left them. They exist only so that tests can show they catch such bugs.
+// where the last launch left them, =5 divides the LayerNorm's row sum by N + 1 (a wrong mean), =6 leaves the
+// residual out of the LayerNorm's input. They exist only so that tests can show they catch such bugs.
 #pragma once
 
 #include <climits>
@@ -103,6 +112,39 @@ GTCO_DEVICE void unpack_f32(uint32_t w, float& lo, float& hi) {
         lo = __bfloat162float(__ushort_as_bfloat16(l));
         hi = __bfloat162float(__ushort_as_bfloat16(h));
     }
+}
+
+// One 16-byte chunk of T (8 halves or 4 floats) to and from floats.
+template <class T>
+GTCO_DEVICE void unpack16(const uint4& w, float (&f)[16 / sizeof(T)]) {
+    if constexpr (std::is_same<T, float>::value) {
+        f[0] = __uint_as_float(w.x);
+        f[1] = __uint_as_float(w.y);
+        f[2] = __uint_as_float(w.z);
+        f[3] = __uint_as_float(w.w);
+    } else {
+        unpack_f32<T>(w.x, f[0], f[1]);
+        unpack_f32<T>(w.y, f[2], f[3]);
+        unpack_f32<T>(w.z, f[4], f[5]);
+        unpack_f32<T>(w.w, f[6], f[7]);
+    }
+}
+
+template <class T>
+GTCO_DEVICE uint4 pack16(const float (&f)[16 / sizeof(T)]) {
+    uint4 w;
+    if constexpr (std::is_same<T, float>::value) {
+        w.x = __float_as_uint(f[0]);
+        w.y = __float_as_uint(f[1]);
+        w.z = __float_as_uint(f[2]);
+        w.w = __float_as_uint(f[3]);
+    } else {
+        w.x = pack_b16(from_f32<T>(f[0]), from_f32<T>(f[1]));
+        w.y = pack_b16(from_f32<T>(f[2]), from_f32<T>(f[3]));
+        w.z = pack_b16(from_f32<T>(f[4]), from_f32<T>(f[5]));
+        w.w = pack_b16(from_f32<T>(f[6]), from_f32<T>(f[7]));
+    }
+    return w;
 }
 
 GTCO_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -181,6 +223,121 @@ struct GemmSplit {
     unsigned* counters;
     float* parts;
 };
+
+// The largest N of an LN instance: a row lives in one warp's registers, at most 32 floats per lane.
+constexpr int kMaxLnN = 1024;
+
+namespace gemm_detail {
+
+GTCO_DEVICE float ln_rsqrt(float x) {
+#if defined(GTCO_EMULATE)
+    return 1.0f / std::sqrt(x);
+#else
+    return rsqrtf(x);
+#endif
+}
+
+// The LayerNorm step of an LN instance, after the block's epilogue wrote its tile of y (T-rounded). The block that
+// completes a row panel (rows m0 .. m0+BM-1 of batch entry bz, all N columns) normalizes it: with one block per row
+// (gridDim.x == 1) that block, otherwise the last of the panel's gridDim.x blocks to arrive at the panel's counter
+// in `counters` (zero between launches; the last block resets it), which reads the others' y through L2.
+// One warp per row: each lane holds the row's 16-byte chunks lane, lane + 32, ... in registers (at most 32 floats),
+// the mean first, then the centered sum of squares, fp32 - the whole row is read before any of it is written, so
+// ln_y may be y. `flag` is a word of shared memory that no thread reads or writes any more.
+template <class T, int BM, int kThreads, bool HAS_RES>
+GTCO_DEVICE void ln_panel(const GemmArgs& p, unsigned* counters, int64_t bz, int m0, int* flag) {
+    constexpr int E = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+    constexpr int kIters = kMaxLnN / (32 * E);
+    constexpr int kWarps = kThreads / 32;
+    const int M = static_cast<int>(p.m), N = static_cast<int>(p.n);
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    const bool shared_rows = gridDim.x > 1;
+    if (shared_rows) {
+        fence_gpu();      // this thread's y is visible device-wide before the block is counted
+        __syncthreads();  // every thread's is
+        volatile int* const last = flag;
+        if (tid == 0) {
+            unsigned* const counter = counters + bz * static_cast<int64_t>(gridDim.y) + blockIdx.y;
+            const unsigned arrived = atomic_add_u32(counter, 1u);
+            *last = arrived == gridDim.x - 1;
+            if (arrived == gridDim.x - 1) *counter = 0u;  // zero for the next launch on this stream
+        }
+        __syncthreads();
+        if (*last == 0) return;  // the whole block: another block of the panel normalizes it
+        fence_gpu();
+    } else {
+        __syncthreads();  // the block's own y tile is whole (and visible to all its threads)
+    }
+    const T* const Y = static_cast<const T*>(p.y) + bz * p.stride_y;
+    T* const LY = static_cast<T*>(p.ln_y) + bz * p.stride_y;
+    const T* const gamma = static_cast<const T*>(p.ln_gamma);
+    const T* const beta = static_cast<const T*>(p.ln_beta);
+#if GTCO_GEMM_TEST_FAULT == 6
+    const T* const R = HAS_RES ? static_cast<const T*>(p.residual) + bz * p.stride_y : nullptr;
+#endif
+    const float inv_n = 1.0f / static_cast<float>(N);
+    for (int r = warp; r < BM; r += kWarps) {
+        const int row = m0 + r;
+        if (row >= M) break;  // warp-uniform; later rows of the panel are past M too
+        const int64_t off = static_cast<int64_t>(row) * N;
+        float v[kIters][E];
+        float s = 0.0f;
+        GTCO_UNROLL
+        for (int i = 0; i < kIters; ++i) {
+            const int col = (i * 32 + lane) * E;
+            if (col < N) {  // N is a multiple of E: a chunk is wholly in or out
+                uint4 w;
+                if (shared_rows) {
+                    w = ld_cg_16(Y + off + col);
+                } else {
+                    w = *reinterpret_cast<const uint4*>(Y + off + col);
+                }
+                unpack16<T>(w, v[i]);
+#if GTCO_GEMM_TEST_FAULT == 6
+                if constexpr (HAS_RES) {
+                    float rr[E];
+                    unpack16<T>(*reinterpret_cast<const uint4*>(R + off + col), rr);
+                    GTCO_UNROLL
+                    for (int e = 0; e < E; ++e) v[i][e] -= rr[e];
+                }
+#endif
+                GTCO_UNROLL
+                for (int e = 0; e < E; ++e) s += v[i][e];
+            }
+        }
+#if GTCO_GEMM_TEST_FAULT == 5
+        const float mean = warp_sum(s) / static_cast<float>(N + 1);
+#else
+        const float mean = warp_sum(s) * inv_n;
+#endif
+        float q = 0.0f;
+        GTCO_UNROLL
+        for (int i = 0; i < kIters; ++i) {
+            if ((i * 32 + lane) * E < N) {
+                GTCO_UNROLL
+                for (int e = 0; e < E; ++e) {
+                    const float d = v[i][e] - mean;
+                    q += d * d;
+                }
+            }
+        }
+        const float rstd = ln_rsqrt(warp_sum(q) * inv_n + p.ln_eps);
+        GTCO_UNROLL
+        for (int i = 0; i < kIters; ++i) {
+            const int col = (i * 32 + lane) * E;
+            if (col < N) {
+                float g[E], b[E], o[E];
+                unpack16<T>(*reinterpret_cast<const uint4*>(gamma + col), g);
+                unpack16<T>(*reinterpret_cast<const uint4*>(beta + col), b);
+                GTCO_UNROLL
+                for (int e = 0; e < E; ++e) o[e] = (v[i][e] - mean) * rstd * g[e] + b[e];
+                *reinterpret_cast<uint4*>(LY + off + col) = pack16<T>(o);
+            }
+        }
+    }
+}
+
+}  // namespace gemm_detail
 
 namespace gemm_detail {
 
@@ -278,11 +435,14 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
 }  // namespace gemm_detail
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false>
+          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
+          bool LN = false>
 __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, const GemmSplit split_ws) {
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
     static_assert(SPLITK >= 1 && SPLITK <= 16, "SPLITK: 1..16");
     static_assert(VEC || !EPI_SMEM, "the staged epilogue moves 16-byte chunks: VEC instances only");
+    static_assert(!LN || (VEC && SPLITK == 1 && std::is_same<TOut, T>::value),
+                  "LN: VEC instances without split-K whose y is T");
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
@@ -523,6 +683,8 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
                 *reinterpret_cast<uint4*>(Y + off) = o;
             }
         }
+        if constexpr (LN) gemm_detail::ln_panel<T, BM, kThreads, HAS_RES>(p, split_ws.counters, bz, m0,
+                                                                         reinterpret_cast<int*>(smem));
         return;
     }
     GTCO_UNROLL
@@ -583,6 +745,8 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
             }
         }
     }
+    if constexpr (LN) gemm_detail::ln_panel<T, BM, kThreads, HAS_RES>(p, split_ws.counters, bz, m0,
+                                                                     reinterpret_cast<int*>(smem));
 }
 
 namespace gemm_detail {
@@ -592,9 +756,10 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 // Check *args against what the instance was built for, then launch on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE
 // (sizes out of range, K or N not a multiple of a 16-byte chunk (8 halves, 4 floats) for a VEC instance, a
 // bias / residual / layer_scale pointer present or absent
-// against the instance, misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
+// against the instance, LN: N > kMaxLnN, LayerNorm pointers absent (or present for an instance without LN), misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
-          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false>
+          bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
+          bool LN = false>
 int launch_gemm(const GemmArgs* args, void* stream) {
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
@@ -649,8 +814,29 @@ int launch_gemm(const GemmArgs* args, void* stream) {
         split_ws.counters = static_cast<unsigned*>(ws);
         split_ws.parts = reinterpret_cast<float*>(static_cast<unsigned char*>(ws) + counter_bytes);
     }
+    if constexpr (LN) {
+        // One arrival counter per row panel (grid y x batch) where the panel spans several blocks.
+        constexpr int OE = 16 / static_cast<int>(sizeof(T));
+        if (p.n > kMaxLnN || p.n % OE != 0 || p.stride_y % OE != 0) return GTCO_EBADSHAPE;
+        if (p.ln_gamma == nullptr || p.ln_beta == nullptr || p.ln_y == nullptr) return GTCO_EBADSHAPE;
+        if (!gemm_detail::aligned(p.y, 16) || !gemm_detail::aligned(p.ln_y, 16) ||
+            !gemm_detail::aligned(p.ln_gamma, 16) || !gemm_detail::aligned(p.ln_beta, 16))
+            return GTCO_EBADSHAPE;
+        if (grid.x > 1) {
+            const size_t bytes = static_cast<size_t>(grid.y) * p.batch * sizeof(unsigned);
+#if defined(GTCO_EMULATE)
+            split_ws.counters = static_cast<unsigned*>(scratch_zeroed(bytes));
+#else
+            const char* why = nullptr;
+            split_ws.counters = static_cast<unsigned*>(stream_scratch_zeroed(stream, bytes, why));
+            if (split_ws.counters == nullptr) return GTCO_ELAUNCH;
+#endif
+        }
+    } else if (p.ln_gamma != nullptr || p.ln_beta != nullptr || p.ln_y != nullptr) {
+        return GTCO_EBADSHAPE;  // a LayerNorm asked of an instance without one
+    }
     auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut, SPLITK,
-                                EPI_SMEM, HAS_SCALE>;
+                                EPI_SMEM, HAS_SCALE, LN>;
     (void)stream;
     if constexpr (Smem::kDynamic) {
         return GTCO_LAUNCH_SMEM(kernel, grid, block, Smem::kBytes, stream, p, split_ws);

@@ -129,6 +129,7 @@ GTCO_DEVICE void fence_gpu() { __threadfence(); }
 GTCO_DEVICE unsigned atomic_add_u32(unsigned* p, unsigned v) { return atomicAdd(p, v); }
 GTCO_DEVICE float ld_cg(const float* p) { return __ldcg(p); }
 GTCO_DEVICE void st_cg(float* p, float v) { __stcg(p, v); }
+GTCO_DEVICE uint4 ld_cg_16(const void* p) { return __ldcg(static_cast<const uint4*>(p)); }  // 16 bytes
 
 GTCO_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
