@@ -334,6 +334,8 @@ class GtcoConfig:
         seed: seed of every random choice (check inputs, tuning).
         dynamic: declared ranges of the model's symbolic dims, (dim name, lo, hi) sorted by name; the model is
             optimized for every shape inside them (see parse_dynamic for the `--dynamic` text form).
+        pack_qkv: pack a block's Q, K and V projections into one GEMM that the attention reads packed
+            (patterns/pack.py); False keeps them three GEMMs of one QKV node.
     """
 
     target: str = DEFAULT_TARGET
@@ -342,6 +344,7 @@ class GtcoConfig:
     max_states: int = 2_000_000
     seed: int = 0
     dynamic: DynamicRanges = ()
+    pack_qkv: bool = True
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

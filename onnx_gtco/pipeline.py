@@ -134,7 +134,7 @@ def plan_model(
     reason is its one reject). `matched`: the candidates and rejects an earlier plan of the same view found (the
     rules are not matched again)."""
     with progress.stage("plan", total=3) as st:
-        if not isinstance(model, GraphView) and not unfused and matched is None:
+        if not isinstance(model, GraphView) and not unfused and matched is None and config.pack_qkv:
             model, _ = pack_qkv(model)  # one GEMM for a block's Q, K and V (patterns/pack.py)
         view = model if isinstance(model, GraphView) else GraphView(model)
         if matched is not None:

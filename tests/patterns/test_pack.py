@@ -30,7 +30,7 @@ def test_bert_projections_become_one_gemm_and_the_model_computes_the_same(ln: st
     model = load_model(build("bert-tiny", ln=ln))
     packed, packings = pack_qkv(model)
     assert len(packings) == 2  # one per layer
-    assert [p.outputs for p in packings][0] == tuple(
+    assert packings[0].outputs == tuple(
         f"encoder.layer.0.attention.self.{r}.add" for r in ("query", "key", "value"))
     onnx.checker.check_model(packed, full_check=True)
     before = {n.op_type for n in model.graph.node}

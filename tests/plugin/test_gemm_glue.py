@@ -258,7 +258,8 @@ def run_function(node: FusedNode, values: list[np.ndarray]) -> list[np.ndarray]:
         [n], "one", [helper.make_tensor_value_info(nm, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
                      for nm, v in zip(names, values, strict=True)],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
-    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("ai.gtco", 1)]
+    onnx_opset = next((o.version for o in fn.opset_import if o.domain == ""), 20)  # the body's (ReduceMean axes)
+    opsets = [helper.make_opsetid("", onnx_opset), helper.make_opsetid("ai.gtco", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10, functions=[fn])
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, dict(zip(names, values, strict=True)))
@@ -276,8 +277,16 @@ def reference_from_roles(node: FusedNode, binding: Binding, values: list[np.ndar
     if node.family == "gemm":
         kw = {"trans_a": bool(at.get("trans_a", 0)), "trans_b": bool(at.get("trans_b", 0)),
               "alpha": float(at.get("alpha", 1.0)), "beta": float(at.get("beta", 1.0)), "act": at["activation"]}
-        args = [role(GEMM_IN, r) for r in GEMM_IN]
-        return [(np_gemm if lib is None else lambda *a, **k: c_gemm(lib, *a, **k))(*args, **kw)]  # type: ignore[misc]
+        args = [role(GEMM_IN, r) for r in GEMM_IN[:5]]
+        y = (np_gemm if lib is None else lambda *a, **k: c_gemm(lib, *a, **k))(*args, **kw)  # type: ignore[misc]
+        outs = {"y": y}
+        if at.get("layernorm"):  # the LayerNorm of y's rows, fp64 (norm)
+            mean = y.mean(axis=-1, keepdims=True)
+            var = ((y - mean) ** 2).mean(axis=-1, keepdims=True)
+            outs["norm"] = ((y - mean) / np.sqrt(var + float(at.get("epsilon", 1e-5))) * role(GEMM_IN, "gamma")
+                            + role(GEMM_IN, "beta"))
+        return [outs[r] for r, i in sorted(zip(GEMM_OUT, binding.outputs, strict=True), key=lambda ri: ri[1])
+                if i >= 0]
     a = role(QKV_IN, "a")
     outs = []
     for p in range(len(QKV_OUT)):
@@ -313,8 +322,8 @@ def test_layer_scale_binds_as_the_fifth_role(lib: ctypes.CDLL) -> None:
     assert len(nodes) == 2 and len(result.model.graph.node) == 2
     fc2 = next(n for n in nodes.values() if n.attrs.get("layer_scale"))
     binding = GEMM.bind(fc2)
-    assert binding == Binding(inputs=(0, 1, 2, 3, 4), outputs=(0,))
-    assert [fc2.node.input[i] for i in binding.inputs] == ["g4", "w2", "b2", "x", "gamma"]
+    assert binding == Binding(inputs=(0, 1, 2, 3, 4, -1, -1), outputs=(0, -1))
+    assert [fc2.node.input[i] for i in binding.inputs if i >= 0] == ["g4", "w2", "b2", "x", "gamma"]
     values = feed(fc2, np.random.default_rng(2))
     want = run_function(fc2, values)
     for got in (reference_from_roles(fc2, binding, values), reference_from_roles(fc2, binding, values, lib)):
@@ -337,7 +346,7 @@ MODELS = {
 @pytest.fixture(scope="module", params=list(MODELS))
 def optimized(request: pytest.FixtureRequest):
     name, kw = MODELS[request.param]
-    result = optimize(build(name, seed=0, **kw), GtcoConfig())
+    result = optimize(build(name, seed=0, **kw), GtcoConfig(pack_qkv=False))  # BERT keeps its QKV nodes
     return request.param, result
 
 
@@ -372,12 +381,13 @@ def test_builtin_role_layout() -> None:
     result = optimize(build("vit-tiny", depth=1, seed=0), GtcoConfig())
     nodes = {n.node.name: n for n in fused_nodes(result.model, result)}
     fc1 = nodes["gtco/gemm/blocks.0.mlp.fc1.matmul"]
-    assert GEMM.bind(fc1) == Binding(inputs=(0, 1, 2, -1, -1), outputs=(0,))   # sqrt2 / one / half: no role
-    proj = nodes["gtco/gemm/blocks.0.attn.proj.matmul"]
-    assert GEMM.bind(proj) == Binding(inputs=(0, 1, 2, 3, -1), outputs=(0,))
+    assert GEMM.bind(fc1) == Binding(inputs=(0, 1, 2, -1, -1, -1, -1), outputs=(0, -1))   # sqrt2 / one / half: no role
+    proj = nodes["gtco/gemm/blocks.0.attn.proj.matmul"]  # with norm2: the sum read on, and its LayerNorm
+    assert proj.attrs.get("layernorm") == 1
+    assert GEMM.bind(proj) == Binding(inputs=(0, 1, 2, 3, -1, 4, 5), outputs=(0, 1))
     head = nodes["gtco/gemm/head"]                                            # ONNX Gemm, transB, C
-    assert GEMM.bind(head) == Binding(inputs=(0, 1, 2, -1, -1), outputs=(0,))
-    result = optimize(build("bert-tiny", depth=1, seed=0), GtcoConfig())
+    assert GEMM.bind(head) == Binding(inputs=(0, 1, 2, -1, -1, -1, -1), outputs=(0, -1))
+    result = optimize(build("bert-tiny", depth=1, seed=0), GtcoConfig(pack_qkv=False))
     (qkv,) = [n for n in fused_nodes(result.model, result) if n.family == "qkv"]
     assert QKV.bind(qkv) == Binding(inputs=(0, 1, 2, 3, 4, 5, 6), outputs=(0, 1, 2))  # the roles in opspec order
 
@@ -446,7 +456,7 @@ def test_synthetic_forms_bind_and_compute(lib: ctypes.CDLL) -> None:
         for got in (reference_from_roles(node, binding, values), reference_from_roles(node, binding, values, lib)):
             close(np.asarray(got[0], np.float64), want[0].astype(np.float64), rtol=1e-4)
     assert set(acts) == {"quick_gelu", "relu", "silu", "relu6", "tanh", "sigmoid"}
-    assert acts["quick_gelu"].inputs == (0, 1, 2, 3, -1)    # c1702 (input 4, after the roles) has no role
+    assert acts["quick_gelu"].inputs == (0, 1, 2, 3, -1, -1, -1)    # c1702 (input 4, after the roles) has no role
 
 
 def _fused(nodes: list[onnx.NodeProto], n_in: int, n_out: int, attrs: dict, op_type: str = "Gemm_f32",
@@ -512,7 +522,7 @@ def test_gemm_act_op_and_residual_bind() -> None:
              mk("Add", ["v", "x3"], ["y0"])]
     roles = {"roles": ["a", "b", "bias", "residual"], "out_roles": ["y"]}
     got = GEMM.bind(_fused(nodes, 4, 1, GEMM_ATTRS | roles | {"activation": "gelu_erf", "bias": 1, "residual": 1}))
-    assert got == Binding(inputs=(0, 1, 2, 3, -1), outputs=(0,))
+    assert got == Binding(inputs=(0, 1, 2, 3, -1, -1, -1), outputs=(0, -1))
 
 
 def test_qkv_reasons() -> None:
@@ -558,7 +568,7 @@ static_assert(Qkv::IN_W0 == 1 && Qkv::IN_BIAS0 == 4 && Qkv::kMaxProj == 3, "role
 
 def test_glue_header_compiles(tmp_path: Path) -> None:
     inc = ort_include_dir()
-    assert len(GEMM_IN) == 5 and len(QKV_IN) == 7     # the static_asserts above spell out the same order
+    assert len(GEMM_IN) == 7 and len(QKV_IN) == 7     # the static_asserts above spell out the same order
     src = tmp_path / "gemm_glue.cc"
     src.write_text(GLUE_TU)
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
@@ -606,7 +616,7 @@ def glue_models(tmp_path_factory: pytest.TempPathFactory):
     for name, kw in (("vit-tiny", {"depth": 1, "batch": "N"}), ("bert-tiny", {"depth": 1}), ("synthetic", {}),
                      ("layer_scale", {})):
         src = own[name]() if name in own else build(name, seed=0, **kw)
-        result = optimize(src, GtcoConfig())
+        result = optimize(src, GtcoConfig(pack_qkv=False))  # BERT keeps its QKV node
         for node in fused_nodes(result.model, result):
             binding = binder_for(node).bind(node)
             assert isinstance(binding, Binding), binding
