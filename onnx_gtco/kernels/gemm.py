@@ -35,7 +35,8 @@ split's fp32 summation order.
 Config "impl" (optional, default "mma") picks the implementation: "mma" is gemm.cuh above; "cutlass" a CUTLASS 3.x
 Hopper instance for the sm_90a slot (onnx_gtco.kernels.cutlass, its own config keys), offered by `configs` for
 sm_90a. Every implementation exports the same entry point and computes the same reference; CUTLASS and cuBLASLt
-have no layer_scale in their epilogues, and their checks refuse such problems (the mma kernels take them).
+have no layer_scale and no LayerNorm in their epilogues, and their checks refuse such problems (the mma kernels
+take them).
 """
 
 from __future__ import annotations

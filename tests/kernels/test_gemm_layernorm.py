@@ -6,7 +6,6 @@ faults; `check`'s reasons; the launcher's checks; and ptxas resources of every c
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,6 @@ MANTISSA = {"f16": 10, "bf16": 7, "f32": 23}
 LN_SELF_SLACK = {"f16": 1e-4, "bf16": 1e-4, "f32": 1e-5}
 FAULT_MIN = 0.03  # a planted fault moves ln_y by more than this (past LN_TOL of f16, the dtype of the fault builds)
 TOL = 2e-3  # y: ||y - ref|| / ||ref||, ref rounded to the dtype (as in test_gemm)
-JOBS = 2  # parallel builds (the CI machine has 2 cores)
 EMU_FLAGS = ("-O1",)
 
 BIAS_RES = {"trans_b": False, "bias": True, "activation": "none", "residual": True}
@@ -65,7 +63,8 @@ def instance(config: dict, dtype: str, flags: dict) -> Instance:
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
-    """The emulated instances of this file, built once, two at a time: key -> (instance, library)."""
+    """key -> (instance, emulated library) of this file's instances, each built on first use (parallel test workers
+    build what their tests need, not every instance each)."""
     out = tmp_path_factory.mktemp("gemm_ln_emu")
     builds: dict[str, tuple[Instance, tuple[str, ...]]] = {
         key: (instance(config, dtype, flags), EMU_FLAGS) for key, config, dtype, flags in CASES}
@@ -73,13 +72,16 @@ def libs(tmp_path_factory):
     for fault, code in FAULTS.items():
         builds[fault] = (instance(config, dtype, flags), (*EMU_FLAGS, f"-DGTCO_GEMM_TEST_FAULT={code}"))
     builds["plain"] = (FAMILY.instantiate(gemm_problem(dtype, 1, 64, 64, 64, **flags), config, "sm_80"), EMU_FLAGS)
+    built: dict[str, tuple[Instance, Path]] = {}
 
-    def build(item):
-        key, (inst, extra) = item
-        return key, inst, build_emulated(inst, out / key, extra)
+    class Libs:
+        def __getitem__(self, key: str) -> tuple[Instance, Path]:
+            if key not in built:
+                inst, extra = builds[key]
+                built[key] = inst, build_emulated(inst, out / key, extra)
+            return built[key]
 
-    with ThreadPoolExecutor(JOBS) as pool:
-        return {key: (inst, lib) for key, inst, lib in pool.map(build, builds.items())}
+    return Libs()
 
 
 def fields(prob: Problem, arrays: dict[str, np.ndarray], **changes) -> list[Field]:
@@ -304,26 +306,28 @@ def _group_instances(dtype: str, arch: str) -> list[Instance]:
 
 @pytest.fixture(scope="module")
 def ptxas_reports(tmp_path_factory):
-    """(dtype, arch) -> (instances, ptxas records), one translation unit of all the group's instances each."""
+    """report(dtype, arch) -> (instances, ptxas records): one translation unit of all the group's instances, compiled
+    on first use (so that parallel test workers split the groups instead of each compiling all of them)."""
     out = tmp_path_factory.mktemp("gemm_ln_nvcc")
+    cache: dict[tuple[str, str], tuple[list[Instance], list]] = {}
 
-    def compile_group(group):
-        dtype, arch = group
-        insts = _group_instances(dtype, arch)
-        src = out / f"ln_{dtype}_{arch}.cu"
-        src.write_text("\n".join(inst.source for inst in insts))
-        result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE_DIR], timeout_s=600)
-        return group, (insts, parse_ptxas(result.stderr))
+    def report(dtype: str, arch: str) -> tuple[list[Instance], list]:
+        if (dtype, arch) not in cache:
+            insts = _group_instances(dtype, arch)
+            src = out / f"ln_{dtype}_{arch}.cu"
+            src.write_text("\n".join(inst.source for inst in insts))
+            result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE_DIR], timeout_s=600)
+            cache[(dtype, arch)] = insts, parse_ptxas(result.stderr)
+        return cache[(dtype, arch)]
 
-    with ThreadPoolExecutor(JOBS) as pool:
-        return dict(pool.map(compile_group, PTXAS_GROUPS))
+    return report
 
 
 @pytest.mark.nvcc
 @pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
 @pytest.mark.parametrize(("dtype", "arch"), PTXAS_GROUPS, ids=[f"{d}-{a}" for d, a in PTXAS_GROUPS])
 def test_ptxas_no_spills(ptxas_reports, dtype, arch):
-    insts, kernels = ptxas_reports[(dtype, arch)]
+    insts, kernels = ptxas_reports(dtype, arch)
     gemms = [k for k in kernels if "gemm_kernel" in k.name]
     assert len(insts) >= 6 and len(gemms) == len(insts), (len(insts), kernels)
     for k in gemms:

@@ -123,8 +123,8 @@ GTCO_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src, bool pred) {
                  : "memory");
 }
 
-// Global-memory accesses of a reduction across blocks (split-K): through L2 (.cg), never a stale L1 line, with a
-// device-wide fence between a block's partial sums and its arrival count.
+// Global-memory accesses of a reduction across blocks (split-K, the GEMM LayerNorm's row panels): through L2 (.cg),
+// never a stale L1 line, with a device-wide fence between a block's partial results and its arrival count.
 GTCO_DEVICE void fence_gpu() { __threadfence(); }
 GTCO_DEVICE unsigned atomic_add_u32(unsigned* p, unsigned v) { return atomicAdd(p, v); }
 GTCO_DEVICE float ld_cg(const float* p) { return __ldcg(p); }
