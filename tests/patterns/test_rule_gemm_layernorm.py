@@ -18,7 +18,8 @@ def block(kit, *, n: int = 16, post: bool = True, extra_reader: bool = False, be
     g.op("Add", ["bias", "res"], "sum")  # the LayerNorm's residual Add (post-LN) or the GEMM's (pre-LN)
     ins = ["sum", g.weight("gamma", n)] + ([g.weight("beta", n)] if beta else [])
     g.op("LayerNormalization", ins, "ln", axis=-1, epsilon=1e-6)
-    outs = ["ln"]
+    g.op("Relu", ["ln"], "next")  # the normalized rows feed the next GEMM (a graph output is never merged)
+    outs = ["next"]
     if not post:  # pre-LN: the sum is read on (the next residual)
         g.op("Relu", ["sum"], "next_residual_reader")
         outs.append("next_residual_reader")
@@ -55,3 +56,12 @@ def test_no_merge_when_the_gemm_result_is_read_elsewhere_or_too_wide_or_without_
     assert all(m.attrs["residual"] for m in matches)
     assert kit.run(RULE, block(kit, n=MAX_LN_N + 8))[0] == []
     assert kit.run(RULE, block(kit, beta=False))[0] == []
+
+
+def test_no_merge_when_the_layernorm_output_is_a_graph_output(kit) -> None:
+    g = kit.graph()
+    g.input("x", [1, 6, 32])
+    g.op("MatMul", ["x", g.weight("w", 32, 16)], "mm")
+    g.op("LayerNormalization", ["mm", g.weight("gamma", 16), g.weight("beta", 16)], "ln", axis=-1)
+    g.output("ln")
+    assert kit.run(RULE, g.view())[0] == []

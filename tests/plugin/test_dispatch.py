@@ -105,7 +105,8 @@ def test_the_sm90a_slot_takes_the_sm90_table_or_its_one_cutlass_instance(bert16)
 
     nodes = fused_nodes(bert16)
     results, _ = bind_nodes(nodes)
-    by_family = {n.node.name.split("/")[1]: (n, r) for n, r in zip(nodes, results, strict=True)}
+    by_family = {n.node.name.split("/")[1]: (n, r) for n, r in zip(nodes, results, strict=True)
+                 if not n.attrs.get("layernorm")}  # a LayerNorm GEMM has no CUTLASS mapping
     gemm_node, gemm_result = by_family["gemm"]
     problem = device_problem(gemm_node, gemm_result.binding)
     assert not isinstance(problem, str)
