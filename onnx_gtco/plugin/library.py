@@ -18,9 +18,11 @@
 3. One glue `.cc`, plugins/ort/glue.cc.j2 filled with plain data (generate_glue): includes plugins/ort/gtco_ort.h
    and the used families' headers, the per-node code or data of binders with a `glue` hook (the Elementwise
    family's host functions and node descriptors), the NodeSpec table `kNodes` (roles, the instances' entry points
-   per arch slot, the hook's `node_data`, the ranges, extent factors and dispatch table of a dynamic node; each
-   row names its fields), `add_ops()` registering one CPU-EP op per bound op type and a CUDA-EP op per op type with
-   device kernels (every node of it has them, after step 2), `kLibraryInfo` (JSON), then register.inc.
+   per arch slot, the hook's `node_data`, the ranges, extent factors and dispatch table of a dynamic node, and per
+   arch slot whether it launches with programmatic dependent launch (plugin.pdl: sm_90 and later, gtco kernels
+   fed by gtco kernels only); each row names its fields), `add_ops()` registering one CPU-EP op per bound op type
+   and a CUDA-EP op per op type with device kernels (every node of it has them, after step 2), `kLibraryInfo`
+   (JSON), then register.inc.
 4. g++ -std=c++20 -O3 -fPIC -fvisibility=hidden against `ort_include_dir()` (found, with cuBLASLt's header where
    an instance needs it, before anything compiles). With cuda=True the instances are compiled by kernels.compile
    (nvcc, cached objects, the ptxas report checked; registers / shared memory / spills go into the report): an
@@ -93,6 +95,7 @@ from onnx_gtco.plugin.dispatch import (
 )
 from onnx_gtco.plugin.headers import HeaderError, ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
+from onnx_gtco.plugin.pdl import pdl_archs, pdl_slots
 
 PLUGINS = PLUGINS_DIR
 CUDA_ARCHS = ARCH_SLOTS
@@ -137,6 +140,8 @@ class LibraryResult:
             spill, a stack frame): its nodes took the family's next configuration.
         function_only: node -> the op type it was moved to (function_only_op_type): it has no kernel of its own
             where siblings of its op type have theirs, and runs its model-local function.
+        pdl: node -> the archs on which it launches with programmatic dependent launch (plugin.pdl; nodes with
+            none left out).
     """
 
     path: Path
@@ -155,6 +160,7 @@ class LibraryResult:
     built: bool = False
     rejected: dict[str, str] = field(default_factory=dict)
     function_only: dict[str, str] = field(default_factory=dict)
+    pdl: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -184,6 +190,7 @@ class LibraryResult:
         return {"file": self.name, "cuda": self.cuda, "emulated": self.emulated, "op_types": self.op_types,
                 "cuda_op_types": self.cuda_op_types, "skipped": self.skipped(), "kernels": self.kernels,
                 "kernel_skips": self.kernel_skips, "rejected": self.rejected, "function_only": self.function_only,
+                "pdl": self.pdl,
                 "dispatch": {n: {a: [[t, name, dict(c)] for t, name, c in rows] for a, rows in per.items()}
                              for n, per in self.dispatch.items()}}
 
@@ -227,7 +234,8 @@ def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, 
 
 def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], binders: dict[str, Binder],
                   device: Mapping[str, tuple[Instance, ...]], emulated: bool = False,
-                  dynamic: Mapping[str, NodeDynamic] | None = None) -> tuple[str, list[str], list[str]]:
+                  dynamic: Mapping[str, NodeDynamic] | None = None, pdl: Mapping[str, Sequence[bool]] | None = None
+                  ) -> tuple[str, list[str], list[str]]:
     """The glue source (plugins/ort/glue.cc.j2), the op types it registers, and those among them with device kernels.
 
     `device` maps a bound node's name to its instance per arch slot (device.ARCH_SLOTS; one, the sm_80 one, in
@@ -235,7 +243,8 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     has moved the others to function-only op types where some had them). In an emulated
     build (`emulated`) the device kernels are registered for the CPU EP in place of the reference ones.
     `dynamic` maps a bound node to the ranges it checks and, with device kernels, its dispatch table (one table
-    per arch slot of `device`)."""
+    per arch slot of `device`). `pdl` maps a node with device kernels to whether it launches with programmatic
+    dependent launch, per arch slot of `device` (plugin.pdl.pdl_slots; absent: never)."""
     by_name = {n.node.name: n for n in nodes}
     bound = [r for r in results if r.binding is not None]
     op_types = sorted(binders)
@@ -260,6 +269,7 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
         rows.append({"op_type": r.op_type, "node": r.node, "n_inputs": len(n.node.input),
                      "n_outputs": len(n.node.output), "in": _roles(r.binding.inputs), "out": _roles(r.binding.outputs),
                      "insts": slots(device[r.node] if r.op_type in device_types else ()), "node_data": node_data,
+                     "pdl": _pdl_row((pdl or {}).get(r.node) if r.op_type in device_types else None),
                      "ranges": dyn.ranges, "extent": dyn.extent,
                      # the last entry takes every extent above
                      "entries": [("INT64_MAX" if e == len(entries) - 1 or top is None else top, slots(insts))
@@ -271,7 +281,9 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
             "ranges": {r.node: [list(x) for x in dynamic[r.node].ranges] for r in bound
                        if r.node in dynamic and dynamic[r.node].ranges},
             "dispatch": {node: [[top, [i.name for i in per_arch]] for top, per_arch in _rows(t)]
-                         for node, t in tables.items()}}
+                         for node, t in tables.items()},
+            "pdl": {r.node: _pdl_row(pdl[r.node]) for r in bound
+                    if r.op_type in device_types and pdl and any(pdl.get(r.node, ()))}}
     # op types with a node whose output is of another dtype than the op's (a half GEMM writing an fp32 graph output)
     # declare their outputs of any type: ORT then takes each node's output type from the model
     mixed_out = {r.op_type for r in bound
@@ -289,6 +301,12 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
               "any_output_type": t in mixed_out}
              for t in op_types])
     return source, op_types, device_types
+
+
+def _pdl_row(row: Sequence[bool] | None) -> list[bool]:
+    """NodeSpec::pdl: one flag per arch slot (gtco::kArchSlots), False past the node's."""
+    got = [bool(x) for x in (row or ())]
+    return [*got, *([False] * (len(ARCH_SLOTS) - len(got)))]
 
 
 def _roles(idx: tuple[int, ...]) -> list[int]:
@@ -311,6 +329,23 @@ def _rows(tables: Sequence[Sequence[tuple[int | None, Instance]]]) -> list[tuple
         else:
             rows.append((top, insts))
     return rows
+
+
+def device_nodes(results: Sequence[NodeResult], binders: Mapping[str, Binder],
+                 device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[str, NodeDynamic],
+                 n_archs: int) -> dict[str, list[list[Instance]]]:
+    """Each node that runs device kernels (as generate_glue decides: bound, of an op type every bound node of which
+    has instances) -> per arch slot, every instance it may launch: its own and its dispatch entries'."""
+    bound = [r for r in results if r.binding is not None]
+    types = {t for t in binders if all(r.node in device for r in bound if r.op_type == t)}
+    out: dict[str, list[list[Instance]]] = {}
+    for r in bound:
+        if r.op_type not in types or r.node not in device:
+            continue
+        tables = dynamic.get(r.node, NodeDynamic()).tables
+        out[r.node] = [[device[r.node][s], *(i for _, i in (tables[s] if s < len(tables) else ()))]
+                       for s in range(n_archs)]
+    return out
 
 
 def _tree_digest(h: hashlib._Hash, root: Path) -> None:
@@ -580,7 +615,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
                if r.node in moved else r for r in results]
     binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
     kernel_skips = {n: why for n, why in kernel_skips.items() if n not in moved}
-    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic)
+    pdl = pdl_slots(model, archs, device_nodes(results, binders, device, dynamic, len(archs)))
+    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic, pdl)
     on_device = {r.node for r in results if r.op_type in device_types and r.node in device}
     tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
                      for arch, table in zip(archs, dynamic[node].tables, strict=True)}
@@ -604,7 +640,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh, created,
                             time.monotonic() - start, log, [c.summary() for c in compiled], kernel_skips, emulated,
                             tables, built=built, rejected={f"{n} ({a})": why for (n, a), why in rejected.items()},
-                            function_only=moved)
+                            function_only=moved, pdl=pdl_archs(pdl, archs))
         st.note = lib.what()
         return lib
 

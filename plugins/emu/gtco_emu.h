@@ -27,6 +27,7 @@
 #include <ucontext.h>
 
 #include "../include/gtco/half_bits.h"  // the fp16 / bf16 conversions (shared with plugins/cpu)
+#include "../include/gtco/pdl.h"        // gtco::pdl_launch: the launch is a programmatic dependent one
 
 // ---------------------------------------------------------------------------------------------------------------
 // CUDA keywords and built-in variables
@@ -44,6 +45,8 @@
 #define GTCO_SHARED(type, name, count) type* const name = ::gtco::emu::shared_alloc<type>(count)
 // Dynamic shared memory: `count` elements the launch provides (GTCO_LAUNCH_SMEM); carved from the same arena here.
 #define GTCO_DYNAMIC_SHARED(type, name, count) type* const name = ::gtco::emu::shared_alloc<type>(count)
+// A global-memory access by a helper that both builds share (gtco/elementwise.cuh): for the PDL check.
+#define GTCO_EMU_NOTE_GLOBAL(p, what) ::gtco::emu::note_global((p), (what))
 
 struct uint3 {
     unsigned x, y, z;
@@ -203,6 +206,7 @@ struct ThreadCtx {
     Warp* warp = nullptr;
     int tid = 0, lane = 0, phase = 0;
     uint64_t seq = 0;  // warp collectives entered in this block (the same count on every lane of a warp)
+    bool dep_waited = false;  // called grid_dep_wait() in this block
     size_t smem_offset = 0;
     std::vector<CpAsyncCopy> cp_open;                  // issued since the last commit_group
     std::vector<std::vector<CpAsyncCopy>> cp_groups;  // committed, oldest first
@@ -227,6 +231,7 @@ struct Scheduler {
     int live = 0;  // fibers not finished
     ucontext_t host{};
     std::function<void(int)> run;  // a fiber's whole life: every block of the grid, for one thread index
+    bool pdl_check = false;        // a global access before grid_dep_wait() fails (pdl_check_enabled)
 };
 
 // Fiber stacks, kept for the next launch on this OS thread (a launch per kernel call adds up to many).
@@ -362,6 +367,30 @@ inline void Barrier::release() {
 // offset gives all of them the same address.
 inline void finish_thread(ThreadCtx& t);
 
+// The PDL check. Launches run one after another here, so griddepcontrol.wait is always satisfied; what can be
+// checked is the order a kernel keeps: with the check on, a thread of a launched kernel that reads or writes global
+// memory through an emulated primitive (cp.async, ld_cg / st_cg, atomic_add_u32, the vector loads and stores of
+// gtco/elementwise.cuh: GTCO_EMU_NOTE_GLOBAL) before it called grid_dep_wait() in its block fails. On: every launch
+// while set_pdl_check(true) or the environment variable GTCO_EMU_PDL_CHECK=1 (read once), as if each were a PDL
+// launch, and any launch inside a gtco::PdlScope(true). Plain pointer dereferences are not seen: the source test
+// (tests/kernels/test_pdl.py) checks that the wait is each kernel's first statement.
+inline bool& pdl_check_flag() {
+    static bool on = [] {
+        const char* e = std::getenv("GTCO_EMU_PDL_CHECK");
+        return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
+    }();
+    return on;
+}
+inline void set_pdl_check(bool on) { pdl_check_flag() = on; }
+
+inline bool in_shared(const void* p, size_t bytes);
+
+inline void note_global(const void* p, const char* what) {
+    if (t_ctx == nullptr || t_sched == nullptr || !t_sched->pdl_check || t_ctx->dep_waited) return;
+    if (in_shared(p, 1)) return;  // the same helpers also move shared memory
+    fail(what);
+}
+
 inline bool in_shared(const void* p, size_t bytes) {
     const auto* c = static_cast<const unsigned char*>(p);
     const unsigned char* base = ctx().block->smem;
@@ -416,6 +445,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
     };
     prepare();
     Scheduler s;
+    s.pdl_check = pdl_check_flag() || ::gtco::pdl_launch();
     s.fibers = std::vector<Fiber>(static_cast<size_t>(nthreads));
     for (int tid = 0; tid < nthreads; ++tid) {
         Fiber& f = s.fibers[static_cast<size_t>(tid)];
@@ -437,6 +467,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
                     t.smem_offset = 0;
                     t.phase = 0;
                     t.seq = 0;
+                    t.dep_waited = false;
                     phase.wait("deadlock before a block started");
                     std::apply(kernel, params);
                     finish_thread(t);
@@ -482,6 +513,7 @@ inline void finish_thread(ThreadCtx& t) {
 inline void cp_async_issue(void* dst, const void* src, int src_bytes, int bytes) {
     check_shared(dst, static_cast<size_t>(bytes), 16, "cp.async: destination is not 16-byte aligned shared memory");
     if (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 16 != 0) fail("cp.async: source is not 16-byte aligned");
+    note_global(src, "PDL: cp.async from global memory before grid_dep_wait()");
     const CpAsyncCopy c{dst, src, src_bytes, bytes};
 #ifdef GTCO_EMU_SYNC_CP_ASYNC
     do_copy(c);
@@ -759,13 +791,28 @@ inline void cp_async_wait() {
 // (split-K) are plain accesses; the order they give is the one the kernel must not depend on anyway.
 inline void fence_gpu() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned atomic_add_u32(unsigned* p, unsigned v) {
+    emu::note_global(p, "PDL: atomic_add_u32 on global memory before grid_dep_wait()");
     const unsigned old = *p;
     *p = old + v;
     return old;
 }
-inline float ld_cg(const float* p) { return *p; }
-inline void st_cg(float* p, float v) { *p = v; }
-inline uint4 ld_cg_16(const void* p) { return *static_cast<const uint4*>(p); }
+inline float ld_cg(const float* p) {
+    emu::note_global(p, "PDL: ld_cg from global memory before grid_dep_wait()");
+    return *p;
+}
+inline void st_cg(float* p, float v) {
+    emu::note_global(p, "PDL: st_cg to global memory before grid_dep_wait()");
+    *p = v;
+}
+inline uint4 ld_cg_16(const void* p) {
+    emu::note_global(p, "PDL: ld_cg_16 from global memory before grid_dep_wait()");
+    return *static_cast<const uint4*>(p);
+}
+
+// griddepcontrol: the grids run one after another, so the wait is satisfied at once; it is recorded for the PDL
+// check (emu::note_global). launch_dependents has nothing to do.
+inline void grid_dep_wait() { emu::ctx().dep_waited = true; }
+inline void grid_dep_launch_dependents() { (void)emu::ctx(); }
 
 // Workspace of a launch (gtco/scratch.h's stream_scratch_zeroed on a GPU): zero-filled when first made or grown,
 // kept for the process; blocks that use it leave it zeroed again (split-K's tile counters).

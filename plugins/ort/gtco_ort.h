@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "gtco/args.h"
+#include "gtco/pdl.h"
 
 #define GTCO_ORT_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -146,7 +147,19 @@ struct NodeSpec {
     const DispatchEntry* dispatch = nullptr; // the dispatch table (n_dispatch entries; 0: cuda_fn is the instance)
     int n_dispatch = 0;
     std::atomic<int64_t>* launches = nullptr;  // launches per dispatch entry (gtco_dispatch_launches, register.inc)
+    // Programmatic dependent launch per arch slot (left out: never). The library build sets it where the slot is
+    // sm_90 or later, every instance of the node in that slot (cuda_fn and the dispatch entries) is a gtco kernel
+    // (never CUTLASS or cuBLASLt, which do not wait in griddepcontrol.wait), and every input of the node that is not
+    // a constant is written by another fused node whose instances in that slot are gtco kernels too
+    // (onnx_gtco/plugin/pdl.py). The kernel uses it when the device is 9.0 or later and the session allows it
+    // (gtco.pdl, register.inc): see NodeRef::pdl.
+    bool pdl[kArchSlots] = {};
 };
+
+// The gtco.pdl value of the registration in progress on this thread (register.inc sets it around add_ops /
+// add_cuda_ops; the generated glue's add_ops hands out the op objects made with that value).
+inline thread_local bool t_registering_pdl = true;
+inline bool registering_pdl() { return t_registering_pdl; }
 
 extern const NodeSpec kNodes[];
 extern const size_t kNodeCount;
@@ -189,6 +202,20 @@ struct NodeRef {
     InstanceFn fn = nullptr;
     std::string fn_name;
     int slot = -1;  // the device's arch slot (device kernels)
+    // Launch with programmatic dependent launch (gtco/pdl.h): the node's NodeSpec::pdl for this slot, on a device
+    // of compute capability 9.0 or later (read once, when the kernel is created), in a session that allows it.
+    //
+    // Why only after our own kernels. The attribute relaxes the dependency on the kernel just ahead in the stream
+    // only, and only as far as that kernel allows: it may start once that grid triggers (launch_dependents, or its
+    // completion, the implicit trigger), and its grid_dep_wait() returns once that grid has completed. No gtco
+    // kernel triggers early (primitives.cuh), so whatever runs after a gtco producer, ORT's kernels in between
+    // included, starts only after the producer completed, and the consumer's wait on its immediate predecessor
+    // covers the producer. A producer that is an ORT kernel (or cuBLAS / CUTLASS, whose kernels may be PDL launches
+    // of their own that trigger early) gives no such guarantee once another kernel sits between it and this node:
+    // that kernel may finish first, and the wait covers only it. Where the producer is the immediate predecessor
+    // and never triggers early, a PDL launch would be safe but gains nothing (it starts at the producer's
+    // completion anyway). So inputs from graph inputs or non-gtco nodes keep the node on a plain launch.
+    bool pdl = false;
     std::string where() const { return op_type + " node '" + node + "'"; }
     OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) const {
         return make_status(code, where() + ": " + msg);
@@ -237,7 +264,11 @@ OrtStatus* run_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args&
     void* stream = ctx.GetGPUComputeStream();
 #endif
     if (ref.fn == nullptr) return ref.fail("no device instance was chosen for this node", ORT_FAIL);
-    const int rc = ref.fn(&args, stream);
+    int rc;
+    {
+        const PdlScope pdl(ref.pdl);  // read by the instance's launch (gtco/launch.cuh)
+        rc = ref.fn(&args, stream);
+    }
     if (rc == GTCO_OK) return nullptr;
     if (rc == GTCO_EBADSHAPE) {
         return ref.fail("instance " + ref.fn_name + " does not take " + what() +
@@ -263,6 +294,7 @@ inline void choose_instance(const NodeSpec& spec, NodeRef& ref) {
         }
     }
     ref.slot = slot;
+    ref.pdl = cc >= 90 && spec.pdl[slot];
     ref.fn = spec.cuda_fn[slot];
     ref.fn_name = spec.cuda_name[slot] ? spec.cuda_name[slot] : "?";
 }
@@ -314,12 +346,14 @@ struct FusedKernel {
     typename Family::Attrs attrs;
     std::vector<NodeRef> entries;  // a device kernel's NodeRef per dispatch entry, made once (no copy per call)
 
-    FusedKernel(const OrtKernelInfo* info, const std::string& op_type, const NodeSpec* s)
+    // pdl_allowed: the session's gtco.pdl (FusedOp::pdl_allowed).
+    FusedKernel(const OrtKernelInfo* info, const std::string& op_type, const NodeSpec* s, bool pdl_allowed = true)
         : spec(s), attrs(Family::read_attrs(info)) {
         ref.op_type = op_type;
         ref.node = Ort::ConstKernelInfo(info).GetNodeName();
         if (!Cuda) return;
         choose_instance(*spec, ref);
+        ref.pdl = ref.pdl && pdl_allowed;
         for (int e = 0; e < spec->n_dispatch; ++e) {
             NodeRef at = ref;
             at.fn = spec->dispatch[e].fn[ref.slot];
@@ -362,6 +396,9 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family,
     using Kernel = FusedKernel<Family, D, Cuda>;
     std::string name;
     bool any_output_type = false;
+    // Whether this op's kernels may launch with PDL: false in the ops registered for sessions whose config has
+    // gtco.pdl=0 (register.inc registers a second set of op objects for them).
+    bool pdl_allowed = true;
 
     explicit FusedOp(std::string op_type, bool any_output = false)
         : name(std::move(op_type)), any_output_type(any_output) {}
@@ -377,7 +414,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Family, D, Cuda>, FusedKernel<Family,
                                    "(rebuild it for this model with onnx_gtco.plugin.library.build_library, or set the "
                                    "session config entry gtco.register=none to run the model-local functions)");
             }
-            *kernel = new Kernel(info, name, spec);
+            *kernel = new Kernel(info, name, spec, pdl_allowed);
             return nullptr;
         } catch (const Ort::Exception& e) {
             return make_status(e.GetOrtErrorCode(), name + " node '" + node + "': " + e.what());

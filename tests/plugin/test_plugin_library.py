@@ -357,6 +357,24 @@ def test_register_modes(small: Built, tmp_path: Path) -> None:
             so.register_custom_ops_library(str(small.lib.path))
 
 
+def test_pdl_switch(small: Built) -> None:
+    """gtco.pdl=0 / 1 register op objects of their own (sessions of one process may differ) and compute the same;
+    another value is an error naming the two."""
+    feeds = {k: np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 16) for k in ("x", "r")}
+    outs = []
+    for pdl in ("0", "1", "0"):
+        so = ort.SessionOptions()
+        so.add_session_config_entry("gtco.register", "all")
+        so.add_session_config_entry("gtco.pdl", pdl)
+        so.register_custom_ops_library(str(small.lib.path))
+        outs.append(ort.InferenceSession(str(small.rewritten), so, providers=CPU).run(None, feeds)[0])
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    so = ort.SessionOptions()
+    so.add_session_config_entry("gtco.pdl", "on")
+    with pytest.raises(Exception, match=r"gtco\.pdl=on is not a setting; use 1 .* or 0"):
+        so.register_custom_ops_library(str(small.lib.path))
+
+
 def test_make_session_register_mode() -> None:
     """make_session asks for every CPU kernel only on a session without the CUDA EP."""
     from onnx_gtco.runtime.session import REGISTER_MODES, register_mode

@@ -341,6 +341,7 @@ GTCO_DEVICE void pv_tile_tf32(float (&o)[MT][D / 8][4], const float (&p)[MT][BKV
 // ------------------------------------------------------------------------------------------------------------
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_attention_args a) {
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     using S = Shape<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>;
     constexpr int MT = S::MT, NB = S::NB, ND = S::ND, RS = S::RS, kThreads = S::kThreads;
     GTCO_DYNAMIC_SHARED(T, smem, S::kQElems + STAGES * (S::kKElems + S::kVElems));
@@ -523,6 +524,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
 // is Q Kᵀ computed twice, cheap next to writing P.
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D>
 __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_attention_args a) {
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     using S = Shape<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>;
     constexpr int MT = S::MT, NB = S::NB, RS = S::RS, kThreads = S::kThreads;
     GTCO_DYNAMIC_SHARED(T, smem, S::kQElems + STAGES * S::kKElems);

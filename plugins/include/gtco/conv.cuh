@@ -102,6 +102,7 @@ bool args_ok(const ConvArgs& p) {
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int EPI, Act ACT, Act POST, bool VEC>
 __global__ void __launch_bounds__(WM * WN * 32) conv_kernel(const ConvArgs p) {
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, /*TRANS_B=*/true>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
     constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride, CH = Tile::kChunk;
@@ -302,6 +303,7 @@ int launch_conv(const ConvArgs* args, void* stream) {
 // channel 0 (a missing group offset).
 template <class T, int THREADS, int EPI, Act ACT, Act POST>
 __global__ void __launch_bounds__(THREADS) conv_direct_kernel(const ConvArgs p) {
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     const int H = static_cast<int>(p.in_h), W = static_cast<int>(p.in_w);
     const int KH = static_cast<int>(p.kh), KW = static_cast<int>(p.kw);
     const int OH = static_cast<int>(p.oh), OW = static_cast<int>(p.ow), OC = static_cast<int>(p.oc);

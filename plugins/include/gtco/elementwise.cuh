@@ -45,6 +45,7 @@ struct alignas(sizeof(T) * N) Vec {
 template <typename T, int N>
 GTCO_DEVICE void load_vec(float (&out)[N], const T* p) {
     static_assert(sizeof(T) * N <= 16 && (N & (N - 1)) == 0, "load_vec: one access of at most 16 bytes");
+    GTCO_EMU_NOTE_GLOBAL(p, "PDL: load_vec from global memory before grid_dep_wait()");
     const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
     GTCO_UNROLL
     for (int k = 0; k < N; ++k) out[k] = to_f32(v.v[k]);
@@ -53,6 +54,7 @@ GTCO_DEVICE void load_vec(float (&out)[N], const T* p) {
 // Loads N elements into out[0..N) starting at out[at]: for rows held as float regs[ITEMS * N].
 template <typename T, int N>
 GTCO_DEVICE void load_vec_at(float* out, const T* p) {
+    GTCO_EMU_NOTE_GLOBAL(p, "PDL: load_vec_at from global memory before grid_dep_wait()");
     const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
     GTCO_UNROLL
     for (int k = 0; k < N; ++k) out[k] = to_f32(v.v[k]);
@@ -61,6 +63,7 @@ GTCO_DEVICE void load_vec_at(float* out, const T* p) {
 template <typename T, int N>
 GTCO_DEVICE void store_vec_at(T* p, const float* in) {
     static_assert(sizeof(T) * N <= 16 && (N & (N - 1)) == 0, "store_vec: one access of at most 16 bytes");
+    GTCO_EMU_NOTE_GLOBAL(p, "PDL: store_vec_at to global memory before grid_dep_wait()");
     Vec<T, N> v;
     GTCO_UNROLL
     for (int k = 0; k < N; ++k) v.v[k] = from_f32<T>(in[k]);

@@ -438,6 +438,7 @@ template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRAN
           bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
           bool LN = false>
 __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, const GemmSplit split_ws) {
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
     static_assert(SPLITK >= 1 && SPLITK <= 16, "SPLITK: 1..16");
     static_assert(VEC || !EPI_SMEM, "the staged epilogue moves 16-byte chunks: VEC instances only");

@@ -52,6 +52,9 @@ __global__ void __launch_bounds__(THREADS* ROWS)
     layernorm_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ gamma,
                      const T* __restrict__ beta, T* __restrict__ y, T* __restrict__ sum_out, int64_t rows,
                      float eps) {
+#if !defined(GTCO_TEST_PDL_LATE_WAIT)
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
+#endif
     static_assert(THREADS % 32 == 0 && THREADS <= 1024, "THREADS: whole warps");
     static_assert(HIDDEN % VEC == 0, "HIDDEN % VEC");
     constexpr int NV = HIDDEN / VEC;                       // vectors per row
@@ -72,6 +75,9 @@ __global__ void __launch_bounds__(THREADS* ROWS)
         float* vi = v + i * VEC;
         if (valid && (NV % THREADS == 0 || c < HIDDEN)) {
             load_vec_at<T, VEC>(vi, x + off + c);
+#if defined(GTCO_TEST_PDL_LATE_WAIT)  // a planted fault: the first load comes before the wait (test_pdl.py)
+            grid_dep_wait();
+#endif
             if constexpr (RES) {
                 float b[VEC];
                 load_vec_at<T, VEC>(b, res + off + c);

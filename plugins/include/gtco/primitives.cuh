@@ -133,6 +133,35 @@ GTCO_DEVICE uint4 ld_cg_16(const void* p) { return __ldcg(static_cast<const uint
 
 GTCO_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
+// Programmatic dependent launch (PTX ISA, "griddepcontrol"; sm_90 and later). A kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization (gtco/pdl.h, gtco/launch.cuh) may start before the kernel
+// ahead of it in the stream has finished; grid_dep_wait() blocks until that grid has completed and its memory
+// operations are visible. Every gtco kernel calls it as the first statement of its body, before any global-memory
+// read or write (tests/kernels/test_pdl.py checks the sources). Without the attribute, or on sm_80 (where it
+// compiles to nothing), it returns at once.
+GTCO_DEVICE void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the kernel after this one in the stream (launched with the attribute) start before this grid finishes.
+// Without it a grid triggers implicitly when it completes. No gtco kernel calls it, on purpose: (1) the glue's rule
+// (gtco_ort.h, NodeRef::pdl) relies on "a gtco producer never triggers early", so that any kernel after it, ORT's
+// included, starts only after it completed and a consumer's wait on its immediate predecessor covers the producer
+// even when a foreign kernel (itself a PDL launch that need not wait) sits between them; (2) the dependent's blocks
+// would take SM slots, registers and shared memory only to spin in grid_dep_wait while this grid's tail runs,
+// which pays off only where measured on a GPU. The overlap PDL gives without it: the dependent's launch processing
+// and block scheduling against this grid's last blocks.
+GTCO_DEVICE void grid_dep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Marks a global-memory access for the emulation's PDL check (plugins/emu/gtco_emu.h); nothing on the GPU.
+#define GTCO_EMU_NOTE_GLOBAL(p, what) ((void)0)
+
 // Wait until at most N of this thread's committed groups are still in flight.
 template <int N>
 GTCO_DEVICE void cp_async_wait() {

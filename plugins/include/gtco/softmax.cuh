@@ -24,6 +24,7 @@ template <typename T, int COLS, int THREADS, int VEC, int ROWS, bool MASK>
 __global__ void __launch_bounds__(THREADS* ROWS)
     softmax_kernel(const T* __restrict__ x, const T* __restrict__ mask, T* __restrict__ y, int64_t rows,
                    float scale, int64_t mask_div, int64_t mask_mul, int64_t mask_mod) {
+    grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     static_assert(THREADS % 32 == 0 && THREADS <= 1024, "THREADS: whole warps");
     static_assert(COLS % VEC == 0, "COLS % VEC");
     constexpr int NV = COLS / VEC;
