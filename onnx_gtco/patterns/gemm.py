@@ -127,7 +127,7 @@ class GemmLayerNormPattern:
 
     Proposed beside the GEMM and LayerNorm candidates (never instead of them): the planner takes it only where the
     cost model says one kernel beats the pair. Only where the normalized width is the GEMM's N, N <= MAX_LN_N, the
-    LayerNorm has gamma and beta and normalizes the last axis alone, and, post-LN, the GEMM's own result is read by
+    LayerNorm has gamma and beta and normalizes the last axis alone, its output is no graph output, and, post-LN, the GEMM's own result is read by
     the LayerNorm's Add alone. attrs: the GEMM's, with layernorm and epsilon; roles gamma, beta; outputs y (the sum,
     when read outside) and norm.
     """
@@ -156,8 +156,8 @@ class GemmLayerNormPattern:
 
     @staticmethod
     def _merge(view: GraphView, g: Match, ln: Match, y: str, n: int) -> Match | None:
-        if ln.attrs.get("hidden") != n:
-            return None
+        if ln.attrs.get("hidden") != n or ln.outputs["y"] in view.graph_outputs:
+            return None  # a graph output may be written in another dtype (the precision conversion's fp32 outputs)
         attrs = dict(g.attrs) | {"layernorm": True, "epsilon": float(ln.attrs.get("epsilon", 1e-5))}
         roles = dict(g.roles) | {"gamma": ln.roles["gamma"], "beta": ln.roles["beta"]}
         outs = {"y": y, "norm": ln.outputs["y"]}
