@@ -127,9 +127,9 @@ class GemmLayerNormPattern:
 
     Proposed beside the GEMM and LayerNorm candidates (never instead of them): the planner takes it only where the
     cost model says one kernel beats the pair. Only where the normalized width is the GEMM's N, N <= MAX_LN_N, the
-    LayerNorm has gamma and beta and normalizes the last axis alone, its output is no graph output, and, post-LN, the GEMM's own result is read by
-    the LayerNorm's Add alone. attrs: the GEMM's, with layernorm and epsilon; roles gamma, beta; outputs y (the sum,
-    when read outside) and norm.
+    LayerNorm has gamma and beta and normalizes the last axis alone, its output is no graph output, and, post-LN,
+    the GEMM's own result is read by the LayerNorm's Add alone. attrs: the GEMM's, with layernorm and epsilon;
+    roles gamma, beta; outputs y (the sum, when read outside) and norm.
     """
 
     name = "gemm_layernorm"
