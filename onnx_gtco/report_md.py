@@ -148,6 +148,17 @@ def _header(r: dict[str, Any]) -> list[str]:
     speed = r.get("predicted_speedup")
     rows.append(["predicted time, µs (analytical model)", _us(r["predicted_us_before"]), _us(r["predicted_us_after"]),
                  speedup(speed) if speed else "-"])
+    la = r.get("launches")
+    if la:
+        rows.append(["kernel launches per forward", f"{la['original_launching_nodes']} (nodes that launch)",
+                     la["ours"], "-"])
+        blk = la.get("per_block")
+        if blk and "original_launching_nodes" in blk:
+            what = "layer" if blk["anchor"] == "attention" else f"repeated block ({blk['anchor']})"
+            rows.append([f"kernel launches per {what}", f"{blk['original_launching_nodes']:g}", f"{blk['ours']:g}",
+                         "-"])
+    if r.get("predicted_us_after_pdl") is not None:
+        rows.append(["predicted time with PDL, µs (assumed overlap)", "-", _us(r["predicted_us_after_pdl"]), "-"])
     mb, ma = r.get("measured_us_before"), r.get("measured_us_after")
     if mb is not None or ma is not None:
         rows.append(["measured time, µs", _us(mb), _us(ma), speedup(mb / ma) if mb and ma else "-"])
@@ -156,6 +167,8 @@ def _header(r: dict[str, Any]) -> list[str]:
         lines += ["", f"The plan used {r['plan_costs']}"
                   + (f"; its cost is {_us(r['planned_us_after'])} µs." if r.get("planned_us_after") is not None
                      else ".")]
+    if r.get("assumptions"):
+        lines += ["", "Assumed, not measured: " + r["assumptions"]["note"] + "."]
     lines += ["", "Times are the analytical cost model's predictions" + (
         ", with measured kernel times where tuning measured them." if has_measured(r) else
         "; nothing in this report was measured.")]

@@ -350,11 +350,8 @@ class GemmFamily(KernelFamily):
         except KeyError:
             vec = 1
         order = [{**c, "VEC": vec} for c in order]
-        if _layernorm(problem):  # no split-K; ranked by the analytical model, which counts the normalize step
-            from onnx_gtco.tune.analytical import estimate_us
-
+        if _layernorm(problem):  # no split-K (the tuner's analytical model ranks them with the normalize step)
             order = [{k: v for k, v in c.items() if k != "SPLITK"} for c in order]
-            order.sort(key=lambda c: estimate_us(problem, c, arch))
         seen: set[tuple[tuple[str, int], ...]] = set()
         unique = [c for c in order if (key := tuple(sorted(c.items()))) not in seen and not seen.add(key)]
         return [c for c in unique if self.check(problem, c, arch) is None]

@@ -11,6 +11,7 @@ from onnx_gtco.models import build
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.plan.types import Candidate, freeze_attrs
 from onnx_gtco.report import summary
+from onnx_gtco.report_md import render
 
 
 @pytest.fixture(scope="module", params=["vit-b16", "bert-base"])
@@ -34,6 +35,9 @@ def test_at_most_five_launches_per_layer_at_fp16(fp16_report) -> None:
     assert rep["predicted_us_after_pdl"] < rep["predicted_us_after"]
     text = summary(rep)
     assert f"launches   {la['ours']} per forward" in text and "per layer 5" in text and "with PDL" in text
+    md = render(rep)
+    assert f"| kernel launches per layer | {la['per_block']['original_launching_nodes']:g} | 5 | - |" in md
+    assert "Assumed, not measured" in md
 
 
 def test_fp32_keeps_the_pair_where_the_normalize_step_costs_more(fp16_report) -> None:
