@@ -151,6 +151,22 @@ def compiler_environ() -> dict[str, str] | None:
     return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
+PDL_ENV = "GTCO_PDL"
+
+
+def pdl_env() -> str | None:
+    """$GTCO_PDL: "0" turns programmatic dependent launch off in the sessions onnx-gtco makes (the library's
+    session config entry gtco.pdl), "1" leaves it on; None when unset or empty (the library's default: on).
+
+    Raises:
+        ValueError: another value.
+    """
+    v = os.environ.get(PDL_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"${PDL_ENV}={v!r}: use 0 (off) or 1 (on)")
+    return v or None
+
+
 def tune_storage_env() -> str | None:
     """$GTCO_TUNE_STORAGE, the tuning storage's URL when no --storage is given; None when unset or empty."""
     return os.environ.get(TUNE_STORAGE_ENV) or None

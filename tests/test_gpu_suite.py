@@ -314,6 +314,39 @@ def test_a_failed_smoke_row_stops_a_gpu_run_with_the_reason_first(tmp_path: Path
     assert stopped < next(i for i, ln in enumerate(md) if ln.startswith("- Date:"))  # the first thing said
 
 
+def test_a_smoke_check_that_fails_only_with_pdl_turns_pdl_off_for_the_rest(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = ctx_for(tmp_path)
+    ctx.logs.mkdir(parents=True)
+    seen = []
+
+    def fake_run(name, cmd, *, env, timeout_s, log, cwd=ROOT):
+        seen.append((name, env.get("GTCO_PDL")))
+        ok = env.get("GTCO_PDL") == "0" or not pdl_broken
+        return Step(name, "ok" if ok else "failed", "" if ok else "exit 1: logits off", 1.0, str(log))
+
+    monkeypatch.setattr(rows, "run_command", fake_run)
+    pdl_broken = True
+    rec: dict = {"steps": []}
+    step = rows._check_pdl_or_not(ctx, ["check"], time.monotonic() + 100, rec)
+    assert step.status == "ok" and "without it, it passes" in step.reason and rec["pdl"] == "off"
+    assert seen == [("smoke: check", None), ("smoke: check without PDL", "0")] and ctx.env["GTCO_PDL"] == "0"
+    assert rec["steps"][0]["status"] == "failed"  # the failure with PDL stays on record
+    # a library wrong either way fails; a dry run never retries
+    ctx2, seen[:] = ctx_for(tmp_path / "b"), []
+    ctx2.logs.mkdir(parents=True)
+    monkeypatch.setattr(rows, "run_command", lambda name, cmd, *, env, timeout_s, log, cwd=ROOT: Step(
+        name, "failed", "exit 1", 1.0, str(log)))
+    rec = {"steps": []}
+    assert rows._check_pdl_or_not(ctx2, ["check"], time.monotonic() + 100, rec).status == "failed"
+    assert "pdl" not in rec and "GTCO_PDL" not in ctx2.env
+    dry = ctx_for(tmp_path / "c", dry_run=True)
+    dry.logs.mkdir(parents=True)
+    rec = {"steps": []}
+    assert rows._check_pdl_or_not(dry, ["check"], time.monotonic() + 100, rec).status == "failed"
+    assert rec["steps"] == []
+
+
 def test_memcheck_is_skipped_where_the_tool_cannot_work_and_fails_on_an_error(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = ctx_for(tmp_path)

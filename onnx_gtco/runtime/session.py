@@ -20,11 +20,15 @@ from typing import Any, Literal
 
 import onnx
 
+from onnx_gtco.config import pdl_env
 from onnx_gtco.errors import CudaProviderError, LibraryError, first_line
 from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries, require_cuda_ep
 
 METADATA_KEY = "gtco.library"
 REGISTER_KEY = "gtco.register"
+PDL_KEY = "gtco.pdl"
+"""Session config entry: "0" launches no kernel with programmatic dependent launch (plugins/ort/register.inc);
+$GTCO_PDL sets it in the sessions make_session creates, unless the caller's options set it."""
 """The session config entry the library reads when it is registered: one of REGISTER_MODES."""
 REGISTER_MODES = ("cuda", "all", "none")
 
@@ -55,6 +59,14 @@ def register_mode(library: bool | str, providers: Sequence[Any]) -> str:
     caller asked for the library (True) on a session without the CUDA EP, else "cuda", so a CUDA session never
     has a fused node pinned to a CPU kernel."""
     return "all" if library is True and CUDA_EP not in _provider_names(providers) else "cuda"
+
+
+def _has_entry(so: Any, key: str) -> bool:
+    """Whether the session options set config entry `key` (ORT raises for an entry never set)."""
+    try:
+        return bool(so.get_session_config_entry(key))
+    except Exception:  # ORT raises its own types
+        return False
 
 
 def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None = None, *,
@@ -88,6 +100,12 @@ def make_session(path: str | os.PathLike[str], providers: Sequence[Any] | None =
     so = sess_options if sess_options is not None else ort.SessionOptions()
     if _wants_library(library, providers, available):
         so.add_session_config_entry(REGISTER_KEY, register_mode(library, providers))
+        try:
+            pdl = pdl_env()
+        except ValueError as e:
+            raise LibraryError(str(e)) from None
+        if pdl is not None and not _has_entry(so, PDL_KEY):
+            so.add_session_config_entry(PDL_KEY, pdl)
         lib = library_path(path)
         if lib is None:
             if library is True:

@@ -375,6 +375,30 @@ def test_pdl_switch(small: Built) -> None:
         so.register_custom_ops_library(str(small.lib.path))
 
 
+def test_make_session_takes_gtco_pdl_from_the_environment(small: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$GTCO_PDL sets gtco.pdl in the sessions make_session creates, unless the caller's options set it; another
+    value is an error naming the variable."""
+    from onnx_gtco.errors import LibraryError
+    from onnx_gtco.runtime.session import PDL_KEY, make_session
+
+    monkeypatch.setenv("GTCO_PDL", "0")
+    so = ort.SessionOptions()
+    make_session(small.rewritten, CPU, library=True, sess_options=so)
+    assert so.get_session_config_entry(PDL_KEY) == "0"
+    so = ort.SessionOptions()
+    so.add_session_config_entry(PDL_KEY, "1")  # the caller's own setting wins
+    make_session(small.rewritten, CPU, library=True, sess_options=so)
+    assert so.get_session_config_entry(PDL_KEY) == "1"
+    monkeypatch.setenv("GTCO_PDL", "yes")
+    with pytest.raises(LibraryError, match=r"\$GTCO_PDL='yes'"):
+        make_session(small.rewritten, CPU, library=True)
+    monkeypatch.delenv("GTCO_PDL")
+    so = ort.SessionOptions()
+    make_session(small.rewritten, CPU, library=True, sess_options=so)
+    with pytest.raises(RuntimeError):  # unset: the library's default
+        so.get_session_config_entry(PDL_KEY)
+
+
 def test_make_session_register_mode() -> None:
     """make_session asks for every CPU kernel only on a session without the CUDA EP."""
     from onnx_gtco.runtime.session import REGISTER_MODES, register_mode

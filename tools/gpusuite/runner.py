@@ -92,6 +92,8 @@ class Options:
     """The bundle's environment file (None: machine.BUNDLE_ENV)."""
     bundle_setup: Path | None = None
     """The carried bundle's setup script (None: machine.BUNDLE_SETUP)."""
+    pdl: bool = True
+    """False: every session runs without programmatic dependent launch ($GTCO_PDL=0 for every command)."""
 
 
 EXPORT_ARCHIVE = "suite-files.tar.gz"
@@ -174,6 +176,8 @@ def run_suite(opts: Options) -> dict[str, Any]:
     env["PYTHONUNBUFFERED"] = "1"
     if opts.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if not opts.pdl:
+        env["GTCO_PDL"] = "0"
     budget = Budget(opts.budget_min)
     if opts.since is not None:  # the set-up before the suite counts against the budget
         budget.start -= max(0.0, time.time() - opts.since)
@@ -224,6 +228,8 @@ def run_suite(opts: Options) -> dict[str, Any]:
                   list(opts.wheels), site)
     for row in opts.rows:
         if row.id in kept:
+            if kept[row.id].get("pdl") == "off":  # the smoke row found the device kernels wrong with PDL
+                env["GTCO_PDL"] = "0"
             summary["rows"].append(kept[row.id])
             say(row.id, "ok", 0.0, f"(kept from the run of {resumed_from})")
             save()
