@@ -102,9 +102,12 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Packing]]:
         ws = [view.const_value(qkv.roles[f"w{p}"]) for p in order]
         bias = bool(qkv.attrs.get("bias"))
         bs = [view.const_value(qkv.roles[f"bias{p}"]) for p in order] if bias else []
-        if any(w is None or w.ndim != 2 for w in ws) or any(b is None for b in bs):
+        if any(w is None or w.ndim != 2 for w in ws):
             continue
         width = int(ws[0].shape[1])  # type: ignore[union-attr]
+        # a bias of one value per column ([N] or [1, .., 1, N]); a broadcast scalar or a row bias stays unpacked
+        if any(b is None or b.size != width or b.shape[-1] != width for b in bs):  # type: ignore[union-attr]
+            continue
         outs = tuple(qkv.outputs[f"y{p}"] for p in order)
         base = f"{first}.qkv_packed"
         w_cat = numpy_helper.from_array(np.concatenate(ws, axis=1), f"{base}.weight")  # type: ignore[arg-type]

@@ -71,3 +71,16 @@ def test_fused_qkv_exports_and_other_projection_groups_are_left_alone(kit) -> No
     m = load_model(g.model())
     out, packings = pack_qkv(m)
     assert packings == [] and out is m
+
+
+def test_a_projection_with_a_broadcast_scalar_bias_is_not_packed() -> None:
+    model = load_model(build("bert-tiny"))
+    for t in model.graph.initializer:
+        if t.name == "encoder.layer.0.attention.self.key.bias":
+            t.CopyFrom(onnx.numpy_helper.from_array(np.array([0.5], np.float32), t.name))
+    packed, packings = pack_qkv(model)
+    assert [p.first for p in packings] == ["encoder.layer.1.attention.self.query.matmul"]
+    onnx.checker.check_model(packed, full_check=True)
+    feeds = _feeds(model)
+    for a, b in zip(_run(model, feeds), _run(packed, feeds), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

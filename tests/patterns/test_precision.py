@@ -121,7 +121,9 @@ def test_built_in_models_match_like_fp32(name: str, forms: dict, precision: str)
     half, half_plan, _ = rules_and_plan(CONVERT[precision](model))
     original = {n.name for n in ref_view.nodes}
     extra = half - ref
-    assert all(c[0] - original for c in extra)  # each takes in a node the fp32 model does not have
+    # each takes in a node the fp32 model does not have, or is a GEMM + LayerNorm whose LayerNorm writes a graph
+    # output in the fp32 model (never merged there) and feeds the converter's output Cast in the half one
+    assert all(c[0] - original or dict(c[2]).get("layernorm") for c in extra)
     for names, family, _ in ref - half:
         assert any(e[1] == family and e[0] & original == names for e in extra), (sorted(names), family)
     acts = {dict(c[2])["activation"] for c in ref if c[1] == "gemm"} - {"none"}

@@ -32,6 +32,7 @@ from test_attention_glue import small_model, swin_model
 from test_gemm_glue import layer_scale_model
 
 from onnx_gtco import optimize
+from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.models import build
 from onnx_gtco.plugin.library import LibraryResult, build_library, library_info
@@ -41,8 +42,12 @@ MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels
     # the patch-embedding Conv stays fp32 (fp16() blocks it): its TF32 implicit-GEMM conv instance
     "vit": (lambda: build("vit-tiny", depth=1, image=64, seed=0),
             {"Layernorm_f16", "Gemm_f16", "Attention_f16", "Conv_f32"}),
+    # BERT's Q, K and V as one GEMM read packed by the attention (patterns/pack.py); "bert_qkv": planned without
+    # that packing, its QKV node (gtco::Qkv) and the attention's three bshd_merged inputs
     "bert": (lambda: build("bert-tiny", depth=1, seq=24, batch="N", seed=0),
-             {"Layernorm_f16", "Qkv_f16", "Gemm_f16", "Attention_f16"}),
+             {"Layernorm_f16", "Gemm_f16", "Attention_f16"}),
+    "bert_qkv": (lambda: build("bert-tiny", depth=1, seq=24, batch="N", seed=0),
+                 {"Layernorm_f16", "Qkv_f16", "Gemm_f16", "Attention_f16"}),
     "ln_softmax": (lambda: ln_softmax_model(hidden=16), {"Layernorm_f16", "Softmax_f16"}),
     "bmm_softmax": (lambda: small_model(probs_out=True, mask=True, bias=True, seq=40, head_dim=64),
                     {"BmmSoftmax_f16"}),
@@ -97,7 +102,7 @@ def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | Non
 def build_emulated(name: str, out: Path) -> tuple[onnx.ModelProto, Path, LibraryResult]:
     """MODELS[name]'s fp32 original, its fp16 rewrite saved in out, and the rewrite's emulated library."""
     original = MODELS[name][0]()
-    rewritten = optimize(fp16(original)).model
+    rewritten = optimize(fp16(original), GtcoConfig(pack_qkv=not name.endswith("_qkv"))).model
     lib = build_library(rewritten, out, cuda=False, emulated=True)
     path = out / "model.gtco.onnx"
     onnx.save(rewritten, str(path))
@@ -180,7 +185,7 @@ TF32_TOL = 2e-3  # TF32 device kernels (fp32 I/O, 10-bit operand mantissas) agai
 TF32_FAMILIES = ("Gemm_", "Qkv_", "Attention_", "BmmSoftmax_", "Conv_")
 
 
-@pytest.mark.parametrize("name", ["vit", "bert", "swin_window"])
+@pytest.mark.parametrize("name", ["vit", "bert", "bert_qkv", "swin_window"])
 def test_fp32_precision_runs_every_tensor_core_node_in_tf32(name: str, tmp_path: Path) -> None:
     """--precision fp32: every GEMM, QKV and attention node of the built-in ViT and BERT (and of Swin's shifted-window
     attention) gets a TF32 device instance
@@ -188,7 +193,7 @@ def test_fp32_precision_runs_every_tensor_core_node_in_tf32(name: str, tmp_path:
     from onnx_gtco.config import GtcoConfig
 
     original = MODELS[name][0]()
-    rewritten = optimize(original, GtcoConfig(precision="fp32")).model
+    rewritten = optimize(original, GtcoConfig(precision="fp32", pack_qkv=not name.endswith("_qkv"))).model
     lib = build_library(rewritten, tmp_path, cuda=False, emulated=True)
     tc = [r for r in lib.nodes if r.op_type.startswith(TF32_FAMILIES)]
     assert {r.op_type for r in tc} >= {t.replace("f16", "f32") for t in MODELS[name][1] if t.startswith(TF32_FAMILIES)}

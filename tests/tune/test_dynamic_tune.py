@@ -149,9 +149,9 @@ def test_optimize_tunes_dynamic_models_shape_generically(tmp_path: Path, capsys:
             "seq=1:128,batch=1:16", "--tune-trials", "6", "--storage", f"memory:{tmp_path}"]
     assert main(args) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("dynamic"))
-    # 6 tasks: the QKV node launches one projection of N = 128 at a time, the same problem as the attention output
-    # projection (its residual is the LayerNorm's), so the two share a task
-    assert "batch=1:16 (declared), seq=1:128 (declared); 6 tuned dispatch tables" in line
+    # 7 tasks: Q, K and V packed into one GEMM of N = 384 (patterns/pack.py), and the output projections with
+    # their residual Add and LayerNorm as GEMM + LayerNorm problems of their own
+    assert "batch=1:16 (declared), seq=1:128 (declared); 7 tuned dispatch tables" in line
     rep = json.loads((tmp_path / "b.gtco.onnx.report.json").read_text())
     tuning = rep["dynamic"]["tuning"]
     assert tuning["mode"] == "shape-generic" and tuning["measured"] == tuning["trials"] > 0
