@@ -158,6 +158,21 @@ struct Gemm {
         return a;
     }
 
+    // The CPU reference's operands and epilogue (its bias_m / bias_n are planned apart).
+    template <class T, class TO>
+    static void fill_io(ref::GemmIO<T, TO>& io, const Attrs& at, const Input& a, const Input& b, const Input& bias,
+                        const Input& scale, const Input& res, TO* y) {
+        io.a = static_cast<const T*>(a.data);
+        io.b = static_cast<const T*>(b.data);
+        io.bias = static_cast<const T*>(bias.data);
+        io.layer_scale = static_cast<const T*>(scale.data);
+        io.residual = static_cast<const TO*>(res.data);
+        io.y = y;
+        io.alpha = at.alpha;
+        io.beta = at.beta;
+        io.act = at.act;
+    }
+
     // y of the op's dtype, or fp32 where the node's output is float on a half op type (the fused output cast)
     template <DType D, bool Cuda>
     static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
@@ -255,15 +270,7 @@ struct Gemm {
             args.layer_scale = scale.data;
             return gemm_glue::run_gemm(ctx, ref, args, operands);
         }
-        io.a = static_cast<const T*>(a.data);
-        io.b = static_cast<const T*>(b.data);
-        io.bias = static_cast<const T*>(bias.data);
-        io.layer_scale = static_cast<const T*>(scale.data);
-        io.residual = static_cast<const TO*>(res.data);
-        io.y = y;
-        io.alpha = at.alpha;
-        io.beta = at.beta;
-        io.act = at.act;
+        fill_io(io, at, a, b, bias, scale, res, y);
         ref::gemm(p, io, S::load, SO::store, SO::load);
         return nullptr;
     }
@@ -310,15 +317,7 @@ struct Gemm {
             own.resize(static_cast<size_t>(rows * p.n));
             y = own.data();
         }
-        io.a = static_cast<const T*>(a.data);
-        io.b = static_cast<const T*>(b.data);
-        io.bias = static_cast<const T*>(bias.data);
-        io.layer_scale = static_cast<const T*>(scale.data);
-        io.residual = static_cast<const T*>(res.data);
-        io.y = y;
-        io.alpha = at.alpha;
-        io.beta = at.beta;
-        io.act = at.act;
+        fill_io(io, at, a, b, bias, scale, res, y);
         ref::gemm(p, io, S::load, S::store, S::load);
         ref::layernorm<T>(y, nullptr, static_cast<const T*>(gamma.data), p.n, static_cast<const T*>(beta.data), p.n,
                           norm, nullptr, rows, p.n, at.epsilon, S::load, S::store);

@@ -79,13 +79,6 @@ __host__ __device__ inline bool aligned_to(const void* p, int bytes) {
     return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-GTCO_DEVICE float fast_rsqrt(float x) {
-#if defined(GTCO_EMULATE)
-    return 1.0f / std::sqrt(x);
-#else
-    return rsqrtf(x);
-#endif
-}
 
 // ---- the math of the elementwise ONNX ops (fp32) --------------------------------------------------------------
 namespace ew {

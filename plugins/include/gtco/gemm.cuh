@@ -229,14 +229,6 @@ constexpr int kMaxLnN = 1024;
 
 namespace gemm_detail {
 
-GTCO_DEVICE float ln_rsqrt(float x) {
-#if defined(GTCO_EMULATE)
-    return 1.0f / std::sqrt(x);
-#else
-    return rsqrtf(x);
-#endif
-}
-
 // The LayerNorm step of an LN instance, after the block's epilogue wrote its tile of y (T-rounded). The block that
 // completes a row panel (rows m0 .. m0+BM-1 of batch entry bz, all N columns) normalizes it: with one block per row
 // (gridDim.x == 1) that block, otherwise the last of the panel's gridDim.x blocks to arrive at the panel's counter
@@ -321,7 +313,7 @@ GTCO_DEVICE void ln_panel(const GemmArgs& p, unsigned* counters, int64_t bz, int
                 }
             }
         }
-        const float rstd = ln_rsqrt(warp_sum(q) * inv_n + p.ln_eps);
+        const float rstd = fast_rsqrt(warp_sum(q) * inv_n + p.ln_eps);
         GTCO_UNROLL
         for (int i = 0; i < kIters; ++i) {
             const int col = (i * 32 + lane) * E;

@@ -16,6 +16,7 @@
 // receives row l/4, float column l%4, the A / B(n-major) fragment layout of m16n8k8.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -226,5 +227,14 @@ GTCO_DEVICE uint32_t pack_b16(__nv_bfloat16 lo, __nv_bfloat16 hi) {
 
 GTCO_DEVICE float quad_max(float v) { return warp_max<4>(v); }
 GTCO_DEVICE float quad_sum(float v) { return warp_sum<4>(v); }
+
+// 1 / sqrt(x): the hardware approximation on the GPU (what LayerNorm kernels use), the exact quotient here.
+GTCO_DEVICE float fast_rsqrt(float x) {
+#if defined(GTCO_EMULATE)
+    return 1.0f / std::sqrt(x);
+#else
+    return rsqrtf(x);
+#endif
+}
 
 }  // namespace gtco
