@@ -89,7 +89,7 @@ from onnx_gtco.kernels.family import (  # noqa: E402
     rel_error,
 )
 from onnx_gtco.kernels.gemm import FAMILY as GEMM  # noqa: E402
-from onnx_gtco.kernels.gemm import gemm_problem  # noqa: E402
+from onnx_gtco.kernels.gemm import MAX_LN_N, gemm_problem  # noqa: E402
 from onnx_gtco.kernels.layernorm import FAMILY as LAYERNORM  # noqa: E402
 from onnx_gtco.tune.gpu import TOLERANCE, load_cublaslt, shared_library  # noqa: E402
 from onnx_gtco.tune.search import OFFERED, Measurement, config_arch, offered, predict_us  # noqa: E402
@@ -150,11 +150,12 @@ class Case:
 
 
 def _gemm(m: int, n: int, k: int, epilogue: str) -> Problem:
-    """An fp16 weight GEMM [m, k] @ [k, n]; epilogue "bias", "bias+gelu", "bias+relu", "bias+tanh", "bias+res"."""
+    """An fp16 weight GEMM [m, k] @ [k, n]; epilogue "bias", "bias+gelu", "bias+relu", "bias+tanh", "bias+res",
+    "bias+res+ln" (the LayerNorm of the rows fused: ln_y beside y)."""
     parts = epilogue.split("+")
     act = next((a for a in parts if a in ("gelu", "relu", "tanh")), "none")
     return gemm_problem("f16", 1, m, n, k, bias="bias" in parts, residual="res" in parts,
-                        activation="gelu_erf" if act == "gelu" else act)
+                        activation="gelu_erf" if act == "gelu" else act, layernorm="ln" in parts, epsilon=1e-6)
 
 
 def _attn(fam: str, batch: int, heads: int, seq: int, head_dim: int, mask: bool = False) -> Problem:
@@ -177,6 +178,9 @@ def _encoder(tag: str, tokens: int, batch: int, layers: int, hidden: int, heads:
     out += [(f"{tag} attn-out", "gemm", _gemm(m, hidden, hidden, "bias+res"), layers),
             (f"{tag} fc1", "gemm", _gemm(m, mlp, hidden, "bias+gelu"), layers),
             (f"{tag} fc2", "gemm", _gemm(m, hidden, mlp, "bias+res"), layers)]
+    if hidden <= MAX_LN_N:  # the same GEMMs with the LayerNorm after them in the kernel (against GEMM, then LN)
+        out += [(f"{tag} attn-out+layernorm", "gemm", _gemm(m, hidden, hidden, "bias+res+ln"), layers),
+                (f"{tag} fc2+layernorm", "gemm", _gemm(m, hidden, mlp, "bias+res+ln"), layers)]
     hd = hidden // heads
     out += [(f"{tag} attention B{batch} H{heads} S{tokens} D{hd}{' +mask' if mask else ''}", "attention",
              _attn("attention", batch, heads, tokens, hd, mask), layers),
@@ -369,6 +373,8 @@ def listing(todo: list[Case], arch: str, max_configs: int | None, impls: Iterabl
             base = [f"cublaslt fused{' (tanh proxy)' if not isinstance(fused, str) and fused[1] else ''}"
                     if not isinstance(fused, str) else f"cublaslt fused: none ({fused})",
                     "torch matmul + epilogue", "torch addmm + epilogue", "torch.compile max-autotune"]
+            if p.flag("layernorm"):
+                base = [*base[:1], *(f"{b} + layer_norm" for b in base[1:])]
         elif case.kind == "conv":
             cands["ours"] = [i.name for i in case_instances(case, arch, max_configs, ("mma",))]
             base = ["torch conv2d (cuDNN) + epilogue", "ORT CUDA EP Conv (when onnxruntime-gpu is importable)"]
@@ -531,6 +537,19 @@ def gemm_baselines(p: Problem, r: Runner, torch) -> dict[str, Callable[[], Any]]
     bias, res = r.dev.get("bias"), r.dev.get("residual")
     act = _torch_epilogue(p, torch)
     shape = r.outs["y"].shape
+    if p.flag("layernorm"):  # then torch's layer_norm: the unfused pair (checked against y, which it returns)
+        gamma, beta, eps = r.dev["gamma"], r.dev["beta"], float(p.flag("epsilon", 1e-5))
+        ln = torch.nn.functional.layer_norm
+        plain = gemm_baselines(Problem.make(p.family, p.dtype, dict(p.sizes),
+                                            {k: v for k, v in p.flags if k not in ("layernorm", "epsilon")}), r, torch)
+
+        def then_ln(f: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                y = f()
+                ln(y, (y.shape[-1],), gamma, beta, eps)
+                return y
+            return run
+        return {f"{name} + layer_norm": then_ln(f) for name, f in plain.items()}
 
     def matmul():
         y = a @ b
@@ -812,22 +831,28 @@ def compile_gemm(case: Case, reps: int, torch) -> dict:
     if p.flag("trans_b"):
         b = b.t()
 
+    ln = (r.dev["gamma"], r.dev["beta"], float(p.flag("epsilon", 1e-5))) if p.flag("layernorm") else None
+
     def fn(a, b, bias, res):
         y = a @ b
         if bias is not None:
             y = y + bias
         y = act(y)
-        return y + res if res is not None else y
+        y = y + res if res is not None else y
+        if ln is None:
+            return y, y
+        return y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], ln[2])  # the pair, compiled
     compiled = torch.compile(fn, mode="max-autotune", dynamic=False, fullgraph=True)
     res2 = None if res_t is None else res_t.reshape(a.shape[0], -1)
     t0 = time.monotonic()
-    y = compiled(a, b, bias, res2)
+    y = compiled(a, b, bias, res2)[0]
     torch.cuda.synchronize()
     seconds = time.monotonic() - t0
     err = _err(y.reshape(r.outs["y"].shape), r.ref["y"], "f16", torch)
     ok = math.isfinite(err) and err < TOL["f16"]
     us = _median_us(lambda: compiled(a, b, bias, res2), reps, torch)
-    return {"name": "torch.compile max-autotune", "us": us, "rel_err": err, "ok": ok,
+    name = "torch.compile max-autotune" + (" + layer_norm" if ln is not None else "")
+    return {"name": name, "us": us, "rel_err": err, "ok": ok,
             "compile_s": round(seconds, 1), **({} if ok else {"error": f"wrong answer: ‖err‖/‖ref‖ {err:.3g}"})}
 
 
