@@ -83,8 +83,7 @@ def test_list_offers_each_implementation_where_it_applies() -> None:
             ln = " + layer_norm" if p.flag("layernorm") else ""  # the GEMM + LayerNorm rows: the pair in torch
             assert "torch.compile max-autotune" + ln in row["baselines"]
     # the GEMM + LayerNorm rows: mma only, against the GEMM and torch's layer_norm after it
-    ln_rows = [r for r in _rows("sm_90") if r["case"].endswith(("attn-out+layernorm", "fc2+layernorm"))
-               or "+layernorm " in r["case"]]
+    ln_rows = [r for r in _rows("sm_90") if r["kind"] == "gemm" and "+layernorm " in r["case"]]
     assert ln_rows and all(isinstance(r["candidates"]["cublaslt"], str) for r in ln_rows)
     assert all("torch addmm + epilogue + layer_norm" in r["baselines"] for r in ln_rows)
     # the GELU(erf) projections have no cuBLASLt candidate but a tanh-GELU proxy for the fused baseline
