@@ -91,13 +91,15 @@ def build_report(
     unfused_ops = _count(n.op_type for n in view.nodes if n.id not in fused_ids)
     total_flops = _flops(view, frozenset(range(len(view))))
     fused_flops = sum(g["flops"] for g in groups)
+    planned_before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
+    before = planned_before
     if original is not None and original is not view:  # the model as given, before the planner's QKV packing
         from onnx_gtco.cost.model import cost_fn
 
         cost_orig = cost_fn(original, config)
         before = sum(cost_orig(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(original)))
-    else:
-        before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
+    unfused_nodes_us = sum(cost(Candidate(frozenset([i]), "unfused", "single"))
+                           for i in range(len(view)) if i not in fused_ids)
     after = plan.cost_us
     if device is not None and len(plan.costs) == len(plan.groups):
         # what the DP charged each group, except a fused one without a device kernel on the target: its nodes, unfused
@@ -116,6 +118,9 @@ def build_report(
         "predicted_us_before": round(before, 3),
         "predicted_us_after": round(after, 3),
         "predicted_speedup": round(before / after, 4) if after else None,
+        "unfused_nodes_us": round(unfused_nodes_us, 3),
+        **({"predicted_us_before_planned": round(planned_before, 3)} if abs(planned_before - before) > 1e-6
+           else {}),
         "measured_us_before": None,
         "measured_us_after": None,
         "dp_states": plan.states,

@@ -112,8 +112,9 @@ def has_measured(report: dict[str, Any]) -> bool:
 
 def family_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per family, heaviest first: groups, nodes, predicted time unfused (before) and fused (after), and the measured
-    time of the groups that have one. A last row holds the nodes no group fused (their analytical time: the
-    report's predicted time before, less its groups' unfused times), the same before and after."""
+    time of the groups that have one. A last row holds the nodes no group fused (their analytical time, the
+    report's `unfused_nodes_us`; in reports without it, the predicted time before less the groups' unfused times),
+    the same before and after."""
     fams: dict[str, dict[str, Any]] = {}
     for g in report["groups"]:
         f = fams.setdefault(g["family"], {"family": g["family"], "groups": 0, "nodes": 0, "before_us": 0.0,
@@ -126,7 +127,7 @@ def family_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             f["measured_us"] += g["measured_us"]
             f["measured_groups"] += 1
     rows = sorted(fams.values(), key=lambda f: (-f["before_us"], f["family"]))
-    rest = report["predicted_us_before"] - sum(f["before_us"] for f in rows)
+    rest = report.get("unfused_nodes_us", report["predicted_us_before"] - sum(f["before_us"] for f in rows))
     unfused_nodes = sum(report["unfused_ops"].values())
     if unfused_nodes or rest > 0.005:
         rows.append({"family": UNFUSED_ROW, "groups": 0, "nodes": unfused_nodes, "before_us": max(rest, 0.0),
@@ -198,6 +199,10 @@ def _families(r: dict[str, Any]) -> list[str]:
     lines += _table(header, [*body, tot])
     lines += ["", f"{UNFUSED_ROW}: nodes outside every fused group, costed alone (the same before and after)."
               if rows[-1]["family"] == UNFUSED_ROW else ""]
+    if r.get("predicted_us_before_planned") is not None:
+        lines += ["", "The planner packed each block's Q, K and V projections into one GEMM first (patterns/pack.py): "
+                  f"the rows cost the nodes of that graph, {_us(r['predicted_us_before_planned'])} µs unfused, against "
+                  f"{_us(r['predicted_us_before'])} µs for the model as given."]
     top = sorted(r["groups"], key=lambda g: -g["predicted_us"])[:5]
     lines += ["", f"The {len(top)} groups with the most predicted time:", ""]
     lines += _table(["group", "pattern", "ops", "predicted µs", "unfused µs"],

@@ -11,7 +11,7 @@ from onnx_gtco.models import build
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.plan.types import Candidate, freeze_attrs
 from onnx_gtco.report import summary
-from onnx_gtco.report_md import render
+from onnx_gtco.report_md import family_rows, render
 
 
 @pytest.fixture(scope="module", params=["vit-b16", "bert-base"])
@@ -20,7 +20,7 @@ def fp16_report(request):
 
 
 def test_at_most_five_launches_per_layer_at_fp16(fp16_report) -> None:
-    _, rep = fp16_report
+    name, rep = fp16_report
     la = rep["launches"]
     assert la["per_block"]["anchor"] == "attention" and la["per_block"]["blocks"] == 11
     assert la["per_block"]["ours"] <= 5, la
@@ -38,6 +38,10 @@ def test_at_most_five_launches_per_layer_at_fp16(fp16_report) -> None:
     md = render(rep)
     assert f"| kernel launches per layer | {la['per_block']['original_launching_nodes']:g} | 5 | - |" in md
     assert "Assumed, not measured" in md
+    # the family table adds up to the predicted time after, also where Q, K and V were packed first (BERT)
+    assert sum(f["after_us"] for f in family_rows(rep)) == pytest.approx(rep["predicted_us_after"], abs=0.01)
+    assert ("predicted_us_before_planned" in rep) == (name == "bert-base")
+    assert ("packed each block's Q, K and V" in md) == (name == "bert-base")
 
 
 def test_fp32_keeps_the_pair_where_the_normalize_step_costs_more(fp16_report) -> None:
