@@ -109,6 +109,9 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Packing]]:
         if any(b is None or b.size != width or b.shape[-1] != width for b in bs):  # type: ignore[union-attr]
             continue
         outs = tuple(qkv.outputs[f"y{p}"] for p in order)
+        info = view.info(outs[0])
+        if info is None or info.shape is None:
+            continue
         base = f"{first}.qkv_packed"
         w_cat = numpy_helper.from_array(np.concatenate(ws, axis=1), f"{base}.weight")  # type: ignore[arg-type]
         split = numpy_helper.from_array(np.array([width] * 3, dtype=np.int64), f"{base}.split")
@@ -122,9 +125,6 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Packing]]:
             nodes.append(helper.make_node("Add", [packed, b_cat.name], [f"{base}.add"], name=f"{base}.add"))
             packed = f"{base}.add"
         nodes.append(helper.make_node("Split", [packed, split.name], list(outs), name=f"{base}.split", axis=-1))
-        info = view.info(outs[0])
-        if info is None or info.shape is None:
-            continue
         shape = [*info.shape[:-1], 3 * width]
         new_infos += [helper.make_tensor_value_info(n.output[0], info.dtype, shape) for n in nodes[:-1]]
         removed.update(ids)
