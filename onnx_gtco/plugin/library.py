@@ -248,7 +248,7 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     by_name = {n.node.name: n for n in nodes}
     bound = [r for r in results if r.binding is not None]
     op_types = sorted(binders)
-    device_types = [t for t in op_types if all(r.node in device for r in bound if r.op_type == t)]
+    device_types = _device_types(results, binders, device)
     dynamic = dynamic or {}
     tables = {r.node: dynamic[r.node].tables for r in bound
               if r.op_type in device_types and r.node in dynamic and dynamic[r.node].tables}
@@ -303,6 +303,13 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     return source, op_types, device_types
 
 
+def _device_types(results: Sequence[NodeResult], binders: Mapping[str, Binder],
+                  device: Mapping[str, tuple[Instance, ...]]) -> list[str]:
+    """The op types registered with device kernels: those every bound node of which has instances."""
+    bound = [r for r in results if r.binding is not None]
+    return [t for t in sorted(binders) if all(r.node in device for r in bound if r.op_type == t)]
+
+
 def _pdl_row(row: Sequence[bool] | None) -> list[bool]:
     """NodeSpec::pdl: one flag per arch slot (gtco::kArchSlots), False past the node's."""
     got = [bool(x) for x in (row or ())]
@@ -336,11 +343,10 @@ def device_nodes(results: Sequence[NodeResult], binders: Mapping[str, Binder],
                  n_archs: int) -> dict[str, list[list[Instance]]]:
     """Each node that runs device kernels (as generate_glue decides: bound, of an op type every bound node of which
     has instances) -> per arch slot, every instance it may launch: its own and its dispatch entries'."""
-    bound = [r for r in results if r.binding is not None]
-    types = {t for t in binders if all(r.node in device for r in bound if r.op_type == t)}
+    types = set(_device_types(results, binders, device))
     out: dict[str, list[list[Instance]]] = {}
-    for r in bound:
-        if r.op_type not in types or r.node not in device:
+    for r in results:
+        if r.binding is None or r.op_type not in types or r.node not in device:
             continue
         tables = dynamic.get(r.node, NodeDynamic()).tables
         out[r.node] = [[device[r.node][s], *(i for _, i in (tables[s] if s < len(tables) else ()))]
@@ -615,14 +621,13 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
                if r.node in moved else r for r in results]
     binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
     kernel_skips = {n: why for n, why in kernel_skips.items() if n not in moved}
-    pdl = pdl_slots(model, archs, device_nodes(results, binders, device, dynamic, len(archs)))
+    launched = device_nodes(results, binders, device, dynamic, len(archs))  # node -> its instances per arch slot
+    pdl = pdl_slots(model, archs, launched)
     source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic, pdl)
-    on_device = {r.node for r in results if r.op_type in device_types and r.node in device}
     tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
                      for arch, table in zip(archs, dynamic[node].tables, strict=True)}
-              for node in on_device if node in dynamic and dynamic[node].tables}
-    used = {(i.name, i.arch) for node in on_device
-            for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t))}
+              for node in launched if node in dynamic and dynamic[node].tables}
+    used = {(i.name, i.arch) for per_slot in launched.values() for insts in per_slot for i in insts}
     instances = [i for i in instances if (i.name, i.arch) in used]
     compiled = [c for c in compiled if (c.instance.name, c.instance.arch) in used]
     cxx = find_cxx()
