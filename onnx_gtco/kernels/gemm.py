@@ -63,6 +63,7 @@ from onnx_gtco.kernels.family import (
     tf32_round,
     to_storage,
 )
+from onnx_gtco.kernels.layernorm import normalize_rows
 from onnx_gtco.patterns.activation import REFERENCE
 
 # Activation name -> gtco::Act enumerator in gemm.cuh.
@@ -490,11 +491,8 @@ class GemmFamily(KernelFamily):
         if not _layernorm(problem):
             return {"y": y}
         # the LayerNorm reads y as stored (rounded to the dtype), as an unfused GEMM then LayerNorm does
-        v = from_storage(to_storage(y, dt), dt)
-        mean = v.mean(axis=-1, keepdims=True)
-        var = ((v - mean) ** 2).mean(axis=-1, keepdims=True)
-        ln_y = ((v - mean) / np.sqrt(var + _epsilon(problem)) * from_storage(np.asarray(inputs["gamma"]), dt)
-                + from_storage(np.asarray(inputs["beta"]), dt))
+        gamma, beta = (from_storage(np.asarray(inputs[k]), dt) for k in ("gamma", "beta"))
+        ln_y = normalize_rows(from_storage(to_storage(y, dt), dt), _epsilon(problem), gamma, beta)
         return {"y": y, "ln_y": ln_y}
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:

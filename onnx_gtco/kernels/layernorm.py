@@ -44,6 +44,19 @@ def cbool(b: bool) -> str:
     return "true" if b else "false"
 
 
+def normalize_rows(x: np.ndarray, eps: float, gamma: np.ndarray | None = None, beta: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """The fp64 reference LayerNorm over the last axis: (x - mean) / sqrt(var + eps) [* gamma] [+ beta]."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    if gamma is not None:
+        y = y * gamma
+    if beta is not None:
+        y = y + beta
+    return y
+
+
 def rowwise_check(family: str, problem: Problem, config: Config, arch: str, length: int, what: str) -> str | None:
     """The checks the row-wise families (layernorm, softmax) share; `length` is the row length named `what`."""
     if problem.family != family:
@@ -165,13 +178,9 @@ class LayerNormFamily(KernelFamily):
         x = from_storage(inputs["x"], dt).reshape(-1, hidden)
         if res:
             x = x + from_storage(inputs["residual"], dt).reshape(-1, hidden)
-        mean = x.mean(axis=1, keepdims=True)
-        var = ((x - mean) ** 2).mean(axis=1, keepdims=True)
-        y = (x - mean) / np.sqrt(var + float(np.float32(problem.flag("epsilon", 1e-5))))
-        if gamma:
-            y = y * from_storage(inputs["gamma"], dt).reshape(1, hidden)
-        if beta:
-            y = y + from_storage(inputs["beta"], dt).reshape(1, hidden)
+        y = normalize_rows(x, float(np.float32(problem.flag("epsilon", 1e-5))),
+                           from_storage(inputs["gamma"], dt).reshape(1, hidden) if gamma else None,
+                           from_storage(inputs["beta"], dt).reshape(1, hidden) if beta else None)
         out = {"y": y}
         if res_out:
             out["sum"] = x
