@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from onnx_gtco.config import GtcoConfig
-from onnx_gtco.cost.model import estimate, launches, node_flops, unfused_cost
+from onnx_gtco.cost.model import cost_fn, estimate, launches, node_flops, unfused_cost
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan.types import Candidate, Plan, Reject
@@ -91,15 +92,12 @@ def build_report(
     unfused_ops = _count(n.op_type for n in view.nodes if n.id not in fused_ids)
     total_flops = _flops(view, frozenset(range(len(view))))
     fused_flops = sum(g["flops"] for g in groups)
-    planned_before = sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view)))
-    before = planned_before
+    node_us = [cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view))]
+    planned_before = before = sum(node_us)
     if original is not None and original is not view:  # the model as given, before the planner's QKV packing
-        from onnx_gtco.cost.model import cost_fn
-
         cost_orig = cost_fn(original, config)
         before = sum(cost_orig(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(original)))
-    unfused_nodes_us = sum(cost(Candidate(frozenset([i]), "unfused", "single"))
-                           for i in range(len(view)) if i not in fused_ids)
+    unfused_nodes_us = sum(us for i, us in enumerate(node_us) if i not in fused_ids)
     after = plan.cost_us
     if device is not None and len(plan.costs) == len(plan.groups):
         # what the DP charged each group, except a fused one without a device kernel on the target: its nodes, unfused
@@ -165,7 +163,7 @@ def _runs(view: GraphView, cand: Candidate) -> bool:
     return estimate(view, cand).launches > 0
 
 
-def launch_counts(view: GraphView, plan: Plan, kernelless: dict[Candidate, float] | Any, original: GraphView
+def launch_counts(view: GraphView, plan: Plan, kernelless: Collection[Candidate], original: GraphView
                   ) -> dict[str, Any]:
     """Kernel launches of one forward: ours (a fused node with a device kernel: its launches; one without: its
     nodes', as its function runs them; an unfused node that runs: one) beside the original's node count and its
