@@ -1,10 +1,10 @@
 """Analytical cost of one group on a Target: FLOPs at peak, DRAM bytes at bandwidth, plus launch overhead.
 
     time_us = max(mm_flops / mm_peak + other_flops / cuda_peak,  dram_bytes / bandwidth) + launches * launch_us
-              + serial_us
+              + panel_elems * itemsize / sm_l2_bandwidth
 
 mm_flops run on Tensor Cores (fp16/bf16, or TF32 for fp32 compute); everything else on CUDA cores. A QKV group
-launches once per projection (gtco::Qkv runs its GEMM per projection); every other fused group once. serial_us is
+launches once per projection (gtco::Qkv runs its GEMM per projection); every other fused group once. The panel term is
 work that does not overlap the rest: a GEMM + LayerNorm group's normalize step, which the last block of each row
 panel runs alone over the panel it reads back (LN_PANEL_ROWS rows, read and written at one SM's share of L2
 bandwidth, Target.sm_l2_gbps: an assumption until measured).

@@ -111,8 +111,8 @@ def _gemm(dtype: str, op: FusedOp) -> Problem | str:
                         trans_b=bool(op.attrs.get("trans_b")), bias=bool(op["bias"]),
                         activation=str(op.attrs.get("activation") or "none"),
                         residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)),
-                        layer_scale=bool(op.attrs.get("layer_scale")),
-                        **({"layernorm": True, "epsilon": float(op["epsilon"])} if op.attrs.get("layernorm") else {}))
+                        layer_scale=bool(op.attrs.get("layer_scale")), layernorm=bool(op.attrs.get("layernorm")),
+                        epsilon=float(op.attrs.get("epsilon", 1e-5)))
 
 
 def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:

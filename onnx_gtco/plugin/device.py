@@ -43,7 +43,7 @@ EMULATED_ARCH = "sm_80"
 _ROLE_FLAGS: dict[str, tuple[tuple[str, str, int], ...]] = {
     # family -> (flag, "in"/"out", role index): the flag is whether the node has that operand
     "layernorm": (("residual", "in", 1), ("residual_out", "out", 1), ("gamma", "in", 2), ("beta", "in", 3)),
-    "gemm": (("bias", "in", 2), ("residual", "in", 3), ("layer_scale", "in", 4)),  # layernorm: node_problem
+    "gemm": (("bias", "in", 2), ("residual", "in", 3), ("layer_scale", "in", 4)),
     "qkv": (("bias", "in", 4),),
     "attention": (("mask", "in", 3), ("bias", "in", 4)),
     "bmm_softmax": (("mask", "in", 3), ("bias", "in", 4)),

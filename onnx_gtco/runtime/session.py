@@ -26,11 +26,11 @@ from onnx_gtco.runtime.cuda_ep import CUDA_EP, load_cuda_libraries, require_cuda
 
 METADATA_KEY = "gtco.library"
 REGISTER_KEY = "gtco.register"
+"""The session config entry the library reads when it is registered: one of REGISTER_MODES."""
+REGISTER_MODES = ("cuda", "all", "none")
 PDL_KEY = "gtco.pdl"
 """Session config entry: "0" launches no kernel with programmatic dependent launch (plugins/ort/register.inc);
 $GTCO_PDL sets it in the sessions make_session creates, unless the caller's options set it."""
-"""The session config entry the library reads when it is registered: one of REGISTER_MODES."""
-REGISTER_MODES = ("cuda", "all", "none")
 
 
 def library_path(path: str | os.PathLike[str]) -> Path | None:
