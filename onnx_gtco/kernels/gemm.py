@@ -65,6 +65,7 @@ from onnx_gtco.kernels.family import (
 )
 from onnx_gtco.kernels.layernorm import normalize_rows
 from onnx_gtco.patterns.activation import REFERENCE
+from onnx_gtco.patterns.gemm import MAX_LN_N  # the rule proposes what the kernel takes: one bound
 
 # Activation name -> gtco::Act enumerator in gemm.cuh.
 ACTIVATIONS: dict[str, str] = {
@@ -91,8 +92,6 @@ MIN_KTILES_PER_SPLIT = 4
 _FILL_TILE: dict[str, int] = {"BM": 64, "BN": 64, "BK": 32, "WM": 2, "WN": 2, "STAGES": 4}
 """The tile configs() tries first for a problem that 128x128 tiles leave mostly idle (a 4-stage pipeline: a
 split's few k-tiles leave it no time to fill a shallower one)."""
-MAX_LN_N = 1024
-"""The largest N of a layernorm problem (gemm.cuh kMaxLnN): one warp holds a row, at most 32 floats per lane."""
 SPLIT_WORKSPACE_MAX = 64 << 20
 """Bytes of split-K workspace `check` allows a configuration: the buffer stays allocated per device and stream for
 the process, and a split of a problem that needs more has tiles enough to fill the GPU without it."""

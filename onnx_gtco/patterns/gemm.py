@@ -114,7 +114,9 @@ class GemmPattern:
         return {"m": a[-2], "k": a[-1], "n": b[-1], "trans_b": False, "batch": tuple(out[:-2])}
 
 
-MAX_LN_N = 1024  # widest row the GEMM + LayerNorm kernel normalizes (kernels.gemm.MAX_LN_N)
+MAX_LN_N = 1024
+"""The widest row the GEMM + LayerNorm kernel normalizes (gemm.cuh kMaxLnN: one warp holds a row, at most 32
+floats per lane); kernels.gemm checks problems against this same bound."""
 
 
 class GemmLayerNormPattern:
