@@ -809,10 +809,9 @@ inline uint4 ld_cg_16(const void* p) {
     return *static_cast<const uint4*>(p);
 }
 
-// griddepcontrol: the grids run one after another, so the wait is satisfied at once; it is recorded for the PDL
-// check (emu::note_global). launch_dependents has nothing to do.
+// griddepcontrol.wait: the grids run one after another, so the wait is satisfied at once; it is recorded for the
+// PDL check (emu::note_global).
 inline void grid_dep_wait() { emu::ctx().dep_waited = true; }
-inline void grid_dep_launch_dependents() { (void)emu::ctx(); }
 
 // Workspace of a launch (gtco/scratch.h's stream_scratch_zeroed on a GPU): zero-filled when first made or grown,
 // kept for the process; blocks that use it leave it zeroed again (split-K's tile counters).

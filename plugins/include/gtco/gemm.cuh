@@ -329,10 +329,6 @@ GTCO_DEVICE void ln_panel(const GemmArgs& p, unsigned* counters, int64_t bz, int
     }
 }
 
-}  // namespace gemm_detail
-
-namespace gemm_detail {
-
 // Zero a warp tile's accumulators.
 template <int MI, int NI>
 GTCO_DEVICE void zero_acc(float (&acc)[MI][NI][4]) {
@@ -748,8 +744,9 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 
 // Check *args against what the instance was built for, then launch on `stream`. Returns GTCO_OK, GTCO_EBADSHAPE
 // (sizes out of range, K or N not a multiple of a 16-byte chunk (8 halves, 4 floats) for a VEC instance, a
-// bias / residual / layer_scale pointer present or absent
-// against the instance, LN: N > kMaxLnN, LayerNorm pointers absent (or present for an instance without LN), misaligned pointers or strides, overlapping batch entries) or GTCO_ELAUNCH.
+// bias / residual / layer_scale pointer present or absent against the instance, for LN N > kMaxLnN or a LayerNorm
+// pointer absent (or present for an instance without LN), misaligned pointers or strides, overlapping batch
+// entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
           bool LN = false>

@@ -146,19 +146,13 @@ GTCO_DEVICE void grid_dep_wait() {
 #endif
 }
 
-// Lets the kernel after this one in the stream (launched with the attribute) start before this grid finishes.
-// Without it a grid triggers implicitly when it completes. No gtco kernel calls it, on purpose: (1) the glue's rule
-// (gtco_ort.h, NodeRef::pdl) relies on "a gtco producer never triggers early", so that any kernel after it, ORT's
-// included, starts only after it completed and a consumer's wait on its immediate predecessor covers the producer
-// even when a foreign kernel (itself a PDL launch that need not wait) sits between them; (2) the dependent's blocks
-// would take SM slots, registers and shared memory only to spin in grid_dep_wait while this grid's tail runs,
-// which pays off only where measured on a GPU. The overlap PDL gives without it: the dependent's launch processing
-// and block scheduling against this grid's last blocks.
-GTCO_DEVICE void grid_dep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
+// No gtco kernel triggers its dependent early (griddepcontrol.launch_dependents), on purpose, so a grid triggers
+// implicitly when it completes: (1) the glue's rule (gtco_ort.h, NodeRef::pdl) relies on "a gtco producer never
+// triggers early", so that any kernel after it, ORT's included, starts only after it completed and a consumer's wait
+// on its immediate predecessor covers the producer even when a foreign kernel (itself a PDL launch that need not
+// wait) sits between them; (2) the dependent's blocks would take SM slots, registers and shared memory only to spin
+// in grid_dep_wait while this grid's tail runs, which pays off only where measured on a GPU. The overlap PDL gives
+// without it: the dependent's launch processing and block scheduling against this grid's last blocks.
 
 // Marks a global-memory access for the emulation's PDL check (plugins/emu/gtco_emu.h); nothing on the GPU.
 #define GTCO_EMU_NOTE_GLOBAL(p, what) ((void)0)
