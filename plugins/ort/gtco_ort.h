@@ -156,11 +156,6 @@ struct NodeSpec {
     bool pdl[kArchSlots] = {};
 };
 
-// The gtco.pdl value of the registration in progress on this thread (register.inc sets it around add_ops /
-// add_cuda_ops; the generated glue's add_ops hands out the op objects made with that value).
-inline thread_local bool t_registering_pdl = true;
-inline bool registering_pdl() { return t_registering_pdl; }
-
 extern const NodeSpec kNodes[];
 extern const size_t kNodeCount;
 

@@ -658,8 +658,9 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
         'const NodeSpec kNodes[] = {{"Attention_f32", "n", 1, 1, {0, 0, 0, -1, -1, -1, -1, -1}, '
         '{0, -1, -1, -1, -1, -1, -1, -1}, {nullptr, nullptr}, {nullptr, nullptr}, nullptr}};\n'
         'const size_t kNodeCount = 1;\n' + inst +
-        '\nvoid add_ops(Ort::CustomOpDomain& d) { static FusedOp<Attention, DType::f32, false> a("Attention_f32"); '
-        'd.Add(&a); }\nconst char* const kLibraryInfo = "{}";\n}  // namespace gtco\n#include "register.inc"\n')
+        '\nvoid add_ops(Ort::CustomOpDomain& d, bool) {\n'
+        '    static FusedOp<Attention, DType::f32, false> a("Attention_f32");\n    d.Add(&a);\n}'
+        '\nconst char* const kLibraryInfo = "{}";\n}  // namespace gtco\n#include "register.inc"\n')
     proc = subprocess.run([cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
                            f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
                            f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(src)],
@@ -703,7 +704,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory):
     src.write_text(
         '#include "attention_op.h"\nnamespace gtco {\nconst NodeSpec kNodes[] = {\n' + ",\n".join(rows) +
         f"}};\nconst size_t kNodeCount = {len(rows)};\n"
-        "void add_ops(Ort::CustomOpDomain& d) {\n"
+        "void add_ops(Ort::CustomOpDomain& d, bool) {\n"
         '    static FusedOp<Attention, DType::f32, false> a("Attention_f32");\n'
         '    static FusedOp<BmmSoftmax, DType::f32, false> b("BmmSoftmax_f32");\n'
         '    static FusedOp<Attention, DType::f16, false> c("Attention_f16");\n'

@@ -588,7 +588,7 @@ const NodeSpec kNodes[] = {
 };
 const size_t kNodeCount = sizeof(kNodes) / sizeof(kNodes[0]);
 const char* const kLibraryInfo = "{}";
-void add_ops(Ort::CustomOpDomain& domain) {
+void add_ops(Ort::CustomOpDomain& domain, bool) {
     static FusedOp<Gemm, DType::f32, false> gemm("Gemm_f32");
     static FusedOp<Qkv, DType::f32, false> qkv("Qkv_f32");
     domain.Add(&gemm);
