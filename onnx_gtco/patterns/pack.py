@@ -34,7 +34,8 @@ ROLES = ("q", "k", "v")
 
 @dataclass(frozen=True)
 class Packing:
-    """One packed projection group: its MatMuls' first node name, the outputs in q, k, v order, the width."""
+    """One packed projection group: its MatMuls' first node name, the outputs in q, k, v order, the width of each,
+    and whether the projections had their bias Adds."""
 
     first: str
     outputs: tuple[str, str, str]
