@@ -336,3 +336,15 @@ def test_an_opset_without_slice_inputs_is_left_alone(kit) -> None:
     model = g.model(opset=9)  # as written, not loaded (load_model would convert it to opset 17)
     assert patchify_convs(model) == (model, [])
     assert len(patchify_convs(load_model(model))[1]) == 1
+
+
+def test_a_ragged_patchify_with_its_slice_is_one_layout_group_before_the_gemm(kit) -> None:
+    model = _conv_model(kit, 2, 3, 230, 227, 48, (16, 16), reader="tokens")
+    out, _ = patchify_convs(model)
+    view, cands, _, plan, _, _ = plan_model(out, GtcoConfig(precision="fp32"))
+    groups = [(c.family, sorted(view.nodes[i].name for i in c.nodes)) for c in plan.groups]
+    assert groups[0] == ("elementwise", ["conv.patchify.patches", "conv.patchify.permute", "conv.patchify.slice",
+                                         "conv.patchify.split"])
+    # the bias Add may go with the position Add after it instead (the DP weighs one elementwise pass over both)
+    assert groups[1][0] == "gemm" and "conv.patchify.matmul" in groups[1][1]
+    assert not [c for c in cands if c.family == "conv"]
