@@ -154,6 +154,12 @@ struct NodeSpec {
     // (onnx_gtco/plugin/pdl.py). The kernel uses it when the device is 9.0 or later and the session allows it
     // (gtco.pdl, register.inc): see NodeRef::pdl.
     bool pdl[kArchSlots] = {};
+    // The generated mma instance per arch slot that the slot's cuBLASLt instance (cuda_fn) falls back to when it
+    // returns GTCO_ELIBRARY: libcublasLt absent, no algorithm of the chosen rank, a plan that cannot be made
+    // (gtco/cublaslt.h; onnx_gtco/plugin/device.py mma_fallbacks). Left out, or nullptr: none, and such a failure is
+    // the node's error. Dispatch entries keep no fallback: a node with a dispatch table has none.
+    InstanceFn fallback_fn[kArchSlots] = {};
+    const char* fallback_name[kArchSlots] = {};
 };
 
 extern const NodeSpec kNodes[];
