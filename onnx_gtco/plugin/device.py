@@ -12,6 +12,10 @@ big enough for CUTLASS's 128x128 tiles to fill the GPU (`default_own_config`); o
 instance, so a 9.0 device runs what every 9.x runs and a model of small GEMMs compiles no CUTLASS kernel (each takes
 30-60 s of nvcc). An emulated build (plugins/emu) has one device, an sm_80.
 
+A slot whose instance is a cuBLASLt one (impl "cublaslt") also gets an mma fallback instance (mma_fallbacks), which
+the glue launches where cuBLASLt cannot run (libcublasLt absent, no algorithm of the chosen rank), so a vendor
+failure never fails the session.
+
 A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, a
 causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32 model optimized with
 --precision fp16 keeps fp32 tensors between its nodes, and the device kernels read and write their own dtype only
