@@ -12,8 +12,9 @@ that fails:
 
 Each time the outputs match a float64 reference on seeded random inputs, the reason is noted once (ORT's logger,
 stderr), and, with the stand-in, the node stops calling cuBLASLt once it has fallen back, also when the first calls
-come from several threads at once. A node without a fallback (one with a dispatch table) keeps failing with
-cuBLASLt's reason. mma_fallbacks' choice is checked on its own, without a build.
+come from several threads at once; a QKV node's three projections all take the fallback after the first one's
+failure. A node without a fallback (one with a dispatch table) keeps failing with cuBLASLt's reason. mma_fallbacks'
+choice is checked on its own, without a build.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +68,29 @@ def _reference(x: np.ndarray) -> np.ndarray:
     return np.maximum(x.astype(np.float64) @ inits["W"] + inits["b"], 0.0)
 
 
+def _qkv_model() -> onnx.ModelProto:
+    """Z = (X @ W0 + b0 + X @ W1 + b1) * (X @ W2 + b2), fp16: the three projections of X become one Qkv_f16 node
+    (they meet before another weight GEMM), which launches its instance once per projection."""
+    rng = np.random.default_rng(1)
+    inits, nodes = [], []
+    for i in range(3):
+        inits.append(numpy_helper.from_array((rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float16), f"W{i}"))
+        inits.append(numpy_helper.from_array((0.5 * rng.standard_normal(N)).astype(np.float16), f"b{i}"))
+        nodes += [helper.make_node("MatMul", ["X", f"W{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"y{i}"], name=f"add{i}")]
+    nodes += [helper.make_node("Add", ["y0", "y1"], ["s"], name="sum"),
+              helper.make_node("Mul", ["s", "y2"], ["Z"], name="mul")]
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("X", TensorProto.FLOAT16, [M, K])],
+                              [helper.make_tensor_value_info("Z", TensorProto.FLOAT16, [M, N])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _qkv_reference(x: np.ndarray) -> np.ndarray:
+    inits = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in _qkv_model().graph.initializer}
+    y = [x.astype(np.float64) @ inits[f"W{i}"] + inits[f"b{i}"] for i in range(3)]
+    return (y[0] + y[1]) * y[2]
+
+
 @pytest.fixture(scope="module")
 def lt_include() -> list[Path]:
     """cublasLt.h's folder and CUDA's runtime headers' (what the emulated instance and the stand-in compile with)."""
@@ -76,11 +101,14 @@ def lt_include() -> list[Path]:
         pytest.skip(f"the cuBLASLt header could not be obtained: {e}")
 
 
-def _build(out: Path, rows: int | str = M, dispatch: bool = False) -> tuple[Path, LibraryResult, str]:
-    """The model optimized and saved in `out`, its emulated library with the GEMM node tuned to cuBLASLt (and with
-    `dispatch`, a symbolic row count given a one-entry cuBLASLt dispatch table), and the node's name."""
-    rewritten = optimize(_model(rows)).model
-    gemm = next(n.name for n in rewritten.graph.node if n.domain == "ai.gtco" and n.op_type.startswith("Gemm"))
+def _build(out: Path, rows: int | str = M, dispatch: bool = False, qkv: bool = False
+           ) -> tuple[Path, LibraryResult, str]:
+    """The model (`qkv`: _qkv_model's) optimized and saved in `out`, its emulated library with the GEMM (or QKV)
+    node tuned to cuBLASLt (and with `dispatch`, a symbolic row count given a one-entry cuBLASLt dispatch table),
+    and the node's name."""
+    rewritten = optimize(_qkv_model() if qkv else _model(rows)).model
+    op = "Qkv" if qkv else "Gemm"
+    gemm = next(n.name for n in rewritten.graph.node if n.domain == "ai.gtco" and n.op_type.startswith(op))
     table = {gemm: {"sm_80": [(None, LT)]}} if dispatch else None
     lib = build_library(rewritten, out, cuda=False, emulated=True, tuned={gemm: {"sm_80": LT}}, dispatch=table)
     path = out / "model.gtco.onnx"
@@ -235,10 +263,10 @@ def _notes(stderr: str, node: str) -> list[str]:
             if f"node '{node}': cuBLASLt instance" in line and "the node runs its mma fallback" in line]
 
 
-def _check_outputs(xs: dict[str, np.ndarray], ys: dict[str, np.ndarray]) -> None:
+def _check_outputs(xs: Arrays, ys: Arrays, reference: Callable[[np.ndarray], np.ndarray] = _reference) -> None:
     assert sorted(ys) == sorted(xs)
     for key, x in xs.items():
-        want = _reference(x)
+        want = reference(x)
         assert np.abs(want).max() > 0.5  # random inputs, not a trivially zero output
         assert ys[key].dtype == np.float16 and ys[key].shape == want.shape
         assert rel_error(ys[key], want) < 5e-3, key
@@ -285,6 +313,19 @@ def test_no_algorithm_falls_back_and_stops_asking(built: tuple[Path, LibraryResu
     # the first calls asked cuBLASLt (each thread that got there before the flag was set); none after that
     assert 1 <= calls["after_concurrent"] <= CONCURRENT
     assert calls["after_all"] == calls["after_concurrent"] and calls["matmul"] == 0
+
+
+def test_every_qkv_projection_takes_the_fallback(lt_include: list[Path], standin: Path, tmp_path: Path) -> None:
+    """A QKV node launches its instance once per projection: the first projection's failure switches the node, and
+    the other two launch the fallback directly (the heuristic is asked once in all)."""
+    model, lib, qkv = _build(tmp_path, qkv=True)
+    assert lib.fallbacks[qkv]["sm_80"].startswith("gemm_sm80_f16_")
+    report, xs, ys, stderr = _session(tmp_path, model, lib.path, standin, calls=(1, 1))
+    assert report["errors"] == []
+    _check_outputs(xs, ys, _qkv_reference)
+    (note,) = _notes(stderr, qkv)
+    assert "Qkv_f16 node" in note and "cublaslt_sm80_f16_r0 cannot run" in note  # the biases stay outside it
+    assert report["calls"] == {"after_concurrent": 1, "after_all": 1, "matmul": 0}
 
 
 def test_a_node_without_fallback_keeps_cublaslts_error(lt_include: list[Path], tmp_path: Path) -> None:
