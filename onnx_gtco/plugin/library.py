@@ -619,9 +619,12 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     Args:
         cuda: link the device kernels built with nvcc for CUDA_ARCHS and register them for the CUDA EP.
         emulated: instead, link them built for the CPU emulation and register them for the CPU EP (tests of the
-            device path without a GPU; slow, small shapes only). Exclusive with `cuda`.
+            device path without a GPU; slow, small shapes only). Exclusive with `cuda`. A tuned cuBLASLt
+            configuration is kept: its instance builds for the emulation and always gives way to the node's mma
+            fallback there (gtco/cublaslt.h), which is how the fallback is tested without a GPU.
         tuned: node name -> arch -> the tuner's best configuration (onnx_gtco.tune); other nodes and archs get
-            the family's default. A tuned instance that spills is a BuildError like any other.
+            the family's default. A tuned instance that spills is a BuildError like any other; a cuBLASLt one
+            brings the node's mma fallback into the build (LibraryResult.fallbacks).
         dispatch: node name -> arch -> the dispatch table [(max_extent, config)] of a node whose run-time extent
             is symbolic (onnx_gtco.tune.dynamic); such nodes missing from it get the analytical default table
             (plugin.dispatch), whatever `tuned` says for them. Every distinct instance of the tables is built.
@@ -631,7 +634,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             types come from shape inference over `model`. optimize_file passes the plan's view.
 
     Raises:
-        BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable, a
+        BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable (or,
+            for a cuBLASLt instance, cublasLt.h; in an emulated build also CUDA's runtime headers it includes), a
             malformed `gtco.dynamic` metadata or dispatch table.
     """
     if cuda and emulated:
