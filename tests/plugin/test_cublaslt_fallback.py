@@ -32,7 +32,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import optimize
-from onnx_gtco.errors import HeaderError
+from onnx_gtco.config import CUBLASLT_INCLUDE_ENV
+from onnx_gtco.errors import BuildError, HeaderError
 from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
 from onnx_gtco.kernels.family import Instance, rel_error
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
@@ -361,3 +362,15 @@ def test_mma_fallbacks_choose_the_first_usable_mma_configuration() -> None:
     every = {(name, "sm_80") for name in names80}
     (why,) = mma_fallbacks([lt80], every)
     assert isinstance(why, str) and "valid mma GEMM configurations for sm_80 spills" in why
+
+
+def test_an_emulated_cublaslt_build_without_the_header_is_a_clear_error(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulated build keeps a tuned cuBLASLt configuration, so it needs cublasLt.h as the CUDA build does, and
+    says so before compiling anything."""
+    empty = tmp_path / "no-header"
+    empty.mkdir()
+    monkeypatch.setenv(CUBLASLT_INCLUDE_ENV, str(empty))
+    with pytest.raises(BuildError, match=rf"{CUBLASLT_INCLUDE_ENV}=.* has no cublasLt.h"):
+        _build(tmp_path)
+    assert not list(tmp_path.glob("libgtco-*.so"))
