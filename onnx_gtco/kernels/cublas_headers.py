@@ -10,6 +10,10 @@ against libcublasLt: plugins/include/gtco/cublaslt.h resolves its functions at r
    `python -m pip download --no-deps nvidia-cublas==<version>` (the wheel is large; only its headers are kept).
    The headers are unpacked into a temporary directory that is renamed into place, so the cache is either complete
    or absent.
+
+cublasLt.h includes CUDA's runtime headers (driver_types.h and the crt/ it includes, cuda_fp16.h, library_types.h).
+nvcc brings its own; a g++ build of a cuBLASLt instance, the emulation's (onnx_gtco.plugin.library), takes them from
+`cuda_runtime_include_dir()`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import zipfile
 from pathlib import Path
 
 from onnx_gtco.config import CUBLASLT_INCLUDE_ENV, cublaslt_include_override
-from onnx_gtco.errors import HeaderError
-from onnx_gtco.kernels.toolchain import cache_root
+from onnx_gtco.errors import BuildError, HeaderError
+from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
 
 ENV = CUBLASLT_INCLUDE_ENV
 HEADER = "cublasLt.h"
@@ -59,6 +63,35 @@ def cublaslt_include_dir(download: bool = True) -> Path:
         raise HeaderError(f"{HEADER} is not here ({ENV} is unset, {PACKAGE} is not installed, {target} is empty) "
                           f"and would be downloaded: set {ENV} to a folder with {HEADER}")
     return _fill(target)
+
+
+RUNTIME_HEADERS = ("driver_types.h", "crt/host_defines.h", "cuda_fp16.h", "library_types.h")
+"""What cublasLt.h needs of CUDA's own headers, beside it or in a folder of cuda_runtime_include_dir's."""
+CUDA_INCLUDE = Path("/usr/local/cuda/include")
+"""The CUDA toolkit's default install: the last folder cuda_runtime_include_dir tries."""
+
+
+def cuda_runtime_include_dir(lt_include: Path) -> Path:
+    """A folder with CUDA's runtime headers that cublasLt.h (in `lt_include`) includes, for a g++ build of a cuBLASLt
+    instance (the emulation; nvcc brings its own): `lt_include` itself where it has them (a CUDA toolkit's include/,
+    or the nvidia wheels' shared folder where they carry crt/), else the toolkit of nvcc (its bin/'s ../include,
+    symbolic links followed), else /usr/local/cuda/include.
+
+    Raises:
+        HeaderError: none of them has every one of RUNTIME_HEADERS (the message names the folders tried).
+    """
+    tried = [lt_include]
+    try:
+        tried.append(Path(find_nvcc()).resolve().parent.parent / "include")
+    except BuildError:
+        pass  # no nvcc: the default install may still be there
+    tried.append(CUDA_INCLUDE)
+    for d in tried:
+        if all((d / h).is_file() for h in RUNTIME_HEADERS):
+            return d
+    raise HeaderError(f"CUDA's runtime headers that {HEADER} includes ({', '.join(RUNTIME_HEADERS)}) are in none of "
+                      f"{', '.join(map(str, dict.fromkeys(tried)))}: install the CUDA toolkit (nvcc on PATH, or "
+                      f"{CUDA_INCLUDE})")
 
 
 def installed_include_dir() -> Path | None:
@@ -131,5 +164,5 @@ def _fill(target: Path) -> Path:
         return unpack_headers(wheels[0], target)
 
 
-__all__ = ["ENV", "HEADER", "PACKAGE", "VERSION", "cublaslt_include_dir", "installed_include_dir", "installed_library",
-           "unpack_headers"]
+__all__ = ["CUDA_INCLUDE", "ENV", "HEADER", "PACKAGE", "RUNTIME_HEADERS", "VERSION", "cublaslt_include_dir",
+           "cuda_runtime_include_dir", "installed_include_dir", "installed_library", "unpack_headers"]

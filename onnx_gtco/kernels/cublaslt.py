@@ -20,6 +20,10 @@ Batches: a weight GEMM (one B for the whole batch) folds the batch into the rows
 batched GEMM steps A, B and Y by their strided-batch offsets. fp32 runs as TF32 (CUBLAS_COMPUTE_32F_FAST_TF32, as
 the generated kernels do); 16-bit inputs accumulate in fp32 (CUBLAS_COMPUTE_32F) and may write fp32 (out_dtype).
 The heuristic's algorithm rank (0 = its first choice) is the tuning parameter RANK.
+
+Where cuBLASLt cannot run at all (libcublasLt absent, no algorithm of that rank, a plan that cannot be made: the
+instance returns GTCO_ELIBRARY), the library launches the node's generated mma instance instead
+(onnx_gtco.plugin.device.mma_fallbacks, plugins/ort/gemm_op.h run_gemm), so a vendor failure never fails a session.
 """
 
 from __future__ import annotations

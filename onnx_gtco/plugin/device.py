@@ -12,6 +12,10 @@ big enough for CUTLASS's 128x128 tiles to fill the GPU (`default_own_config`); o
 instance, so a 9.0 device runs what every 9.x runs and a model of small GEMMs compiles no CUTLASS kernel (each takes
 30-60 s of nvcc). An emulated build (plugins/emu) has one device, an sm_80.
 
+A slot whose instance is a cuBLASLt one (impl "cublaslt") also gets an mma fallback instance (mma_fallbacks), which
+the glue launches where cuBLASLt cannot run (libcublasLt absent, no algorithm of the chosen rank), so a vendor
+failure never fails the session.
+
 A node gets no instance, with the reason, when its Problem has none (symbolic sizes the kernel is built for, a
 causal mask, ...), or when its kernel dtype differs from its tensors' dtype: an fp32 model optimized with
 --precision fp16 keeps fp32 tensors between its nodes, and the device kernels read and write their own dtype only
@@ -26,6 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from onnx_gtco.config import TARGETS
+from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
@@ -179,6 +184,35 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
     return tuple(out)
 
 
+def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = ()) -> tuple[Instance | str | None, ...]:
+    """Per arch slot of a node's chosen `instances` (device_instances' answer), the generated mma GEMM instance that
+    slot's cuBLASLt instance falls back to at run time, or why it has none; None where the slot's instance is not a
+    cuBLASLt one (it needs no fallback).
+
+    Why: a cuBLASLt instance can fail where a generated kernel cannot: libcublasLt absent from the machine, its
+    heuristic offering no algorithm of the chosen rank for the run-time alignment, a plan that cannot be made
+    (GTCO_ELIBRARY). The glue then launches the fallback on the same arguments (plugins/ort/gemm_op.h run_gemm),
+    so a vendor failure never fails the session. The fallback computes the cuBLASLt instance's own Problem (the
+    node's epilogue, output dtype) on that instance's arch: the family's first valid configuration without an
+    "impl" (or with impl "mma"), whatever else the family offers first, whose instance ptxas did not reject
+    (`avoid`)."""
+    out: list[Instance | str | None] = []
+    for inst in instances:
+        if inst.config.get("impl") != CUBLASLT:
+            out.append(None)
+            continue
+        problem, arch = inst.problem, inst.arch
+        configs = [c for c in GEMM.configs(problem, arch) if c.get("impl", "mma") == "mma"]
+        usable = [c for c in configs if (GEMM.instance_name(problem, c, arch), arch) not in avoid]
+        if usable:
+            out.append(GEMM.instantiate(problem, usable[0], arch))
+        elif configs:
+            out.append(f"each of the {len(configs)} valid mma GEMM configurations for {arch} spills or needs a stack "
+                       "frame (ptxas)")
+        else:
+            out.append(f"no valid mma GEMM configuration for {arch} computes {inst.name}'s problem")
+    return tuple(out)
+
+
 __all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "bound_problem", "default_own_config", "device_instances",
-           "device_problem",
-           "select_config"]
+           "device_problem", "mma_fallbacks", "select_config"]

@@ -15,12 +15,16 @@
    Dynamic shapes (plugin.dispatch): every bound node checks the declared ranges (the plan's, else the `gtco.dynamic`
    metadata) of its symbolic input dims on each call, and a node whose run-time extent is symbolic gets a dispatch
    table per arch (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
+   A node whose instance in some arch slot is a cuBLASLt one (a tuned {"impl": "cublaslt"} configuration) gets an
+   mma fallback instance for that slot (plugin.device.mma_fallbacks), built with the others, which the glue launches
+   when cuBLASLt cannot run (plugins/ort/gemm_op.h run_gemm); nodes with a dispatch table get none.
 3. One glue `.cc`, plugins/ort/glue.cc.j2 filled with plain data (generate_glue): includes plugins/ort/gtco_ort.h
    and the used families' headers, the per-node code or data of binders with a `glue` hook (the Elementwise
    family's host functions and node descriptors), the NodeSpec table `kNodes` (roles, the instances' entry points
    per arch slot, the hook's `node_data`, the ranges, extent factors and dispatch table of a dynamic node, and per
    arch slot whether it launches with programmatic dependent launch (plugin.pdl: sm_90 and later, gtco kernels
-   fed by gtco kernels only); each row names its fields), `add_ops()` registering one CPU-EP op per bound op type
+   fed by gtco kernels only), the mma fallback per arch slot of a cuBLASLt node; each row names its fields),
+   `add_ops()` registering one CPU-EP op per bound op type
    and a CUDA-EP op per op type with device kernels (every node of it has them, after step 2), `kLibraryInfo`
    (JSON), then register.inc.
 4. g++ -std=c++20 -O3 -fPIC -fvisibility=hidden against `ort_include_dir()` (found, with cuBLASLt's header where
@@ -31,7 +35,9 @@
    any other compiler failure is a BuildError naming the kernel and its parameters. The instances are
    linked with plugins/cuda/probe.cu and the CUDA runtime statically. With emulated=True they are compiled with
    g++ -DGTCO_EMULATE and their ops registered for the CPU EP instead of the reference ones, so a CPU session runs
-   the whole device path (argument structs, strides, arch dispatch, the instances' checks) on the emulation.
+   the whole device path (argument structs, strides, arch dispatch, the instances' checks) on the emulation. A
+   cuBLASLt instance builds there too (against cublasLt.h and CUDA's runtime headers: cublas_headers); it goes as
+   far as cuBLASLt's plan and never runs its kernels (gtco/cublaslt.h), so its node runs its mma fallback.
 5. The file is `libgtco-<hash12>.so`, the hash covering the generated source, every file under plugins/, the
    flags and the compilers; it is built once into a per-user cache ($XDG_CACHE_HOME/onnx-gtco/libs) and copied
    atomically into out_dir. Nothing is left behind when a build fails.
@@ -57,7 +63,7 @@ from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
-from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
+from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
 from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
@@ -81,6 +87,7 @@ from onnx_gtco.plugin.device import (
     FALLBACK_SLOTS,
     device_instances,
     device_problem,
+    mma_fallbacks,
     select_config,
 )
 from onnx_gtco.plugin.dispatch import (
@@ -142,6 +149,10 @@ class LibraryResult:
             where siblings of its op type have theirs, and runs its model-local function.
         pdl: node -> the archs on which it launches with programmatic dependent launch (plugin.pdl; nodes with
             none left out).
+        fallbacks: node -> arch -> the mma instance its cuBLASLt instance on that arch falls back to when cuBLASLt
+            cannot run (plugin.device.mma_fallbacks); nodes without a cuBLASLt instance left out.
+        fallback_skips: node -> arch -> why its cuBLASLt instance there has no fallback (a failure of cuBLASLt is
+            then the node's error): no mma configuration left, or the node has a dispatch table.
     """
 
     path: Path
@@ -161,6 +172,8 @@ class LibraryResult:
     rejected: dict[str, str] = field(default_factory=dict)
     function_only: dict[str, str] = field(default_factory=dict)
     pdl: dict[str, list[str]] = field(default_factory=dict)
+    fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)
+    fallback_skips: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -190,7 +203,7 @@ class LibraryResult:
         return {"file": self.name, "cuda": self.cuda, "emulated": self.emulated, "op_types": self.op_types,
                 "cuda_op_types": self.cuda_op_types, "skipped": self.skipped(), "kernels": self.kernels,
                 "kernel_skips": self.kernel_skips, "rejected": self.rejected, "function_only": self.function_only,
-                "pdl": self.pdl,
+                "pdl": self.pdl, "fallbacks": self.fallbacks, "fallback_skips": self.fallback_skips,
                 "dispatch": {n: {a: [[t, name, dict(c)] for t, name, c in rows] for a, rows in per.items()}
                              for n, per in self.dispatch.items()}}
 
@@ -234,7 +247,8 @@ def bind_nodes(nodes: Sequence[FusedNode]) -> tuple[list[NodeResult], dict[str, 
 
 def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], binders: dict[str, Binder],
                   device: Mapping[str, tuple[Instance, ...]], emulated: bool = False,
-                  dynamic: Mapping[str, NodeDynamic] | None = None, pdl: Mapping[str, Sequence[bool]] | None = None
+                  dynamic: Mapping[str, NodeDynamic] | None = None, pdl: Mapping[str, Sequence[bool]] | None = None,
+                  fallbacks: Mapping[str, Sequence[Instance | str | None]] | None = None
                   ) -> tuple[str, list[str], list[str]]:
     """The glue source (plugins/ort/glue.cc.j2), the op types it registers, and those among them with device kernels.
 
@@ -244,7 +258,10 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     build (`emulated`) the device kernels are registered for the CPU EP in place of the reference ones.
     `dynamic` maps a bound node to the ranges it checks and, with device kernels, its dispatch table (one table
     per arch slot of `device`). `pdl` maps a node with device kernels to whether it launches with programmatic
-    dependent launch, per arch slot of `device` (plugin.pdl.pdl_slots; absent: never)."""
+    dependent launch, per arch slot of `device` (plugin.pdl.pdl_slots; absent: never). `fallbacks` maps a node
+    with device kernels to the mma instance per arch slot that its cuBLASLt instance falls back to
+    (plugin.device.mma_fallbacks; a reason or None: none), written into NodeSpec::fallback_fn and the library
+    info's "fallback"."""
     by_name = {n.node.name: n for n in nodes}
     bound = [r for r in results if r.binding is not None]
     op_types = sorted(binders)
@@ -253,8 +270,13 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     tables = {r.node: dynamic[r.node].tables for r in bound
               if r.op_type in device_types and r.node in dynamic and dynamic[r.node].tables}
 
-    def slots(insts: Sequence[Instance]) -> list[Instance | None]:
+    def slots(insts: Sequence[Instance | None]) -> list[Instance | None]:
         return [*insts, *([None] * (len(ARCH_SLOTS) - len(insts)))]
+
+    def fallback(node: str) -> list[Instance | None]:  # a node's fallback per slot of `device`, None: none
+        return [f if isinstance(f, Instance) else None for f in (fallbacks or {}).get(node, ())]
+
+    launches_fallback = {r.node: fallback(r.node) for r in bound if r.op_type in device_types and any(fallback(r.node))}
 
     blocks: dict[str, None] = {}  # per-node glue of the binders that have a `glue` hook, deduplicated by text
     rows = []
@@ -270,6 +292,7 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
                      "n_outputs": len(n.node.output), "in": _roles(r.binding.inputs), "out": _roles(r.binding.outputs),
                      "insts": slots(device[r.node] if r.op_type in device_types else ()), "node_data": node_data,
                      "pdl": _pdl_row((pdl or {}).get(r.node) if r.op_type in device_types else None),
+                     "fallbacks": slots(launches_fallback.get(r.node, [])),
                      "ranges": dyn.ranges, "extent": dyn.extent,
                      # the last entry takes every extent above
                      "entries": [("INT64_MAX" if e == len(entries) - 1 or top is None else top, slots(insts))
@@ -283,7 +306,9 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
             "dispatch": {node: [[top, [i.name for i in per_arch]] for top, per_arch in _rows(t)]
                          for node, t in tables.items()},
             "pdl": {r.node: _pdl_row(pdl[r.node]) for r in bound
-                    if r.op_type in device_types and pdl and any(pdl.get(r.node, ()))}}
+                    if r.op_type in device_types and pdl and any(pdl.get(r.node, ()))},
+            "fallback": {node: [i.name if i is not None else None for i in per_slot]
+                         for node, per_slot in launches_fallback.items()}}
     # op types with a node whose output is of another dtype than the op's (a half GEMM writing an fp32 graph output)
     # declare their outputs of any type: ORT then takes each node's output type from the model
     mixed_out = {r.op_type for r in bound
@@ -294,7 +319,8 @@ def generate_glue(nodes: Sequence[FusedNode], results: Sequence[NodeResult], bin
     source = render(
         "ort/glue.cc.j2", emulated=emulated, headers=sorted({b.header for b in binders.values()}), blocks=list(blocks),
         symbols=sorted({i.symbol for r in bound if r.op_type in device_types for i in device[r.node]} |
-                       {i.symbol for t in tables.values() for table in t for _, i in table}),
+                       {i.symbol for t in tables.values() for table in t for _, i in table} |
+                       {i.symbol for per_slot in launches_fallback.values() for i in per_slot if i is not None}),
         nodes=rows, info=text,
         ops=[{"op_type": t, "family": binders[t].cpp_struct, "dtype": _DTYPES[t.rsplit("_", 1)[1]],
               "cpu": not (emulated and t in device_types), "device": t in device_types,
@@ -340,17 +366,46 @@ def _rows(tables: Sequence[Sequence[tuple[int | None, Instance]]]) -> list[tuple
 
 def device_nodes(results: Sequence[NodeResult], binders: Mapping[str, Binder],
                  device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[str, NodeDynamic],
-                 n_archs: int) -> dict[str, list[list[Instance]]]:
+                 n_archs: int, fallbacks: Mapping[str, Sequence[Instance | str | None]] | None = None
+                 ) -> dict[str, list[list[Instance]]]:
     """Each node that runs device kernels (as generate_glue decides: bound, of an op type every bound node of which
-    has instances) -> per arch slot, every instance it may launch: its own and its dispatch entries'."""
+    has instances) -> per arch slot, every instance it may launch: its own, its dispatch entries' and its mma
+    fallback (`fallbacks`, node_fallbacks)."""
     types = set(_device_types(results, binders, device))
     out: dict[str, list[list[Instance]]] = {}
     for r in results:
         if r.binding is None or r.op_type not in types or r.node not in device:
             continue
         tables = dynamic.get(r.node, NodeDynamic()).tables
-        out[r.node] = [[device[r.node][s], *(i for _, i in (tables[s] if s < len(tables) else ()))]
-                       for s in range(n_archs)]
+        fallback = (fallbacks or {}).get(r.node, ())
+        out[r.node] = []
+        for s in range(n_archs):
+            slot = [device[r.node][s], *(i for _, i in (tables[s] if s < len(tables) else ()))]
+            if s < len(fallback) and isinstance(fallback[s], Instance):
+                slot.append(fallback[s])
+            out[r.node].append(slot)
+    return out
+
+
+NO_DISPATCH_FALLBACK = ("the node has a dispatch table (dynamic shapes), whose entries keep no fallback: a cuBLASLt "
+                        "failure is the node's error")
+"""node_fallbacks' reason for a dynamic node's cuBLASLt slot."""
+
+
+def node_fallbacks(device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[str, NodeDynamic],
+                   avoid: Avoid = ()) -> dict[str, tuple[Instance | str | None, ...]]:
+    """Each node with a cuBLASLt instance in some arch slot -> per slot its mma fallback, or why it has none
+    (plugin.device.mma_fallbacks; None where the slot's instance is not cuBLASLt). A node with a dispatch table gets
+    none: the glue launches its table's entries, never its own instance, and a DispatchEntry names one instance per
+    slot, with no fallback (left for when the tuner gives dispatch entries cuBLASLt configurations)."""
+    out: dict[str, tuple[Instance | str | None, ...]] = {}
+    for node, insts in device.items():
+        if not any(i.config.get("impl") == CUBLASLT for i in insts):
+            continue
+        if dynamic.get(node, NodeDynamic()).tables:
+            out[node] = tuple(NO_DISPATCH_FALLBACK if i.config.get("impl") == CUBLASLT else None for i in insts)
+        else:
+            out[node] = mma_fallbacks(insts, avoid)
     return out
 
 
@@ -375,17 +430,20 @@ def _probe_object(tmp: Path, log: list[str]) -> Path:
     return obj
 
 
-def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str]) -> list[Path]:
+def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str],
+                      lt_include: Sequence[Path] = ()) -> list[Path]:
     """g++ -DGTCO_EMULATE each instance into an object of the library (plugins/emu runs its grid on fibers), cached
     under cache_root()/emu by a hash of the source, the command and the headers, as nvcc's objects are: models
-    share most instances, and a full-size model's emulated library is built once per precision and tested more."""
+    share most instances, and a full-size model's emulated library is built once per precision and tested more.
+    A cuBLASLt instance also takes `lt_include` (_cublaslt_includes)."""
     cxx = find_cxx()
     cache = cache_root() / "emu"
 
     def one(inst: Instance) -> Path:
         src = tmp / f"{inst.name}.emu.cc"
+        lt = [f"-I{d}" for d in lt_include] if inst.config.get("impl") == CUBLASLT else []
         flags = ["-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
-                 f"-I{PLUGINS / 'include'}"]
+                 f"-I{PLUGINS / 'include'}", *lt]
         key = hashlib.sha256("\0".join([inst.source, cxx, *flags, headers_digest()]).encode()).hexdigest()[:16]
         cached = cache / f"{inst.name}.{key}.o"
         if cached.exists():
@@ -406,6 +464,17 @@ def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str]) 
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(instances), os.cpu_count() or 1))) as pool:
         return list(pool.map(one, instances))
+
+
+def _cublaslt_includes(emulated: bool) -> list[Path]:
+    """The folders a cuBLASLt instance compiles against: cublasLt.h's (nvcc brings CUDA's own headers) and, for the
+    emulation's g++, CUDA's runtime headers' that cublasLt.h includes; a BuildError saying what is missing."""
+    try:
+        lt = cublaslt_include_dir()
+        runtime = cuda_runtime_include_dir(lt) if emulated else lt
+    except HeaderError as e:
+        raise BuildError(str(e)) from None
+    return [lt] if runtime == lt else [lt, runtime]
 
 
 def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
@@ -550,9 +619,12 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     Args:
         cuda: link the device kernels built with nvcc for CUDA_ARCHS and register them for the CUDA EP.
         emulated: instead, link them built for the CPU emulation and register them for the CPU EP (tests of the
-            device path without a GPU; slow, small shapes only). Exclusive with `cuda`.
+            device path without a GPU; slow, small shapes only). Exclusive with `cuda`. A tuned cuBLASLt
+            configuration is kept: its instance builds for the emulation and always gives way to the node's mma
+            fallback there (gtco/cublaslt.h), which is how the fallback is tested without a GPU.
         tuned: node name -> arch -> the tuner's best configuration (onnx_gtco.tune); other nodes and archs get
-            the family's default. A tuned instance that spills is a BuildError like any other.
+            the family's default. A tuned instance that spills is a BuildError like any other; a cuBLASLt one
+            brings the node's mma fallback into the build (LibraryResult.fallbacks).
         dispatch: node name -> arch -> the dispatch table [(max_extent, config)] of a node whose run-time extent
             is symbolic (onnx_gtco.tune.dynamic); such nodes missing from it get the analytical default table
             (plugin.dispatch), whatever `tuned` says for them. Every distinct instance of the tables is built.
@@ -562,7 +634,8 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             types come from shape inference over `model`. optimize_file passes the plan's view.
 
     Raises:
-        BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable, a
+        BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable (or,
+            for a cuBLASLt instance, cublasLt.h; in an emulated build also CUDA's runtime headers it includes), a
             malformed `gtco.dynamic` metadata or dispatch table.
     """
     if cuda and emulated:
@@ -579,8 +652,10 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     nodes = fused_nodes(model, planned)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
-    if emulated and tuned:  # the emulation runs the generated kernels only: a library's configuration gives way
-        tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") == "mma"} for n, per in tuned.items()}
+    if emulated and tuned:  # the emulation runs the generated kernels and cuBLASLt's plan (then its node's mma
+        # fallback, gtco/cublaslt.h) only: another library's configuration (CUTLASS) gives way
+        tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") in ("mma", CUBLASLT)}
+                 for n, per in tuned.items()}
     # every header the build needs is found before the first compile: a machine without network learns what is
     # missing in a second, not after minutes of nvcc
     try:
@@ -592,19 +667,19 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     rejected: dict[tuple[str, str], str] = {}
     compiled: list[CompiledInstance] = []
     fresh = False  # an instance was compiled, not taken from the cache, in some round
+    lt_include: list[Path] = []  # cublasLt.h's folder, and CUDA's runtime headers' for the emulation's g++
     while True:
         device, kernel_skips = select_device(nodes, results, archs, tuned, rejected) if archs else ({}, {})
         dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch, rejected)
+        fallbacks = node_fallbacks(device, dynamic, rejected)  # built, and ptxas-checked, with the others
         unique = {(i.name, i.arch): i for node in device
-                  for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t))}
+                  for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t),
+                            *(f for f in fallbacks.get(node, ()) if isinstance(f, Instance)))}
         instances = [unique[k] for k in sorted(unique)]  # nodes of the same problem share an instance
+        if not lt_include and any(i.config.get("impl") == CUBLASLT for i in instances):
+            lt_include = _cublaslt_includes(emulated)
         if not cuda:
             break
-        try:
-            if any(i.config.get("impl") == CUBLASLT for i in instances):
-                cublaslt_include_dir()
-        except HeaderError as e:
-            raise BuildError(str(e)) from None
         new: dict[tuple[str, str], str] = {}
         # nvcc per instance, cached across models; BuildError names a failing one
         compiled = compile_instances(instances, rejected=new)
@@ -621,9 +696,12 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
                if r.node in moved else r for r in results]
     binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
     kernel_skips = {n: why for n, why in kernel_skips.items() if n not in moved}
-    launched = device_nodes(results, binders, device, dynamic, len(archs))  # node -> its instances per arch slot
+    # node -> the instances it may launch per arch slot (its own, its dispatch entries', its fallback)
+    launched = device_nodes(results, binders, device, dynamic, len(archs), fallbacks)
+    fallbacks = {node: per_slot for node, per_slot in fallbacks.items() if node in launched}
     pdl = pdl_slots(model, archs, launched)
-    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic, pdl)
+    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic, pdl,
+                                                   fallbacks)
     tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
                      for arch, table in zip(archs, dynamic[node].tables, strict=True)}
               for node in launched if node in dynamic and dynamic[node].tables}
@@ -641,11 +719,17 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     name = f"libgtco-{h.hexdigest()[:12]}.so"
     dest = out / name
 
+    per_arch = {n: dict(zip(archs, per, strict=True)) for n, per in fallbacks.items()}
+    fallback_names = {n: {a: f.name for a, f in per.items() if isinstance(f, Instance)} for n, per in per_arch.items()}
+    fallback_skips = {n: {a: f for a, f in per.items() if isinstance(f, str)} for n, per in per_arch.items()}
+
     def result(built: bool, created: bool, log: str) -> LibraryResult:
         lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh, created,
                             time.monotonic() - start, log, [c.summary() for c in compiled], kernel_skips, emulated,
                             tables, built=built, rejected={f"{n} ({a})": why for (n, a), why in rejected.items()},
-                            function_only=moved, pdl=pdl_archs(pdl, archs))
+                            function_only=moved, pdl=pdl_archs(pdl, archs),
+                            fallbacks={n: names for n, names in fallback_names.items() if names},
+                            fallback_skips={n: why for n, why in fallback_skips.items() if why})
         st.note = lib.what()
         return lib
 
@@ -684,7 +768,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
                     objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
                     link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
                 else:
-                    objs += _emulated_objects(tmp, instances, log) if emulated else []
+                    objs += _emulated_objects(tmp, instances, log, lt_include) if emulated else []
                     link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
                 res = run_compile(link, tmp / name, timeout_s=600)
                 log.append(" ".join(link) + "\n" + res.stderr)

@@ -23,8 +23,14 @@
 // than a row of N, and batch dims that do not step A and B by one stride each (a broadcast inner batch dim); those
 // are run-time errors naming the shapes (the build gives such nodes no instance where it can tell). A Qkv node
 // launches the one instance once per projection, with that projection's N. The instance may be a cuBLASLt one
-// (gtco/cublaslt.h, the same entry-point ABI); gemm_glue::run_gemm then reports cuBLASLt's reason for a failure.
+// (gtco/cublaslt.h, the same entry-point ABI): where cuBLASLt cannot run, gemm_glue::run_gemm launches the node's mma
+// fallback instead (NodeSpec::fallback_fn) and notes why once, or, without one, reports cuBLASLt's reason.
 #pragma once
+
+#include <atomic>
+#include <cstdio>
+#include <exception>
+#include <string>
 
 #include "gemm_ref.h"
 #include "layernorm_ref.h"
@@ -98,15 +104,43 @@ inline OrtStatus* device_args(const NodeRef& ref, const ref::GemmPlan& p, bool t
     return nullptr;
 }
 
-// run_instance, and where the node's chosen implementation is cuBLASLt (gtco/cublaslt.h) the reason it gave when
-// it could not run (libcublasLt absent, no algorithm of the chosen rank, a first call under graph capture).
+// The one warning (ORT's logger, the session's; stderr where that fails) that a node's cuBLASLt instance could not
+// run and the node runs its mma fallback from now on: the node, cuBLASLt's reason and the fallback instance.
+inline void note_fallback(Ort::KernelContext& ctx, const NodeRef& ref, const std::string& why) {
+    const std::string msg = ref.where() + ": cuBLASLt instance " + ref.fn_name + " cannot run (" + why +
+                            "); the node runs its mma fallback " + ref.fallback->fn_name + " from now on";
+    try {
+        Ort::Status st = ctx.GetLogger().LogMessage(ORT_LOGGING_LEVEL_WARNING, __FILE__, __LINE__, __func__,
+                                                    msg.c_str());
+        if (st.IsOK()) return;
+    } catch (const std::exception&) {
+        // no logger for this kernel: stderr below
+    }
+    std::fprintf(stderr, "gtco: %s\n", msg.c_str());
+}
+
+// run_instance, and where the node's chosen implementation is cuBLASLt (gtco/cublaslt.h), what happens when it
+// cannot run. GTCO_ELIBRARY (libcublasLt absent, no algorithm of the chosen rank, a plan that cannot be made, a first
+// call under graph capture) on a node with an mma fallback in this slot (NodeRef::fallback): the fallback on the same
+// arguments and stream, the reason noted once per node (note_fallback), and from then on the fallback directly, with
+// no cuBLASLt call (a CUDA graph captured after the failure records the mma kernel). Every thread that sees the
+// failure before the flag is set launches the fallback too; one of them notes it. A failure of the fallback is the
+// node's error; so is every other code of the cuBLASLt instance (GTCO_EBADSHAPE: the arguments, GTCO_ELAUNCH:
+// cublasLtMatmul itself), and GTCO_ELIBRARY without a fallback, each with cuBLASLt's reason.
 template <class Describe>
 OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs& args, const Describe& operands) {
-    if (!lt::is_instance(ref.fn_name)) return run_instance(ctx, ref, args, operands);
+    if (ref.fallback != nullptr && ref.fell_back->load(std::memory_order_acquire)) {
+        return run_instance(ctx, *ref.fallback, args, operands);
+    }
+    if (ref.fn == nullptr || !lt::is_instance(ref.fn_name)) return run_instance(ctx, ref, args, operands);
     lt::last_error().clear();
-    OrtStatus* st = run_instance(ctx, ref, args, operands);
-    if (st == nullptr || lt::last_error().empty()) return st;
-    Ort::GetApi().ReleaseStatus(st);
+    const int rc = launch_instance(ctx, ref, args);
+    if (rc == GTCO_OK) return nullptr;
+    if (rc == GTCO_ELIBRARY && ref.fallback != nullptr) {
+        if (!ref.fell_back->exchange(true, std::memory_order_acq_rel)) note_fallback(ctx, ref, lt::last_error());
+        return run_instance(ctx, *ref.fallback, args, operands);
+    }
+    if (lt::last_error().empty()) return instance_status(ref, rc, operands);
     return ref.fail("cuBLASLt instance " + ref.fn_name + " on " + operands() + ": " + lt::last_error(), ORT_FAIL);
 }
 

@@ -22,6 +22,10 @@
 // Dynamic shapes: before either kernel runs, FusedKernel checks the node's declared ranges (NodeSpec::ranges, from
 // the model's gtco.dynamic metadata) and a device kernel with a dispatch table (NodeSpec::dispatch) launches the
 // entry for the call's run-time extent (NodeSpec::extent) instead of cuda_fn.
+//
+// Fallback: a GEMM node whose instance is a cuBLASLt one has an mma instance per arch slot beside it
+// (NodeSpec::fallback_fn, NodeRef::fallback) that gemm_glue::run_gemm launches when cuBLASLt cannot run, and from
+// then on in its place.
 #pragma once
 
 #define ORT_API_MANUAL_INIT
@@ -154,6 +158,12 @@ struct NodeSpec {
     // (onnx_gtco/plugin/pdl.py). The kernel uses it when the device is 9.0 or later and the session allows it
     // (gtco.pdl, register.inc): see NodeRef::pdl.
     bool pdl[kArchSlots] = {};
+    // The generated mma instance per arch slot that the slot's cuBLASLt instance (cuda_fn) falls back to when it
+    // returns GTCO_ELIBRARY: libcublasLt absent, no algorithm of the chosen rank, a plan that cannot be made
+    // (gtco/cublaslt.h; onnx_gtco/plugin/device.py mma_fallbacks). Left out, or nullptr: none, and such a failure is
+    // the node's error. Dispatch entries keep no fallback: a node with a dispatch table has none.
+    InstanceFn fallback_fn[kArchSlots] = {};
+    const char* fallback_name[kArchSlots] = {};
 };
 
 extern const NodeSpec kNodes[];
@@ -211,6 +221,13 @@ struct NodeRef {
     // and never triggers early, a PDL launch would be safe but gains nothing (it starts at the producer's
     // completion anyway). So inputs from graph inputs or non-gtco nodes keep the node on a plain launch.
     bool pdl = false;
+    // The node's fallback where its instance is a cuBLASLt one with an mma fallback in this slot (NodeSpec::
+    // fallback_fn), else nullptr: the NodeRef that launches the fallback, and the flag set once the instance failed
+    // for want of its library, after which the node launches the fallback directly (gemm_glue::run_gemm). Both point
+    // into the node's FusedKernel, which outlives every call; the flag is atomic because ORT may run one kernel
+    // object from several threads at once.
+    const NodeRef* fallback = nullptr;
+    std::atomic<bool>* fell_back = nullptr;
     std::string where() const { return op_type + " node '" + node + "'"; }
     OrtStatus* fail(const std::string& msg, OrtErrorCode code = ORT_INVALID_ARGUMENT) const {
         return make_status(code, where() + ": " + msg);
@@ -243,6 +260,32 @@ inline Input get_input(Ort::KernelContext& ctx, int index) {
     return in;
 }
 
+// The node's instance (ref.fn, not null) on `args` on the session's compute stream (no stream in an emulated build):
+// its return code, GTCO_OK or a GTCO_E* (gtco/args.h, gtco/cublaslt_shape.h).
+template <class Args>
+int launch_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args& args) {
+#if defined(GTCO_EMULATED_DEVICE)
+    void* stream = nullptr;
+    (void)ctx;
+#else
+    void* stream = ctx.GetGPUComputeStream();
+#endif
+    const PdlScope pdl(ref.pdl);  // read by the instance's launch (gtco/launch.cuh)
+    return ref.fn(&args, stream);
+}
+
+// An instance's return code as the node's status: nullptr for GTCO_OK, else the error naming the instance (and,
+// for GTCO_EBADSHAPE, the operands: `what()`, see run_instance).
+template <class Describe>
+OrtStatus* instance_status(const NodeRef& ref, int rc, const Describe& what) {
+    if (rc == GTCO_OK) return nullptr;
+    if (rc == GTCO_EBADSHAPE) {
+        return ref.fail("instance " + ref.fn_name + " does not take " + what() +
+                        " (a size it was not built for, a misaligned operand or a missing one)");
+    }
+    return ref.fail("instance " + ref.fn_name + " failed to launch (code " + std::to_string(rc) + ")", ORT_FAIL);
+}
+
 // Launch the node's instance on `args` on the session's compute stream (no stream in an emulated build). `what()`
 // describes the operands for the message when the instance refuses them (GTCO_EBADSHAPE: a size it was not built
 // for, a misaligned pointer or stride, an operand it expects missing). It is a callable, called on that failure
@@ -252,24 +295,8 @@ template <class Args, class Describe>
 OrtStatus* run_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args& args, const Describe& what) {
     static_assert(std::is_invocable_r_v<std::string, const Describe&>,
                   "run_instance: describe the operands with a callable (a lambda), built on failure only");
-#if defined(GTCO_EMULATED_DEVICE)
-    void* stream = nullptr;
-    (void)ctx;
-#else
-    void* stream = ctx.GetGPUComputeStream();
-#endif
     if (ref.fn == nullptr) return ref.fail("no device instance was chosen for this node", ORT_FAIL);
-    int rc;
-    {
-        const PdlScope pdl(ref.pdl);  // read by the instance's launch (gtco/launch.cuh)
-        rc = ref.fn(&args, stream);
-    }
-    if (rc == GTCO_OK) return nullptr;
-    if (rc == GTCO_EBADSHAPE) {
-        return ref.fail("instance " + ref.fn_name + " does not take " + what() +
-                        " (a size it was not built for, a misaligned operand or a missing one)");
-    }
-    return ref.fail("instance " + ref.fn_name + " failed to launch (code " + std::to_string(rc) + ")", ORT_FAIL);
+    return instance_status(ref, launch_instance(ctx, ref, args), what);
 }
 
 // The instance of `spec` for this process's device (the kernel is created on the thread and device of its session).
@@ -340,6 +367,8 @@ struct FusedKernel {
     const NodeSpec* spec;
     typename Family::Attrs attrs;
     std::vector<NodeRef> entries;  // a device kernel's NodeRef per dispatch entry, made once (no copy per call)
+    NodeRef fallback;              // the NodeRef launching the slot's fallback instance (ref.fallback points here)
+    std::atomic<bool> fell_back{false};  // ref.fell_back points here
 
     // pdl_allowed: the session's gtco.pdl (FusedOp::pdl_allowed).
     FusedKernel(const OrtKernelInfo* info, const std::string& op_type, const NodeSpec* s, bool pdl_allowed = true)
@@ -349,13 +378,24 @@ struct FusedKernel {
         if (!Cuda) return;
         choose_instance(*spec, ref);
         ref.pdl = ref.pdl && pdl_allowed;
-        for (int e = 0; e < spec->n_dispatch; ++e) {
+        for (int e = 0; e < spec->n_dispatch; ++e) {  // no fallback: see NodeSpec::fallback_fn
             NodeRef at = ref;
             at.fn = spec->dispatch[e].fn[ref.slot];
             at.fn_name = spec->dispatch[e].name[ref.slot] ? spec->dispatch[e].name[ref.slot] : "?";
             entries.push_back(std::move(at));
         }
+        if (spec->n_dispatch == 0 && spec->fallback_fn[ref.slot] != nullptr) {
+            fallback = ref;
+            fallback.fn = spec->fallback_fn[ref.slot];
+            fallback.fn_name = spec->fallback_name[ref.slot] ? spec->fallback_name[ref.slot] : "?";
+            fallback.pdl = false;  // NodeSpec::pdl is the cuBLASLt instance's, which never launches with PDL
+            ref.fallback = &fallback;
+            ref.fell_back = &fell_back;
+        }
     }
+    // ref points into the object: never copied or moved (ORT holds it by pointer from CreateKernelV2 on)
+    FusedKernel(const FusedKernel&) = delete;
+    FusedKernel& operator=(const FusedKernel&) = delete;
 
     OrtStatusPtr ComputeV2(OrtKernelContext* context) {
         try {

@@ -5,8 +5,16 @@
 //
 // libcublasLt is not linked: its functions are resolved with dlsym into `Api` on first use, from the copy ONNX
 // Runtime's CUDA EP already loaded (dlopen RTLD_NOLOAD), else from the library path. Without it the library still
-// loads and only a node whose chosen implementation is cuBLASLt fails, with GTCO_ELIBRARY and last_error() saying
-// why. Only the header comes from the nvidia-cublas package at build time (onnx_gtco/kernels/cublas_headers.py).
+// loads and a call returns GTCO_ELIBRARY with last_error() saying why; so do a heuristic without an algorithm of the
+// chosen rank and a plan that cannot be made. The glue then launches the node's generated mma fallback instead, where
+// the build gave it one (plugins/ort/gemm_op.h run_gemm), so a vendor failure does not fail the session. Only the
+// header comes from the nvidia-cublas package at build time (onnx_gtco/kernels/cublas_headers.py).
+//
+// An emulated build (g++ -DGTCO_EMULATE, plugins/emu/gtco_emu_runtime.h for the few CUDA runtime calls) runs this
+// path on the CPU up to the plan, with a libcublasLt already loaded into the process only (never one from the library
+// path: a GPU's cuBLASLt does not start up inside a CPU test unasked), and stops before cublasLtMatmul with
+// GTCO_ELIBRARY: cuBLASLt's kernels cannot read the emulation's host memory. So there a cuBLASLt node always runs its
+// fallback, which is how CI tests the fallback path.
 //
 // A `Plan` (handle, matmul descriptor, layouts, preference, the heuristic's algorithm of the chosen rank, workspace)
 // is made once per (device, stream, instance, shape, operand alignment), on the first call, which must not be
@@ -16,8 +24,12 @@
 #pragma once
 
 #include <cublasLt.h>
-#include <cuda_runtime.h>
 #include <dlfcn.h>
+#if defined(GTCO_EMULATE)
+#include "../../emu/gtco_emu_runtime.h"
+#else
+#include <cuda_runtime.h>
+#endif
 
 #include <map>
 #include <memory>
@@ -68,7 +80,15 @@ inline Api load_api() {
     Api api;
     const std::string name = library_name();
     void* lib = dlopen(name.c_str(), RTLD_NOLOAD | RTLD_NOW);  // the CUDA EP's copy
+#if defined(GTCO_EMULATE)
+    if (lib == nullptr) {  // the emulation takes a loaded copy only (see the top of this file)
+        api.error = name + " is not loaded in this process (an emulated build takes only a copy already loaded, "
+                    "never one from the library path)";
+        return api;
+    }
+#else
     if (lib == nullptr) lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+#endif
     if (lib == nullptr) {
         const char* why = dlerror();
         api.error = name + " is neither loaded in this process nor found on the library path (" +
@@ -252,6 +272,11 @@ inline int run(const Spec& s, const GemmArgs& a, void* stream) {
     const Shape sh = lt_shape(a, s.trans_b);
     Plan* p = plan_for(api, s, a, sh, stream, why);
     if (p == nullptr) return GTCO_ELIBRARY;
+#if defined(GTCO_EMULATE)
+    why = "an emulated build stops before cublasLtMatmul: cuBLASLt's kernels cannot read the emulation's operands "
+          "(host memory)";
+    return GTCO_ELIBRARY;
+#endif
     const float alpha = a.alpha, beta = s.residual ? 1.0f : 0.0f;
     std::lock_guard<std::mutex> g(p->use);
     if (has_bias && !ok(api.desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &a.bias, sizeof(a.bias)),
