@@ -4,6 +4,7 @@ GtcoConfig; maps GtcoError to one line and exit 2."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -37,7 +38,8 @@ examples:
 
 def _config(args: argparse.Namespace) -> GtcoConfig:
     return GtcoConfig.from_env(target=args.target, precision=args.precision, seed=getattr(args, "seed", None),
-                               dynamic=_dynamic(getattr(args, "dynamic", None)))
+                               dynamic=_dynamic(getattr(args, "dynamic", None)),
+                               patchify=getattr(args, "patchify", None))
 
 
 def _dynamic(text: str | None) -> tuple | None:
@@ -72,10 +74,14 @@ def _model_arg(spec: str) -> Any:
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=sorted(TARGETS), default=None,
-                   help="GPU target to plan and build for (default: the local GPU's arch when nvidia-smi sees one, "
-                   "else sm_90; $GTCO_TARGET)")
+                   help="the GPU to plan and build for: a GPU (h200, h100, a100: its data sheet and, where one ships, "
+                   "its calibration, the constants fitted to its measured kernel times) or an arch (sm_90, sm_80: its "
+                   "data-sheet GPU); default: the local GPU (nvidia-smi), else sm_90; $GTCO_TARGET")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="compute precision of fused groups, fp32 accumulation always (default fp32; $GTCO_PRECISION)")
+    p.add_argument("--no-patchify", dest="patchify", action="store_false", default=None,
+                   help="keep every conv a conv (by default a conv whose stride equals its kernel, a ViT's patch "
+                   "embedding, runs as a patchify copy and a GEMM where the estimate predicts that faster)")
 
 
 def _add_dynamic_arg(p: argparse.ArgumentParser) -> None:
@@ -98,7 +104,7 @@ def cmd_tune_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_tune_records(args: argparse.Namespace) -> int:
-    from onnx_gtco.config import TARGETS as archs
+    from onnx_gtco.config import ARCH_GPUS as archs
     from onnx_gtco.tune import records
 
     if args.action == "merge":
@@ -114,6 +120,55 @@ def cmd_tune_records(args: argparse.Namespace) -> int:
         for r in sorted(recs.values(), key=lambda r: r.describe):
             config = " ".join(f"{k}={v}" for k, v in r.config.items())
             print(f"  {r.describe}: {r.median_us:.3f} us, {config} ({r.gpu}, {r.date})")
+    return EXIT_OK
+
+
+def cmd_calibration(args: argparse.Namespace) -> int:
+    from onnx_gtco import calibration
+    from onnx_gtco.tune import fit
+
+    records = fit.load_records(args.records or None) if args.records or args.action != "show" else None
+    if args.runs and records is not None:
+        records = records.only(args.runs)
+        if not records.kernels:
+            raise GtcoError(f"calibration: no record of runs {', '.join(args.runs)}")
+    target = args.target or (records.target if records is not None else None)
+    if args.action == "show":
+        hw = calibration.hardware(target or "h200")
+        print(json.dumps(hw.describe(), indent=1))
+        for group in fit.GROUPS:
+            values = hw.constants(group)
+            print(f"{group.GROUP}:")
+            for f in calibration.fields_of(group):
+                fitted = hw.calibration is not None and f.name in hw.calibration.constants.get(group.GROUP, {})
+                print(f"  {f.name:<16} {getattr(values, f.name):>12.6g} {f.metadata['unit']:<28} "
+                      f"{'fitted' if fitted else 'default'}")
+        return EXIT_OK
+    assert records is not None
+    if args.action == "backtest":
+        cal = calibration.load_calibration(target, args.calibration_dir) if target else None
+        hw = calibration.Hardware(calibration.hardware(target).target, cal)
+        kernels, models = fit.backtest(records, hw)
+        print(f"{records.gpu}: {len(kernels)} kernel and {len(models)} model records against "
+              f"{cal.path if cal else 'the estimate defaults (no calibration)'}")
+        for r in (*kernels, *models):
+            flag = "  proxy" if r.proxy else ""
+            print(f"{r.ratio:7.3f}  {r.measured_us:10.1f} us measured  {r.predicted_us:10.1f} predicted  "
+                  f"{r.what}{flag}")
+        for kind, e in fit.errors(records, kernels, models).items():
+            print(f"{kind:<7} {e['rows']} rows: furthest {e['worst_ratio']:.3f}x, rms log {e['rms_log']:.3f}")
+        return EXIT_OK
+    result = fit.fit(records, target, command=" ".join(["onnx-gtco", "calibration", *sys.argv[2:]]))
+    out = Path(args.output) if args.output else calibration.calibration_path(result.calibration.target,
+                                                                              args.calibration_dir or
+                                                                              calibration.SHIPPED_DIR)
+    fit.write_calibration(result.calibration, out)
+    print(f"wrote {out}: {len(result.fitted)} constants fitted to {len(result.kernels)} kernel and "
+          f"{len(result.models)} model records of {records.gpu}")
+    for kind, e in result.calibration.fitted["error"].items():
+        print(f"  {kind:<7} {e['rows']} rows: furthest {e['worst_ratio']:.3f}x, rms log {e['rms_log']:.3f}")
+    if result.at_bound:
+        print(f"  at a bound: {', '.join(result.at_bound)}")
     return EXIT_OK
 
 
@@ -154,11 +209,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write(report.to_json(result.report))
         return EXIT_OK
     print(report.summary(result.report))
-    print(f"\n{'group':<58} {'family':<12} {'nodes':>5} {'predicted us':>12} {'unfused us':>10}")
+    print(f"\n{'group':<58} {'family':<12} {'nodes':>5} {'predicted us':>12} {'unfused us':>10}  kernel")
     for g in result.report["groups"]:
+        kernel = (g.get("kernel") or {}).get("instance", "(its function)" if g.get("device_reason") else "")
         print(f"{g['name'][:58]:<58} {g['family']:<12} {len(g['nodes']):>5} {g['predicted_us']:>12.2f} "
-              f"{g['predicted_unfused_us']:>10.2f}")
-    print("(times predicted by the analytical cost model, not measured)")
+              f"{g['predicted_unfused_us']:>10.2f}  {kernel}")
+    print(f"(times predicted by {report.estimate_words(result.report)}, per group with its launches' graph gaps; "
+          "not measured)")
     for r in result.report["rejected"]:
         print(f"rejected  {r['pattern']:<12} at {r['anchor']}: {r['reason']}")
     return EXIT_OK
@@ -369,6 +426,27 @@ def parser() -> argparse.ArgumentParser:
                    "ones shipped in the package, onnx_gtco/tune/records)")
     p.set_defaults(func=cmd_tune_records)
 
+    p = command("calibration", "fit the kernel-time estimate's constants to measured kernel records, check them, "
+                "or show them")
+    p.add_argument("action", choices=["fit", "backtest", "show"],
+                   help="fit: least squares of the constants to the records, written as the target's calibration "
+                   "file; backtest: every record's prediction against its measurement; show: a target's constants "
+                   "and where each comes from")
+    p.add_argument("records", nargs="*", metavar="RECORDS",
+                   help="records files or folders of them (default: the shipped onnx_gtco/calibration/records)")
+    p.add_argument("--target", choices=sorted(TARGETS), default=None,
+                   help="the target the records calibrate (default: the records' own)")
+    p.add_argument("--runs", nargs="+", default=None, metavar="RUN",
+                   help="only the records of these runs (e.g. run1: fit on one run, backtest the other; default: every "
+                   "run)")
+    p.add_argument("-o", "--output", default=None,
+                   help="fit: the calibration file to write (default <target>.json in --calibration-dir, else the "
+                   "package's)")
+    p.add_argument("--calibration-dir", default=None, metavar="DIR",
+                   help="where fit writes and backtest reads <target>.json (default: $GTCO_CALIBRATION_DIR, else "
+                   "the package's)")
+    p.set_defaults(func=cmd_calibration)
+
     p = command("inspect", "print the fusion plan without writing anything")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
@@ -441,7 +519,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="what ours is optimized with (default fp16 on cuda, fp32 on cpu)")
     p.add_argument("--target", choices=sorted(TARGETS), default=None,
-                   help="GPU target ours is planned for (default: the local GPU's arch, else sm_90)")
+                   help="the GPU ours is planned for (a GPU or an arch, as optimize's; default: the local GPU, else "
+                   "sm_90)")
     p.add_argument("--baselines", nargs="+", default=None, metavar="NAME",
                    help="among ort-fp32 ort-fp16 ort-transformers-fp16 torch-compile tensorrt, space or comma "
                    "separated (default: all)")

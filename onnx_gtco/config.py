@@ -23,45 +23,57 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Target:
-    """Published peak numbers and resources of one GPU: the hardware facts of the planner's cost model
-    (cost.model) and the tuner's analytical model of one kernel (tune.analytical) alike.
+    """One GPU the planner plans for: its published peaks and resources (the data sheet), and the arch of the
+    kernels it runs. The estimate of a kernel on it (kernels' `estimate_us`, onnx_gtco.calibration) combines these
+    with the constants fitted to the GPU's measured kernel times, where a calibration of it ships, or with the
+    estimate's defaults (their values fitted on another GPU, transferred) where none does.
 
     Attributes:
-        name: short name, e.g. "sm_80".
-        gpu: the GPU these peaks are for.
+        name: the target's name, e.g. "h200"; an arch name ("sm_80", "sm_90") names that arch's data-sheet GPU.
+        gpu: the GPU these numbers are for.
+        arch: the compute capability of the kernels it runs, "sm_80" or "sm_90".
         tc_tflops: dense fp16/bf16 Tensor Core peak (fp32 accumulate), TFLOP/s.
         tf32_tflops: dense TF32 Tensor Core peak, TFLOP/s (fp32 GEMMs).
         cuda_tflops: fp32 CUDA-core (FMA) peak, TFLOP/s.
         dram_gbps: DRAM bandwidth, GB/s.
-        launch_us: cost of one kernel launch and its tail, microseconds.
         smem_kib: shared memory a block may use, KiB.
         sms: streaming multiprocessors.
         max_threads_per_sm: threads resident on one SM at once.
-        sm_l2_gbps: L2 bandwidth one SM reads and writes at, GB/s (64 bytes per clock at about 1.6 GHz: an
-            assumption of the cost model, not a data-sheet number; it prices work one block does alone).
-        pdl_overlap_us: what a programmatic dependent launch hides of launch_us when a kernel follows one of ours
-            (0: the arch has none; an assumption until measured).
+        l2_mib: L2 cache, MiB.
     """
 
     name: str
     gpu: str
+    arch: str
     tc_tflops: float
     tf32_tflops: float
     cuda_tflops: float
     dram_gbps: float
-    launch_us: float
     smem_kib: int
     sms: int
     max_threads_per_sm: int
-    sm_l2_gbps: float = 100.0
-    pdl_overlap_us: float = 0.0
+    l2_mib: float
 
 
-# A100-SXM4-80GB and H100-SXM5 data-sheet numbers (dense, no sparsity).
-TARGETS: dict[str, Target] = {
-    "sm_80": Target("sm_80", "A100-SXM4-80GB", 312.0, 156.0, 19.5, 2039.0, 3.0, 163, 108, 2048),
-    "sm_90": Target("sm_90", "H100-SXM5-80GB", 989.4, 494.7, 66.9, 3350.0, 2.5, 227, 132, 2048, 100.0, 1.0),
+# Data-sheet numbers, dense (no sparsity): A100-SXM4-80GB, H100-SXM5-80GB and H200-SXM-141GB (the same GH100 die
+# and clocks as the H100, with 4.8 TB/s of HBM3e; both SXM parts enable 50 MB of the die's 60 MB of L2).
+GPUS: dict[str, Target] = {
+    "a100": Target("a100", "A100-SXM4-80GB", "sm_80", 312.0, 156.0, 19.5, 2039.0, 163, 108, 2048, 40.0),
+    "h100": Target("h100", "H100-SXM5-80GB", "sm_90", 989.4, 494.7, 66.9, 3350.0, 227, 132, 2048, 50.0),
+    "h200": Target("h200", "H200-SXM-141GB", "sm_90", 989.4, 494.7, 66.9, 4800.0, 227, 132, 2048, 50.0),
 }
+"""The GPUs the planner knows by name."""
+
+ARCH_GPUS: dict[str, str] = {"sm_80": "a100", "sm_90": "h100"}
+"""An arch as a target: the GPU whose data sheet stands for it."""
+
+TARGETS: dict[str, Target] = {**GPUS, **{arch: dataclasses.replace(GPUS[g], name=arch)
+                                          for arch, g in ARCH_GPUS.items()}}
+"""Every target name --target takes: the GPUs, and the archs (each its data-sheet GPU's numbers, under the arch's
+name). Kernel code keyed by arch (shared memory limits, SM counts) reads TARGETS[arch]."""
+
+GPU_NAMES: tuple[tuple[str, str], ...] = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+"""A word of the name nvidia-smi reports -> the target of that GPU."""
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -69,9 +81,9 @@ DEFAULT_TARGET = "sm_90"
 
 
 @functools.cache
-def local_gpu_arch() -> str | None:
-    """The compute capability of the first GPU nvidia-smi lists, as "sm_XY"; None without nvidia-smi, without a
-    GPU, or with CUDA_VISIBLE_DEVICES hiding every device."""
+def local_gpu() -> tuple[str, str] | None:
+    """The name and compute capability ("sm_XY") of the first GPU nvidia-smi lists; None without nvidia-smi,
+    without a GPU, or with CUDA_VISIBLE_DEVICES hiding every device."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return None
@@ -79,13 +91,19 @@ def local_gpu_arch() -> str | None:
     if exe is None:
         return None
     try:
-        proc = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+        proc = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
                               text=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
-    m = re.fullmatch(r"(\d+)\.(\d+)", lines[0].strip()) if lines else None
-    return f"sm_{m[1]}{m[2]}" if m else None
+    m = re.fullmatch(r"(?:(.*),\s*)?(\d+)\.(\d+)", lines[0].strip()) if lines else None
+    return ((m[1] or "").strip(), f"sm_{m[2]}{m[3]}") if m else None
+
+
+def local_gpu_arch() -> str | None:
+    """The compute capability of the first GPU nvidia-smi lists, as "sm_XY" (local_gpu), or None."""
+    gpu = local_gpu()
+    return gpu[1] if gpu else None
 
 
 def target_for_arch(arch: str) -> str | None:
@@ -96,16 +114,28 @@ def target_for_arch(arch: str) -> str | None:
     return {8: "sm_80", 9: "sm_90"}.get(major)
 
 
+def target_for_gpu(name: str, arch: str) -> str | None:
+    """The target of a GPU as nvidia-smi names it: the GPU itself where the planner knows it by name ("NVIDIA
+    H200" -> "h200"), else its arch's data-sheet target (target_for_arch); None for an arch without kernels."""
+    arch_target = target_for_arch(arch)
+    for word, target in GPU_NAMES:
+        if re.search(rf"\b{word}\b", name.upper()) and arch_target == GPUS[target].arch:
+            return target
+    return arch_target
+
+
 def default_target() -> tuple[str, str]:
     """The target to plan for when none is given (--target, GTCO_TARGET), and a sentence saying why."""
-    arch = local_gpu_arch()
-    if arch is None:
+    gpu = local_gpu()
+    if gpu is None:
         return DEFAULT_TARGET, f"no GPU visible: planning for {DEFAULT_TARGET} (pass --target to choose)"
-    target = target_for_arch(arch)
+    name, arch = gpu
+    target = target_for_gpu(name, arch)
+    what = f"{name} ({arch})" if name else arch
     if target is None:
-        return DEFAULT_TARGET, (f"the local GPU is {arch}, which has no kernels of its own: planning for "
+        return DEFAULT_TARGET, (f"the local GPU is {what}, which has no kernels of its own: planning for "
                                 f"{DEFAULT_TARGET} (pass --target to choose)")
-    return target, f"the local GPU is {arch}: planning for {target}"
+    return target, f"the local GPU is {what}: planning for {target}"
 
 
 def target_note(explicit: str | None) -> str | None:
@@ -123,6 +153,7 @@ TUNE_DELAY_ENV = "GTCO_TUNE_TEST_DELAY_S"  # seconds each analytical measurement
 TUNE_RECORDS_ENV = "GTCO_TUNE_RECORDS_DIR"  # a folder of tuning records in place of the shipped ones
 ORT_INCLUDE_ENV = "ORT_INCLUDE_DIR"
 CUBLASLT_INCLUDE_ENV = "GTCO_CUBLASLT_INCLUDE"
+CALIBRATION_DIR_ENV = "GTCO_CALIBRATION_DIR"  # a folder of calibration files read before the shipped ones
 
 
 def cache_base() -> Path:
@@ -165,6 +196,12 @@ def pdl_env() -> str | None:
     if v not in ("", "0", "1"):
         raise ValueError(f"${PDL_ENV}={v!r}: use 0 (off) or 1 (on)")
     return v or None
+
+
+def calibration_dir_env() -> str | None:
+    """$GTCO_CALIBRATION_DIR, a folder of calibration files (onnx_gtco.calibration) read before the shipped ones; None
+    when unset or empty."""
+    return os.environ.get(CALIBRATION_DIR_ENV) or None
 
 
 def tune_storage_env() -> str | None:
@@ -343,7 +380,7 @@ class GtcoConfig:
     """Everything a run of the optimizer depends on.
 
     Attributes:
-        target: GPU target name, a key of TARGETS.
+        target: GPU target name, a key of TARGETS: a GPU ("h200") or an arch ("sm_90", its data-sheet GPU).
         precision: compute precision of fused groups: fp32, fp16 or bf16 (fp32 accumulation always).
         max_group_size: largest number of ONNX nodes one fused group may hold (DP ending bound).
         max_states: the DP gives up with a PlanError past this many memoized states.
@@ -352,6 +389,8 @@ class GtcoConfig:
             optimized for every shape inside them (see parse_dynamic for the `--dynamic` text form).
         pack_qkv: pack a block's Q, K and V projections into one GEMM that the attention reads packed
             (patterns/pack.py); False keeps them three GEMMs of one QKV node.
+        patchify: run a conv whose stride equals its kernel (a ViT's patch embedding) as a patchify copy and a GEMM
+            where the estimate predicts that faster (patterns/patchify.py); False keeps every conv a conv.
     """
 
     target: str = DEFAULT_TARGET
@@ -361,6 +400,7 @@ class GtcoConfig:
     seed: int = 0
     dynamic: DynamicRanges = ()
     pack_qkv: bool = True
+    patchify: bool = True
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -374,6 +414,11 @@ class GtcoConfig:
     @property
     def hw(self) -> Target:
         return TARGETS[self.target]
+
+    @property
+    def arch(self) -> str:
+        """The arch of the kernels the target runs ("sm_80", "sm_90"): the library's slots, the tuning tasks."""
+        return TARGETS[self.target].arch
 
     def replace(self, **changes: object) -> GtcoConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

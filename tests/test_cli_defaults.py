@@ -54,10 +54,10 @@ def fake_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         monkeypatch.delenv("GTCO_TARGET", raising=False)
-        config.local_gpu_arch.cache_clear()
+        config.local_gpu.cache_clear()
 
     yield install
-    config.local_gpu_arch.cache_clear()
+    config.local_gpu.cache_clear()
 
 
 @pytest.mark.parametrize(("cap", "target"), [("8.6", "sm_80"), ("8.9", "sm_80"), ("9.0", "sm_90"), ("8.0", "sm_80")])
@@ -86,7 +86,7 @@ def test_explicit_target_wins_and_an_unknown_gpu_gets_the_default(fake_gpu, tmp_
     fake_gpu("9.0")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # every device hidden: no GPU, whatever nvidia-smi says
     try:
-        config.local_gpu_arch.cache_clear()
+        config.local_gpu.cache_clear()
         assert config.default_target()[1].startswith("no GPU visible")
     finally:
         del os.environ["CUDA_VISIBLE_DEVICES"]
@@ -125,3 +125,28 @@ def test_a_closed_output_pipe_is_one_line_not_a_traceback(tmp_path: Path) -> Non
     assert proc.wait(timeout=300) == 2
     assert "Traceback" not in err
     assert _one_error_line(err) == "onnx-gtco: error: the output pipe was closed before everything was written"
+
+
+@pytest.mark.parametrize(("line", "target", "calibrated"), [
+    ("NVIDIA H200, 9.0", "h200", True), ("NVIDIA H100 80GB HBM3, 9.0", "h100", False),
+    ("NVIDIA A100-SXM4-80GB, 8.0", "a100", False), ("NVIDIA GH200 480GB, 9.0", "sm_90", False),
+    ("NVIDIA L40S, 8.9", "sm_80", False)])
+def test_the_target_is_the_local_gpu_by_name_and_the_report_names_its_calibration(
+        line: str, target: str, calibrated: bool, fake_gpu, tmp_path: Path, mlp,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An H200 is planned with the H200's data sheet and calibration, not the sm_90 arch's H100 data sheet; a GPU the
+    planner does not know by name gets its arch's target."""
+    fake_gpu(line)
+    assert config.default_target()[0] == target
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp, str(path))
+    assert main(["optimize", str(path), "--no-build"]) == 0
+    err = capsys.readouterr().err
+    assert f"planning for {target}" in err and line.split(",")[0] in err
+    report = json.loads(path.with_name("mlp.gtco.onnx.report.json").read_text())
+    assert report["target"] == target
+    assert bool(report["estimate"]["calibration"]) is calibrated
+    if calibrated:
+        assert report["estimate"]["calibration"]["gpu"] == "NVIDIA H200"
+    else:
+        assert f"no calibration of {target}" in report["estimate"]["note"]

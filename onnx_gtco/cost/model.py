@@ -1,13 +1,19 @@
-"""Analytical cost of one group on a Target: FLOPs at peak, DRAM bytes at bandwidth, plus launch overhead.
+"""The planner's cost of a candidate group, and the estimate of what ONNX Runtime's own kernels take.
 
-    time_us = max(mm_flops / mm_peak + other_flops / cuda_peak,  dram_bytes / bandwidth) + launches * launch_us
-              + panel_elems * itemsize / sm_l2_bandwidth
+The DP (plan.dp) prices every candidate with `cost_fn`, in microseconds of a CUDA graph replay on the configured
+target:
 
-mm_flops run on Tensor Cores (fp16/bf16, or TF32 for fp32 compute); everything else on CUDA cores. A QKV group
-launches once per projection (gtco::Qkv runs its GEMM per projection); every other fused group once. The panel term is
-work that does not overlap the rest: a GEMM + LayerNorm group's normalize step, which the last block of each row
-panel runs alone over the panel it reads back (LN_PANEL_ROWS rows, read and written at one SM's share of L2
-bandwidth, Target.sm_l2_gbps: an assumption until measured).
+* a fused group with a device kernel: the estimate of the kernel the library would build for it (the caller's
+  `kernel_us`: the same selection and the same family estimate the build and the tuner use, kernels'
+  `estimate_us` through plugin.coverage), plus the graph gap of each of its launches (a QKV group: one per
+  projection);
+* a fused group without one: what its nodes cost unfused, as its model-local function runs them (less a tie-break);
+* an unfused node: ONNX Runtime's kernel for it (`ort_us`): a MatMul, Gemm, matmul Einsum, Attention or Conv as the
+  vendor GEMM (cuBLAS: `vendor_gemm_us`), anything else memory-bound, at the fitted bandwidth of ORT's elementwise
+  kernels; plus its graph gap. View ops and host-side shape arithmetic cost nothing.
+
+Every constant (the launch floor and graph gap, the vendor GEMM's and ORT's efficiencies) is fitted per GPU from
+measured kernel times (onnx_gtco.calibration), or its default where the target has no calibration.
 
 A fused group reads its external inputs and writes its external outputs once (not the constant shapes, axes, pads
 or bounds of its view and layout ops: its kernel holds those in its code); an unfused node does the same on its own.
@@ -19,11 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 from onnx import TensorProto
 
-from onnx_gtco.config import GtcoConfig, Target
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, hardware, param
+from onnx_gtco.config import GtcoConfig
 from onnx_gtco.ir.einsum import batched_matmul
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.plan.types import Candidate
@@ -36,7 +44,48 @@ OPERAND_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Slice", "Pad"})
 _EW_FLOPS = {"Erf": 8, "Tanh": 6, "Exp": 4, "Sqrt": 4, "Pow": 4, "Div": 2, "Gelu": 12, "Sigmoid": 5, "Log": 4}
 _NORM_FLOPS = {"Softmax": 5, "LayerNormalization": 8}
 SMALL_INT = 64  # integer tensors up to this many elements are shape arithmetic, run on the host
-LN_PANEL_ROWS = 64  # rows of the panel a GEMM + LayerNorm kernel's last block normalizes (a typical BM)
+
+
+@dataclass(frozen=True)
+class VendorGemmConstants(Constants):
+    """The vendor GEMM (cuBLAS / cuBLASLt: ONNX Runtime's MatMul and Gemm kernels, and our cuBLASLt instances),
+    fitted to ORT's cuBLAS kernels in the measured profiles."""
+
+    GROUP: ClassVar[str] = "vendor_gemm"
+    extra_us: float = param(2.96, 0.0, 20.0, "us", "what a cuBLAS GEMM takes beyond the launch floor however small "
+                            "it is (its kernel's setup and tail, a split-K reduction)")
+    mma_frac: float = param(0.644, 0.05, 1.0, "of the Tensor Core peak", "the share of the peak it sustains on a "
+                            "GEMM that fills the GPU")
+    bw_frac: float = param(0.65, 0.05, 1.5, "of DRAM bandwidth", "the rate at which it moves A, B and y where those "
+                           "bound it (few rows)")
+
+
+@dataclass(frozen=True)
+class OrtConstants(Constants):
+    """ONNX Runtime's memory-bound kernels (elementwise ops, bias adds, casts, LayerNorm, Softmax), fitted to those
+    kernels in the measured profiles."""
+
+    GROUP: ClassVar[str] = "ort"
+    extra_us: float = param(2.11, 0.0, 20.0, "us", "what one takes beyond the launch floor however small it is")
+    bw_frac: float = param(0.39, 0.02, 1.5, "of DRAM bandwidth", "the rate at which it reads and writes its "
+                           "tensors")
+
+
+def vendor_gemm_us(flops: float, moved_bytes: float, tf32: bool, hw: Hardware) -> float:
+    """A cuBLAS GEMM of `flops` moving `moved_bytes` on `hw`: the launch floor and its extra time, then the slower of
+    its Tensor Core work and its traffic at their fitted shares (VendorGemmConstants)."""
+    t, c = hw.target, hw.constants(VendorGemmConstants)
+    peak = t.tf32_tflops if tf32 else t.tc_tflops
+    busy = max(flops / (peak * 1e6 * c.mma_frac), moved_bytes / (t.dram_gbps * 1e3 * c.bw_frac))
+    return hw.constants(LaunchConstants).floor_us + c.extra_us + busy
+
+
+def memory_us(moved_bytes: float, other_flops: float, hw: Hardware) -> float:
+    """An ONNX Runtime memory-bound kernel moving `moved_bytes` (its CUDA-core FLOPs at the peak, where they bound
+    it instead): the launch floor, its extra time and the traffic at the fitted share (OrtConstants)."""
+    t, c = hw.target, hw.constants(OrtConstants)
+    busy = max(moved_bytes / (t.dram_gbps * 1e3 * c.bw_frac), other_flops / (t.cuda_tflops * 1e6))
+    return hw.constants(LaunchConstants).floor_us + c.extra_us + busy
 
 
 @dataclass(frozen=True)
@@ -47,14 +96,16 @@ class Estimate:
     other_flops: float = 0.0
     dram_bytes: float = 0.0
     launches: int = 0
-    panel_elems: float = 0.0  # read back and written by one block after the rest (GEMM + LayerNorm)
 
-    def time_us(self, hw: Target, precision: str) -> float:
-        mm_peak = hw.tf32_tflops if precision == "fp32" else hw.tc_tflops
-        compute = self.mm_flops / (mm_peak * 1e6) + self.other_flops / (hw.cuda_tflops * 1e6)
-        memory = self.dram_bytes / (hw.dram_gbps * 1e3)
-        panel = self.panel_elems * (4 if precision == "fp32" else 2) / (hw.sm_l2_gbps * 1e3)  # the kernel's dtype
-        return max(compute, memory) + self.launches * hw.launch_us + panel
+    def ort_us(self, hw: Hardware, precision: str = "fp32") -> float:
+        """What ONNX Runtime's kernels of this work take, without graph gaps: the vendor GEMM where it has
+        matmul-class FLOPs (TF32 at fp32), else a memory-bound kernel; 0 for work that launches nothing."""
+        if not self.launches:
+            return 0.0
+        if self.mm_flops:
+            return self.launches * vendor_gemm_us(self.mm_flops / self.launches, self.dram_bytes / self.launches,
+                                                  precision == "fp32", hw)
+        return self.launches * memory_us(self.dram_bytes / self.launches, self.other_flops / self.launches, hw)
 
 
 # A symbolic or unknown dim (a dynamic batch, say) counts as SYMBOLIC_DIM when costing: the plan is then the plan
@@ -147,7 +198,7 @@ def estimate(view: GraphView, cand: Candidate) -> Estimate:
     if cand.fused:  # a shape, axes or pads operand is compiled into the kernel, not read
         reads = tuple(t for t in reads if not _compiled_in(view, t, nodes))
     dram = _bytes(view, reads) + _bytes(view, view.external_outputs(cand.nodes))
-    return Estimate(mm, other, dram, launches(cand), _panel_elems(cand))
+    return Estimate(mm, other, dram, launches(cand))
 
 
 def launches(cand: Candidate) -> int:
@@ -155,17 +206,6 @@ def launches(cand: Candidate) -> int:
     if cand.family == "qkv":
         return max(1, len(cand.attr("ns") or ()))
     return 1
-
-
-def _panel_elems(cand: Candidate) -> float:
-    """What the normalize step of a GEMM + LayerNorm group reads back and writes: LN_PANEL_ROWS rows of N, twice."""
-    if cand.family != "gemm" or not cand.attr("layernorm"):
-        return 0.0
-    n, m = cand.attr("n"), cand.attr("m")
-    if not isinstance(n, int):
-        return 0.0
-    rows = min(m, LN_PANEL_ROWS) if isinstance(m, int) else LN_PANEL_ROWS
-    return 2.0 * rows * n
 
 
 def _compiled_in(view: GraphView, t: str, nodes: list[Node]) -> bool:
@@ -185,23 +225,35 @@ def unfused_cost(cost: Callable[[Candidate], float], cand: Candidate) -> float:
     return sum(cost(Candidate(frozenset([i]), "unfused", "single")) for i in sorted(cand.nodes))
 
 
-def cost_fn(view: GraphView, config: GtcoConfig, has_kernel: Callable[[Candidate], bool] | None = None
-            ) -> Callable[[Candidate], float]:
-    """The DP's cost callable: predicted microseconds of a candidate on the configured target.
+KernelUs = Callable[[Candidate], float | None]
+"""A fused candidate -> the estimated time of one launch of the kernel the library would build for it (kernels'
+estimate_us of its selected implementation and configuration), or None when it gets no device kernel (it runs its
+model-local function)."""
 
-    `has_kernel`: whether a fused candidate gets a device kernel on the target (the caller asks the kernel families;
-    None: every one does). One that gets none runs its model-local function, the nodes it holds, so it costs what
-    they cost unfused (unfused_cost), less FUNCTION_TIE of that per node it holds: of covers the model predicts
-    equal, the DP keeps the one with the fewest, largest fused nodes, which record the groups as a kernel would run
-    them (the report says why they have none and counts them unfused)."""
-    hw, precision = config.hw, config.precision
+
+def cost_fn(view: GraphView, config: GtcoConfig, kernel_us: KernelUs | None = None) -> Callable[[Candidate], float]:
+    """The DP's cost callable: predicted microseconds of a candidate in a CUDA graph replay on the configured target
+    (see the module docstring).
+
+    `kernel_us`: the estimate of a fused candidate's kernel, None where it has none (the caller asks the kernel
+    families: plugin.coverage); a group without one costs its nodes unfused, less FUNCTION_TIE of that per node it
+    holds: of covers the model predicts equal, the DP keeps the one with the fewest, largest fused nodes, which
+    record the groups as a kernel would run them (the report says why they have none and counts them unfused).
+    Without `kernel_us` (a caller with no kernel families: the model as given, tests) a fused group costs its work
+    at ORT's rates, as one launch per kernel."""
+    hw = hardware(config.target)
+    gap = hw.constants(LaunchConstants).graph_gap_us
 
     def cost(cand: Candidate) -> float:
         if cand.fused and len(cand.nodes) > config.max_group_size:
             return math.inf
-        if cand.fused and has_kernel is not None and not has_kernel(cand):
-            return unfused_cost(cost, cand) * (1.0 - FUNCTION_TIE * len(cand.nodes))
+        est = estimate(view, cand)
+        if cand.fused and kernel_us is not None:
+            us = kernel_us(cand)
+            if us is None:
+                return unfused_cost(cost, cand) * (1.0 - FUNCTION_TIE * len(cand.nodes))
+            return est.launches * (us + gap)
         # unfused nodes keep the model's own precision
-        return estimate(view, cand).time_us(hw, precision if cand.fused else "fp32")
+        return est.ort_us(hw, config.precision if cand.fused else "fp32") + est.launches * gap
 
     return cost

@@ -38,11 +38,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.family import (
     ARCHS,
@@ -56,6 +58,7 @@ from onnx_gtco.kernels.family import (
     tf32_round,
     to_storage,
 )
+from onnx_gtco.kernels.timing import crowding, grid, regs_per_thread, resident
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 PAD_BELOW = 128
@@ -217,8 +220,54 @@ def _softmax_rows(s: np.ndarray) -> np.ndarray:
     return np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
 
 
+@dataclass(frozen=True)
+class AttentionConstants(Constants):
+    """The constants of the attention and BMM + softmax estimates (onnx_gtco.calibration: fitted per GPU from
+    measured attention kernels; on the H200 from ViT-B/16's (197 tokens, batch 1 and 64) and BERT-base's (128 tokens,
+    masked) heads of 64)."""
+
+    GROUP: ClassVar[str] = "attention"
+    warp_peak_frac: float = param(0.057, 0.003, 0.5, "of an SM's Tensor Core peak", "the rate of one warp's chain "
+                                  "over a key tile (S = Q Kᵀ, the online softmax, O += P V), alone on its SM")
+    share_exp: float = param(0.0, 0.0, 1.0, "", "how the warps of an SM share it: past one warp per "
+                             "sub-partition, w warps make each chain (w / 4) ** (1 - share_exp) times longer "
+                             "(kernels.timing.crowding; 0: not at all, 1: for free)")
+    l2_frac: float = param(1.2, 0.2, 4.0, "x DRAM bandwidth", "the rate, all SMs together, at which the blocks "
+                           "bring K and V tiles from L2")
+    block_us: float = param(3.35, 0.0, 20.0, "us", "a block's work besides its key tiles: loading its Q tile, the "
+                            "final normalization and storing O")
+
+
 class _AttentionBase(KernelFamily):
     space = MappingProxyType({"BQ": (64, 128), "BKV": (32, 64, 128), "WARPS": (4, 8), "STAGES": (2, 3)})
+
+    def estimate_us(self, problem: Problem, config: Config, hw: Hardware) -> float:
+        """The estimated time of a valid `config` on `problem` on `hw` (AttentionConstants): blocks of BQ query rows
+        per (batch, head), resident by shared memory, threads and registers; each runs its key tiles (BKV keys, one
+        pass for attention, two for BMM + softmax) at the slower of a warp's mma chain over its rows and the K / V
+        tiles' traffic, then its fixed work (block_us; BMM + softmax also writes P at the DRAM rate); the launch
+        floor. A padded head dim costs what its kernel's head dim costs."""
+        t, c = hw.target, hw.constants(AttentionConstants)
+        b, h, sq, sk, _ = _dims(problem)
+        d = _kd(problem)
+        bq, bkv, warps = config["BQ"], config["BKV"], config["WARPS"]
+        size = elem_bytes(problem.dtype)
+        blocks = b * h * math.ceil(sq / bq)
+        key_tiles = math.ceil(sk / bkv)
+        threads = warps * 32
+        per_sm = resident(t, self._smem(problem, config), threads, regs_per_thread(self._acc_regs(problem, config)))
+        g = grid(t, blocks, per_sm)
+        passes = 2 if self.name == "bmm_softmax" else 1
+        products = 1 if self.name == "bmm_softmax" else 2  # S = Q Kᵀ, and O += P V for attention
+        peak_sm = (t.tf32_tflops if problem.dtype == "f32" else t.tc_tflops) * 1e6 / t.sms
+        chain = (2.0 * (bq // warps) * bkv * d * products / (c.warp_peak_frac * peak_sm)
+                 * crowding(g.per_sm * warps, c.share_exp))
+        tile_bytes = bkv * d * size * products + (bkv * size if problem.flag("mask", False) else 0)
+        operands = tile_bytes * min(g.blocks, g.slots) / (c.l2_frac * t.dram_gbps * 1e3)
+        block = passes * key_tiles * max(chain, operands) + c.block_us
+        if self.name == "bmm_softmax":  # P, one row of seq_k per query row, at the block's share of DRAM
+            block += bq * sk * size * min(g.blocks, g.slots) / (t.dram_gbps * 1e3)
+        return hw.constants(LaunchConstants).floor_us + g.waves * block
 
     # ---- shared pieces -------------------------------------------------------------------------------------------
     def _smem(self, problem: Problem, config: Config) -> int:

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.family import (
     ARCHS,
@@ -52,7 +54,16 @@ from onnx_gtco.kernels.family import (
     tf32_round,
     to_storage,
 )
-from onnx_gtco.kernels.gemm import ACTIVATIONS, MAX_ACC_PER_THREAD, MAX_THREADS, chunk_elems, smem_bytes
+from onnx_gtco.kernels.gemm import (
+    ACTIVATIONS,
+    MAX_ACC_PER_THREAD,
+    MAX_THREADS,
+    SCALAR_LOADS,
+    MmaConstants,
+    chunk_elems,
+    smem_bytes,
+)
+from onnx_gtco.kernels.timing import crowding, grid, regs_per_thread, resident
 from onnx_gtco.patterns.activation import REFERENCE
 
 _CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -106,6 +117,20 @@ def conv_problem(dtype: str, n: int, c: int, h: int, w: int, oc: int, kh: int, k
     if batchnorm:
         flags["epsilon"] = float(epsilon)
     return Problem.make("conv", dtype, sizes, flags)
+
+
+@dataclass(frozen=True)
+class ConvConstants(Constants):
+    """The constants of the implicit-GEMM conv's estimate (onnx_gtco.calibration: on the H200 fitted from ViT-B/16's
+    patch embedding, 16x16 stride 16 on 3 channels, at batch 1 with 128x64 and 64x32 tiles and at batch 64 with
+    128x128). The Tensor Core side reads the mma GEMM's constants."""
+
+    GROUP: ClassVar[str] = "conv"
+    gather_ns: float = param(236.0, 5.0, 2000.0, "ns", "what one element of A a thread gathers by im2col addressing "
+                             "costs its k-tile: the loads go one by one through registers, each waiting for its "
+                             "address's arithmetic and its L2 round trip")
+    gather_gps: float = param(151.0, 5.0, 5000.0, "G elements/s", "the rate, all SMs together, at which the "
+                              "blocks gather A elements (every N tile gathers A again)")
 
 
 class ConvFamily(KernelFamily):
@@ -267,6 +292,50 @@ class ConvFamily(KernelFamily):
 
             order = sorted(small, key=rank) + big
         return [c for c in ({**c, "VEC": vec} for c in order) if self.check(problem, c, arch) is None]
+
+    def estimate_us(self, problem: Problem, config: Config, hw: Hardware) -> float:
+        """The estimated time of a valid `config` on `problem` on `hw`. Implicit GEMM (ConvConstants, and the mma
+        GEMM's MmaConstants for its Tensor Core side): each block's k-tiles take the longest of its threads' A gather
+        (gather_ns per element a thread loads, BM x BK / threads of them) and its warps' mma chain; the grid runs in
+        waves of resident blocks, or at the GPU's gather rate where that bounds it (every N tile gathers A again);
+        then the epilogue and the launch floor. Direct (groups != 1): its fp32 FMAs at the CUDA-core peak or its
+        bytes at the DRAM bandwidth, whichever is slower, over the busy share of the last wave (unmeasured)."""
+        t = hw.target
+        c = {**self.optional, **config}
+        floor = hw.constants(LaunchConstants).floor_us
+        elem = 4 if problem.dtype == "f32" else 2
+        if c["DIRECT"]:
+            oh, ow = out_hw(problem)
+            groups = groups_of(problem)
+            n, ch, oc = problem.size("N"), problem.size("C"), problem.size("OC")
+            outputs = n * oc * oh * ow
+            flops = 2.0 * outputs * (ch // groups) * problem.size("KH") * problem.size("KW")
+            moved = elem * (n * ch * problem.size("H") * problem.size("W")
+                            + oc * (ch // groups) * problem.size("KH") * problem.size("KW")
+                            + (2 + int(bool(problem.flag("residual", False)))) * outputs)
+            g = grid(t, math.ceil(outputs / c["THREADS"]), resident(t, 0, c["THREADS"]))
+            fill = g.blocks / (g.waves * g.slots)
+            return floor + max(flops / (t.cuda_tflops * 1e6), moved / (t.dram_gbps * 1e3)) / max(fill, 0.05)
+        k_c, mma = hw.constants(ConvConstants), hw.constants(MmaConstants)
+        m, n, k = gemm_sizes(problem)
+        bm, bn, bk, wm, wn = c["BM"], c["BN"], c["BK"], c["WM"], c["WN"]
+        threads = wm * wn * 32
+        n_tiles = math.ceil(n / bn)
+        blocks = math.ceil(m / bm) * n_tiles
+        k_tiles = math.ceil(k / bk)
+        warp_m, warp_n = bm // wm, bn // wn
+        g = grid(t, blocks, resident(t, smem_bytes(c, True, problem.dtype), threads,
+                                      regs_per_thread(warp_m * warp_n // 32)))
+        peak_sm = (t.tf32_tflops if problem.dtype == "f32" else t.tc_tflops) * 1e6 / t.sms
+        chain = (2.0 * warp_m * warp_n * bk / (mma.warp_peak_frac * peak_sm)
+                 * crowding(g.per_sm * wm * wn, mma.share_exp))
+        gather = k_c.gather_ns * 1e-3 * bm * bk / threads
+        weights = (bn * bk * elem * (1.0 if c["VEC"] else SCALAR_LOADS) * min(g.blocks, g.slots)
+                   / (mma.l2_frac * t.dram_gbps * 1e3))  # B's tile, as the GEMM's operands
+        epilogue = mma.epilogue_ns * 1e-3 * bm * bn / threads * (1.0 + bool(problem.flag("residual", False)))
+        waves = g.waves * (k_tiles * max(gather, chain, weights) + epilogue * g.per_sm)
+        rate = m * k * n_tiles / (k_c.gather_gps * 1e3)
+        return floor + max(waves, rate)
 
     def instance_name(self, problem: Problem, config: Config, arch: str) -> str:
         c = {**self.optional, **config}

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_gtco.config import TARGETS
+from onnx_gtco.calibration import Hardware
+from onnx_gtco.cost.model import vendor_gemm_us
 from onnx_gtco.kernels.family import ARCHS, Instance, Problem, from_storage, tf32_round
 from onnx_gtco.patterns.activation import REFERENCE
 
@@ -47,14 +48,6 @@ _EPILOGUES = {  # (bias, activation) -> cublasLtEpilogue_t
     (False, "relu"): "CUBLASLT_EPILOGUE_RELU", (True, "relu"): "CUBLASLT_EPILOGUE_RELU_BIAS",
     (False, "gelu_tanh"): "CUBLASLT_EPILOGUE_GELU", (True, "gelu_tanh"): "CUBLASLT_EPILOGUE_GELU_BIAS",
 }
-EFFICIENCY = 0.35
-"""Assumed share of the roofline (the Tensor Core peak, or the DRAM bandwidth) a heuristic-chosen cuBLASLt algorithm
-reaches: an assumption of the analytical model, which only ranks cuBLASLt against the generated kernels where no
-GPU measures them. The value is the median roofline / time of cuBLAS on the five transformer GEMMs of
-docs/benchmarks.md (one H100: 0.31, 0.35, 0.39, 0.51 and 0.11 for K = 256), the run the generated kernels' model
-agrees with to 0.55-1.3x."""
-
-
 @dataclass(frozen=True)
 class LtMatmul:
     """One cuBLASLt matmul in cuBLASLt's own (column-major) terms.
@@ -264,17 +257,18 @@ def instance(problem: Problem, rank: int, arch: str) -> Instance:
                     config={"impl": IMPL, "RANK": rank}, arch=arch)  # type: ignore[dict-item]
 
 
-def estimate_us(problem: Problem, arch: str, launch_us: float) -> float:
-    """Roofline time of the matmul at EFFICIENCY of the peak (TF32 peak for f32) plus `launch_us`."""
+def estimate_us(problem: Problem, hw: Hardware) -> float:
+    """Estimated time of the matmul on `hw`: the vendor GEMM estimate (cost.model.vendor_gemm_us, whose constants
+    are fitted to cuBLAS kernels: until a record of ours measures these instances, ONNX Runtime's own cuBLAS
+    kernels of the same GEMMs stand in for them, marked as a proxy in the records and the calibration) over the
+    matmul's FLOPs and the bytes it moves (A, B, y and the residual)."""
     batch, m, n, k, b_batched = _sizes(problem)
-    t = TARGETS[arch]
     elem = 4 if problem.dtype == "f32" else 2
-    flops = 2.0 * batch * m * n * k
-    peak = t.tf32_tflops if problem.dtype == "f32" else t.tc_tflops
-    moved = elem * (batch * m * k + (batch if b_batched else 1) * k * n + batch * m * n *
-                    (2 if problem.flag("residual", False) else 1))
-    return max(flops / (peak * 1e6), moved / (t.dram_gbps * 1e3)) / EFFICIENCY + launch_us
+    out = 4 if str(problem.flag("out_dtype", problem.dtype) or problem.dtype) == "f32" else elem
+    moved = (elem * (batch * m * k + (batch if b_batched else 1) * k * n)
+             + out * batch * m * n * (2 if problem.flag("residual", False) else 1))
+    return vendor_gemm_us(2.0 * batch * m * n * k, moved, problem.dtype == "f32", hw)
 
 
-__all__ = ["EFFICIENCY", "IMPL", "RANKS", "LtMatmul", "check", "describe", "emulate", "emulate_problem", "estimate_us",
+__all__ = ["IMPL", "RANKS", "LtMatmul", "check", "describe", "emulate", "emulate_problem", "estimate_us",
            "instance", "unsupported"]

@@ -14,8 +14,8 @@ are not 16-byte multiples (TMA), GEMM problem flags it does not know (a layout b
 residual: the head-split / head-merge layouts have no flag in the GEMM problem yet).
 
 The tuner offers this implementation on GEMM tasks for TARGET (sm_90), building its trials for the sm_90a slot;
-where no GPU measures them, `estimate_us` prices a configuration tile by tile from the assumed numbers in
-`ASSUMED` (one place, each with where it comes from).
+`estimate_us` prices a configuration tile by tile from the constants fitted to the measured CUTLASS kernels
+(`CutlassConstants`; onnx_gtco.calibration), for the planner, the build's default choice and the tuner alike.
 
 Config (all keys required but "impl", which selects this module from the GEMM family):
     TILE_M, TILE_N, TILE_K  CTA tile; TILE_K * element size a multiple of the 128-byte swizzle
@@ -36,8 +36,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels.family import Config, Instance, Problem
 from onnx_gtco.kernels.render import render
@@ -307,83 +308,82 @@ def configs(problem: Problem, arch: str) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The analytical model of an instance (the tuner's price of a configuration where no GPU measures it)
+# The estimate of an instance's time (the one estimate the planner, the build's selection and the tuner read)
 
 
 @dataclass(frozen=True)
-class Assumptions:
-    """The numbers `estimate_us` assumes, all in one place. No CUTLASS instance has been timed on a GPU yet, so each
-    is an assumption until one is (the GPU measurer, or tools/kernel_bench): then these are the numbers to revisit.
+class CutlassConstants(Constants):
+    """The constants of `estimate_us` (onnx_gtco.calibration: fitted per GPU from measured CUTLASS kernels, on the
+    H200 from ViT-B/16's four projection GEMMs at batch 64, 128x128x64 cooperative persistent tiles)."""
 
-    Attributes:
-        mainloop_efficiency: per SCHEDULE, the share of the Tensor Core peak (config.TARGETS: tc_tflops, or
-            tf32_tflops for f32) a warp-specialized TMA / wgmma mainloop sustains while its operands arrive in time.
-            0.80 for both: what the sm_90 GEMMs of cuBLAS (the same design) sustain on large square fp16 problems,
-            750-790 of 989 TFLOP/s (torch.matmul on an H200 at 4096-10240 cubed, NVIDIA/tilus#86). No measurement
-            separates the two schedules: they differ here by what they overlap (ping-pong hides one warp group's
-            epilogue behind the other's mainloop) and what they allow (cooperative: 256-row tiles and stream-K), not
-            by a guessed factor.
-        l2_gbps: the rate, all SMs together, at which TMA brings operand tiles from L2 into shared memory. A CTA
-            reads (TILE_M / CLUSTER_N + TILE_N / CLUSTER_M) x K operand elements per tile (TMA multicast shares the
-            A tile across the cluster's N and the B tile across its M), so at this rate a 128x128 fp16 tile is
-            L2-bound at under a third of the peak, and bigger tiles or a 2-CTA cluster relieve it. 4200 GB/s is
-            fitted, not measured, and stands for whatever else short-K tiles lose too: with it, cuBLAS's times on
-            the four large projection GEMMs of docs/benchmarks.md (ViT-B qkv, fc1, fc2 and SETR fc1 at fp16 on one
-            H100) are 0.78-1.18x this model's best configurations' (geometric mean 1.01), where without the L2 term
-            the model predicts 43-70% of them. (cuBLAS's 53.8 us on DETR's K = 256 FFN, far from every model, is
-            left out, as kernels.cublaslt.EFFICIENCY singles it out.)
-    """
-
-    mainloop_efficiency: Mapping[str, float]
-    l2_gbps: float
+    GROUP: ClassVar[str] = "gemm.cutlass"
+    mainloop_frac: float = param(0.868, 0.1, 1.0, "of the Tensor Core peak", "the share of an SM's peak a "
+                                 "warp-specialized TMA / wgmma mainloop sustains on one tile, its pipeline's fill "
+                                 "and drain included")
+    l2_frac: float = param(2.5, 0.2, 6.0, "x DRAM bandwidth", "the rate, all SMs together, at which TMA brings "
+                           "operand tiles from L2 (a mainloop slower than this is bound by its operands); not fitted: "
+                           "the measured 128x128 tiles were bound by their Tensor Core work (at 4.8 TB/s x 2.5 they "
+                           "stay so, at 1.2x they would not), so no record tells its value", fit=False)
+    epilogue_frac: float = param(0.464, 0.05, 2.0, "of DRAM bandwidth", "the rate, all SMs together, at which "
+                                 "epilogues write their tiles (and read the residual)")
+    act_cost: float = param(1.08, 0.0, 10.0, "x a plain epilogue", "what an activation (GELU, tanh, ...) adds to an "
+                            "epilogue")
+    extra_us: float = param(3.0, 0.0, 20.0, "us", "what a kernel takes beyond the launch floor however few tiles it "
+                            "has (the persistent scheduler's and TMA descriptors' setup, the first stages' fill, the "
+                            "last tile's drain); not fitted: the measured grids were 5 to 18 waves long, where it does "
+                            "not show. Its default is the vendor GEMM's fitted extra time (cuBLAS's sm_90 kernels are "
+                            "the same TMA / wgmma design), until the GPU suite's calibration row times CUTLASS at a "
+                            "few tiles", fit=False)
 
 
-ASSUMED = Assumptions(mainloop_efficiency={"cooperative": 0.80, "pingpong": 0.80}, l2_gbps=4200.0)
 MIN_ITERS_PER_SK_UNIT = 8
 """CUTLASS's stream-K rule (PersistentTileSchedulerSm90StreamKParams::min_iters_per_sk_unit_), not an assumption:
 a tile of at most this many K iterations is never split, and a stream-K unit takes at least this many."""
+_CHEAP_ACTS = frozenset({"relu"})
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def estimate_us(problem: Problem, config: Config, launch_us: float) -> float:
-    """Predicted time of a valid `config` on `problem` (microseconds), on TARGET's hardware, from ASSUMED:
+def estimate_us(problem: Problem, config: Config, hw: Hardware) -> float:
+    """Estimated time of a valid `config` on `problem` (microseconds) on `hw` (an sm_90 GPU), from its
+    CutlassConstants and the launch floor:
 
-    * one tile on one SM: its mainloop is the slower of its MMA work at `mainloop_efficiency` of the SM's share of
-      the peak and its operand tiles at the SM's share of `l2_gbps`; its epilogue writes the tile (and reads the
-      residual) at the SM's share of the DRAM bandwidth. Cooperative: the epilogue follows the mainloop. Ping-pong:
-      it hides behind the other warp group's next mainloop, but for each CTA's last tile.
+    * one tile on one SM: its mainloop is the slower of its MMA work at `mainloop_frac` of the SM's share of the
+      peak and its operand tiles at the SM's share of `l2_frac` x the DRAM bandwidth; its epilogue writes the tile
+      (and reads the residual) at the SM's share of `epilogue_frac` x the DRAM bandwidth, `act_cost` more with an
+      activation. Cooperative: the epilogue follows the mainloop. Ping-pong: it hides behind the other warp group's
+      next mainloop, but for each CTA's last tile.
     * the grid: one persistent CTA per SM (whole clusters); tiles rounded up to whole clusters. The data-parallel
       scheduler runs ceil(tiles / CTAs) waves, its last one partly idle (wave quantization). Stream-K follows
       CUTLASS's heuristic: where the last wave is less than half full and a tile has more than
       MIN_ITERS_PER_SK_UNIT K iterations, the last two waves' tiles are split by K iterations over the CTAs, each
       split tile paying one fp32 partial tile written and read through the workspace.
-    * the pipeline's fill: a CTA's first MMA waits for its first stage, one K iteration's operands; plus
-      `launch_us`.
+    * the pipeline's fill (a CTA's first MMA waits for its first stage's operands) and the launch floor.
 
-    As in the mma kernels' model (tune.analytical), a CTA gets its SM's share of the L2 and DRAM bandwidth however
-    few CTAs run, which is pessimistic for a grid of fewer tiles than SMs. The model does not see the raster order
-    (which tiles share L2 lines) nor the stage count beyond what fits (`check`): it never ranks one raster or stage
-    count above another, and leaves them to the measurements."""
-    t = TARGETS[TARGET]
-    a = ASSUMED
+    Measured so far: 128x128x64 cooperative data-parallel tiles with 5 to 18 waves (docs/benchmarks.md); the
+    model's structure, not a measurement, carries it to other tiles, schedules and small grids. It does not see the
+    raster order nor the stage count beyond what fits (`check`)."""
+    t = hw.target
+    c = hw.constants(CutlassConstants)
     sizes = dict(problem.sizes)
     batch, m, n, k = sizes.get("batch", 1), sizes["M"], sizes["N"], sizes["K"]
     rows, groups = (m, batch) if sizes.get("b_batched", 0) else (batch * m, 1)  # a weight GEMM folds its batch
     tm, tn, tk = config["TILE_M"], config["TILE_N"], config["TILE_K"]
     cm, cn = config["CLUSTER_M"], config["CLUSTER_N"]
-    _, _, _, residual, out_dtype = _flags(problem)
+    _, _, act, residual, out_dtype = _flags(problem)
     elem = _BYTES[problem.dtype]
 
     k_iters = math.ceil(k / tk)
     peak = (t.tf32_tflops if problem.dtype == "f32" else t.tc_tflops) * 1e6 / t.sms  # FLOP per us, one SM
-    compute = 2.0 * tm * tn * tk * k_iters / (peak * a.mainloop_efficiency[config["SCHEDULE"]])
-    l2_per_sm = a.l2_gbps * 1e3 / t.sms  # bytes per us
+    compute = 2.0 * tm * tn * tk * k_iters / (peak * c.mainloop_frac)
+    l2_per_sm = c.l2_frac * t.dram_gbps * 1e3 / t.sms  # bytes per us
     load = (tm / cn + tn / cm) * tk * k_iters * elem / l2_per_sm
     mainloop = max(compute, load)
-    epilogue = tm * tn * _BYTES[out_dtype] * (2 if residual else 1) / (t.dram_gbps * 1e3 / t.sms)
+    act_factor = 1.0 + (0.0 if act == "none" else c.act_cost * (0.2 if act in _CHEAP_ACTS else 1.0))
+    epilogue = (tm * tn * _BYTES[out_dtype] * (2 if residual else 1) / (c.epilogue_frac * t.dram_gbps * 1e3 / t.sms)
+                * act_factor)
     hidden = config["SCHEDULE"] == "pingpong"
     between = max(0.0, epilogue - mainloop) if hidden else epilogue  # epilogue cost between a CTA's tiles
 
@@ -402,9 +402,9 @@ def estimate_us(problem: Problem, config: Config, launch_us: float) -> float:
         waves = math.ceil(tiles / ctas)
         body = waves * mainloop + (waves - 1) * between + epilogue
     fill = load / k_iters  # the first stage's operands, before the first MMA
-    return body + fill + launch_us
+    return body + fill + c.extra_us + hw.constants(LaunchConstants).floor_us
 
 
-__all__ = ["ARCH", "ASSUMED", "IMPL", "MIN_ITERS_PER_SK_UNIT", "SPACE", "TARGET", "Assumptions", "check",
+__all__ = ["ARCH", "IMPL", "MIN_ITERS_PER_SK_UNIT", "SPACE", "TARGET", "CutlassConstants", "check",
            "configs", "epilogue_tree", "estimate_us", "include_dirs", "instance_name", "instantiate", "template_params",
            "unsupported", "version"]

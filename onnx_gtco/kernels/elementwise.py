@@ -42,12 +42,15 @@ entry point launches the kernel with every element on the scalar path (correct, 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
 from onnx_gtco.ir.elementwise import (
     ARITY,
     CAST_TARGETS,
@@ -348,6 +351,49 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
 # the family
 # ---------------------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ElementwiseConstants(Constants):
+    """The constants of the elementwise estimate (onnx_gtco.calibration: on the H200 fitted from one measured kernel,
+    ViT-B/16's patch-embedding transpose at batch 64, a gathered read: the contiguous rate is not measured and
+    keeps its default, LayerNorm's fitted rate)."""
+
+    GROUP: ClassVar[str] = "elementwise"
+    extra_us: float = param(1.0, 0.0, 20.0, "us", "a kernel's time beyond the launch floor however few elements it "
+                            "has; not fitted (the one record is a long kernel): LayerNorm's fitted pass time stands in",
+                            fit=False)
+    bw_frac: float = param(0.893, 0.05, 1.5, "of DRAM bandwidth", "the rate of reads and writes along the "
+                           "innermost dim (coalesced)", fit=False)
+    gather_frac: float = param(0.104, 0.01, 1.5, "of DRAM bandwidth", "the rate of an input read across its "
+                               "innermost dim (a transpose folded into the load: one element per access)")
+
+
+_KIND_BYTES = {"bool": 1, "i32": 4, "i64": 8}
+
+
+COALESCED_RUN = 8
+"""Consecutive elements along the innermost dim that must be consecutive in memory for an access to count as
+coalesced (16 bytes of a 16-bit type)."""
+
+
+def _offset(layout: Sequence[Any], index: Sequence[int]) -> int:
+    """The source element a layout (ir.elementwise: source shape, strides, base[, terms]) maps `index` to."""
+    strides, base = layout[1], int(layout[2])
+    off = base + sum(int(i) * int(st) for i, st in zip(index, strides, strict=False))
+    for n, r, q, m, stride, weights in layout_rolls(tuple(layout)):
+        off += ((sum(int(i) * int(w) for i, w in zip(index, weights, strict=False)) + r) % n // q % m) * stride
+    return off
+
+
+def _gathered(layout: Sequence[Any] | None, shape: Sequence[int]) -> bool:
+    """Whether a view reads its innermost dim across memory (a transpose folded into the load): the first
+    COALESCED_RUN elements along it are not consecutive in the source, so each is one access."""
+    if layout is None or not shape or int(shape[-1]) < 2:
+        return False
+    run = min(COALESCED_RUN, int(shape[-1]))
+    offsets = [_offset(layout, [0] * (len(shape) - 1) + [i]) for i in range(run)]
+    return any(b - a != 1 for a, b in itertools.pairwise(offsets))
+
+
 class ElementwiseFamily(KernelFamily):
     name = "elementwise"
     space: ClassVar[Mapping[str, tuple[int, ...]]] = {"THREADS": (64, 128, 256, 512), "VEC": (1, 2, 4, 8)}
@@ -382,6 +428,33 @@ class ElementwiseFamily(KernelFamily):
                if self.check(problem, {"THREADS": t, "VEC": v}, arch) is None]
         # widest vector first, then the block size that still gives a few waves of blocks
         return sorted(out, key=lambda c: (-c["VEC"], n < 64 * c["THREADS"] * c["VEC"] and c["THREADS"] > 128))
+
+    def estimate_us(self, problem: Problem, config: Config, hw: Hardware) -> float:
+        """The estimated time on `hw` (ElementwiseConstants): the launch floor and the extra time, then each input's
+        and output's bytes, coalesced (at bw_frac of DRAM, less with accesses under 16 bytes) or gathered (a view read
+        across its innermost dim, at gather_frac), or the instructions at the CUDA-core peak where they bound it."""
+        t, c = hw.target, hw.constants(ElementwiseConstants)
+        n = math.prod(iteration_shape(problem))
+        elem = ITEM_BYTES[problem.dtype]
+        layouts = input_layouts(problem)
+        coalesced = gathered = 0.0
+        it = iteration_shape(problem)
+        for (shape, kind), lay in zip(problem.flag("inputs"), layouts, strict=True):
+            size = math.prod(shape) * _KIND_BYTES.get(kind, elem)
+            if _gathered(lay, it):
+                gathered += size
+            else:
+                coalesced += size
+        for i, _ in enumerate(problem.flag("outputs")):
+            strides = (problem.flag("out_strides") or ())[i] if problem.flag("out_strides") else None
+            out = None if strides is None else (tuple(it), tuple(strides), 0)
+            gathered, coalesced = ((gathered + n * elem, coalesced) if _gathered(out, it)
+                                   else (gathered, coalesced + n * elem))
+        width = min(1.0, int(config["VEC"]) * elem / 16) ** 0.5
+        memory = (coalesced / (t.dram_gbps * 1e3 * c.bw_frac * width)
+                  + gathered / (t.dram_gbps * 1e3 * c.gather_frac))
+        compute = n * max(1, len(problem.flag("program") or ())) * 4 / (t.cuda_tflops * 1e6)
+        return hw.constants(LaunchConstants).floor_us + c.extra_us + max(memory, compute)
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         why = self.check(problem, config, arch)

@@ -44,11 +44,13 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
 from onnx_gtco.config import TARGETS
 from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.family import (
@@ -64,6 +66,7 @@ from onnx_gtco.kernels.family import (
     to_storage,
 )
 from onnx_gtco.kernels.layernorm import normalize_rows
+from onnx_gtco.kernels.timing import crowding, grid, regs_per_thread, resident
 from onnx_gtco.patterns.activation import REFERENCE
 from onnx_gtco.patterns.gemm import MAX_LN_N  # the rule proposes what the kernel takes: one bound
 
@@ -173,6 +176,88 @@ def _sizes(problem: Problem) -> tuple[int, int, int, int, bool]:
     return get("batch", 1), get("M"), get("N"), get("K"), bool(get("b_batched", 0))
 
 
+@dataclass(frozen=True)
+class MmaConstants(Constants):
+    """The constants of `mma_estimate_us` (onnx_gtco.calibration: fitted per GPU from measured mma GEMM kernels; on
+    the H200 from ViT-B/16 and BERT-base's GEMMs: 128x64, 64x64 and 128x128 tiles, split-K 1 to 8, 1 to 12608
+    rows)."""
+
+    GROUP: ClassVar[str] = "gemm.mma"
+    warp_peak_frac: float = param(0.0406, 0.003, 0.5, "of an SM's Tensor Core peak", "the rate of one warp's chain "
+                                  "of ldmatrix and mma.sync over a k-tile, alone on its SM: the kernel's mainloop is "
+                                  "bound by this latency chain long before the Tensor Cores' peak")
+    share_exp: float = param(0.59, 0.0, 1.0, "", "how the warps of an SM share it: past one warp per "
+                             "sub-partition, w warps make each chain (w / 4) ** (1 - share_exp) times longer "
+                             "(kernels.timing.crowding; 0: not at all, 1: for free)")
+    l2_frac: float = param(1.2, 0.2, 4.0, "x DRAM bandwidth", "the rate, all SMs together, at which the cp.async "
+                           "pipelines bring operand tiles from L2 (a k-tile slower than this is bound by it)")
+    epilogue_ns: float = param(48.2, 0.0, 500.0, "ns", "epilogue time per output element a thread writes (bias, "
+                               "residual, cast and store straight from the fragments)")
+    act_cost: float = param(0.85, 0.0, 10.0, "x a plain epilogue", "what an activation (erf or tanh GELU, SiLU, "
+                            "...) adds to the epilogue")
+    splitk_us: float = param(3.61, 0.0, 30.0, "us", "split-K's fixed cost: the slices' arrival at the tile counter "
+                             "and the last block's extra pass")
+    splitk_sm_gbps: float = param(157.0, 10.0, 3000.0, "GB/s", "the rate at which the last block of a split tile "
+                                  "reads the other slices' fp32 partial tiles (one SM's share of L2)")
+    ln_sm_gbps: float = param(100.0, 10.0, 3000.0, "GB/s", "the rate at which the last block of a row panel reads "
+                              "its y back and writes the LayerNorm (one SM alone; unmeasured until the GPU suite's "
+                              "calibration row times the fused pair)")
+
+
+SCALAR_LOADS = 4.0
+"""What element-wise loads (VEC = 0) cost against 16-byte ones, per byte: an assumption."""
+_CHEAP_ACTS = frozenset({"relu", "relu6"})
+
+
+def mma_estimate_us(problem: Problem, config: Config, hw: Hardware) -> float:
+    """The estimated time of the mma kernel (gemm.cuh) `config` on `problem` on `hw`, in microseconds:
+
+    * blocks = batch x M tiles x N tiles x SPLITK, each of ceil(K-tiles / SPLITK) k-tiles; an SM holds as many as
+      its shared memory, threads and registers allow (kernels.timing.resident), and the grid runs in waves;
+    * a k-tile takes the longer of a warp's mma chain over its warp tile (warp_peak_frac of the SM's peak; warps
+      crowding an SM slow each other: kernels.timing.crowding) and its operand tiles (the valid rows of A and BN
+      columns of B) at the concurrent blocks' share of l2_frac x the DRAM bandwidth;
+    * after its k-tiles a block writes its valid outputs (epilogue_ns per element of a thread, more with a residual,
+      an activation, fp32 outputs; half with the staged epilogue, EPI = 1);
+    * split-K adds its fixed cost and the last block's read of the partial tiles; a fused LayerNorm the row panel's
+      read-back and write at one SM's rate; every kernel the launch floor."""
+    t = hw.target
+    c = hw.constants(MmaConstants)
+    cfg = {**GemmFamily.optional, **config}
+    batch, m, n, k, _ = _sizes(problem)
+    trans_b, _, act, res = _flags(problem)
+    bm, bn, bk, wm, wn = cfg["BM"], cfg["BN"], cfg["BK"], cfg["WM"], cfg["WN"]
+    splits = int(cfg["SPLITK"])
+    m_tiles, n_tiles = math.ceil(m / bm), math.ceil(n / bn)
+    blocks = batch * m_tiles * n_tiles * splits
+    k_tiles = math.ceil(math.ceil(k / bk) / splits)
+    threads = wm * wn * 32
+    warp_m, warp_n = bm // wm, bn // wn
+    per_sm = resident(t, smem_bytes(cfg, trans_b, problem.dtype), threads, regs_per_thread(warp_m * warp_n // 32))
+    g = grid(t, blocks, per_sm)
+    tf32 = problem.dtype == "f32"
+    elem = 4 if tf32 else 2
+    rows = min(bm, m / m_tiles)  # the valid rows of an average M tile
+    tile_bytes = (rows + bn) * bk * elem * (1.0 if cfg["VEC"] else SCALAR_LOADS)
+    peak_sm = (t.tf32_tflops if tf32 else t.tc_tflops) * 1e6 / t.sms  # FLOP per us
+    chain = 2.0 * warp_m * warp_n * bk / (c.warp_peak_frac * peak_sm) * crowding(g.per_sm * wm * wn, c.share_exp)
+    operands = tile_bytes * min(g.blocks, g.slots) / (c.l2_frac * t.dram_gbps * 1e3)
+    act_factor = 0.0 if act == "none" else c.act_cost * (0.2 if act in _CHEAP_ACTS else 1.0)
+    out_scale = _BYTES_OF[_out_dtype(problem)] / 2
+    epilogue = (c.epilogue_ns * 1e-3 * rows * bn / threads * (1.0 + res + act_factor) * out_scale
+                * (0.5 if cfg["EPI"] else 1.0))
+    block = k_tiles * max(chain, operands) + epilogue * g.per_sm
+    time = hw.constants(LaunchConstants).floor_us + g.waves * block
+    if splits > 1:
+        time += c.splitk_us + splits * bm * bn * 4 / (c.splitk_sm_gbps * 1e3)
+    if _layernorm(problem):
+        time += 2.0 * min(bm, m) * n * elem / (c.ln_sm_gbps * 1e3)
+    return time
+
+
+_BYTES_OF = {"f16": 2, "bf16": 2, "f32": 4}
+
+
 class GemmFamily(KernelFamily):
     """Tiled Tensor Core GEMM with a STAGES-deep cp.async pipeline and a fused bias / activation / LayerScale /
     residual epilogue."""
@@ -208,6 +293,16 @@ class GemmFamily(KernelFamily):
         except KeyError:
             pass  # check names the missing size
         return space
+
+    def estimate_us(self, problem: Problem, config: Config, hw: Hardware) -> float:
+        """The estimated time of a valid `config` on `problem` on `hw`: its implementation's estimate (mma:
+        mma_estimate_us; CUTLASS: kernels.cutlass.estimate_us; cuBLASLt: kernels.cublaslt.estimate_us)."""
+        impl = config.get("impl", "mma")
+        if impl == cublaslt.IMPL:
+            return cublaslt.estimate_us(problem, hw)
+        if impl != "mma":
+            return float(_impl(config).estimate_us(problem, config, hw))  # type: ignore[union-attr]
+        return mma_estimate_us(problem, {k: v for k, v in config.items() if k != "impl"}, hw)
 
     # ---------------------------------------------------------------------------------------------------------
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:

@@ -14,9 +14,12 @@ ROWS per block.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
 from onnx_gtco.kernels.family import (
     ARCHS,
     DTYPES,
@@ -90,6 +93,33 @@ def rowwise_check(family: str, problem: Problem, config: Config, arch: str, leng
     return None
 
 
+@dataclass(frozen=True)
+class RowwiseConstants(Constants):
+    """The constants of the row-wise families' estimate (LayerNorm, softmax; onnx_gtco.calibration: fitted per GPU
+    from measured LayerNorm kernels, on the H200 at 128, 197 and 12608 rows of 768, with and without the residual;
+    softmax, unmeasured, takes the same)."""
+
+    GROUP: ClassVar[str] = "rowwise"
+    pass_us: float = param(1.05, 0.0, 20.0, "us", "a row's pass beyond the launch floor: the reductions' round "
+                           "trips (mean, then the centered sum of squares)")
+    stream_us: float = param(0.267, 0.0, 5.0, "us", "what each tensor a row reads or writes adds where latency, not "
+                             "bandwidth, bounds the kernel (few rows)")
+    bw_frac: float = param(0.893, 0.05, 1.5, "of DRAM bandwidth", "the rate at which many rows stream")
+
+
+def rowwise_estimate_us(problem: Problem, config: Config, hw: Hardware, length: int, rows: int,
+                        streams: int) -> float:
+    """The estimated time of a row-wise kernel over `rows` rows of `length` elements that reads and writes `streams`
+    tensors of that shape, on `hw` (RowwiseConstants): the launch floor, a pass, each stream's latency, and the
+    bytes at the fitted share of the DRAM bandwidth (less with accesses under 16 bytes, VEC)."""
+    t, c = hw.target, hw.constants(RowwiseConstants)
+    elem = ITEM_BYTES[problem.dtype]
+    width = min(1.0, int(config.get("VEC", 1)) * elem / 16) ** 0.5  # 16-byte accesses reach the bandwidth
+    moved = streams * max(rows, 1) * length * elem
+    return (hw.constants(LaunchConstants).floor_us + c.pass_us + streams * c.stream_us
+            + moved / (t.dram_gbps * 1e3 * c.bw_frac * width))
+
+
 def rowwise_configs(family: KernelFamily, problem: Problem, arch: str, length: int) -> list[dict[str, int]]:
     """Valid configs, best first: the widest vector, about 8 elements per thread, ~128 threads per block."""
     out = []
@@ -132,6 +162,13 @@ class LayerNormFamily(KernelFamily):
 
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         return rowwise_configs(self, problem, arch, problem.size("hidden"))
+
+    def estimate_us(self, problem: Problem, config: Config, hw: Hardware) -> float:
+        """rowwise_estimate_us over the rows: x and y, the residual and the sum where the problem has them (gamma
+        and beta are one row, in cache)."""
+        res, res_out, _, _ = self._flags(problem)
+        return rowwise_estimate_us(problem, config, hw, problem.size("hidden"), problem.size("rows"),
+                                   2 + int(res) + int(res_out))
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         why = self.check(problem, config, arch)

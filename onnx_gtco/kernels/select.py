@@ -3,8 +3,11 @@
 A fused node (onnx_gtco.rewrite) carries what its kernel needs as attributes: GEMM sizes and epilogue, attention heads
 and layouts, LayerNorm's hidden size, ... Read back through the one decoder (opspec.decode), `problem_for` turns
 them into the kernel family's Problem, or says why
-no kernel serves the node (the node then keeps running its model-local function). `select_instance` picks the
-family's first valid configuration for an architecture; the tuner (a later stage) replaces that choice.
+no kernel serves the node (the node then keeps running its model-local function). `select_instance` picks, for an
+architecture, the configuration the estimate (each family's `estimate_us`, with the target GPU's fitted constants:
+onnx_gtco.calibration) predicts fastest among the family's offered ones (`candidates`: for a GEMM the mma tiles,
+on sm_90a CUTLASS's, and cuBLASLt where its epilogue maps); the tuner's configuration, where a task has one,
+replaces that choice. The planner prices every fused group with the same selection and estimate.
 
 Kernel dtype: the node's compute precision when it is fp16 / bf16, else the node's own I/O dtype. Every family has
 fp32 kernels: with precision fp32 the Tensor Core families (gemm and qkv, attention, bmm_softmax) compute in TF32
@@ -22,10 +25,12 @@ from typing import Any
 
 import onnx
 
+from onnx_gtco.calibration import Hardware, hardware_for_arch
+from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.attention import FAMILIES as ATTENTION_FAMILIES
 from onnx_gtco.kernels.attention import make_problem
 from onnx_gtco.kernels.conv import FAMILY as CONV
-from onnx_gtco.kernels.family import Instance, KernelFamily, Problem
+from onnx_gtco.kernels.family import ARCHS, Instance, KernelFamily, Problem
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.kernels.layernorm import FAMILY as LAYERNORM
@@ -140,20 +145,54 @@ Avoid = Container[tuple[str, str]]
 """(instance name, arch) pairs a selection must not return: instances ptxas rejected (a spill, a stack frame)."""
 
 
-def select_instance(problem: Problem, arch: str, config: Mapping[str, int] | None = None,
-                    avoid: Avoid = ()) -> Instance | str:
-    """The instance of `problem` for `arch`: `config`, or else the family's first valid configuration whose
-    instance is not in `avoid`; or why there is none (the family's own check, or that ptxas rejected each one)."""
+MMA_ONLY = frozenset({"mma"})
+"""The implementations an emulated build runs (the generated kernels only: no cuBLASLt, no CUTLASS)."""
+
+
+def candidates(problem: Problem, arch: str, avoid: Avoid = (), impls: Container[str] | None = None
+               ) -> list[dict[str, Any]]:
+    """The configurations a selection for `arch` chooses among, in the family's order: the family's offered ones
+    (configs: on sm_90a a GEMM's CUTLASS instances), and for a GEMM on sm_80 / sm_90 cuBLASLt's first heuristic
+    choice where its epilogue maps the group; none whose instance is in `avoid`, none of an implementation outside
+    `impls` (None: every one)."""
+    family = FAMILIES[problem.family]
+    offered = list(family.configs(problem, arch))
+    if problem.family == "gemm" and arch in ARCHS and cublaslt.unsupported(problem) is None:
+        offered.append({"impl": cublaslt.IMPL, "RANK": 0})
+    if impls is not None:
+        offered = [c for c in offered if str(c.get("impl", "mma")) in impls]
+    return [c for c in offered if (family.instance_name(problem, c, arch), arch) not in avoid]
+
+
+def fastest(problem: Problem, arch: str, configs: Iterable[Mapping[str, Any]], hw: Hardware | None = None
+            ) -> tuple[dict[str, Any], float] | None:
+    """The configuration of `configs` the estimate predicts fastest for `arch` on `hw` (by default the arch's
+    hardware: calibration.hardware_for_arch), with its estimate; the first of equals; None for no configuration."""
+    family = FAMILIES[problem.family]
+    hw = hardware_for_arch(arch, hw)
+    best: tuple[dict[str, Any], float] | None = None
+    for c in configs:
+        us = float(family.estimate_us(problem, c, hw))  # type: ignore[attr-defined]
+        if best is None or us < best[1]:
+            best = (dict(c), us)
+    return best
+
+
+def select_instance(problem: Problem, arch: str, config: Mapping[str, Any] | None = None, avoid: Avoid = (),
+                    hw: Hardware | None = None, impls: Container[str] | None = None) -> Instance | str:
+    """The instance of `problem` for `arch`: `config`, or else the candidate the estimate predicts fastest on `hw`
+    (fastest over candidates; `avoid` and `impls` restrict them); or why there is none (the family's own check, or
+    that ptxas rejected each one)."""
     family = FAMILIES[problem.family]
     if config is None:
-        configs = family.configs(problem, arch)
-        if not configs:
+        offered = candidates(problem, arch, impls=impls)
+        if not offered:
             return no_config_reason(family, problem, arch)
-        usable = [c for c in configs if (family.instance_name(problem, c, arch), arch) not in avoid]
-        if not usable:
-            return (f"each of the {len(configs)} valid {problem.family} configurations for {arch} spills or needs a "
+        pick = fastest(problem, arch, candidates(problem, arch, avoid, impls), hw)
+        if pick is None:
+            return (f"each of the {len(offered)} valid {problem.family} configurations for {arch} spills or needs a "
                     "stack frame (ptxas)")
-        config = usable[0]
+        config = pick[0]
     why = family.check(problem, config, arch)
     if why is not None:
         return f"{problem.family} config {dict(config)} for {arch}: {why}"
@@ -210,9 +249,11 @@ def model_dtypes(model: onnx.ModelProto) -> dict[str, str]:
             if vi.type.tensor_type.elem_type in _ELEM_DTYPE}
 
 
-def model_instances(model: onnx.ModelProto, archs: Iterable[str]) -> tuple[list[Instance], dict[str, str]]:
-    """The instances a rewritten model's fused nodes select for each arch (distinct by name and arch), and the
-    reason per node name that selected none."""
+def model_instances(model: onnx.ModelProto, archs: Iterable[str], impls: Container[str] | None = None
+                    ) -> tuple[list[Instance], dict[str, str]]:
+    """The instances a rewritten model's fused nodes select for each arch (distinct by name and arch), of the
+    implementations in `impls` (None: every one; MMA_ONLY: the generated kernels, which are also what a cuBLASLt
+    node falls back to), and the reason per node name that selected none."""
     found: dict[tuple[str, str], Instance] = {}
     skipped: dict[str, str] = {}
     out_dtypes = model_dtypes(model)
@@ -224,7 +265,7 @@ def model_instances(model: onnx.ModelProto, archs: Iterable[str]) -> tuple[list[
             skipped[node.name] = problem
             continue
         for arch in archs:
-            inst = select_instance(problem, arch)
+            inst = select_instance(problem, arch, impls=impls)
             if isinstance(inst, str):
                 skipped[node.name] = inst
             else:

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from onnx_gtco.calibration import Hardware
 from onnx_gtco.kernels.family import Config, Field, Instance, KernelFamily, Problem, from_storage, to_storage
-from onnx_gtco.kernels.layernorm import C_TYPES, arch_tag, cbool, rowwise_check, rowwise_configs
+from onnx_gtco.kernels.layernorm import C_TYPES, arch_tag, cbool, rowwise_check, rowwise_configs, rowwise_estimate_us
 
 
 def mask_rows(problem: Problem) -> int:
@@ -45,6 +46,12 @@ class SoftmaxFamily(KernelFamily):
 
     def configs(self, problem: Problem, arch: str) -> list[dict[str, int]]:
         return rowwise_configs(self, problem, arch, problem.size("cols"))
+
+    def estimate_us(self, problem: Problem, config: Config, hw: Hardware) -> float:
+        """rowwise_estimate_us (LayerNorm's constants: no softmax kernel of ours is measured yet) over x and y, and
+        the mask where there is one."""
+        return rowwise_estimate_us(problem, config, hw, problem.size("cols"), problem.size("rows"),
+                                   2 + int(bool(problem.flag("mask", False))))
 
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         why = self.check(problem, config, arch)

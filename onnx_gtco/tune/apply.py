@@ -17,6 +17,7 @@ from typing import Any
 
 import onnx
 
+from onnx_gtco.calibration import Hardware
 from onnx_gtco.config import tune_storage_env
 from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.conv import summary as conv_summary
@@ -62,17 +63,18 @@ def measured_costs(report: dict[str, Any]) -> dict[str, float]:
     return {e["task"]: float(e["best_us"]) for e in report["tasks"] if e.get("best_us") is not None}
 
 
-def pick_measurer() -> Measurer:
-    """The GPU measurer when CuPy sees a CUDA device, else the analytical model."""
+def pick_measurer(hw: Hardware | None = None) -> Measurer:
+    """The GPU measurer when CuPy sees a CUDA device, else the estimate on `hw` (the planning target's hardware)."""
     from onnx_gtco.tune.gpu import GpuMeasurer, gpu_available
 
-    return GpuMeasurer() if gpu_available() else AnalyticalMeasurer()
+    return GpuMeasurer() if gpu_available() else AnalyticalMeasurer(hw)
 
 
 def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | None = None,
                measurer: Measurer | None = None, patience: int = 20, workers: int = 1,
                progress: Callable[[TaskResult], None] | None = None, shape_of: ShapeOf | None = None,
-               shipped: bool = True, records_dir: str | Path | None = None) -> tuple[dict[str, Any], Tuned]:
+               shipped: bool = True, records_dir: str | Path | None = None, hw: Hardware | None = None
+               ) -> tuple[dict[str, Any], Tuned]:
     """Tune the model's tasks for `arch` up to `trials` finished trials each (0: only look up), then return the
     report's "tuning" entry and the configuration per node (choose: the storage's, a shipped record's where
     `shipped`, from `records_dir` or records.records_dir()). The measurer defaults to pick_measurer() (closed
@@ -80,7 +82,7 @@ def tune_model(model: onnx.ModelProto, arch: str, trials: int, storage: str | No
     input shapes: the plan's (tasks.view_shapes) where the caller has it, else the model's value_info
     (tasks.model_shapes)."""
     own = measurer is None
-    measurer = measurer or pick_measurer()
+    measurer = measurer or pick_measurer(hw)
     try:
         arch = getattr(measurer, "arch", arch)  # a GPU measurer tunes for the GPU it has
         url = storage_url(storage)

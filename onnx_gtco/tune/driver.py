@@ -103,7 +103,7 @@ def tune(tasks: Sequence[Task], *, trials: int, measurer: Measurer, storage: str
     url = storage_url(storage)
     prepare(list(tasks), trials, url, measurer.device, seed, targets)
     store = open_storage(url)
-    studies = {t.key: study_for(t, store, measurer.device, seed) for t in tasks}
+    studies = {t.key: study_for(t, store, measurer.device, seed, getattr(measurer, "hw", None)) for t in tasks}
     before = {k: len(finished(s)) for k, s in studies.items()}
     by_key = {t.key: t for t in tasks}
     keys = set(studies)

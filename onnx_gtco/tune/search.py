@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import optuna
 
+from onnx_gtco.calibration import Hardware, hardware_for_arch
 from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
 from onnx_gtco.kernels import cublaslt, cutlass
@@ -142,20 +143,26 @@ class Measurer(Protocol):
 
 
 class AnalyticalMeasurer:
-    """The analytical model as a measurer: deterministic, no GPU; runs the whole tuning path in CI."""
+    """The estimate as a measurer (each family's estimate_us, the one the planner and the build rank by):
+    deterministic, no GPU; runs the whole tuning path in CI. `hw`: the planning target's hardware (its calibration),
+    for the tasks of the arch it runs; None: each task's arch's data-sheet target. Its studies are per hardware
+    (`device`: "analytical" for an arch's data-sheet target, "analytical-h200" for a named GPU), so predictions for
+    two GPUs never mix."""
 
     name = "analytical"
-    device = "analytical"
 
-    def __init__(self) -> None:
+    def __init__(self, hw: Hardware | None = None) -> None:
         self.calls = 0
+        self.hw = hw
+        named = hw is not None and hw.name not in (hw.arch, "sm_80", "sm_90")
+        self.device = f"analytical-{hw.name}" if named and hw is not None else "analytical"
 
     def measure(self, task: Task, config: Mapping[str, int]) -> Measurement:
         self.calls += 1
         delay = tune_test_delay_s()
         if delay > 0:  # test hook: a measurement that takes time, so tests can kill a worker mid-trial
             time.sleep(delay)
-        return Measurement(predict_us(task, config), 0.0, runs=1)
+        return Measurement(predict_us(task, config, self.hw), 0.0, runs=1)
 
     def environment(self) -> dict[str, str]:
         return {"measurer": self.name, "gpu": "none (analytical model)", "driver": "", "toolchain": ""}
@@ -285,23 +292,25 @@ def check(task: Task, config: Mapping[str, Any]) -> str | None:
     return FAMILIES[task.problem.family].check(task.problem, dict(config), config_arch(task, config))
 
 
-def predict_us(task: Task, config: Mapping[str, Any]) -> float:
-    """The analytical model's time of a valid `config` of `task`."""
-    return estimate_us(task.problem, config, task.arch)
+def predict_us(task: Task, config: Mapping[str, Any], hw: Hardware | None = None) -> float:
+    """The estimate of a valid `config` of `task` on `hw` where it runs the task's arch (else the arch's data-sheet
+    target)."""
+    return estimate_us(task.problem, config, config_arch(task, config), hardware_for_arch(task.arch, hw))
 
 
 @functools.cache
-def _cutlass_ranked(problem: Problem) -> tuple[dict[str, Any], ...]:
+def _cutlass_ranked(problem: Problem, hw: Hardware | None = None) -> tuple[dict[str, Any], ...]:
     """Every valid CUTLASS configuration of `problem` with the heuristic raster order, best first by the analytical
     model (a few thousand combinations; the model and the check take microseconds each). The model does not see
     the raster order, so the others would only repeat each time; the study's sampler tries them."""
     space = {**cutlass.SPACE, "RASTER": ("heuristic",)}
     valid = (c for c in (dict(zip(space, v, strict=True)) for v in itertools.product(*space.values()))
              if cutlass.check(problem, c, cutlass.ARCH) is None)
-    return tuple(sorted(valid, key=lambda c: estimate_us(problem, {"impl": cutlass.IMPL, **c}, cutlass.TARGET)))
+    hw = hardware_for_arch(cutlass.TARGET, hw)
+    return tuple(sorted(valid, key=lambda c: estimate_us(problem, {"impl": cutlass.IMPL, **c}, cutlass.ARCH, hw)))
 
 
-def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, Any]]:
+def analytical_guesses(task: Task, n: int = SEEDS, hw: Hardware | None = None) -> list[dict[str, Any]]:
     """Valid configurations ranked by the analytical model, best first: the best of each implementation (so every
     implementation is measured), then the next best of any up to `n`. The family's kernels offer their rule-of-thumb
     configurations (family.configs); cuBLASLt every rank; CUTLASS its whole valid space, ranked."""
@@ -312,17 +321,17 @@ def analytical_guesses(task: Task, n: int = SEEDS) -> list[dict[str, Any]]:
         if impl == "mma":
             configs: list[dict[str, Any]] = [with_defaults(task, c) for c in family.configs(task.problem, task.arch)]
         elif impl == cutlass.IMPL:
-            configs = [dict(c) for c in _cutlass_ranked(task.problem)[:n]]
+            configs = [dict(c) for c in _cutlass_ranked(task.problem, hw)[:n]]
         else:
             configs = [{k: v for k, v in zip(IMPL_SPACES[impl], values, strict=True)}
                        for values in itertools.product(*IMPL_SPACES[impl].values())]
         if len(choices) > 1:
             configs = [{"impl": impl, **c} for c in configs]
-        per_impl.append(sorted(configs, key=lambda c: predict_us(task, c)))
+        per_impl.append(sorted(configs, key=lambda c: predict_us(task, c, hw)))
     firsts = [r[0] for r in per_impl if r]
-    rest = sorted((c for r in per_impl for c in r[1:]), key=lambda c: predict_us(task, c))
+    rest = sorted((c for r in per_impl for c in r[1:]), key=lambda c: predict_us(task, c, hw))
     picked = firsts[:n] + rest[:max(0, n - len(firsts))]
-    return sorted(picked, key=lambda c: predict_us(task, c))
+    return sorted(picked, key=lambda c: predict_us(task, c, hw))
 
 
 def study_name(task: Task, device: str) -> str:
@@ -334,14 +343,15 @@ def study_name(task: Task, device: str) -> str:
     return f"{task.key}{tag}@{device}"
 
 
-def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: str, seed: int = 0) -> optuna.Study:
-    """The task's study on `device` (created on first use, with the analytical guesses enqueued)."""
+def study_for(task: Task, storage: optuna.storages.BaseStorage | str, device: str, seed: int = 0,
+              hw: Hardware | None = None) -> optuna.Study:
+    """The task's study on `device` (created on first use, with the estimate's best guesses on `hw` enqueued)."""
     study = optuna.create_study(study_name=study_name(task, device), storage=storage, direction="minimize",
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
     if "task" not in study.user_attrs:
         study.set_user_attr("task", task_attrs(task))
         study.set_user_attr("describe", task.describe())
-        for config in analytical_guesses(task):
+        for config in analytical_guesses(task, hw=hw):
             study.enqueue_trial(to_params(task, config), skip_if_exists=True)
     return study
 

@@ -8,8 +8,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_gtco.config import TARGETS, GtcoConfig
-from onnx_gtco.cost.model import Estimate, cost_fn, estimate, node_flops
+from onnx_gtco.calibration import LaunchConstants, hardware
+from onnx_gtco.config import GtcoConfig
+from onnx_gtco.cost.model import Estimate, OrtConstants, VendorGemmConstants, cost_fn, estimate, node_flops
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
@@ -43,21 +44,39 @@ def test_fusing_never_adds_dram_bytes_or_launches(mlp: onnx.ModelProto) -> None:
         assert fused.mm_flops == sum(p.mm_flops for p in parts)
 
 
-def test_tensor_core_peak_depends_on_precision() -> None:
-    hw = TARGETS["sm_90"]
+def test_ort_matmuls_are_priced_as_the_vendor_gemm_at_the_precision_s_peak() -> None:
+    hw = hardware("h200")
+    c, launch = hw.constants(VendorGemmConstants), hw.constants(LaunchConstants)
     heavy = Estimate(mm_flops=1e12, other_flops=0, dram_bytes=1e6, launches=1)
-    t32, t16 = heavy.time_us(hw, "fp32"), heavy.time_us(hw, "fp16")
-    assert t32 == pytest.approx(1e12 / (hw.tf32_tflops * 1e6) + hw.launch_us)
+    t32, t16 = heavy.ort_us(hw, "fp32"), heavy.ort_us(hw, "fp16")
+    assert t32 == pytest.approx(1e12 / (hw.target.tf32_tflops * 1e6 * c.mma_frac) + launch.floor_us + c.extra_us)
     assert t16 < t32
     # elementwise work never gets Tensor Core throughput
-    ew = Estimate(mm_flops=0, other_flops=1e12, dram_bytes=0, launches=0)
-    assert ew.time_us(hw, "fp16") == pytest.approx(1e12 / (hw.cuda_tflops * 1e6))
+    ew = Estimate(mm_flops=0, other_flops=1e12, dram_bytes=0, launches=1)
+    assert ew.ort_us(hw, "fp16") == pytest.approx(1e12 / (hw.target.cuda_tflops * 1e6) + launch.floor_us
+                                                  + hw.constants(OrtConstants).extra_us)
+    assert Estimate(launches=0).ort_us(hw) == 0.0
 
 
-def test_memory_bound_group_is_priced_by_bandwidth() -> None:
-    hw = TARGETS["sm_80"]
+def test_memory_bound_group_is_priced_by_the_fitted_bandwidth() -> None:
+    hw = hardware("a100")  # no calibration: the defaults over the data sheet
+    c = hw.constants(OrtConstants)
     e = Estimate(mm_flops=0, other_flops=1e3, dram_bytes=2.039e9, launches=1)
-    assert e.time_us(hw, "fp32") == pytest.approx(1000.0 + hw.launch_us)  # 2.039 GB at 2039 GB/s = 1 ms
+    assert e.ort_us(hw, "fp32") == pytest.approx(1e3 / c.bw_frac + hw.constants(LaunchConstants).floor_us
+                                                 + c.extra_us)  # 2.039 GB at 2039 GB/s = 1 ms at full rate
+
+
+def test_a_fused_group_costs_its_kernel_estimate_and_the_graph_gap_per_launch(mlp: onnx.ModelProto) -> None:
+    view = GraphView(load_model(mlp))
+    config = GtcoConfig(target="h200")
+    gap = hardware("h200").constants(LaunchConstants).graph_gap_us
+    fused = Candidate(frozenset([0, 1]), "gemm", "t")
+    cost = cost_fn(view, config, lambda c: 7.0 if c.nodes == fused.nodes else None)
+    assert cost(fused) == pytest.approx(7.0 + gap)
+    # a fused group with no device kernel costs its nodes unfused (a hair less: the tie-break)
+    other = Candidate(frozenset([3, 4]), "gemm", "t")
+    assert cost(other) == pytest.approx(cost(_single(3)) + cost(_single(4)), rel=1e-6)
+    assert cost(other) < cost(_single(3)) + cost(_single(4))
 
 
 def test_einsum_that_is_a_matmul_counts_matmul_flops() -> None:

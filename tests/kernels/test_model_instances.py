@@ -12,7 +12,14 @@ from kernel_helpers import nvcc_missing
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.kernels.compile import compile_instance, compile_instances
 from onnx_gtco.kernels.family import Instance, Problem
-from onnx_gtco.kernels.select import CONV_NEEDS_SHAPES, model_instances, node_problem, problem_for, select_instance
+from onnx_gtco.kernels.select import (
+    CONV_NEEDS_SHAPES,
+    MMA_ONLY,
+    model_instances,
+    node_problem,
+    problem_for,
+    select_instance,
+)
 from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.models import build
 from onnx_gtco.opspec import decode, op_type, split_op_type
@@ -44,7 +51,7 @@ def test_split_op_type(op_type, want):
 ])
 def test_fp16_models_select_a_kernel_for_every_tensor_core_group(name, families):
     model = rewritten(name, "fp16")
-    instances, skipped = model_instances(model, ARCHS)
+    instances, skipped = model_instances(model, ARCHS, MMA_ONLY)  # the generated kernels (cuBLASLt's fallbacks)
     assert {i.problem.family for i in instances} >= families
     assert {i.arch for i in instances} == set(ARCHS)
     # only elementwise chains (selected by their binder) and the patch-embedding conv (its Problem needs x's shape,
@@ -64,7 +71,7 @@ def test_fp32_precision_gives_tensor_core_groups_tf32_kernels():
     for node in nodes:
         problem = node_problem(node)
         assert isinstance(problem, Problem) and problem.dtype == "f32", problem
-        inst = select_instance(problem, "sm_80")
+        inst = select_instance(problem, "sm_80", impls=MMA_ONLY)  # the generated kernel (cuBLASLt's: TF32 compute)
         assert not isinstance(inst, str) and "<float, " in inst.source
     ln = next(n for n in model.graph.node if n.op_type == "Layernorm_f32")
     problem = node_problem(ln)
@@ -90,7 +97,7 @@ def test_problem_for_reasons_name_the_obstacle():
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "precision"), [("vit-b16", "fp16"), ("bert-base", "bf16"), ("deit-s", "fp16")])
 def test_builtin_model_kernels_compile_without_spills(tmp_path, name, precision):
-    instances, _ = model_instances(rewritten(name, precision), ARCHS)
+    instances, _ = model_instances(rewritten(name, precision), ARCHS, MMA_ONLY)
     compiled = compile_instances(instances, tmp_path)  # raises on a compile error, a spill or a stack frame
     assert len(compiled) == len(instances)
     for c in compiled:
@@ -133,7 +140,9 @@ def test_a_qkv_node_chooses_its_tiles_for_one_projection():
     assert isinstance(qkv, Problem) and qkv.size("N") == 768 and qkv.size("M") == 128
     gemm = _problem("gemm", "f16", {"m": 128, "k": 768, "n": 768, "bias": 1, "precision": "fp16"})
     assert select_instance(qkv, "sm_90").config == select_instance(gemm, "sm_90").config
-    assert select_instance(qkv, "sm_90").config.get("SPLITK", 1) > 1
+    mma = select_instance(qkv, "sm_90", impls=MMA_ONLY)  # among the generated kernels too: 768 columns' tiles
+    assert not isinstance(mma, str) and mma.config == select_instance(gemm, "sm_90", impls=MMA_ONLY).config
+    assert mma.config["BM"] * mma.config["BN"] <= 64 * 64 or mma.config.get("SPLITK", 1) > 1  # more than 12 blocks
     uneven = _problem("qkv", "f16", {**attrs, "ns": [768, 256, 256], "n_out": 1280})
     assert isinstance(uneven, Problem) and uneven.size("N") == 768
 

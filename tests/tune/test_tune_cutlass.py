@@ -1,11 +1,10 @@
 """CUTLASS as an implementation of GEMM tasks: offered on tasks for sm_90 (built for their sm_90a slot) where the
 mapping expresses the group and the headers are installed, its tunables as the study's parameters, priced by the
-analytical model from assumptions kept in kernels.cutlass.ASSUMED, built and timed by the GPU measurer like the
+estimate from its fitted constants (kernels.cutlass.CutlassConstants), built and timed by the GPU measurer like the
 others, and reported per GEMM node beside the cuBLASLt candidate."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +12,13 @@ import numpy as np
 import optuna
 import pytest
 
+from onnx_gtco.calibration import hardware
 from onnx_gtco.kernels import cutlass
 from onnx_gtco.kernels.family import Instance, to_storage
 from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 from onnx_gtco.report_md import _tuning
 from onnx_gtco.tune import gpu
-from onnx_gtco.tune.analytical import LAUNCH_US, estimate_us
+from onnx_gtco.tune.analytical import estimate_us
 from onnx_gtco.tune.apply import implementations, slots
 from onnx_gtco.tune.builder import Artifact
 from onnx_gtco.tune.driver import impl_bests, tune
@@ -124,7 +124,7 @@ def test_cutlass_tunables_are_study_parameters_apart_from_the_mma_ones() -> None
         config = to_config(t.params)
         why = FAMILY.check(task.problem, config, "sm_90a")
         if t.state == optuna.trial.TrialState.COMPLETE:
-            assert why is None and t.value == pytest.approx(estimate_us(task.problem, config, "sm_90"))
+            assert why is None and t.value == pytest.approx(estimate_us(task.problem, config, "sm_90a"))
         else:  # rejected unmeasured, with the family's reason
             assert t.user_attrs["error_kind"] == "invalid" and t.user_attrs["error"] == why
 
@@ -155,37 +155,35 @@ def _best(task: Task, impl: str) -> tuple[float, dict[str, Any]]:
                key=lambda x: x[0])
 
 
-def test_the_model_ranks_a_large_projection_gemms_cutlass_above_mma_for_its_assumed_efficiency(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_model_ranks_a_large_projection_gemms_cutlass_above_mma_for_its_fitted_efficiency() -> None:
     task = _task()
     guesses = analytical_guesses(task)
     assert guesses[0]["impl"] == "cutlass" and {g.get("impl") for g in guesses} == {"mma", "cutlass"}
     cut, config = _best(task, "cutlass")
     mma, _ = _best(task, "mma")
     assert cut < mma
-    # the ranking rests on the assumptions, all in cutlass.ASSUMED: a mainloop at a fifth of the assumed efficiency
+    # the ranking rests on the constants, all in CutlassConstants: a mainloop at a fifth of the fitted efficiency
     # turns it over
-    slow = dataclasses.replace(cutlass.ASSUMED, mainloop_efficiency={"cooperative": 0.16, "pingpong": 0.16},
-                               l2_gbps=1e9)
-    monkeypatch.setattr(cutlass, "ASSUMED", slow)
-    assert estimate_us(task.problem, config, "sm_90") > mma
-    with pytest.raises(ValueError, match="runs on sm_90"):
-        estimate_us(task.problem, config, "sm_80")
+    hw = hardware("sm_90")
+    slow = hw.with_overrides({"gemm.cutlass": {"mainloop_frac": hw.constants(cutlass.CutlassConstants).mainloop_frac
+                                               / 5}})
+    assert estimate_us(task.problem, config, "sm_90a", slow) > mma
 
 
 def test_the_model_prices_waves_clusters_and_the_epilogue_overlap() -> None:
     p = _task().problem
-    price = lambda c: cutlass.estimate_us(p, c, LAUNCH_US)  # noqa: E731
+    hw = hardware("sm_90")
+    price = lambda c: cutlass.estimate_us(p, c, hw)  # noqa: E731
     sms = cutlass.TARGETS[cutlass.TARGET].sms
     # wave quantization: one tile past a full wave costs a whole wave with the data-parallel scheduler; stream-K
     # splits that tail (CUTLASS's heuristic), and with no tail the two are the same kernel
     coop = COOP | {"TILE_N": 128, "CLUSTER_M": 1, "TILE_SCHEDULER": "persistent"}
     one_past = _task(m=128 * (sms + 1), n=128).problem
     exact = _task(m=128 * sms, n=128).problem
-    dp, sk = (cutlass.estimate_us(one_past, coop | {"TILE_SCHEDULER": s}, LAUNCH_US) for s in ("persistent", "streamk"))
+    dp, sk = (cutlass.estimate_us(one_past, coop | {"TILE_SCHEDULER": s}, hw) for s in ("persistent", "streamk"))
     assert sk < dp
-    full = cutlass.estimate_us(exact, coop, LAUNCH_US)
-    assert full == cutlass.estimate_us(exact, coop | {"TILE_SCHEDULER": "streamk"}, LAUNCH_US) < dp
+    full = cutlass.estimate_us(exact, coop, hw)
+    assert full == cutlass.estimate_us(exact, coop | {"TILE_SCHEDULER": "streamk"}, hw) < dp
     # a 2-CTA cluster multicasts the shared operand: less L2 traffic for an L2-bound tile
     assert price(coop | {"CLUSTER_M": 2}) < price(coop)
     # ping-pong hides one warp group's epilogue behind the other's mainloop; cooperative does not
@@ -224,8 +222,9 @@ def test_gpu_measurer_builds_a_cutlass_trial_with_its_config_and_times_it(monkey
     monkeypatch.setattr(gpu.GpuMeasurer, "run", fake_run)
     m = _measurer()
     study = study_for(task, open_storage("memory:cutlass-gpu"), m.device)
+    study.enqueue_trial(to_params(task, COOP), skip_if_exists=False)
     study.enqueue_trial(to_params(task, PINGPONG), skip_if_exists=False)
-    for _ in range(len(analytical_guesses(task))):
+    for _ in range(len(analytical_guesses(task)) + 1):  # the study's guesses, then the cooperative stream-K one
         run_trial(study, task, m)
     record = run_trial(study, task, m)
     assert record.state == optuna.trial.TrialState.COMPLETE and record.value == 42.5
@@ -279,8 +278,9 @@ def test_report_names_winner_config_and_both_library_candidates_per_gemm_node() 
     times = {impl: us for impl, (_, us) in bests.items()}
     assert result.best_config is not None and result.best_us == min(times.values())
     entry = implementations(task, (result.best_config, result.best_us), times, "analytical")
-    assert entry["impl"] == "cutlass" == result.best_config["impl"]
-    assert entry["cutlass_us"] == result.best_us and entry["cublaslt_us"] == times["cublaslt"]
+    winner = result.best_config["impl"]
+    assert entry["impl"] == winner == min(times, key=times.__getitem__)
+    assert entry["cutlass_us"] == times["cutlass"] and entry["cublaslt_us"] == times["cublaslt"]
     assert entry["cutlass"] == entry["cublaslt"] == "offered" and entry["timing"] == "analytical"
     report = {"tuning": {"measurer": "analytical", "device": "analytical", "arch": "sm_90", "tasks": [
         {"task": task.key, "describe": task.describe(), "best_config": result.best_config,
@@ -288,11 +288,11 @@ def test_report_names_winner_config_and_both_library_candidates_per_gemm_node() 
         {"task": "t2", "describe": "gemm b", "best_config": MMA, "best_us": 60.0}
         | implementations(_task(activation="quick_gelu"), (MMA, 60.0), {"mma": 60.0}, "analytical")]}}
     text = "\n".join(_tuning(report))
-    assert "GEMM implementations, times predicted by the analytical model" in text and "assumed" in text
+    assert "GEMM implementations, times predicted by the estimate" in text and "proxy" in text
     assert "| configuration |" in text and "| CUTLASS µs |" in text
-    row = next(line for line in text.splitlines() if line.startswith("| fc1_0, fc1_1 | cutlass"))
-    assert f"TILE_M={result.best_config['TILE_M']}" in row and "SCHEDULE=" in row
-    assert f"{times['cublaslt']:,.1f}" in row
+    row = next(line for line in text.splitlines() if line.startswith(f"| fc1_0, fc1_1 | {winner}"))
+    assert all(f"{k}={v}" in row for k, v in result.best_config.items() if k != "impl")
+    assert f"{times['cublaslt']:,.1f}" in row and f"{times['cutlass']:,.1f}" in row
     assert "not offered: activation 'quick_gelu' has no CUTLASS epilogue functor" in text
 
 

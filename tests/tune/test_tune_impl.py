@@ -1,17 +1,18 @@
 """cuBLASLt as an implementation of GEMM tasks: offered where the mapping expresses the group, its heuristic rank
-as the parameter, ranked by the analytical model without a GPU, and the report names the winner per GEMM node with
+as the parameter, ranked by the estimate without a GPU, and the report names the winner per GEMM node with
 the cuBLASLt candidate's time beside it."""
 
 from __future__ import annotations
 
 import pytest
 
+from onnx_gtco.calibration import hardware_for_arch
 from onnx_gtco.kernels import cublaslt
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 from onnx_gtco.kernels.select import select_instance
 from onnx_gtco.report_md import _tuning
-from onnx_gtco.tune.analytical import LAUNCH_US, estimate_us
+from onnx_gtco.tune.analytical import estimate_us
 from onnx_gtco.tune.apply import implementations
 from onnx_gtco.tune.driver import impl_times, tune
 from onnx_gtco.tune.search import AnalyticalMeasurer, analytical_guesses, impls
@@ -53,7 +54,7 @@ def test_analytical_guesses_hold_every_implementation_ranked_by_the_model() -> N
     times = [estimate_us(task.problem, g, task.arch) for g in guesses]
     assert times == sorted(times)
     lt = next(g for g in guesses if g["impl"] == "cublaslt")
-    assert estimate_us(task.problem, lt, task.arch) == cublaslt.estimate_us(task.problem, task.arch, LAUNCH_US)
+    assert estimate_us(task.problem, lt, task.arch) == cublaslt.estimate_us(task.problem, hardware_for_arch(task.arch))
     only_mma = analytical_guesses(_task("sm_80", activation="gelu_erf"))
     assert only_mma and all("impl" not in g for g in only_mma)
 
@@ -65,7 +66,7 @@ def test_tuning_without_a_gpu_ranks_the_implementations_analytically(m: int) -> 
     (result,) = tune([task], trials=12, measurer=AnalyticalMeasurer(), storage=url, patience=50)
     by_impl = impl_times([task], "analytical", url)[task.key]
     assert set(by_impl) == {"mma", "cublaslt"}  # both measured (by the model)
-    assert by_impl["cublaslt"] == pytest.approx(cublaslt.estimate_us(task.problem, task.arch, LAUNCH_US))
+    assert by_impl["cublaslt"] == pytest.approx(cublaslt.estimate_us(task.problem, hardware_for_arch(task.arch)))
     assert result.best_config is not None and result.best_us == pytest.approx(min(by_impl.values()))
     want = min(by_impl, key=by_impl.__getitem__)
     entry = implementations(task, (result.best_config, result.best_us), by_impl, "analytical")
