@@ -19,10 +19,14 @@ Per task:
        predicted(n) = L + f_microkernel * W(n) * u(n) * f_penalty(o(n)),   f_penalty(o) = beta + (1 - beta) * o
 
    with W the waves of blocks (ceil of blocks over the resident slots), u the work of one block relative to a full
-   tile (1 for a GEMM tile, whose padded edge computes in full; the padded key length for attention; the share of
-   real rows for the memory-bound row-wise kernels) and o the core occupancy of a wave (busy blocks over the
-   blocks that saturate it, at least one block per SM for the Tensor Core families): linear in occupancy, as
-   DietCode has it. L is the launch overhead;
+   tile (1 for a GEMM tile, whose padded edge computes in full; the padded key length for attention) and o the
+   core occupancy of a wave (busy blocks over the blocks that saturate it, at least one block per SM for the
+   Tensor Core families): linear in occupancy, as DietCode has it. L is the launch overhead. Two departures
+   follow the fitted estimates (onnx_gtco.calibration): a GEMM adds C * W * o * r, r the share of valid rows in
+   its tiles (its blocks load A's valid rows and write only those: kernels.gemm.mma_estimate_us), and is
+   measured at one row as well; the memory-bound row-wise kernels (LayerNorm, Softmax) take the rows' traffic,
+   n over the rows of a full wave, instead of W * u (their estimate is bytes over bandwidth). The estimate's SM
+   crowding and L2 sharing within a wave are not linear in o: against it the model errs by up to ~20%;
 4. the dispatch table: the predicted-fastest configuration at every extent of the range, adjacent equal intervals
    merged: `((max_extent, config), ...)` ascending, the last entry at the range's top (the contract of
    `plugin.library.build_library(dispatch=...)`).
@@ -30,6 +34,7 @@ Per task:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -210,6 +215,9 @@ def micro_extents(dt: DynamicTask, config: Mapping[str, int]) -> list[int]:
     t = tiling(dt.problem_at(dt.hi), config, dt.task.arch)
     per_wave = max(1, t.slots // max(t.across, 1))
     pts = [t.tile, per_wave * t.tile, 2 * per_wave * t.tile]
+    wanted = 3
+    if dt.task.problem.family == "gemm" and dt.lo < t.tile:  # one row: the share of a tile's rows (ROW_FAMILIES)
+        pts, wanted = [dt.lo, *pts], 4
     if dt.extent == "seq_q":
         cap = math.ceil(max(dt.hi, 2 * t.tile) / t.tile) * t.tile
         pts = [min(p, cap) for p in pts] + [2 * t.tile, cap]
@@ -217,13 +225,19 @@ def micro_extents(dt: DynamicTask, config: Mapping[str, int]) -> list[int]:
         pts += [4 * per_wave * t.tile]
     out: list[int] = []
     for p in pts:
-        if p not in out and len(out) < 3:
+        if p not in out and len(out) < wanted:
             out.append(p)
     return sorted(out)
 
 
+ROW_FAMILIES = ("gemm",)
+"""Families whose blocks' time also follows the valid rows of their tiles (A's rows loaded, outputs written: the
+mma estimate, kernels.gemm.mma_estimate_us): their cost model has a third term, W * r with r the share of valid
+rows, and they are measured at one row as well."""
+
+
 def _features(dt: DynamicTask, t: Tiling, config: Mapping[str, int], n: np.ndarray) -> tuple[np.ndarray, ...]:
-    """W * u and W * u * o at extents `n` (see the module docstring)."""
+    """W * u, W * u * o and, for ROW_FAMILIES, W * r at extents `n` (see the module docstring)."""
     tiles = np.ceil(n / t.tile)
     blocks = t.across * tiles
     waves = np.ceil(blocks / t.slots)
@@ -234,9 +248,14 @@ def _features(dt: DynamicTask, t: Tiling, config: Mapping[str, int], n: np.ndarr
         seq_k = n if dt.follows else np.full_like(n, dt.task.problem.size("seq_k"))
         work = np.ceil(seq_k / config["BKV"]) * config["BKV"]
     elif family in ("layernorm", "softmax"):
-        work = n / (tiles * t.tile)
+        # memory-bound: the time follows the rows' traffic, not the waves (the fitted row-wise estimate,
+        # kernels.layernorm.rowwise_estimate_us, is a fixed cost plus bytes over bandwidth)
+        fill = n / (t.slots * t.tile)
+        return fill, fill * occ
     else:
         work = np.ones_like(n)
+    if family in ROW_FAMILIES:
+        return waves * work, waves * work * occ, waves * occ * n / (tiles * t.tile)
     return waves * work, waves * work * occ
 
 
@@ -249,6 +268,7 @@ class MicroKernel:
         points: (extent, measured us) it was measured at; a failed measurement is absent.
         launch_us, wave_us, beta: L, f_microkernel and f_penalty's floor, fitted.
         failed: why a measurement failed, when one did (the configuration is then not dispatched to).
+        row_us: the time per wave of a tile's valid rows (ROW_FAMILIES; 0 for the others), fitted.
     """
 
     config: dict[str, int]
@@ -257,34 +277,41 @@ class MicroKernel:
     wave_us: float
     beta: float
     failed: str = ""
+    row_us: float = 0.0
 
     def predict(self, dt: DynamicTask, n: np.ndarray | int) -> np.ndarray:
         """Predicted time in us at extent(s) `n`."""
         arr = np.atleast_1d(np.asarray(n, dtype=np.float64))
-        wu, wuo = _features(dt, tiling(dt.problem_at(dt.hi), self.config, dt.task.arch), self.config, arr)
-        return self.launch_us + self.wave_us * (self.beta * wu + (1.0 - self.beta) * wuo)
+        wu, wuo, *wr = _features(dt, tiling(dt.problem_at(dt.hi), self.config, dt.task.arch), self.config, arr)
+        rows = self.row_us * wr[0] if wr else 0.0
+        return self.launch_us + self.wave_us * (self.beta * wu + (1.0 - self.beta) * wuo) + rows
 
     def to_json(self) -> dict[str, Any]:
         return {"config": self.config, "measured": [[n, round(us, 4)] for n, us in self.points],
                 "launch_us": round(self.launch_us, 4), "f_microkernel_us": round(self.wave_us, 4),
-                "penalty_floor": round(self.beta, 4), **({"failed": self.failed} if self.failed else {})}
+                "penalty_floor": round(self.beta, 4), **({"row_us": round(self.row_us, 4)} if self.row_us else {}),
+                **({"failed": self.failed} if self.failed else {})}
 
 
 def fit(dt: DynamicTask, config: Mapping[str, int], points: Sequence[tuple[int, float]], failed: str = ""
         ) -> MicroKernel:
     """The micro-kernel cost model of `config` from its measurements: non-negative least squares of
-    t = L + A * W*u + B * W*u*o over its points (f_microkernel = A + B, beta = A / (A + B)). With three
-    variables the exact NNLS is the best of the least-squares fits on each subset of the terms whose coefficients
-    are all non-negative; among those that use the wave term, the one with the least residual wins."""
+    t = L + A * W*u + B * W*u*o (+ C * W*r for ROW_FAMILIES) over its points (f_microkernel = A + B,
+    beta = A / (A + B), row_us = C). With so few variables the exact NNLS is the best of the least-squares fits on
+    each subset of the terms whose coefficients are all non-negative; among those that use a wave term, the one
+    with the least residual wins."""
     if not points:
         return MicroKernel(dict(config), (), math.inf, math.inf, 1.0, failed or "no measurement")
     n = np.array([p[0] for p in points], dtype=np.float64)
     y = np.array([p[1] for p in points], dtype=np.float64)
-    wu, wuo = _features(dt, tiling(dt.problem_at(dt.hi), config, dt.task.arch), config, n)
-    columns = np.stack([np.ones_like(n), wu, wuo], axis=1)
+    features = _features(dt, tiling(dt.problem_at(dt.hi), config, dt.task.arch), config, n)
+    wu = features[0]
+    columns = np.stack([np.ones_like(n), *features], axis=1)
+    width = columns.shape[1]
     best: tuple[float, np.ndarray] | None = None
-    for subset in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (1,), (2,)):
-        coef = np.zeros(3)
+    subsets = [s for size in range(width, 0, -1) for s in itertools.combinations(range(width), size)]
+    for subset in subsets:
+        coef = np.zeros(width)
         sol, *_ = np.linalg.lstsq(columns[:, subset], y, rcond=None)
         coef[list(subset)] = sol
         if np.any(coef < -1e-12) or coef[1] + coef[2] <= 0:
@@ -294,8 +321,9 @@ def fit(dt: DynamicTask, config: Mapping[str, int], points: Sequence[tuple[int, 
             best = (residual, np.maximum(coef, 0.0))
     if best is None:  # times that fall with the extent: no model; charge the slowest point per wave
         return MicroKernel(dict(config), tuple(points), 0.0, float(np.max(y / wu)), 1.0, failed)
-    launch, a, b = best[1]
-    return MicroKernel(dict(config), tuple(points), float(launch), float(a + b), float(a / (a + b)), failed)
+    launch, a, b, *c = best[1]
+    return MicroKernel(dict(config), tuple(points), float(launch), float(a + b), float(a / (a + b)), failed,
+                       float(c[0]) if c else 0.0)
 
 
 def dispatch_table(dt: DynamicTask, kernels: Sequence[MicroKernel]) -> tuple[tuple[int, dict[str, int]], ...]:
