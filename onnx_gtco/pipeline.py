@@ -17,6 +17,7 @@ import onnx
 from onnx_gtco import patterns as patterns_mod
 from onnx_gtco import progress
 from onnx_gtco import report as report_mod
+from onnx_gtco.calibration import hardware
 from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, Ranges, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
 from onnx_gtco.errors import OpsetNotConvertedError, OutputError
@@ -24,6 +25,7 @@ from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_pa
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.patterns.pack import pack_qkv
+from onnx_gtco.patterns.patchify import PatchConv, patchify_convs
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
 from onnx_gtco.plan.types import Candidate, Plan, Reject
@@ -115,7 +117,7 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
         # a conv's binder checks its group's Conv (auto_pad), which the rewrite puts in the node's function
         body = onnx.FunctionProto(node=[view.model.graph.node[i] for i in sorted(cand.nodes)]
                                   ) if cand.family in SHAPED_FAMILIES else None
-        task = node_task(fused_node(view, cand, config.precision), shape_of, config.target, version, function=body)
+        task = node_task(fused_node(view, cand, config.precision), shape_of, config.arch, version, function=body)
         if isinstance(task, str) or task.key not in measured_us:
             return None
         return float(measured_us[task.key])
@@ -123,19 +125,59 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
     return measured
 
 
+@dataclass
+class Planned:
+    """What plan_model found.
+
+    Attributes:
+        view: the view the plan is over (after the planner's own rewrites: patchify, QKV packing).
+        candidates, rejects: the rules' candidates, and what they and the DP refused.
+        plan: the DP's plan.
+        cost: the DP's cost callable (cost.model.cost_fn over the kernels' estimates): the report's "predicted".
+        measured: the measured-time lookup of tuned groups (None without measurements).
+        coverage: candidate -> its device kernel on the target, as the build selects it, with its estimate.
+        patchify: the estimates of each stride = kernel conv's two forms (plugin.coverage.PatchifyChoice).
+    """
+
+    view: GraphView
+    candidates: list[Candidate]
+    rejects: list[Reject]
+    plan: Plan
+    cost: Callable[[Candidate], float]
+    measured: Callable[[Candidate], float | None] | None
+    coverage: Any
+    patchify: list[Any] = field(default_factory=list)
+
+
 def plan_model(
     model: onnx.ModelProto | GraphView, config: GtcoConfig, measured_us: Mapping[str, float] | None = None,
     unfused: str = "", matched: tuple[list[Candidate], list[Reject]] | None = None,
-) -> tuple[GraphView, list[Candidate], list[Reject], Plan, Any, Callable[[Candidate], float | None] | None]:
-    """Match the rules, cost the candidates and run the DP on a loaded model (or the view of one). With
-    `measured_us` (tuning task key -> measured kernel time), the DP costs those groups by their measurements.
-    Returns the analytical cost (the report's "predicted") and the measured-time lookup (None without
-    measurements) beside the plan. `unfused`: why no rule may run on the model (it is planned node by node, and the
-    reason is its one reject). `matched`: the candidates and rejects an earlier plan of the same view found (the
-    rules are not matched again)."""
+) -> Planned:
+    """Rewrite what the planner rewrites first, match the rules, cost the candidates and run the DP on a loaded model
+    (or the view of one, which is planned as it is). The planner's rewrites: a stride = kernel conv becomes a
+    patchify copy and a GEMM where the estimate predicts that faster (patterns/patchify.py; GtcoConfig.patchify),
+    then a block's Q, K and V projections one GEMM (patterns/pack.py; GtcoConfig.pack_qkv). With `measured_us`
+    (tuning task key -> measured kernel time), the DP costs those groups by their measurements. `unfused`: why no
+    rule may run on the model (it is planned node by node, and the reason is its one reject). `matched`: the
+    candidates and rejects an earlier plan of the same view found (the rules are not matched again)."""
+    from onnx_gtco.plugin.coverage import candidate_coverage, patchify_choice
+
+    hw = hardware(config.target)
+    choices: list[Any] = []
     with progress.stage("plan", total=3) as st:
-        if not isinstance(model, GraphView) and not unfused and matched is None and config.pack_qkv:
-            model, _ = pack_qkv(model)  # one GEMM for a block's Q, K and V (patterns/pack.py)
+        if not isinstance(model, GraphView) and not unfused and matched is None:
+            if config.patchify:
+
+                def pays(pc: PatchConv) -> bool:
+                    choice = patchify_choice(pc, config.precision, hw)
+                    choices.append(choice)
+                    return choice.patchify
+
+                model, _ = patchify_convs(model, pays)  # the patch embedding as a copy and a GEMM where it pays
+                by_conv = {c.conv: c for c in choices}  # the decisions of the last pass, one per conv
+                choices = list(by_conv.values())
+            if config.pack_qkv:
+                model, _ = pack_qkv(model)  # one GEMM for a block's Q, K and V (patterns/pack.py)
         view = model if isinstance(model, GraphView) else GraphView(model)
         if matched is not None:
             candidates, rejects = matched
@@ -144,14 +186,17 @@ def plan_model(
         else:
             candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
         st.step(f"{len(candidates)} candidates")
-        from onnx_gtco.plugin.coverage import candidate_coverage
 
-        coverage = candidate_coverage(view, config.precision)
+        # the kernel the build would select for each group, and its estimate on the target: the DP's price
+        coverage = candidate_coverage(view, config.precision, hw=hw)
 
         def has_kernel(cand: Candidate) -> bool:
-            return coverage(cand).on(config.target)
+            return coverage(cand).on(config.arch)
 
-        cost = cost_fn(view, config, has_kernel)  # a group without a device kernel costs its nodes unfused
+        def kernel_us(cand: Candidate) -> float | None:
+            return coverage(cand).us if has_kernel(cand) else None
+
+        cost = cost_fn(view, config, kernel_us)  # a group without a device kernel costs its nodes unfused
         measured = measured_time(view, config, measured_us) if measured_us else None
         st.step("costs")
 
@@ -164,7 +209,7 @@ def plan_model(
         st.step("DP")
         st.note = (f"{len(view)} nodes, {len(candidates)} candidates, {len(plan.fused_groups)} fused groups, "
                    f"{plan.states} DP states")
-    return view, candidates, rejects, plan, cost, measured
+    return Planned(view, candidates, rejects, plan, cost, measured, coverage, choices)
 
 
 def load(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig) -> LoadedModel:
@@ -226,11 +271,13 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
     model, ranges, unfused = loaded.model, loaded.ranges, loaded.unfused
     t1 = time.perf_counter()
     if earlier is None:
-        view, candidates, rejects, plan, cost, measured = plan_model(model, config, measured_us, unfused)
+        planned = plan_model(model, config, measured_us, unfused)
     else:  # plan_model put the DP's rejects after the rules' ones
         matched = earlier.rejects[:len(earlier.rejects) - len(earlier.plan.rejects)]
-        view, candidates, rejects, plan, cost, measured = plan_model(
-            earlier.view, config, measured_us, matched=(earlier.candidates, matched))
+        planned = plan_model(earlier.view, config, measured_us, matched=(earlier.candidates, matched))
+        planned.patchify = list(earlier.report.get("patchify", ()))
+    view, candidates, rejects, plan = planned.view, planned.candidates, planned.rejects, planned.plan
+    cost, measured, coverage = planned.cost, planned.measured, planned.coverage
     t2 = time.perf_counter()
     with progress.stage("rewrite", total=3) as st:
         new_model, names = rewrite(view, plan, config.precision)
@@ -263,11 +310,11 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
     from onnx_gtco.plugin.coverage import model_coverage
 
     # which fused nodes get device kernels: the binders' answer, nothing compiled
-    device = model_coverage(new_model, planned=planned_types(view, conversion))
+    device = model_coverage(new_model, planned=planned_types(view, conversion), hw=hardware(config.target))
     t3 = time.perf_counter()
-    original = view if view.model is model else GraphView(model)  # before the QKV packing, if any
+    original = view if view.model is model else GraphView(model)  # before the patchify and QKV packing, if any
     rep = report_mod.build_report(view, plan, names, candidates, rejects, cost, config, len(new_model.graph.node),
-                                  loaded.source, device, original)
+                                  loaded.source, device, original, coverage)
     if measured is not None:
         measured_groups = 0
         for g, cand in zip(rep["groups"], plan.fused_groups, strict=True):
@@ -277,6 +324,8 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
                 measured_groups += 1
         rep["plan_costs"] = f"measured kernel times for {measured_groups} groups, the analytical model elsewhere"
         rep["planned_us_after"] = round(plan.cost_us, 3)
+    if planned.patchify:
+        rep["patchify"] = [c if isinstance(c, dict) else c.to_json() for c in planned.patchify]
     if conversion is not None:
         rep["conversion"] = conversion.to_json()
     if ranges:
@@ -364,22 +413,23 @@ def optimize_file(
         from onnx_gtco.tune import dynamic as shape_generic
 
         result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
-            result.model, config.target, result.dynamic, tune_trials, storage, measurer=measurer,
+            result.model, config.arch, result.dynamic, tune_trials, storage, measurer=measurer,
             shape_of=result.shape_of())
     elif tuning.wanted(tune_trials, storage):
-        report_t, tuned = tuning.tune_model(result.model, config.target, tune_trials, storage, measurer=measurer,
+        report_t, tuned = tuning.tune_model(result.model, config.arch, tune_trials, storage, measurer=measurer,
                                             workers=workers, progress=progress, shape_of=result.shape_of(),
-                                            shipped=shipped_records)
+                                            shipped=shipped_records, hw=hardware(config.target))
         measured = tuning.measured_costs(report_t)
         if measured:  # real kernel times: plan again with them, then look the new plan's tasks up (no measuring)
             result = replan(result, config, measured)
-            report_t2, tuned = tuning.tune_model(result.model, config.target, 0, storage, measurer=measurer,
-                                                 shape_of=result.shape_of(), shipped=shipped_records)
+            report_t2, tuned = tuning.tune_model(result.model, config.arch, 0, storage, measurer=measurer,
+                                                 shape_of=result.shape_of(), shipped=shipped_records,
+                                                 hw=hardware(config.target))
             report_t = {**report_t2, "tasks_tuned_first_plan": report_t["tasks"], "measured": report_t["measured"],
                         "replanned": True}
         result.report["tuning"] = report_t
     elif shipped_records and not result.dynamic:  # no storage: the shipped records alone, where they cover a task
-        report_s, tuned = tuning.shipped_model(result.model, config.target, shape_of=result.shape_of())
+        report_s, tuned = tuning.shipped_model(result.model, config.arch, shape_of=result.shape_of())
         if report_s is not None:
             result.report["tuning"] = report_s
     created: Path | None = None
@@ -397,7 +447,8 @@ def optimize_file(
                 result.warnings.append(f"{e}: the library has the CPU kernels only")
         out_dir = out.parent if str(out.parent) else Path(".")
         lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch,
-                            ranges=result.dynamic.bounds() if result.dynamic else {}, planned=result.planned())
+                            ranges=result.dynamic.bounds() if result.dynamic else {}, planned=result.planned(),
+                            target=config.target)
         created = lib.path if lib.created else None
         result.library = lib
         result.timings["build_s"] = lib.seconds

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
+from onnx_gtco.calibration import LaunchConstants, hardware
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.cost.model import cost_fn, estimate, launches, node_flops, unfused_cost
 from onnx_gtco.ir.labels import Label, label
@@ -13,7 +14,7 @@ from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan.types import Candidate, Plan, Reject
 
 if TYPE_CHECKING:
-    from onnx_gtco.plugin.coverage import ModelCoverage
+    from onnx_gtco.plugin.coverage import Coverage, ModelCoverage
 
 _RANK = [Label.OPAQUE, Label.ELEMENTWISE, Label.INJECTIVE, Label.REDUCTION, Label.COMPLEX]
 
@@ -43,6 +44,7 @@ def build_report(
     source: str,
     device: ModelCoverage | None = None,
     original: GraphView | None = None,
+    coverage: Callable[[Candidate], Coverage] | None = None,
 ) -> dict[str, Any]:
     """Report as a JSON-ready dict. Deterministic: no timestamps or timings (the caller adds those apart).
 
@@ -51,15 +53,21 @@ def build_report(
     report a `device` entry (device_summary). A group without a device kernel on the config's target runs its
     function: its predicted time, and its share of the predicted time after fusion, are its nodes' unfused cost.
     `original`: the model before any rewrite of the planner's own (the QKV packing, patterns/pack.py), whose node
-    count `launches` gives beside ours; default `view`."""
+    count `launches` gives beside ours; default `view`. `coverage`: the planner's answer per candidate (the
+    instance the target's slot would run, plugin.coverage.candidate_coverage): each group with a kernel gets
+    `kernel`, its instance, configuration and estimated time per launch.
+
+    Every predicted time is the one estimate the DP planned with (cost.model.cost_fn over the kernels' estimates),
+    with the target's calibration (`estimate`: which GPU's fitted constants, or that none applies)."""
     groups = []
     kernelless: dict[Candidate, float] = {}  # fused groups with no device kernel on the target: their unfused cost
     for cand, name in zip(plan.fused_groups, node_names, strict=True):
         unfused = unfused_cost(cost, cand)
         est = estimate(view, cand)
         kernels = device.nodes.get(name) if device is not None and device.error is None else None
-        if kernels is not None and not kernels.on(config.target):
+        if kernels is not None and not kernels.on(config.arch):
             kernelless[cand] = unfused
+        chosen = coverage(cand) if coverage is not None and cand not in kernelless else None
         groups.append({
             "name": name,
             "family": cand.family,
@@ -75,6 +83,9 @@ def build_report(
             **_pair(cand, candidates, cost),
             **({"device_kernels": list(kernels.archs), "device_reason": kernels.reason} if kernels is not None
                else {}),
+            **({"kernel": {"instance": chosen.kernel[0], "config": chosen.kernel[1],
+                           "estimate_us": round(chosen.us, 4)}}
+               if chosen is not None and chosen.kernel is not None and chosen.us is not None else {}),
         })
     chosen = {g.nodes for g in plan.fused_groups}
     owner = {i: name for g, name in zip(plan.fused_groups, node_names, strict=True) for i in g.nodes}
@@ -92,6 +103,7 @@ def build_report(
     unfused_ops = _count(n.op_type for n in view.nodes if n.id not in fused_ids)
     total_flops = _flops(view, frozenset(range(len(view))))
     fused_flops = sum(g["flops"] for g in groups)
+    matched = frozenset().union(*(c.nodes for c in candidates)) if candidates else frozenset()
     node_us = [cost(Candidate(frozenset([i]), "unfused", "single")) for i in range(len(view))]
     planned_before = before = sum(node_us)
     if original is not None and original is not view:  # the model as given, before the planner's QKV packing
@@ -102,10 +114,12 @@ def build_report(
     if device is not None and len(plan.costs) == len(plan.groups):
         # what the DP charged each group, except a fused one without a device kernel on the target: its nodes, unfused
         after = sum(kernelless.get(g, c) for g, c in zip(plan.groups, plan.costs, strict=True))
+    hw = hardware(config.target)
     out = {
         "model": source,
         "target": config.target,
         "gpu": config.hw.gpu,
+        "estimate": hw.describe(),
         "precision": config.precision,
         "nodes_before": len(original or view),
         "nodes_after": nodes_after,
@@ -113,12 +127,15 @@ def build_report(
         "flops_total": total_flops,
         "flops_fused": fused_flops,
         "fused_flop_share": round(fused_flops / total_flops, 6) if total_flops else 0.0,
+        # the FLOPs some rule offered to fuse (the DP leaves a group to ONNX Runtime where that is predicted faster)
+        "matched_flop_share": round(_flops(view, matched) / total_flops, 6) if total_flops else 0.0,
         "predicted_us_before": round(before, 3),
         "predicted_us_after": round(after, 3),
         "predicted_speedup": round(before / after, 4) if after else None,
         "unfused_nodes_us": round(unfused_nodes_us, 3),
         **({"predicted_us_before_planned": round(planned_before, 3)} if abs(planned_before - before) > 1e-6
            else {}),
+        **({"nodes_planned": len(view)} if original is not None and len(original) != len(view) else {}),
         "measured_us_before": None,
         "measured_us_after": None,
         "dp_states": plan.states,
@@ -132,14 +149,16 @@ def build_report(
         "launches": launch_counts(view, plan, kernelless, original or view),
     }
     dependent = out["launches"]["after_ours"]
-    if config.hw.pdl_overlap_us > 0 and dependent:
-        out["predicted_us_after_pdl"] = round(after - dependent * config.hw.pdl_overlap_us, 3)
+    launch = hw.constants(LaunchConstants)
+    if int(config.arch[3:]) >= 90 and launch.pdl_overlap_us > 0 and dependent:
+        fitted = set(hw.calibration.fitted.get("fitted", ()) if hw.calibration is not None else ())
+        out["predicted_us_after_pdl"] = round(after - dependent * min(launch.pdl_overlap_us, launch.graph_gap_us), 3)
         out["assumptions"] = {
-            "launch_us": config.hw.launch_us, "pdl_overlap_us": config.hw.pdl_overlap_us,
-            "sm_l2_gbps": config.hw.sm_l2_gbps,
-            "note": ("launch_us (a launch's gap inside a CUDA graph), pdl_overlap_us (what a programmatic dependent "
-                     "launch hides of it) and sm_l2_gbps (one SM's L2 bandwidth) are the cost model's assumptions "
-                     "until a GPU run measures them")}
+            "graph_gap_us": launch.graph_gap_us, "pdl_overlap_us": launch.pdl_overlap_us,
+            "measured": sorted(k for k in ("launch.graph_gap_us", "launch.pdl_overlap_us") if k in fitted),
+            "note": ("graph_gap_us is a launch's gap inside a CUDA graph (fitted to whole-model times where the "
+                     "target has a calibration); pdl_overlap_us, what a programmatic dependent launch hides of it, "
+                     "is an assumption until a GPU run measures it (the GPU suite's calibration row)")}
     return out
 
 
@@ -280,7 +299,33 @@ def _time_line(report: dict[str, Any]) -> str:
                 f"{len(measured)} of {len(report['groups'])} groups, the rest predicted ({speedup(ratio)}, "
                 "partly measured)")
     return (f"predicted  {before:.1f} us -> {after:.1f} us ({speedup(report['predicted_speedup'])} predicted by "
-            "the analytical model, not measured)")
+            f"{estimate_words(report)}, not measured)")
+
+
+def estimate_words(report: dict[str, Any]) -> str:
+    """What the report's predicted times come from: "the estimate fitted to NVIDIA H200 kernels" or "the estimate's
+    defaults (no calibration of sm_90)"."""
+    est = report.get("estimate") or {}
+    cal = est.get("calibration")
+    if cal:
+        return f"the estimate fitted to {cal['gpu']}'s measured kernels"
+    return f"the estimate's defaults (no calibration of {est.get('target', report.get('target'))})"
+
+
+def estimate_line(report: dict[str, Any]) -> str | None:
+    """The summary's line on the estimate's constants: the calibration that applies (its file, date, rows, the
+    proxies it holds) or that none does."""
+    est = report.get("estimate")
+    if not est:
+        return None
+    cal = est.get("calibration")
+    if not cal:
+        return f"estimate   {est['note']}"
+    err = (cal.get("error") or {}).get("gtco", {})
+    fit = f", our kernels within {100 * (err['worst'] - 1):.0f}%" if err.get("worst") else ""
+    proxy = "; proxies: " + "; ".join(est["proxies"]) if est.get("proxies") else ""
+    return (f"estimate   fitted to {cal['gpu']} ({cal['file']}, {cal.get('date', 'undated')}: "
+            f"{cal.get('kernel_rows', '?')} kernel and {cal.get('model_rows', '?')} model records{fit}){proxy}")
 
 
 def launch_lines(report: dict[str, Any]) -> list[str]:
@@ -301,7 +346,8 @@ def launch_lines(report: dict[str, Any]) -> list[str]:
     if report.get("predicted_us_after_pdl") is not None:
         a = report["assumptions"]
         out.append(f"with PDL   {report['predicted_us_after_pdl']:.1f} us predicted: {la['after_ours']} launches "
-                   f"follow one of ours, each assumed to hide {a['pdl_overlap_us']:g} of its {a['launch_us']:g} us")
+                   f"follow one of ours, each assumed to hide {a['pdl_overlap_us']:g} us of its "
+                   f"{a['graph_gap_us']:.2f} us graph gap")
     return out
 
 
@@ -311,6 +357,7 @@ def summary(report: dict[str, Any]) -> str:
     lines = [
         f"model      {report['model']}",
         f"target     {report['target']} ({report['gpu']}), precision {report['precision']}",
+        *([line] if (line := estimate_line(report)) else []),
         f"nodes      {report['nodes_before']} -> {report['nodes_after']}  "
         f"({report['groups_fused']} fused groups: {fam})",
         f"FLOPs      {report['flops_total'] / 1e9:.3f} G total, "
@@ -325,7 +372,7 @@ def summary(report: dict[str, Any]) -> str:
     if conv:
         lines.append(conversion_line(conv))
     if report.get("device"):
-        lines += device_lines(report["device"], report["target"])
+        lines += device_lines(report["device"], (report.get("estimate") or {}).get("arch", report["target"]))
     dyn = report.get("dynamic")
     if dyn:
         lines.append("dynamic    " + dynamic_line(dyn, report.get("library")))

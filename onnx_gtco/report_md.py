@@ -13,7 +13,7 @@ from typing import Any
 
 from onnx_gtco.errors import ReportError
 from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
-from onnx_gtco.report import speedup
+from onnx_gtco.report import estimate_words, speedup
 
 REQUIRED_KEYS = ("model", "target", "precision", "nodes_before", "nodes_after", "groups", "rejected", "not_chosen",
                  "unfused_ops", "fused_flop_share", "predicted_us_before", "predicted_us_after")
@@ -112,7 +112,7 @@ def has_measured(report: dict[str, Any]) -> bool:
 
 def family_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per family, heaviest first: groups, nodes, predicted time unfused (before) and fused (after), and the measured
-    time of the groups that have one. A last row holds the nodes no group fused (their analytical time, the
+    time of the groups that have one. A last row holds the nodes no group fused (their estimated time, the
     report's `unfused_nodes_us`; in reports without it, the predicted time before less the groups' unfused times),
     the same before and after."""
     fams: dict[str, dict[str, Any]] = {}
@@ -147,7 +147,7 @@ def _header(r: dict[str, Any]) -> list[str]:
              + "run inside fused groups.", ""]
     rows: list[list[Any]] = [["nodes", r["nodes_before"], r["nodes_after"], "-"]]
     speed = r.get("predicted_speedup")
-    rows.append(["predicted time, µs (analytical model)", _us(r["predicted_us_before"]), _us(r["predicted_us_after"]),
+    rows.append(["predicted time, µs (estimate)", _us(r["predicted_us_before"]), _us(r["predicted_us_after"]),
                  speedup(speed) if speed else "-"])
     la = r.get("launches")
     if la:
@@ -170,9 +170,21 @@ def _header(r: dict[str, Any]) -> list[str]:
                      else ".")]
     if r.get("assumptions"):
         lines += ["", "Assumed, not measured: " + r["assumptions"]["note"] + "."]
-    lines += ["", "Times are the analytical cost model's predictions" + (
+    lines += ["", f"Times are predicted by {estimate_words(r)}" + (
         ", with measured kernel times where tuning measured them." if has_measured(r) else
         "; nothing in this report was measured.")]
+    est = r.get("estimate") or {}
+    if est.get("calibration"):
+        cal = est["calibration"]
+        lines += ["", f"Calibration: `{cal['file']}`, fitted {cal.get('date', '?')} to {cal.get('kernel_rows', '?')} "
+                  f"kernel and {cal.get('model_rows', '?')} model records of {cal['gpu']}"
+                  + (" (proxies: " + "; ".join(est["proxies"]) + ")" if est.get("proxies") else "") + "."]
+    elif est:
+        lines += ["", est["note"] + "."]
+    if r.get("patchify"):
+        rows = [[p["conv"], _us(p["conv_us"]), _us(p["patchify_us"]), p["chosen"]] for p in r["patchify"]]
+        lines += ["", "Convs whose stride is their kernel (patch embeddings), priced both ways:", "",
+                  *_table(["conv", "conv µs", "patchify + GEMM µs", "runs as"], rows, "lrrl")]
     return lines
 
 
@@ -200,9 +212,11 @@ def _families(r: dict[str, Any]) -> list[str]:
     lines += ["", f"{UNFUSED_ROW}: nodes outside every fused group, costed alone (the same before and after)."
               if rows[-1]["family"] == UNFUSED_ROW else ""]
     if r.get("predicted_us_before_planned") is not None:
-        lines += ["", "The planner packed each block's Q, K and V projections into one GEMM first (patterns/pack.py): "
-                  f"the rows cost the nodes of that graph, {_us(r['predicted_us_before_planned'])} µs unfused, against "
-                  f"{_us(r['predicted_us_before'])} µs for the model as given."]
+        lines += ["", "The planner rewrote the graph first (a patch embedding as a patchify copy and a GEMM, "
+                  "patterns/patchify.py; each block's Q, K and V projections as one GEMM, patterns/pack.py): the "
+                  f"rows cost the {r.get('nodes_planned', r['nodes_before'])} nodes of that graph, "
+                  f"{_us(r['predicted_us_before_planned'])} µs unfused, against {_us(r['predicted_us_before'])} µs "
+                  f"for the model as given ({r['nodes_before']} nodes)."]
     top = sorted(r["groups"], key=lambda g: -g["predicted_us"])[:5]
     lines += ["", f"The {len(top)} groups with the most predicted time:", ""]
     lines += _table(["group", "pattern", "ops", "predicted µs", "unfused µs"],
@@ -365,8 +379,9 @@ def _tuning(r: dict[str, Any]) -> list[str]:
         lines += ["", "Shipped tuning records not used:", "", *_table(["task", "why"], unused, "ll")]
     gemms = [x for x in tasks if "cublaslt" in x]  # every GEMM entry says whether cuBLASLt was offered
     if gemms:
-        kind = ("predicted by the analytical model (no GPU measured them; its cuBLASLt and CUTLASS prices rest on "
-                "assumed efficiencies)" if gemms[0].get("timing") == "analytical" else "measured on the GPU")
+        kind = ("predicted by the estimate (no GPU measured them here; its cuBLASLt prices rest on ONNX Runtime's "
+                "cuBLAS kernels as a proxy until a record measures ours)" if gemms[0].get("timing") == "analytical"
+                else "measured on the GPU")
         rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x.get("impl") or "-",
                  _config(x.get("best_config")), _us(x.get("best_us")), _candidate(x, "cublaslt"),
                  _candidate(x, "cutlass")] for x in gemms]
@@ -375,7 +390,7 @@ def _tuning(r: dict[str, Any]) -> list[str]:
                           rows)]
     convs = [x for x in tasks if "conv" in x]
     if convs:
-        kind = ("predicted by the analytical model (no GPU measured them)" if convs[0].get("timing") == "analytical"
+        kind = ("predicted by the estimate (no GPU measured them here)" if convs[0].get("timing") == "analytical"
                 else "measured on the GPU")
         rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x["conv"], _CONV_IMPLS.get(x.get("impl"), "-"),
                  _config(x.get("best_config")), _us(x.get("best_us"))] for x in convs]
@@ -485,7 +500,7 @@ def png_bytes(report: dict[str, Any]) -> bytes:
                                                              else " predicted"))
         ax.set_yticks(y, names)
         ax.set_xlabel("time per inference, µs" + (" (predicted; measured where marked)" if has_measured(report)
-                                                  else " (analytical model, predicted)"))
+                                                  else " (estimate, predicted)"))
         ax.legend(loc="lower right", fontsize=8)
         ax.set_title(f"{report['model']}: time per family on {report['target']}, {report['precision']}", fontsize=10)
         fig.tight_layout()

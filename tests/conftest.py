@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from pins import CONV_KERNELS, FUSED_FORMS, pinned_calibration, write_calibration
 
 
 def mlp_model(rows: int | str = 4, width: int = 8, seed: int = 0) -> onnx.ModelProto:
@@ -55,3 +56,41 @@ def scan8() -> onnx.ModelProto:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def fused_forms(tmp_path_factory: pytest.TempPathFactory):
+    """FUSED_FORMS (and CONV_KERNELS) for the sm_90 target, for a whole module (its module-scoped fixtures plan with
+    it)."""
+    with pinned_calibration(tmp_path_factory.mktemp("fused-forms"), "sm_90", **{**FUSED_FORMS, **CONV_KERNELS}):
+        yield
+
+
+@pytest.fixture
+def conv_kernels(tmp_path_factory: pytest.TempPathFactory):
+    """CONV_KERNELS for the sm_80 and sm_90 targets, for one test: tests of the conv family's kernels, whose plans
+    must not turn on whether the estimate puts a conv on our kernel or on ONNX Runtime's."""
+    folder = tmp_path_factory.mktemp("conv-kernels")
+    write_calibration(folder, "sm_80", **CONV_KERNELS)
+    with pinned_calibration(folder, "sm_90", **CONV_KERNELS):
+        yield
+
+
+@pytest.fixture
+def calibrated(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """`calibrated(target, **groups)`: the target's shipped calibration (an empty one where none ships) with the
+    given constants changed, in a folder $GTCO_CALIBRATION_DIR names for the rest of the test: a plan that must
+    not turn on the estimate's current values (a test of binding, say) pins the choice it needs, and a test of a
+    choice shows it follows the estimate."""
+    from onnx_gtco.calibration import hardware
+    from onnx_gtco.config import CALIBRATION_DIR_ENV
+
+    folder = tmp_path_factory.mktemp("calibration")
+
+    def apply(target: str, **groups: dict) -> None:
+        write_calibration(folder, target, **groups)
+        monkeypatch.setenv(CALIBRATION_DIR_ENV, str(folder))
+        hardware.cache_clear()
+
+    yield apply
+    hardware.cache_clear()

@@ -157,7 +157,7 @@ def test_summary_labels_predictions(model_path: Path, capsys: pytest.CaptureFixt
     assert main(["optimize", "--no-build", str(model_path)]) == 0
     out = capsys.readouterr().out
     line = next(s for s in out.splitlines() if "us ->" in s)
-    assert line.startswith("predicted") and "predicted by the analytical model, not measured" in line
+    assert line.startswith("predicted") and "predicted by the estimate" in line and "not measured" in line
     assert re.search(r"\(\d+\.\d{1,2}x predicted", line) and "measured " not in line.replace("not measured", "")
     assert main(["inspect", str(model_path)]) == 0
     assert "predicted us" in capsys.readouterr().out

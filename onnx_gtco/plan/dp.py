@@ -46,7 +46,8 @@ def plan(
 
     Args:
         dag: the graph (GraphView or any object with `succ_mask`).
-        candidates: groups that may fuse; a node with no single-node candidate gets an "unfused" one.
+        candidates: groups that may fuse; every node also gets an "unfused" single candidate (ONNX Runtime runs it),
+            so a group the cost predicts slower than its nodes left to ONNX Runtime is never chosen, one node or many.
         cost: predicted time of one group, microseconds; math.inf forbids it.
         max_states: state budget of one segment's search; a segment past it even with forced moves (module
             docstring) runs unfused, with a Reject naming it in `Plan.rejects`.
@@ -61,8 +62,8 @@ def plan(
     succ = list(dag.succ_mask)
     n = len(succ)
     cands = sorted(set(candidates), key=_order)
-    have_single = {next(iter(c.nodes)) for c in cands if len(c.nodes) == 1}
-    cands += [Candidate(frozenset([i]), "unfused", "single") for i in range(n) if i not in have_single]
+    unfused = {next(iter(c.nodes)) for c in cands if len(c.nodes) == 1 and not c.fused}
+    cands += [Candidate(frozenset([i]), "unfused", "single") for i in range(n) if i not in unfused]
     masks: list[int] = []
     outs: list[int] = []
     costs: list[float] = []

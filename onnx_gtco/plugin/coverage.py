@@ -23,13 +23,19 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
+from onnx_gtco.calibration import Hardware, LaunchConstants, hardware
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
+from onnx_gtco.kernels.conv import conv_problem
+from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
+from onnx_gtco.kernels.elementwise import elementwise_problem
+from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
+from onnx_gtco.patterns.patchify import PatchConv
 from onnx_gtco.plan.types import Candidate
 from onnx_gtco.plugin.binding import FusedNode, TensorInfo
-from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances
+from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances, estimate_instance, slot_estimate
 from onnx_gtco.plugin.library import bind_node, bind_nodes, select_device
 from onnx_gtco.plugin.nodes import DTYPE_NAMES, fused_nodes, make_fused_node
 from onnx_gtco.precision import DTYPE_TAG, HALF_TYPES, to_half
@@ -43,13 +49,24 @@ class Coverage:
     Attributes:
         archs: the arch slots (device.ARCH_SLOTS) it has a device kernel for.
         reason: why it has none (None when `archs` is not empty).
+        kernel: the instance the planning target's slot runs (target_slot), where it has one: its name and
+            configuration (the same selection the build makes).
+        us: that instance's estimated time per launch on the planning target (its family's estimate_us).
     """
 
     archs: tuple[str, ...] = ()
     reason: str | None = None
+    kernel: tuple[str, dict[str, object]] | None = None
+    us: float | None = None
 
     def on(self, arch: str) -> bool:
         return arch in self.archs
+
+
+def target_slot(hw: Hardware, archs: Sequence[str] = ARCH_SLOTS) -> str:
+    """The arch slot a GPU of the target runs (gtco::arch_slot): a 9.0 GPU (H100, H200) the arch-specific sm_90a
+    where the build has it, else its arch's."""
+    return "sm_90a" if hw.arch == "sm_90" and "sm_90a" in archs else hw.arch
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,8 @@ class ModelCoverage:
 
 
 def model_coverage(model: onnx.ModelProto, archs: Sequence[str] = ARCH_SLOTS,
-                   planned: Callable[[str], PlanTensor | None] | None = None) -> ModelCoverage:
+                   planned: Callable[[str], PlanTensor | None] | None = None, hw: Hardware | None = None
+                   ) -> ModelCoverage:
     """Every fused node of `model` with its Coverage in a CUDA build for `archs` (what build_library(model, out,
     cuda=True) registers for the CUDA EP), without compiling. `planned`: the tensors' types as the plan knows them
     (plugin.nodes.fused_nodes). A model whose fused nodes cannot be read (a node without its function, shape
@@ -79,7 +97,7 @@ def model_coverage(model: onnx.ModelProto, archs: Sequence[str] = ARCH_SLOTS,
     except GtcoError as e:
         return ModelCoverage(slots, {}, str(e))
     results, _ = bind_nodes(nodes)
-    found, why = select_device(nodes, results, slots)
+    found, why = select_device(nodes, results, slots, hw=hw)
     return ModelCoverage(slots, {r.node: Coverage(slots) if r.node in found else Coverage((), r.reason or why[r.node])
                                  for r in results})
 
@@ -134,11 +152,15 @@ def _value(view: GraphView, inits: dict[str, onnx.TensorProto], tensor: str) -> 
     return None
 
 
-def candidate_coverage(view: GraphView, precision: str, archs: Sequence[str] = ARCH_SLOTS
-                       ) -> Callable[[Candidate], Coverage]:
+def candidate_coverage(view: GraphView, precision: str, archs: Sequence[str] = ARCH_SLOTS,
+                       hw: Hardware | None = None) -> Callable[[Candidate], Coverage]:
     """Candidate -> the Coverage its fused node would have on its own (bound by its binder, an instance for each
-    of `archs`); an unfused candidate has none. Answers are cached per candidate."""
+    of `archs`, selected as the build selects them for the planning target `hw`), with the instance of the
+    target's slot and its estimate on `hw` (by default the data-sheet target of sm_90); an unfused candidate has
+    none. Answers are cached per candidate."""
     slots = tuple(archs)
+    hw = hw or hardware("sm_90")
+    slot = target_slot(hw, slots)
     seen: dict[Candidate, Coverage] = {}
 
     def coverage(cand: Candidate) -> Coverage:
@@ -147,11 +169,72 @@ def candidate_coverage(view: GraphView, precision: str, archs: Sequence[str] = A
         if cand not in seen:
             node = candidate_node(view, cand, precision)
             bound = bind_node(node)
-            got = bound if isinstance(bound, str) else device_instances(node, bound, slots)
-            seen[cand] = Coverage((), got) if isinstance(got, str) else Coverage(slots)
+            got = bound if isinstance(bound, str) else device_instances(node, bound, slots, hw=hw)
+            if isinstance(got, str):
+                seen[cand] = Coverage((), got)
+            elif slot in slots:
+                inst = got[slots.index(slot)]
+                seen[cand] = Coverage(slots, None, (inst.name, dict(inst.config)), estimate_instance(inst, hw, node))
+            else:
+                seen[cand] = Coverage(slots)
         return seen[cand]
 
     return coverage
 
 
-__all__ = ["Coverage", "ModelCoverage", "candidate_coverage", "candidate_node", "model_coverage"]
+@dataclass(frozen=True)
+class PatchifyChoice:
+    """Whether a stride = kernel conv runs as its conv kernel or as a patchify copy and a GEMM (patterns.patchify),
+    with both estimates on the planning target: the conv (and the token transpose its readers add) against the copy,
+    the GEMM (its fastest implementation) and the NCHW restore where a reader keeps it, each with its graph gap."""
+
+    conv: str
+    conv_us: float | None
+    patchify_us: float | None
+    why: str = ""
+
+    @property
+    def patchify(self) -> bool:
+        return self.patchify_us is not None and (self.conv_us is None or self.patchify_us < self.conv_us)
+
+    def to_json(self) -> dict[str, object]:
+        return {"conv": self.conv, "conv_us": None if self.conv_us is None else round(self.conv_us, 3),
+                "patchify_us": None if self.patchify_us is None else round(self.patchify_us, 3),
+                "chosen": "patchify + GEMM" if self.patchify else "conv", **({"why": self.why} if self.why else {})}
+
+
+ONE_BY_ONE = ("a 1x1 conv reads each pixel's channels as one GEMM row already: the rewrite would add a copy on each "
+              "side and take the conv's fused epilogue (BatchNorm, activation, residual) apart")
+
+
+def patchify_choice(pc: PatchConv, precision: str, hw: Hardware) -> PatchifyChoice:
+    """The estimates of one conv's two forms (PatchifyChoice) in the kernel dtype `precision` gives (the tensors'
+    own for fp32); a 1x1 conv is not a patch embedding and stays a conv (ONE_BY_ONE). The conv's form is our conv
+    kernel: ONNX Runtime's conv of a patch embedding measured 82.8 us at batch 1 and 472.6 at batch 64 on the H200
+    (docs/benchmarks.md), which the vendor GEMM estimate of an unfused conv does not describe."""
+    if pc.kh * pc.kw == 1:
+        return PatchifyChoice(pc.name, None, None, ONE_BY_ONE)
+    dtype = {"fp16": "f16", "bf16": "bf16"}.get(precision, DTYPE_NAMES.get(pc.dtype, "f32"))
+    gap = hw.constants(LaunchConstants).graph_gap_us
+
+    def copy_us(elems: int, gathered: bool) -> float:
+        if not elems:
+            return 0.0
+        inp = (((elems,), "float"),)
+        layout = ((((elems,), (2,), 0),) if gathered else (None,))  # innermost stride != 1: read one per access
+        problem = elementwise_problem(dtype, (elems,), (), inp, (("x", 0),), layout)
+        return ELEMENTWISE.estimate_us(problem, {"THREADS": 256, "VEC": 8}, hw) + gap
+
+    conv = conv_problem(dtype, pc.batch, pc.c, pc.h, pc.w, pc.oc, pc.kh, pc.kw, stride=(pc.kh, pc.kw), bias=pc.bias)
+    conv_pick = slot_estimate(conv, hw)
+    gemm = gemm_problem(dtype, 1, pc.gemm_m, pc.gemm_n, pc.gemm_k, bias=pc.bias)
+    gemm_pick = slot_estimate(gemm, hw)
+    tokens = pc.gemm_m * pc.oc
+    conv_us = None if conv_pick is None else conv_pick[1] + gap + (0.0 if pc.nchw_copy else copy_us(tokens, True))
+    patch_us = None if gemm_pick is None else (copy_us(pc.patchify_elems, False) + gemm_pick[1] + gap
+                                               + copy_us(pc.nchw_elems, True))
+    return PatchifyChoice(pc.name, conv_us, patch_us)
+
+
+__all__ = ["Coverage", "ModelCoverage", "PatchifyChoice", "candidate_coverage", "candidate_node", "model_coverage",
+           "patchify_choice", "target_slot"]

@@ -27,14 +27,22 @@ with --precision fp32 gets fp32 instances of every family (TF32 on the Tensor Co
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
-from onnx_gtco.config import TARGETS
+from onnx_gtco.calibration import Hardware, hardware_for_arch
 from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import Instance, Problem
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.select import Avoid, node_problem, select_instance, with_out_dtype
+from onnx_gtco.kernels.select import (
+    FAMILIES,
+    MMA_ONLY,
+    Avoid,
+    candidates,
+    fastest,
+    node_problem,
+    select_instance,
+    with_out_dtype,
+)
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
@@ -68,13 +76,15 @@ def _node_problem(node: FusedNode) -> Problem | str:
     return own(node) if own is not None else node_problem(node.node)
 
 
-def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None = None,
-                  avoid: Avoid = ()) -> Instance | str:
-    """select_instance (with `config`, else the family's first valid one not in `avoid`: instances ptxas rejected);
-    the elementwise family, which is not tuned, always gets its first valid configuration not in `avoid`
-    (kernels.select chooses only among the families whose Problem a node's attributes describe)."""
+def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None = None, avoid: Avoid = (),
+                  hw: Hardware | None = None, impls: Container[str] | None = None) -> Instance | str:
+    """select_instance (with `config`, else the candidate the estimate predicts fastest on the arch's hardware, `hw`
+    where it runs the arch: calibration.hardware_for_arch; none in `avoid`, which ptxas rejected, none of an
+    implementation outside `impls`); the elementwise family, which is not tuned and has one implementation, always
+    gets its first valid configuration not in `avoid` (kernels.select chooses only among the families whose Problem
+    a node's attributes describe)."""
     if problem.family != ELEMENTWISE.name:
-        return select_instance(problem, arch, config, avoid)
+        return select_instance(problem, arch, config, avoid, hw, impls)
     configs = ELEMENTWISE.configs(problem, arch)
     if not configs:
         return f"no valid elementwise configuration for {arch} (every candidate failed its check)"
@@ -83,6 +93,28 @@ def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None 
         if (inst.name, arch) not in avoid:
             return inst
     return f"each of the {len(configs)} valid elementwise configurations for {arch} spills or needs a stack frame"
+
+
+ROWWISE = ("layernorm", "softmax")
+"""Families whose instance takes its row count at run time (their Problem from a node's attributes has rows 1)."""
+
+
+def run_time_problem(problem: Problem, node: FusedNode | None) -> Problem:
+    """`problem` with the run-time sizes a node's attributes leave out: a row-wise node's rows, from its first
+    input's shape (a symbolic dim counting as 1, as the tuner's tasks count it: tune.tasks.node_task)."""
+    if node is None or problem.family not in ROWWISE or not node.inputs or node.inputs[0].shape is None:
+        return problem
+    dims = [d if isinstance(d, int) and d > 0 else 1 for d in node.inputs[0].shape]
+    rows = max(1, math.prod(dims[:-1])) if dims else 1
+    return Problem.make(problem.family, problem.dtype, dict(problem.sizes) | {"rows": rows}, dict(problem.flags))
+
+
+def estimate_instance(inst: Instance, hw: Hardware | None = None, node: FusedNode | None = None) -> float:
+    """The estimated time of one launch of `inst` (its family's estimate_us on its arch's hardware: `hw` where that
+    runs the arch), for `node`'s run-time sizes where given (run_time_problem)."""
+    family = ELEMENTWISE if inst.problem.family == ELEMENTWISE.name else FAMILIES[inst.problem.family]
+    problem = run_time_problem(inst.problem, node)
+    return float(family.estimate_us(problem, inst.config, hardware_for_arch(inst.arch, hw)))  # type: ignore[attr-defined]
 
 
 def bound_problem(node: FusedNode, binding: Binding) -> Problem | str:
@@ -131,60 +163,74 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
     return with_out_dtype(problem, node.dtype, node.outputs[out].dtype) if 0 <= out < len(node.outputs) else problem
 
 
-def default_own_config(problem: Problem, arch: str, avoid: Avoid = ()) -> Mapping[str, object] | None:
-    """The configuration an arch-specific slot builds for `problem` when none is tuned, or None (the slot then holds
-    its fallback slot's instance): on sm_90a the first CUTLASS configuration of a GEMM that 128x128 tiles fill the
-    GPU with (a Hopper wgmma / TMA mainloop), where the CUTLASS headers are installed.
+def slot_estimate(problem: Problem, hw: Hardware) -> tuple[dict[str, object], float] | None:
+    """The configuration a GPU of the target `hw` would run for `problem` by default, with its estimate: the fastest
+    candidate of its slot (target_slot: on a 9.0 GPU the better of sm_90a's own and the sm_90 fallback), or None
+    where the family offers none."""
+    best = fastest(problem, hw.arch, candidates(problem, hw.arch), hw)
+    if hw.arch in FALLBACK_SLOTS.values():
+        own = next((a for a, f in FALLBACK_SLOTS.items() if f == hw.arch), None)
+        mine = fastest(problem, own, candidates(problem, own), hw) if own else None
+        if mine is not None and (best is None or mine[1] < best[1]):
+            best = mine
+    return best
 
-    Why: on an H200 the sm_80-style mma.sync GEMMs of ViT-B/16 at batch 64 ran at 230-300 TFLOP/s, 85% of the
-    model's kernel time; a warp-specialized wgmma mainloop is what reaches the chip's 750+. Smaller GEMMs keep the
-    sm_90 instance (a persistent 128x128 CUTLASS tile would leave most SMs idle) and no build compiles CUTLASS (30-60
-    s of nvcc an instance) for a model without such GEMMs."""
-    if arch != "sm_90a" or problem.family != "gemm":
+
+def own_config(problem: Problem, arch: str, fallback: Instance | None, avoid: Avoid = (), hw: Hardware | None = None,
+               impls: Container[str] | None = None) -> Mapping[str, object] | None:
+    """The configuration an arch-specific slot (sm_90a) builds for `problem` when none is tuned, or None (the slot
+    then holds its fallback slot's instance, `fallback`): its own configuration the estimate predicts fastest
+    (CUTLASS's wgmma / TMA GEMMs) where that beats the fallback's instance on the same hardware, so a model of
+    GEMMs that the fallback runs faster compiles no CUTLASS kernel (30-60 s of nvcc an instance)."""
+    if arch not in FALLBACK_SLOTS or problem.family != "gemm":
         return None
-    try:
-        tiles = problem.size("batch") * math.ceil(problem.size("M") / 128) * math.ceil(problem.size("N") / 128)
-    except KeyError:
+    pick = fastest(problem, arch, candidates(problem, arch, avoid, impls), hw)
+    if pick is None:
         return None
-    if tiles < TARGETS["sm_90"].sms:
+    if fallback is not None and estimate_instance(fallback, hw) <= pick[1]:
         return None
-    configs = [c for c in GEMM.configs(problem, arch) if c.get("impl") == "cutlass"
-               and (GEMM.instance_name(problem, c, arch), arch) not in avoid]
-    return configs[0] if configs else None
+    return pick[0]
 
 
 def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
-                     tuned: Mapping[str, Mapping[str, int]] | None = None, avoid: Avoid = ()
-                     ) -> tuple[Instance, ...] | str:
+                     tuned: Mapping[str, Mapping[str, int]] | None = None, avoid: Avoid = (),
+                     hw: Hardware | None = None, impls: Container[str] | None = None) -> tuple[Instance, ...] | str:
     """The node's instance for each of `archs`, or why it has none. `tuned` maps an arch to the configuration the
     tuner found best for the node's task; one that does not fit the node's problem, or that ptxas rejected (`avoid`),
-    falls back to the default, the family's first configuration not in `avoid`."""
+    falls back to the default: the candidate the estimate predicts fastest (on `hw`, the planning target, for the
+    slots it runs; else on each arch's data-sheet target), of the implementations in `impls` (None: every one; an
+    emulated build runs the generated kernels only)."""
     problem = device_problem(node, binding)
     if isinstance(problem, str):
         return problem
     tuned = tuned or {}
-    out = []
+    out: list[Instance] = []
     for arch in archs:
         config = tuned.get(arch)
         fallback = FALLBACK_SLOTS.get(arch)
         if fallback is not None:  # its own instance where asked for (or by default) and fitting, else the fallback's
-            config = config or default_own_config(problem, arch, avoid)
+            held = out[archs.index(fallback)] if fallback in archs[:len(out)] else None
+            config = config or own_config(problem, arch, held, avoid, hw, impls)
             inst = select_config(problem, arch, config, avoid) if config else "no configuration"
             if isinstance(inst, str):
+                if held is not None and not tuned.get(fallback):
+                    out.append(held)
+                    continue
                 arch, config = fallback, tuned.get(fallback)
             else:
                 out.append(inst)
                 continue
-        inst = select_config(problem, arch, config, avoid)
+        inst = select_config(problem, arch, config, avoid, hw, impls)
         if isinstance(inst, str) and config:  # a tuned config that does not fit this node: the default
-            inst = select_config(problem, arch, avoid=avoid)
+            inst = select_config(problem, arch, avoid=avoid, hw=hw, impls=impls)
         if isinstance(inst, str):
             return inst
         out.append(inst)
     return tuple(out)
 
 
-def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = ()) -> tuple[Instance | str | None, ...]:
+def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = (), hw: Hardware | None = None
+                  ) -> tuple[Instance | str | None, ...]:
     """Per arch slot of a node's chosen `instances` (device_instances' answer), the generated mma GEMM instance that
     slot's cuBLASLt instance falls back to at run time, or why it has none; None where the slot's instance is not a
     cuBLASLt one (it needs no fallback).
@@ -193,26 +239,25 @@ def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = ()) -> tuple[Ins
     heuristic offering no algorithm of the chosen rank for the run-time alignment, a plan that cannot be made
     (GTCO_ELIBRARY). The glue then launches the fallback on the same arguments (plugins/ort/gemm_op.h run_gemm),
     so a vendor failure never fails the session. The fallback computes the cuBLASLt instance's own Problem (the
-    node's epilogue, output dtype) on that instance's arch: the family's first valid configuration without an
-    "impl" (or with impl "mma"), whatever else the family offers first, whose instance ptxas did not reject
-    (`avoid`)."""
+    node's epilogue, output dtype) on that instance's arch: the mma configuration the estimate predicts fastest on
+    `hw` (the planning target where it runs the arch), whose instance ptxas did not reject (`avoid`)."""
     out: list[Instance | str | None] = []
     for inst in instances:
         if inst.config.get("impl") != CUBLASLT:
             out.append(None)
             continue
         problem, arch = inst.problem, inst.arch
-        configs = [c for c in GEMM.configs(problem, arch) if c.get("impl", "mma") == "mma"]
-        usable = [c for c in configs if (GEMM.instance_name(problem, c, arch), arch) not in avoid]
-        if usable:
-            out.append(GEMM.instantiate(problem, usable[0], arch))
-        elif configs:
-            out.append(f"each of the {len(configs)} valid mma GEMM configurations for {arch} spills or needs a stack "
+        offered = candidates(problem, arch, impls=MMA_ONLY)
+        pick = fastest(problem, arch, candidates(problem, arch, avoid, MMA_ONLY), hw)
+        if pick is not None:
+            out.append(FAMILIES["gemm"].instantiate(problem, pick[0], arch))
+        elif offered:
+            out.append(f"each of the {len(offered)} valid mma GEMM configurations for {arch} spills or needs a stack "
                        "frame (ptxas)")
         else:
             out.append(f"no valid mma GEMM configuration for {arch} computes {inst.name}'s problem")
     return tuple(out)
 
 
-__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "bound_problem", "default_own_config", "device_instances",
-           "device_problem", "mma_fallbacks", "select_config"]
+__all__ = ["ARCH_SLOTS", "EMULATED_ARCH", "FALLBACK_SLOTS", "bound_problem", "device_instances", "device_problem",
+           "estimate_instance", "mma_fallbacks", "own_config", "run_time_problem", "select_config", "slot_estimate"]

@@ -20,16 +20,20 @@ A rewritten model with symbolic dims carries the declared ranges in its metadata
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
+from onnx_gtco.calibration import Hardware
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.family import Config, Instance, Problem
-from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.kernels.select import candidates, fastest
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
 BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+TABLE_IMPLS = frozenset({"mma", "cutlass"})
+"""The implementations a default dispatch entry may be: a dispatch entry has no mma fallback for a failing cuBLASLt
+(plugin.library.node_fallbacks), so none is cuBLASLt unless the tuner names it."""
 """Default dispatch bucket tops (below the extent's top, which closes the table)."""
 
 Entry = tuple[int | None, Instance]
@@ -101,23 +105,24 @@ def extent_top(node: FusedNode, dims: Sequence[tuple[int, int]], ranges: Mapping
     return symbolic, top
 
 
-def default_table(problem: Problem, arch: str, top: int | None) -> tuple[tuple[int | None, Config], ...] | str:
-    """The analytical dispatch table of a dynamic node: (bucket top, the family's first valid config for the problem
-    at that extent) for each of `BUCKETS` under `top`, then `top` itself (None: unbounded, sized as the last
-    bucket), neighbouring buckets with the same config merged; or why a bucket has no config."""
-    family = FAMILIES[problem.family]
+def default_table(problem: Problem, arch: str, top: int | None, hw: Hardware | None = None,
+                  impls: Container[str] = TABLE_IMPLS) -> tuple[tuple[int | None, Config], ...] | str:
+    """The default dispatch table of a dynamic node: (bucket top, the configuration the estimate predicts fastest
+    for the problem at that extent on `hw`, of the implementations in `impls`) for each of `BUCKETS` under `top`,
+    then `top` itself (None: unbounded, sized as the last bucket), neighbouring buckets with the same config merged;
+    or why a bucket has no config."""
     tops: list[int | None] = [b for b in BUCKETS if top is None or b < top]
     tops.append(top)
     out: list[tuple[int | None, Config]] = []
     for t in tops:
         at = with_extent(problem, t if t is not None else BUCKETS[-1])
-        configs = family.configs(at, arch)
-        if not configs:
+        pick = fastest(at, arch, candidates(at, arch, impls=impls), hw)
+        if pick is None:
             return f"no valid {problem.family} configuration for {arch} at {extent_name(problem.family)}={t}"
-        if out and dict(out[-1][1]) == dict(configs[0]):
+        if out and dict(out[-1][1]) == dict(pick[0]):
             out[-1] = (t, out[-1][1])
         else:
-            out.append((t, configs[0]))
+            out.append((t, pick[0]))
     return tuple(out)
 
 

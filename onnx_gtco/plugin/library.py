@@ -51,7 +51,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +59,7 @@ from pathlib import Path
 import onnx
 
 from onnx_gtco import progress
+from onnx_gtco.calibration import Hardware, hardware
 from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
@@ -68,7 +69,7 @@ from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.render import render
-from onnx_gtco.kernels.select import Avoid
+from onnx_gtco.kernels.select import MMA_ONLY, Avoid
 from onnx_gtco.kernels.toolchain import (
     PLUGINS_DIR,
     BuildError,
@@ -92,6 +93,7 @@ from onnx_gtco.plugin.device import (
 )
 from onnx_gtco.plugin.dispatch import (
     BUCKETS,
+    TABLE_IMPLS,
     NodeDynamic,
     bucket_of,
     check_table,
@@ -393,7 +395,7 @@ NO_DISPATCH_FALLBACK = ("the node has a dispatch table (dynamic shapes), whose e
 
 
 def node_fallbacks(device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[str, NodeDynamic],
-                   avoid: Avoid = ()) -> dict[str, tuple[Instance | str | None, ...]]:
+                   avoid: Avoid = (), hw: Hardware | None = None) -> dict[str, tuple[Instance | str | None, ...]]:
     """Each node with a cuBLASLt instance in some arch slot -> per slot its mma fallback, or why it has none
     (plugin.device.mma_fallbacks; None where the slot's instance is not cuBLASLt). A node with a dispatch table gets
     none: the glue launches its table's entries, never its own instance, and a DispatchEntry names one instance per
@@ -405,7 +407,7 @@ def node_fallbacks(device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[
         if dynamic.get(node, NodeDynamic()).tables:
             out[node] = tuple(NO_DISPATCH_FALLBACK if i.config.get("impl") == CUBLASLT else None for i in insts)
         else:
-            out[node] = mma_fallbacks(insts, avoid)
+            out[node] = mma_fallbacks(insts, avoid, hw)
     return out
 
 
@@ -478,19 +480,21 @@ def _cublaslt_includes(emulated: bool) -> list[Path]:
 
 
 def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
-                  tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None, avoid: Avoid = ()
+                  tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None, avoid: Avoid = (),
+                  hw: Hardware | None = None, impls: Container[str] | None = None
                   ) -> tuple[dict[str, tuple[Instance, ...]], dict[str, str]]:
     """Each bound node's instances for `archs` (from `tuned`: node -> arch -> configuration, where the tuner has
-    one; never an instance in `avoid`, which ptxas rejected), and why each other bound node has none: its own
-    reason, naming the arch and the family's check. A node's siblings keep their instances (function_only_nodes
-    says which nodes then run their functions)."""
+    one; else the candidate the estimate predicts fastest on `hw`, the planning target, for the slots it runs, of
+    the implementations in `impls`; never an instance in `avoid`, which ptxas rejected), and why each other bound
+    node has none: its own reason, naming the arch and the family's check. A node's siblings keep their instances
+    (function_only_nodes says which nodes then run their functions)."""
     by_name = {n.node.name: n for n in nodes}
     found: dict[str, tuple[Instance, ...]] = {}
     why: dict[str, str] = {}
     for r in results:
         if r.binding is None:
             continue
-        got = device_instances(by_name[r.node], r.binding, archs, (tuned or {}).get(r.node), avoid)
+        got = device_instances(by_name[r.node], r.binding, archs, (tuned or {}).get(r.node), avoid, hw, impls)
         if isinstance(got, str):
             why[r.node] = got
         else:
@@ -558,7 +562,8 @@ Dispatch = Mapping[str, Mapping[str, Sequence[tuple[int | None, Mapping[str, int
 
 def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
                   device: Mapping[str, tuple[Instance, ...]], ranges: Mapping[str, tuple[int, int]],
-                  dispatch: Dispatch | None = None, avoid: Avoid = ()) -> dict[str, NodeDynamic]:
+                  dispatch: Dispatch | None = None, avoid: Avoid = (), hw: Hardware | None = None,
+                  impls: Container[str] | None = None) -> dict[str, NodeDynamic]:
     """What each bound node checks and dispatches on (plugin.dispatch): the declared ranges of its input dims, and
     for a node with device instances whose run-time extent has a symbolic dim, its table per arch of `archs`:
     `dispatch`'s entries for the node where given (an entry whose config does not fit takes the default config
@@ -566,6 +571,8 @@ def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
     instance, the node's one instance (`device`) is the whole table."""
     by_name = {n.node.name: n for n in nodes}
     out: dict[str, NodeDynamic] = {}
+    # a dispatch entry has no mma fallback (node_fallbacks): a default entry is never cuBLASLt
+    table_impls = frozenset(i for i in TABLE_IMPLS if impls is None or i in impls)
     for r in results:
         if r.binding is None:
             continue
@@ -590,14 +597,14 @@ def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
                 check_table(given, r.node, arch)
                 rows: Sequence[tuple[int | None, Mapping[str, int] | None]] = given
             else:
-                default = default_table(problem, arch, top)
+                default = default_table(problem, arch, top, hw, table_impls)
                 rows = default if not isinstance(default, str) else [(top, None)]
             table: list[tuple[int | None, Instance]] = []
             for t, config in rows:
                 at = with_extent(problem, t if t is not None else BUCKETS[-1])
-                inst = select_config(at, arch, config, avoid)
+                inst = select_config(at, arch, config, avoid, hw, impls)
                 if isinstance(inst, str) and config:
-                    inst = select_config(at, arch, avoid=avoid)
+                    inst = select_config(at, arch, avoid=avoid, hw=hw, impls=table_impls)
                 if isinstance(inst, str):  # no instance at this extent: the node's one instance serves them all
                     table = [(top, device[r.node][slot])]
                     break
@@ -613,7 +620,8 @@ def dynamic_nodes(nodes: Sequence[FusedNode], results: Sequence[NodeResult], arc
 def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cuda: bool,
                   emulated: bool = False, tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None = None,
                   dispatch: Dispatch | None = None, ranges: Mapping[str, tuple[int, int]] | None = None,
-                  planned: Callable[[str], PlanTensor | None] | None = None) -> LibraryResult:
+                  planned: Callable[[str], PlanTensor | None] | None = None, target: str | None = None
+                  ) -> LibraryResult:
     """Build (or take from the cache) the model's custom-op library into out_dir (see the module docstring).
 
     Args:
@@ -632,6 +640,9 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             default read from the model's `gtco.dynamic` metadata. optimize_file passes the plan's.
         planned: each tensor's type as the plan knew it (plugin.nodes.fused_nodes); by default the fused nodes'
             types come from shape inference over `model`. optimize_file passes the plan's view.
+        target: the config.TARGETS name the model was planned for: its hardware (and calibration) ranks the
+            candidates of the slots it runs, so the build selects what the planner priced; None: each arch's
+            data-sheet target.
 
     Raises:
         BuildError: g++ or nvcc missing or failing (naming the op types / kernel), the ORT headers unavailable (or,
@@ -652,10 +663,15 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     nodes = fused_nodes(model, planned)
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
-    if emulated and tuned:  # the emulation runs the generated kernels and cuBLASLt's plan (then its node's mma
-        # fallback, gtco/cublaslt.h) only: another library's configuration (CUTLASS) gives way
+    hw = hardware(target) if target is not None else None
+    # the emulation runs the generated kernels, and a tuned cuBLASLt configuration's plan (then its node's mma
+    # fallback, gtco/cublaslt.h): another library's configuration (CUTLASS) gives way, and its default selections
+    # are among the generated kernels only
+    impls = MMA_ONLY if emulated else None
+    if emulated and tuned:
         tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") in ("mma", CUBLASLT)}
                  for n, per in tuned.items()}
+    asked_lt = any(c.get("impl") == CUBLASLT for per in (tuned or {}).values() for c in per.values())
     # every header the build needs is found before the first compile: a machine without network learns what is
     # missing in a second, not after minutes of nvcc
     try:
@@ -669,15 +685,23 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     fresh = False  # an instance was compiled, not taken from the cache, in some round
     lt_include: list[Path] = []  # cublasLt.h's folder, and CUDA's runtime headers' for the emulation's g++
     while True:
-        device, kernel_skips = select_device(nodes, results, archs, tuned, rejected) if archs else ({}, {})
-        dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch, rejected)
-        fallbacks = node_fallbacks(device, dynamic, rejected)  # built, and ptxas-checked, with the others
+        device, kernel_skips = select_device(nodes, results, archs, tuned, rejected, hw, impls) if archs else ({}, {})
+        dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch, rejected, hw, impls)
+        fallbacks = node_fallbacks(device, dynamic, rejected, hw)  # built, and ptxas-checked, with the others
         unique = {(i.name, i.arch): i for node in device
                   for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t),
                             *(f for f in fallbacks.get(node, ()) if isinstance(f, Instance)))}
         instances = [unique[k] for k in sorted(unique)]  # nodes of the same problem share an instance
-        if not lt_include and any(i.config.get("impl") == CUBLASLT for i in instances):
-            lt_include = _cublaslt_includes(emulated)
+        lt = [i for i in instances if i.config.get("impl") == CUBLASLT]
+        if not lt_include and lt:
+            try:
+                lt_include = _cublaslt_includes(emulated)
+            except BuildError as e:
+                if asked_lt:  # a cuBLASLt configuration the caller (the tuner) named: say what is missing
+                    raise
+                # chosen by default: without its header no cuBLASLt, and its nodes select again among the rest
+                rejected.update({(i.name, i.arch): f"{i.name}: {e}" for i in lt})
+                continue
         if not cuda:
             break
         new: dict[tuple[str, str], str] = {}

@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
+from pins import CONV_KERNELS
 
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.ir import load as load_mod
@@ -16,7 +17,7 @@ from onnx_gtco.ir.export import save_atomic
 from onnx_gtco.ir.load import infer_shapes, load_model
 from onnx_gtco.models import build
 from onnx_gtco.patterns.patchify import PatchConv, patchify_convs
-from onnx_gtco.pipeline import plan_model
+from onnx_gtco.pipeline import Planned, plan_model
 
 RTOL = ATOL = 1e-5
 """fp32: the GEMM sums a patch's C·KH·KW products in another order than the conv does (K <= 1024 here, values of
@@ -270,17 +271,18 @@ def test_a_weight_the_loader_left_on_disk_is_read_there_and_the_rest_stays_on_di
     _assert_same_outputs(model, saved)
 
 
-def _patch_groups(result: tuple) -> tuple[list[tuple[str, list[str]]], list[str]]:
+def _patch_groups(result: Planned) -> tuple[list[tuple[str, list[str]]], list[str]]:
     """The plan's groups (family, node names) of the patch embedding: every group before the tokens' Concat; and
     the op types of the nodes that feed the Concat."""
-    view, _, _, plan, _, _ = result
+    view, plan = result.view, result.plan
     concat = next(nd for nd in view.nodes if nd.name == "tokens.concat")
     groups = [(c.family, sorted(view.nodes[i].name for i in c.nodes)) for c in plan.groups if max(c.nodes) < concat.id]
     feeds = [view.producer_of(t).op_type for t in concat.inputs if view.producer_of(t) is not None]
     return groups, feeds
 
 
-def test_vit_patch_embedding_becomes_a_layout_group_and_a_gemm_and_the_model_computes_the_same() -> None:
+def test_vit_patch_embedding_becomes_a_layout_group_and_a_gemm_and_the_model_computes_the_same(calibrated) -> None:
+    calibrated("sm_90", **CONV_KERNELS)  # the conv planned on our conv kernel, not left to ONNX Runtime
     model = load_model(build("vit-tiny"))
     out, convs = patchify_convs(model)
     assert convs == [PatchConv("patch_embed.proj", 1, 3, 224, 224, 192, 16, 16, TensorProto.FLOAT, True,
@@ -290,7 +292,7 @@ def test_vit_patch_embedding_becomes_a_layout_group_and_a_gemm_and_the_model_com
     _assert_well_formed(model, out)
     _assert_same_outputs(model, out)
 
-    config = GtcoConfig(precision="fp32")
+    config = GtcoConfig(precision="fp32", patchify=False)  # the planner's own patchify is tested in the pipeline's
     before, before_feeds = _patch_groups(plan_model(model, config))
     assert before == [
         ("conv", ["patch_embed.proj"]),
@@ -304,7 +306,8 @@ def test_vit_patch_embedding_becomes_a_layout_group_and_a_gemm_and_the_model_com
         ("gemm", ["patch_embed.proj.patchify.add", "patch_embed.proj.patchify.matmul"]),
     ]
     assert after_feeds == ["Add"]  # the tokens read the GEMM's bias Add: no Transpose or Flatten between
-    view, cands, *_ = plan_model(out, config)
+    planned = plan_model(out, config)
+    view, cands = planned.view, planned.candidates
     gemm = next(c for c in cands if c.family == "gemm" and "patch_embed.proj.patchify.matmul" in
                 {view.nodes[i].name for i in c.nodes} and c.attr("bias"))
     assert (gemm.attr("m"), gemm.attr("n"), gemm.attr("k")) == (196, 192, 768)
@@ -341,7 +344,8 @@ def test_an_opset_without_slice_inputs_is_left_alone(kit) -> None:
 def test_a_ragged_patchify_with_its_slice_is_one_layout_group_before_the_gemm(kit) -> None:
     model = _conv_model(kit, 2, 3, 230, 227, 48, (16, 16), reader="tokens")
     out, _ = patchify_convs(model)
-    view, cands, _, plan, _, _ = plan_model(out, GtcoConfig(precision="fp32"))
+    planned = plan_model(out, GtcoConfig(precision="fp32", patchify=False))
+    view, cands, plan = planned.view, planned.candidates, planned.plan
     groups = [(c.family, sorted(view.nodes[i].name for i in c.nodes)) for c in plan.groups]
     assert groups[0] == ("elementwise", ["conv.patchify.patches", "conv.patchify.permute", "conv.patchify.slice",
                                          "conv.patchify.split"])

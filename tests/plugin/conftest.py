@@ -6,8 +6,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from pins import CONV_KERNELS, pinned_calibration
 from plugin_helpers import Built, build_model, ln_softmax_model
 
+from onnx_gtco import GtcoConfig
 from onnx_gtco.models import build
 
 
@@ -19,7 +21,11 @@ def _need_cxx() -> None:
 
 @pytest.fixture(scope="module")
 def vit(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build_model(build("vit-tiny", seed=0), tmp_path_factory.mktemp("vit"))
+    """The built-in ViT with its patch embedding kept a conv on our conv kernel (the planner would make it a copy
+    and a GEMM; pinned: patchify off, CONV_KERNELS), so the library holds every family."""
+    with pinned_calibration(tmp_path_factory.mktemp("calibration"), "sm_90", **CONV_KERNELS):
+        return build_model(build("vit-tiny", seed=0), tmp_path_factory.mktemp("vit"),
+                           config=GtcoConfig(patchify=False))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_gtco import optimize
+from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.plugin.library import LibraryResult, build_library
 from onnx_gtco.runtime.session import METADATA_KEY
 
@@ -41,12 +41,14 @@ def ln_softmax_model(hidden: int | str = "H", elem: int = TensorProto.FLOAT) -> 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def build_model(model: onnx.ModelProto, out_dir: Path, *, cuda: bool = False) -> Built:
-    """optimize + build_library into out_dir; writes original.onnx and model.gtco.onnx (with the metadata)."""
+def build_model(model: onnx.ModelProto, out_dir: Path, *, cuda: bool = False,
+                config: GtcoConfig | None = None) -> Built:
+    """optimize (with `config`) + build_library into out_dir; writes original.onnx and model.gtco.onnx (with the
+    metadata)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     original = out_dir / "original.onnx"
     onnx.save(model, str(original))
-    result = optimize(model)
+    result = optimize(model, config)
     lib = build_library(result.model, out_dir, cuda=cuda)
     result.model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
     rewritten = out_dir / "model.gtco.onnx"

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from pins import CONV_KERNELS
 from plugin_helpers import Built, build_model
 
 from onnx_gtco import GtcoConfig, optimize
@@ -376,12 +377,13 @@ def without_dilated_same(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_converted_vit_patch_embedding_runs_the_half_conv(precision: str, tmp_path: Path) -> None:
+def test_converted_vit_patch_embedding_runs_the_half_conv(precision: str, tmp_path: Path, calibrated) -> None:
     """An fp32 ViT optimized at fp16 / bf16: its patch-embedding conv node reads and writes half tensors (its
     function casts around an fp32 Conv); the library's half conv kernel serves it, with the whole model within
     the conversion's tolerance of the fp32 original, as close to it as the model-local functions are."""
     original = build("vit-tiny", depth=1, image=64, seed=0)
-    result = optimize(original, GtcoConfig(precision=precision))
+    calibrated("sm_90", **CONV_KERNELS)  # on our conv kernel
+    result = optimize(original, GtcoConfig(precision=precision, patchify=False))  # the conv, not its GEMM form
     path = tmp_path / "model.gtco.onnx"
     onnx.save(result.model, str(path))
     lib = build_library(result.model, tmp_path, cuda=False, planned=result.planned())

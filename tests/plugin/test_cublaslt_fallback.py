@@ -38,7 +38,7 @@ from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir, cuda_runtime_
 from onnx_gtco.kernels.family import Instance, rel_error
 from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.kernels.gemm import gemm_problem
-from onnx_gtco.kernels.select import select_instance
+from onnx_gtco.kernels.select import MMA_ONLY, candidates, fastest, select_instance
 from onnx_gtco.kernels.toolchain import find_cxx
 from onnx_gtco.plugin.device import device_problem, mma_fallbacks
 from onnx_gtco.plugin.library import NO_DISPATCH_FALLBACK, LibraryResult, bind_node, build_library, library_info
@@ -325,7 +325,7 @@ def test_every_qkv_projection_takes_the_fallback(lt_include: list[Path], standin
     assert report["errors"] == []
     _check_outputs(xs, ys, _qkv_reference)
     (note,) = _notes(stderr, qkv)
-    assert "Qkv_f16 node" in note and "cublaslt_sm80_f16_r0 cannot run" in note  # the biases stay outside it
+    assert "Qkv_f16 node" in note and "cublaslt_sm80_f16_r0" in note and "cannot run" in note
     assert report["calls"] == {"after_concurrent": 1, "after_all": 1, "matmul": 0}
 
 
@@ -342,23 +342,30 @@ def test_a_node_without_fallback_keeps_cublaslts_error(lt_include: list[Path], t
     assert _notes(stderr, gemm) == []
 
 
-def test_mma_fallbacks_choose_the_first_usable_mma_configuration() -> None:
+def test_mma_fallbacks_choose_the_fastest_usable_mma_configuration() -> None:
     problem = gemm_problem("f16", 1, 256, 512, 128, bias=True, activation="relu")
     lt80 = select_instance(problem, "sm_80", LT)
     lt90 = select_instance(problem, "sm_90", {"impl": "cublaslt", "RANK": 2})
-    mma80 = select_instance(problem, "sm_80")
+    mma80 = select_instance(problem, "sm_80", impls=MMA_ONLY)
     assert not isinstance(lt80, str) and not isinstance(lt90, str) and not isinstance(mma80, str)
     got = mma_fallbacks([lt80, mma80, lt90])
-    first80, first90 = (GEMM.instance_name(problem, GEMM.configs(problem, a)[0], a) for a in ("sm_80", "sm_90"))
+
+    def ranked(arch: str, avoid: object = ()) -> list[str]:  # the mma configurations, the estimate's fastest first
+        configs = candidates(problem, arch, avoid, MMA_ONLY)  # type: ignore[arg-type]
+        pick = fastest(problem, arch, configs)
+        assert pick is not None
+        return [GEMM.instance_name(problem, pick[0], arch)]
+
+    first80, first90 = ranked("sm_80")[0], ranked("sm_90")[0]
     assert got[1] is None  # an mma slot needs none
     assert isinstance(got[0], Instance) and got[0].name == first80 and got[0].arch == "sm_80"
     assert isinstance(got[2], Instance) and got[2].name == first90 and got[2].arch == "sm_90"
     assert got[0].problem == lt80.problem  # the cuBLASLt instance's own problem: bias and ReLU in the epilogue
-    # ptxas rejected the first: the next configuration; every one: why not
+    # ptxas rejected the first: the next fastest; every one: why not
     avoid = {(got[0].name, "sm_80")}
     (second,) = mma_fallbacks([lt80], avoid)
-    names80 = [GEMM.instance_name(problem, c, "sm_80") for c in GEMM.configs(problem, "sm_80")]
-    assert isinstance(second, Instance) and second.name == names80[1]
+    assert isinstance(second, Instance) and second.name == ranked("sm_80", avoid)[0] != got[0].name
+    names80 = [GEMM.instance_name(problem, c, "sm_80") for c in candidates(problem, "sm_80", impls=MMA_ONLY)]
     every = {(name, "sm_80") for name in names80}
     (why,) = mma_fallbacks([lt80], every)
     assert isinstance(why, str) and "valid mma GEMM configurations for sm_80 spills" in why

@@ -292,7 +292,7 @@ def test_cuda_build_registers_fixed_size_kernels_and_refuses_a_spill(tmp_path: P
 
     from onnx_gtco.plugin import device
 
-    def spilling(problem: Problem, arch: str, config: object = None, avoid: object = ()) -> Instance | str:
+    def spilling(problem: Problem, arch: str, config: object = None, avoid: object = (), *_: object) -> Instance | str:
         if ("fake_spill", arch) in avoid:  # type: ignore[operator]
             return f"each valid {problem.family} configuration for {arch} spills (ptxas)"
         return Instance("fake_spill", "gtco_fake_softmax", _SPILL_KERNEL, problem, arch=arch)
@@ -309,7 +309,7 @@ def test_cuda_build_registers_fixed_size_kernels_and_refuses_a_spill(tmp_path: P
     assert not lib.kernels and not lib.function_only
 
     # a selection that returns an instance it was told to avoid is an error, not an endless loop
-    monkeypatch.setattr(device, "select_instance", lambda p, a, c=None, avoid=(): Instance(
+    monkeypatch.setattr(device, "select_instance", lambda p, a, c=None, avoid=(), *_: Instance(
         "fake_spill", "gtco_fake_softmax", _SPILL_KERNEL, p, arch=a))
     out = tmp_path / "spill"
     out.mkdir()

@@ -17,8 +17,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from pins import CONV_KERNELS, pinned_calibration
 from plugin_helpers import Built, build_model
 
+from onnx_gtco import GtcoConfig
 from onnx_gtco.models import build
 from onnx_gtco.runtime.check import make_inputs
 from onnx_gtco.runtime.session import make_session
@@ -36,9 +38,11 @@ COPY = "Elementwise_f32"
 @pytest.fixture(scope="module")
 def load_vit(tmp_path_factory: pytest.TempPathFactory) -> Built:
     """ViT-tiny's blocks (dim 192, 3 heads, MLP 768) on 64x64 images, 2 blocks, batch 2: 17 tokens, so a run takes
-    tens of milliseconds and the load phase makes hundreds of them."""
+    tens of milliseconds and the load phase makes hundreds of them. The patch embedding stays a conv on our conv
+    kernel (pinned: patchify off, CONV_KERNELS), so every family is under load."""
     model = build("vit-tiny", seed=0, image=64, patch=16, depth=2, batch=2)
-    return build_model(model, tmp_path_factory.mktemp("vit-load"))
+    with pinned_calibration(tmp_path_factory.mktemp("calibration"), "sm_90", **CONV_KERNELS):
+        return build_model(model, tmp_path_factory.mktemp("vit-load"), config=GtcoConfig(patchify=False))
 
 
 def _session(path: Path) -> ort.InferenceSession:

@@ -14,13 +14,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from pins import CONV_KERNELS, pinned_calibration
 
 from onnx_gtco import optimize
+from onnx_gtco.calibration import LaunchConstants, hardware
 from onnx_gtco.cli import main
 from onnx_gtco.config import GtcoConfig, Ranges
 from onnx_gtco.kernels.conv import FAMILY, conv_problem
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.kernels.gemm import gemm_problem
+from onnx_gtco.kernels.select import candidates, fastest
 from onnx_gtco.plugin.bind_conv import CONV
 from onnx_gtco.plugin.device import device_problem
 from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, build_library, library_info, select_device
@@ -76,8 +79,9 @@ def convnet(batch: int | str = 2, refused: bool = True) -> onnx.ModelProto:
 
 
 @pytest.fixture(scope="module")
-def rewritten() -> onnx.ModelProto:
-    return optimize(convnet(), FP16).model
+def rewritten(tmp_path_factory: pytest.TempPathFactory) -> onnx.ModelProto:
+    with pinned_calibration(tmp_path_factory.mktemp("calibration"), "sm_90", **CONV_KERNELS):
+        return optimize(convnet(), FP16).model  # the convs planned on our conv kernel
 
 
 def test_conv_nodes_are_tasks_and_identical_ones_merge(rewritten: onnx.ModelProto) -> None:
@@ -112,6 +116,7 @@ def test_a_conv_task_tunes_the_problem_the_library_builds(rewritten: onnx.ModelP
     assert checked == 6
 
 
+@pytest.mark.usefixtures("conv_kernels")
 def test_the_plan_and_the_rewritten_model_give_the_same_conv_tasks() -> None:
     """The plan's shapes (what optimize tunes with) and the rewritten model's value_info agree, and the planner's
     lookup of measured times (pipeline.measured_time, on the candidates before the rewrite) finds the conv tasks
@@ -125,6 +130,7 @@ def test_the_plan_and_the_rewritten_model_give_the_same_conv_tasks() -> None:
     assert timed == {n for t in a for n in t.nodes}
 
 
+@pytest.mark.usefixtures("conv_kernels")  # the convs planned on our conv kernel
 def test_conv_has_no_run_time_extent_for_the_shape_generic_tuner() -> None:
     result = optimize(convnet(batch="batch"), GtcoConfig(precision="fp16", dynamic=(("batch", 1, 8),)))
     tasks, skipped = dynamic_tasks(result.model, "sm_90", result.dynamic or Ranges())
@@ -174,7 +180,8 @@ def test_the_analytical_model_ranks_conv_configurations() -> None:
     best = ranked[0]
     assert best["BM"] * best["BN"] >= 128 * 64 and best["VEC"] == 1, best  # a real tile, 16-byte weight loads
     assert predict_us(big, best) < predict_us(big, ranked[-1]) / 3
-    assert predict_us(big, best) < predict_us(big, {**best, "VEC": 0})
+    # the A gather bounds it: element-wise weight loads (VEC = 0) cost no less, here no more
+    assert predict_us(big, best) <= predict_us(big, {**best, "VEC": 0})
     # the im2col gather reads A element by element: dearer than the same GEMM's cp.async A tile
     m, n, k = 32 * 14 * 14, 1024, 256
     gemm = gemm_problem("f16", 1, m, n, k, b_batched=False, trans_b=True, bias=False, activation="none",
@@ -187,9 +194,11 @@ def test_the_analytical_model_ranks_conv_configurations() -> None:
     dw = Task(DEPTHWISE, "sm_90", "v")
     guess = analytical_guesses(dw)[0]
     assert guess["DIRECT"] == 1
-    assert 2 * 96 * 112 * 112 * 2 / 3350e3 < predict_us(dw, guess) - 3.0 < 2 * (3 * 96 * 112 * 112 * 2 / 3350e3)
+    floor = hardware("sm_90").constants(LaunchConstants).floor_us
+    assert 2 * 96 * 112 * 112 * 2 / 3350e3 < predict_us(dw, guess) - floor < 2 * (3 * 96 * 112 * 112 * 2 / 3350e3)
 
 
+@pytest.mark.usefixtures("conv_kernels")  # the convs planned on our conv kernel
 def test_tuning_end_to_end_puts_the_conv_winner_in_the_report_and_the_library(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """optimize --tune-trials with the analytical measurer: the report lists each conv task with its kernel,
@@ -211,7 +220,7 @@ def test_tuning_end_to_end_puts_the_conv_winner_in_the_report_and_the_library(
     assert entries[("gtco/conv/dw",)]["impl"] == "direct" and entries[("gtco/conv/dw",)]["best_config"]["DIRECT"] == 1
     assert not tuning["untuned"]
     markdown = out.with_name(out.name + ".report.md").read_text()
-    assert "Conv kernels, times predicted by the analytical model" in markdown
+    assert "Conv kernels, times predicted by the estimate" in markdown
     config = " ".join(f"{k}={v}" for k, v in blocks["best_config"].items())
     assert (f"| gtco/conv/b0, gtco/conv/b1, gtco/conv/b2 | x 2x16x16x16, w 16x16x3x3, pads 1,1,1,1 | implicit GEMM "
             f"(Tensor Cores) | {config} |") in markdown
@@ -227,12 +236,16 @@ def test_tuning_end_to_end_puts_the_conv_winner_in_the_report_and_the_library(
     problem = device_problem(b0, next(r.binding for r in results if r.node == "gtco/conv/b0"))
     sm90 = CUDA_ARCHS.index("sm_90")
     want = FAMILY.instance_name(problem, blocks["best_config"], "sm_90")
-    assert blocks["best_config"] != {k: FAMILY.configs(problem, "sm_90")[0][k] for k in blocks["best_config"]}
-    assert instances["gtco/conv/b0"][sm90].name == want != plain["gtco/conv/b0"][sm90].name
+    # the tuned configuration (found in the family's whole space) reaches the library; the untuned build takes the
+    # offered configuration the same estimate predicts fastest
+    assert instances["gtco/conv/b0"][sm90].name == want
+    pick = fastest(problem, "sm_90", candidates(problem, "sm_90"))
+    assert pick is not None and plain["gtco/conv/b0"][sm90].name == FAMILY.instance_name(problem, pick[0], "sm_90")
     assert instances["gtco/conv/dw"][sm90].config == {"DIRECT": 1, "THREADS": entries[("gtco/conv/dw",)][
         "best_config"]["THREADS"]}
 
 
+@pytest.mark.usefixtures("conv_kernels")  # the convs planned on our conv kernel
 def test_an_emulated_build_runs_the_tuned_conv_instances(tmp_path: Path) -> None:
     """The library built with the tuner's sm_80 configurations (the emulated device's arch) names them as the conv
     nodes' instances and computes the model with them, on the CPU through the emulation, as the original does."""

@@ -15,6 +15,7 @@ import export_zoo as zoo
 import onnx
 import pytest
 from onnx import helper
+from pins import FUSED_FORMS
 
 from onnx_gtco import GtcoConfig, optimize
 
@@ -24,7 +25,10 @@ GELU_OPS = ("Erf", "Gelu")
 
 
 @pytest.mark.parametrize("exporter", zoo.EXPORTERS)
-def test_fp16_vit_b_fuses_gelu_into_fc1(exporter: str) -> None:
+def test_fp16_vit_b_fuses_gelu_into_fc1(exporter: str, calibrated) -> None:
+    # the fused epilogue is what this test is about: pinned where the estimate prefers it (at batch 1 the shipped
+    # H200 estimate runs fc1 on cuBLASLt and the bias + GELU as an elementwise kernel of their own)
+    calibrated("sm_90", **FUSED_FORMS)
     path = zoo.onnx_path(zoo.default_out_dir(), "vit-b16", exporter)
     if not path.is_file():
         pytest.skip(f"no {path.name} in {path.parent}: export it with tools/export_zoo.py (or run the zoo tests)")

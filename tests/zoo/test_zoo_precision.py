@@ -11,6 +11,7 @@ import re
 
 import onnx
 import pytest
+from pins import CONV_KERNELS
 
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.plugin.device import ARCH_SLOTS
@@ -27,6 +28,12 @@ TorchScript exports (bert-base, minilm) have one: the attention mask's And feeds
 loading drops the no-op Expand between them, and the planner fuses it with the first layer's Where."""
 
 
+CONV_MODELS = ("detr-r50", "segformer-b0")
+"""Models whose convs the shipped estimate leaves to ONNX Runtime (its conv priced as the vendor GEMM, unmeasured),
+which keeps their weights fp32 at bf16 (0.58-0.78 of the fp32 size): pinned on our conv kernels (CONV_KERNELS) so
+that the conversion of every conv is what this test checks."""
+
+
 def _without_kernel(group: dict) -> bool:
     """The group is one of the named gaps (and the report gives the gap's reason)."""
     reason = group["device_reason"] or ""
@@ -39,7 +46,10 @@ def _io(model: onnx.ModelProto) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_half_precision_from_fp32(zoo_case: tuple[str, str], zoo_onnx: pathlib.Path, precision: str) -> None:
+def test_half_precision_from_fp32(zoo_case: tuple[str, str], zoo_onnx: pathlib.Path, precision: str,
+                                  calibrated) -> None:
+    if zoo_case[0] in CONV_MODELS:
+        calibrated("sm_90", **CONV_KERNELS)
     original = onnx.load(str(zoo_onnx))
     result = optimize(original, GtcoConfig(precision=precision))
     assert _io(result.model) == _io(original)
