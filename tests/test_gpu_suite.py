@@ -152,6 +152,17 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path) -> None:
     assert machine.target_for("sm_100") == "sm_90" and machine.target_for("sm_75") is None
 
 
+def test_the_target_is_the_gpus_own_name_where_onnx_gtco_knows_it_so_its_calibration_applies() -> None:
+    assert machine.target_for("sm_90", "NVIDIA H200") == "h200"
+    assert machine.target_for("sm_90", "NVIDIA H100 80GB HBM3") == "h100"
+    assert machine.target_for("sm_80", "NVIDIA A100-SXM4-80GB") == "a100"
+    assert machine.target_for("sm_90", "NVIDIA GH200 480GB") == "sm_90"  # an sm_90 GPU it does not know by name
+    assert machine.target_for("sm_89", "NVIDIA L40S") == "sm_80"
+    assert machine.target_for("sm_100", "NVIDIA B200") == "sm_90" and machine.target_for("sm_75", "Tesla T4") is None
+    assert [machine.target_arch(t) for t in ("h200", "a100", "sm_90")] == ["sm_90", "sm_80", "sm_90"]
+    assert preflight.needs_for(False, "h200", sql_storage=False).cutlass_headers
+
+
 def test_list_prints_each_row_with_its_expected_time(capsys: pytest.CaptureFixture[str]) -> None:
     assert suite.main(["--list"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -307,6 +318,7 @@ def test_a_failed_smoke_row_stops_a_gpu_run_with_the_reason_first(tmp_path: Path
     monkeypatch.setattr(rows, "_bench", lambda *a: pytest.fail("a row ran after a failed smoke row"))
     assert suite.main(["--out", str(out), "--rows", "core/*"]) == 1
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["env"]["target"] == "h200"  # the H200's own target: every command plans with its calibration
     assert summary["stop"].startswith("smoke/probe failed") and "max |new - ref|" in summary["stop"]
     assert all(r["status"] == "skipped" and "smoke/probe failed" in r["reason"] for r in summary["rows"][1:])
     md = (out / "benchmarks.md").read_text().splitlines()
@@ -575,6 +587,7 @@ def test_a_kernels_row_times_its_shape_set_within_the_row_and_reads_its_results(
     monkeypatch.setattr(rows.shutil, "which", lambda *a: "/usr/bin/nvcc")
     ctx = ctx_for(tmp_path)
     ctx.logs.mkdir(parents=True)
+    ctx.target = "h200"  # the GPU's own target: kernel_bench takes its arch
     rec = rows.run_row(ctx, row("kernels/vit-b16"), time.monotonic() + 200)
     cmd, timeout_s = calls[0]
     assert cmd[cmd.index("--set") + 1] == "vit-b16" and cmd[cmd.index("--arch") + 1] == "sm_90"

@@ -72,12 +72,42 @@ def nvcc_version() -> str | None:
     return m.group(1) if m else None
 
 
-def target_for(arch: str) -> str | None:
-    """The onnx-gtco target for a GPU arch: the newest one not newer than it (sm_89 -> sm_80), or None."""
-    from_sm = {"sm_80": 80, "sm_90": 90}
+ARCH_TARGETS = {"sm_80": 80, "sm_90": 90}
+"""The onnx-gtco targets named after an arch, by compute capability."""
+
+
+def arch_target(arch: str) -> str | None:
+    """The arch target whose kernels a GPU of `arch` runs: the newest one not newer than it (sm_89 -> sm_80, sm_100
+    -> sm_90), or None."""
     num = int(re.sub(r"\D", "", arch) or 0)
-    fits = [t for t, n in from_sm.items() if n <= num]
-    return max(fits, key=from_sm.__getitem__) if fits else None
+    fits = [t for t, n in ARCH_TARGETS.items() if n <= num]
+    return max(fits, key=ARCH_TARGETS.__getitem__) if fits else None
+
+
+def target_for(arch: str, name: str = "") -> str | None:
+    """The onnx-gtco target of a GPU named `name` (as nvidia-smi names it) of compute capability `arch`: the GPU's
+    own target where onnx-gtco knows it by name (onnx_gtco.config.target_for_gpu: "NVIDIA H200" -> "h200"), so that
+    every command plans with its calibration; else the arch target (arch_target: an unknown sm_90 GPU -> "sm_90");
+    None for an arch without kernels. Where onnx-gtco does not import in this process (its dependencies come with
+    the install row), the arch target."""
+    fallback = arch_target(arch)
+    if fallback is None or not name:
+        return fallback
+    try:
+        from onnx_gtco.config import TARGETS, target_for_gpu
+    except ImportError:
+        return fallback
+    named = target_for_gpu(name, fallback)
+    return named if named is not None and TARGETS[named].arch == fallback else fallback
+
+
+def target_arch(target: str) -> str:
+    """The arch of an onnx-gtco target, what tools/kernel_bench.py's --arch takes ("h200" -> "sm_90")."""
+    if target in ARCH_TARGETS:
+        return target
+    from onnx_gtco.config import TARGETS  # a GPU's own target comes from target_for, which imported it
+
+    return TARGETS[target].arch
 
 
 def tree_version() -> str | None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpusuite.common import Step, probe
+from gpusuite.machine import target_arch
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def needs_for(dry_run: bool, target: str | None, sql_storage: bool) -> Needs:
     if dry_run:
         return Needs(modules, optional_modules=ZOO_MODULES, tools=("g++",), optional_tools=("nvcc",))
     return Needs(modules + ZOO_MODULES + ("cupy",), cuda_ep=True, cublaslt_header=True,
-                 cutlass_headers=target == "sm_90", tools=("nvcc", "g++", "nvidia-smi"),
+                 cutlass_headers=target is not None and target_arch(target) == "sm_90",
+                 tools=("nvcc", "g++", "nvidia-smi"),
                  optional_tools=("compute-sanitizer",))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusuite.common import ROOT, GtcoError, Step, probe, run_command, skipped
-from gpusuite.machine import run_install
+from gpusuite.machine import run_install, target_arch
 from gpusuite.plan import ModelSpec, Row
 
 SMOKE_COSINE = 0.999
@@ -70,6 +70,11 @@ class Context:
     def provider(self) -> str:
         """The bench's provider: cpu in a dry run, else cuda."""
         return "cpu" if self.dry_run else "cuda"
+
+    @property
+    def arch(self) -> str | None:
+        """The arch of the run's target (machine.target_arch: "h200" -> "sm_90"), what kernel_bench's --arch takes."""
+        return None if self.target is None else target_arch(self.target)
 
     @property
     def logs(self) -> Path:
@@ -408,7 +413,7 @@ def _kernels(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> No
         return
     assert row.kernel_set is not None
     out = ctx.out / "kernel-bench" / row.kernel_set
-    cmd = ctx.python(str(ROOT / "tools" / "kernel_bench.py"), "--arch", ctx.target, "--set", row.kernel_set,
+    cmd = ctx.python(str(ROOT / "tools" / "kernel_bench.py"), "--arch", str(ctx.arch), "--set", row.kernel_set,
                      "--out", str(out))
     left = _left(deadline)
     if ctx.dry_run:

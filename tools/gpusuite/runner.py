@@ -148,7 +148,8 @@ def read_machine(opts: Options, env: dict[str, str]) -> tuple[Step, dict[str, An
     t0 = time.monotonic()
     gpu = None if opts.dry_run else gpu_info()
     arch = opts.arch or (gpu["arch"] if gpu else "sm_90" if opts.dry_run else None)
-    info: dict[str, Any] = {"gpu": gpu, "arch": arch, "target": target_for(arch) if arch else None,
+    target = target_for(arch, gpu["name"] if gpu else "") if arch else None
+    info: dict[str, Any] = {"gpu": gpu, "arch": arch, "target": target,
                             "cuda": nvcc_version(), "tree": opts.tree or tree_version(),
                             "python": sys.version.split()[0]}
     try:
