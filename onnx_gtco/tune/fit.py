@@ -12,6 +12,10 @@ driver, commit and date:
   (`pdl_launches` of them with programmatic dependent launch) and the microseconds of the kernels no kernel record
   describes.
 
+A records file may name, under "tells", constants whose `param` says fit=False (no record of the shipped kind tells
+them apart) that its records were made to tell: the GPU suite's calibration row times CUTLASS at a few tiles and a
+short elementwise copy for that. The fit then fits them too, whenever that file is among its records.
+
 `predict_kernel` prices a kernel record with the same estimate the planner and the build use (its family's
 estimate_us, or cost.model's for ORT's kernels); `predict_model` adds a model's kernel records, the unrecorded
 kernels and a graph gap per launch. `fit` searches the constants (every `param` of the estimate's Constants
@@ -106,11 +110,13 @@ class Records:
     files: tuple[str, ...]
     kernels: tuple[KernelRecord, ...]
     models: tuple[ModelRecord, ...]
+    tells: tuple[str, ...] = ()
+    """Constants ("group.name") with fit=False that some file's records were made to tell (fitted all the same)."""
 
     def only(self, runs: Sequence[str]) -> Records:
         """The records of the named runs."""
         return Records(self.gpu, self.target, self.files, tuple(k for k in self.kernels if k.run in runs),
-                       tuple(m for m in self.models if m.run in runs))
+                       tuple(m for m in self.models if m.run in runs), self.tells)
 
 
 def _problem(data: Mapping[str, Any]) -> Problem:
@@ -132,12 +138,18 @@ def load_records(paths: Iterable[str | Path] | None = None) -> Records:
     kernels: list[KernelRecord] = []
     models: list[ModelRecord] = []
     gpus: set[tuple[str, str]] = set()
+    tells: list[str] = []
+    known = {f"{p.group.GROUP}.{p.name}" for p in _params(all_constants=True)}
     for f in files:
         try:
             doc = json.loads(f.read_text())
             if doc.get("format") != FORMAT:
                 raise ValueError(f"format {doc.get('format')!r}, not {FORMAT}")
             gpus.add((str(doc["gpu"]), str(doc["target"])))
+            for name in doc.get("tells", ()):
+                if name not in known:
+                    raise ValueError(f"tells {name!r}, which is no constant of the estimate")
+                tells += [name] if name not in tells else []
             for i, k in enumerate(doc["kernels"]):
                 problems = tuple((int(p["count"]), _problem(p["problem"])) for p in k["problems"])
                 source = {key: k[key] for key in ("gpu", "driver", "cuda", "onnxruntime", "commit", "date")
@@ -159,7 +171,7 @@ def load_records(paths: Iterable[str | Path] | None = None) -> Records:
         raise GtcoError(f"calibration records of several GPUs ({', '.join(sorted(g for g, _ in gpus))}): fit one "
                         "GPU at a time")
     (gpu, target), = gpus
-    return Records(gpu, target, tuple(str(f) for f in files), tuple(kernels), tuple(models))
+    return Records(gpu, target, tuple(str(f) for f in files), tuple(kernels), tuple(models), tuple(tells))
 
 
 def predict_kernel(record: KernelRecord, hw: Hardware) -> float:
@@ -223,9 +235,12 @@ class Param:
     hi: float
 
 
-def _params() -> list[Param]:
+def _params(tells: Sequence[str] = (), all_constants: bool = False) -> list[Param]:
+    """The constants a fit searches: those whose param has fit=True, those named in `tells` ("group.name"), or with
+    `all_constants` every one."""
     return [Param(g, f.name, float(f.default), float(f.metadata["lo"]), float(f.metadata["hi"]))
-            for g in GROUPS for f in fields_of(g) if f.metadata.get("fit", True)]
+            for g in GROUPS for f in fields_of(g)
+            if all_constants or f.metadata.get("fit", True) or f"{g.GROUP}.{f.name}" in tells]
 
 
 def _overrides(params: Sequence[Param], values: Sequence[float]) -> dict[str, dict[str, float]]:
@@ -287,7 +302,7 @@ def fit(records: Records, target: str | None = None, command: str = "") -> Fit:
     base = Hardware(hardware(target).target)  # the data sheet and the defaults, whatever ships
     if not records.kernels:
         raise GtcoError("no kernel record to fit")
-    params = _params()
+    params = _params(records.tells)
     x0 = [p.default for p in params]
     r0 = _residuals(records, base.with_overrides(_overrides(params, x0)))
     used = []
@@ -320,8 +335,11 @@ def fit(records: Records, target: str | None = None, command: str = "") -> Fit:
               "records": [Path(f).name for f in records.files], "kernel_rows": len(kernels),
               "model_rows": len(models),
               "error": errors(records, kernels, models),
-              "fitted": [f"{p.group.GROUP}.{p.name}" for p in free], "at_bound": list(at_bound)}
-    proxies = sorted({k.proxy for k in records.kernels if k.proxy})
+              "fitted": [f"{p.group.GROUP}.{p.name}" for p in free], "at_bound": list(at_bound),
+              **({"tells": list(records.tells)} if records.tells else {})}
+    ours = {str(k.config.get("impl", "mma")) for k in records.kernels if k.side == "gtco"}
+    proxies = sorted({k.proxy for k in records.kernels  # a proxy stands in only where no record of ours measured
+                      if k.proxy and str(k.config.get("impl", "mma")) not in ours})
     cal = Calibration(target, records.gpu, "", {g: {k: round(v, 6) for k, v in vals.items()}
                                                for g, vals in constants.items()}, fitted, tuple(proxies))
     return Fit(cal, tuple(fitted["fitted"]), at_bound, tuple(kernels), tuple(models))

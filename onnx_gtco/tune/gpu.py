@@ -13,7 +13,13 @@ a child process, one at a time: tune.runner):
 3. check: the first run's outputs against the family's fp64 reference; a relative error over the family's
    tolerance or any NaN is "wrong_answer" (a wrong answer is a failed trial, never a fast one).
 4. time: CUDA events around each launch, rotating the input sets so that no run finds the previous one's data in
-   L2, `warmup` launches first; the median of `reps` (>= 20) runs, and the p90 - p10 spread.
+   L2, `warmup` launches first; the median of `reps` (>= 20) runs, and the p90 - p10 spread. With `queued` each
+   timed launch waits in the stream behind a short spin kernel, so that the events time the kernel as a profiler
+   would and not the host's launch latency too (a few microseconds that dwarf a small kernel): what a calibration
+   compares with profiled kernel times (the GPU suite's calibration row).
+
+Every family of kernels.select.FAMILIES is measured, and the elementwise programs (their Problem carries the
+program: the patchify copy, a transpose).
 
 The device name (GPU model and compute capability) names the studies: times from one GPU never mix with another's.
 """
@@ -36,7 +42,17 @@ from onnx_gtco.errors import BuildError, KernelResourceError
 from onnx_gtco.kernels import cublaslt, cutlass
 from onnx_gtco.kernels.compile import compile_instance
 from onnx_gtco.kernels.cublas_headers import installed_library
-from onnx_gtco.kernels.family import Instance, c_args, entry_point, from_storage, np_dtype, rel_error
+from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
+from onnx_gtco.kernels.family import (
+    Instance,
+    KernelFamily,
+    Problem,
+    c_args,
+    entry_point,
+    from_storage,
+    np_dtype,
+    rel_error,
+)
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
 from onnx_gtco.tune.builder import Artifact, BuildResult, build_and_run
@@ -45,6 +61,24 @@ from onnx_gtco.tune.search import Measurement, config_arch
 from onnx_gtco.tune.tasks import Task
 
 TOLERANCE = {"f16": 2e-3, "bf16": 8e-3, "f32": 1e-5}
+QUEUE_CYCLES = 100_000
+"""SM clock cycles a queued measurement's spin kernel runs ahead of each timed launch (50 us at 2 GHz): longer than
+the host takes to record the start event and launch the instance, so the GPU reaches both back to back."""
+_SPIN = r"""
+extern "C" __global__ void gtco_queue_spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+"""
+
+
+def family_of(problem: Problem) -> KernelFamily:
+    """The kernel family that builds and checks `problem`: kernels.select.FAMILIES, and the elementwise family
+    (selected by its binder, not there)."""
+    if problem.family == ELEMENTWISE.name:
+        return ELEMENTWISE
+    return FAMILIES[problem.family]
 
 
 def shared_library(instance: Instance) -> Path | Measurement:
@@ -75,7 +109,7 @@ def shared_library(instance: Instance) -> Path | Measurement:
 def build_candidate(task: Task, config: Mapping[str, Any]) -> BuildResult:
     """A configuration of `task` built for the arch it runs on (search.config_arch) as a shared library, or the
     failed build (compile / resource). nvcc only: no GPU is needed."""
-    inst = FAMILIES[task.problem.family].instantiate(task.problem, dict(config), config_arch(task, config))
+    inst = family_of(task.problem).instantiate(task.problem, dict(config), config_arch(task, config))
     lib = shared_library(inst)
     if isinstance(lib, Measurement):
         return BuildResult(None, lib.error_kind, lib.detail)
@@ -87,12 +121,13 @@ class GpuMeasurer:
 
     `isolate` (the default): runs happen in a child process (runner.LocalRunner, started on the first run and
     again after a failed one), which makes its own GpuMeasurer with isolate=False, the one that launches;
-    `timeout_s` bounds one run there. `close()` stops the child."""
+    `timeout_s` bounds one run there. `queued`: each timed launch waits behind a spin kernel (the module
+    docstring's step 4). `close()` stops the child."""
 
     name = "gpu"
 
     def __init__(self, reps: int = 20, warmup: int = 5, rotate: int = 4, seed: int = 0, isolate: bool = True,
-                 timeout_s: float = RUN_TIMEOUT_S) -> None:
+                 timeout_s: float = RUN_TIMEOUT_S, queued: bool = False) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -108,8 +143,9 @@ class GpuMeasurer:
             raise RuntimeError(f"{self.device}: the kernels are built for sm_80 (8.x) and sm_90 (9.x) GPUs")
         self.arch = "sm_80" if self.cc < 90 else "sm_90"
         self.reps, self.warmup, self.rotate, self.seed = reps, warmup, rotate, seed
-        self.isolate = isolate
-        child = functools.partial(GpuMeasurer, reps=reps, warmup=warmup, rotate=rotate, seed=seed, isolate=False)
+        self.isolate, self.queued = isolate, queued
+        child = functools.partial(GpuMeasurer, reps=reps, warmup=warmup, rotate=rotate, seed=seed, isolate=False,
+                                  queued=queued)
         self._runner = LocalRunner(child, timeout_s=timeout_s) if isolate else None
         self._env = {"measurer": self.name, "gpu": self.device,
                      "driver": str(cupy.cuda.runtime.driverGetVersion()),
@@ -150,7 +186,7 @@ class GpuMeasurer:
         if config.get("impl") == cublaslt.IMPL:
             load_cublaslt()
         cp = self.cp
-        family = FAMILIES[task.problem.family]
+        family = family_of(task.problem)
         p = task.problem
         sets = []
         for r in range(self.rotate):
@@ -176,9 +212,12 @@ class GpuMeasurer:
                 return wrong
             for i in range(self.warmup):
                 fn(ctypes.byref(sets[i % self.rotate][2]), stream.ptr)
+            spin = cp.RawKernel(_SPIN, "gtco_queue_spin") if self.queued else None
             times = []
             for i in range(self.reps):
                 start, end = cp.cuda.Event(), cp.cuda.Event()
+                if spin is not None:  # the GPU spins while the host records the start event and launches
+                    spin((1,), (1,), (np.int64(QUEUE_CYCLES),))
                 start.record(stream)
                 fn(ctypes.byref(sets[i % self.rotate][2]), stream.ptr)
                 end.record(stream)
@@ -192,7 +231,7 @@ def wrong_answer(task: Task, inputs: Mapping[str, np.ndarray], outputs: Mapping[
                  ) -> Measurement | None:
     """The failed Measurement (error kind "wrong_answer") when an output of a run on `inputs` (as stored: 16-bit
     outputs as their bits) is off the family's fp64 reference by more than TOLERANCE or not finite, else None."""
-    family = FAMILIES[task.problem.family]
+    family = family_of(task.problem)
     p = task.problem
     want = family.reference(p, dict(inputs))
     for name, out in outputs.items():
@@ -237,4 +276,5 @@ def gpu_available() -> bool:
         return False
 
 
-__all__ = ["GpuMeasurer", "build_candidate", "gpu_available", "shared_library", "wrong_answer"]
+__all__ = ["QUEUE_CYCLES", "GpuMeasurer", "build_candidate", "family_of", "gpu_available", "shared_library",
+           "wrong_answer"]

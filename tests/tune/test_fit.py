@@ -92,6 +92,45 @@ def test_fit_recovers_the_constants_that_made_its_records(records: fit.Records, 
     assert got["rowwise"]["bw_frac"] == pytest.approx(0.6, rel=0.05)
 
 
+def test_a_records_file_that_tells_an_unfitted_constant_gets_it_fitted_and_ends_the_proxy(
+        records: fit.Records, tmp_path: Path) -> None:
+    """cutlass.extra_us has fit=False: the shipped records (5 to 18 waves) cannot tell it. A file of CUTLASS GEMMs at a
+    few tiles that says it tells it (what the GPU suite's calibration row writes) gets it fitted, and its own
+    cuBLASLt record ends the ORT cuBLAS proxy note; without "tells" the constant keeps its default."""
+    from onnx_gtco.kernels.gemm import gemm_problem
+
+    truth = Hardware(hardware("h200").target).with_overrides({"gemm.cutlass": {"extra_us": 6.0}})
+    doc = json.loads(next(iter(sorted(Path(fit.RECORDS_DIR).glob("*.json")))).read_text())
+    by_id = {k.id.split("#")[1]: k for k in records.kernels}
+    for i, k in enumerate(doc["kernels"]):
+        k["us_per_forward"] = fit.predict_kernel(by_id[str(i)], truth)
+    doc["models"] = []
+    few = {"impl": "cutlass", "TILE_M": 128, "TILE_N": 128, "TILE_K": 64, "CLUSTER_M": 1, "CLUSTER_N": 1,
+           "SCHEDULE": "cooperative", "STAGES": 0, "RASTER": "heuristic", "TILE_SCHEDULER": "persistent"}
+    extra = []
+    for n, k, cfg in ((768, 768, few), (2304, 768, few), (3072, 768, few), (768, 3072, few),
+                      (768, 768, {"impl": "cublaslt", "RANK": 0})):
+        p = gemm_problem("f16", 1, 197, n, k, bias=True)
+        rec = fit.KernelRecord("x", "gemm", cfg, ((1, p),), 1, 0.0, "gtco", "calib", "gemm-small-m", 1)
+        extra.append({"run": "calib", "model": "gemm-small-m", "batch": 1, "side": "gtco", "family": "gemm",
+                      "config": cfg, "calls": 1, "us_per_forward": fit.predict_kernel(rec, truth), "proxy": None,
+                      "problems": [{"count": 1, "problem": {"family": "gemm", "dtype": "f16", "sizes": dict(p.sizes),
+                                                            "flags": dict(p.flags)}}]})
+    (tmp_path / "shipped.json").write_text(json.dumps(doc))
+    (tmp_path / "calib.json").write_text(json.dumps({**doc, "kernels": extra, "tells": ["gemm.cutlass.extra_us"]}))
+    both = fit.load_records([tmp_path])
+    assert both.tells == ("gemm.cutlass.extra_us",)
+    told = fit.fit(both)
+    assert told.calibration.constants["gemm.cutlass"]["extra_us"] == pytest.approx(6.0, rel=0.05)
+    assert not told.calibration.proxies and told.calibration.fitted["tells"] == ["gemm.cutlass.extra_us"]
+    (tmp_path / "calib.json").write_text(json.dumps({**doc, "kernels": extra}))
+    untold = fit.fit(fit.load_records([tmp_path])).calibration
+    assert "extra_us" not in untold.constants.get("gemm.cutlass", {})  # keeps its default
+    (tmp_path / "calib.json").write_text(json.dumps({**doc, "kernels": extra, "tells": ["gemm.cutlass.nothing"]}))
+    with pytest.raises(GtcoError, match="no constant of the estimate"):
+        fit.load_records([tmp_path])
+
+
 def test_records_of_two_gpus_are_refused(tmp_path: Path) -> None:
     doc = json.loads(next(iter(sorted(Path(fit.RECORDS_DIR).glob("*.json")))).read_text())
     (tmp_path / "a.json").write_text(json.dumps(doc))

@@ -7,6 +7,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from onnx_gtco.kernels.conv import conv_problem
@@ -43,6 +44,47 @@ def test_compile_step_gives_a_library_or_the_error_kind(tmp_path: Path, monkeypa
     broken = replace(inst, name="fake_broken", source=inst.source + "\nthis is not C++;\n")
     got = shared_library(broken)
     assert isinstance(got, Measurement) and got.error_kind == "compile"
+
+
+def _patchify_copy(batch: int) -> Problem:
+    """ViT-B/16's patch embedding as patterns.patchify's copy: x [N, 3, 224, 224] -> patches [N, 196, 768]."""
+    from onnx import helper
+
+    from onnx_gtco.kernels.elementwise import program_from_onnx
+
+    shapes = {"s1": [batch, 3, 14, 16, 14, 16], "s2": [batch, 196, 768]}
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["a"]),
+             helper.make_node("Transpose", ["a"], ["b"], perm=[0, 2, 4, 1, 3, 5]),
+             helper.make_node("Reshape", ["b", "s2"], ["y"])]
+    return program_from_onnx(nodes, {"x": [batch, 3, 224, 224]}, ["y"],
+                             {k: np.array(v, np.int64) for k, v in shapes.items()}).problem("f16")
+
+
+@nvcc
+def test_an_elementwise_program_builds_as_a_measurer_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The elementwise family is selected by its binder, not kernels.select.FAMILIES: the measurer builds its
+    programs all the same (the calibration row times the patchify copy)."""
+    from onnx_gtco.tune.gpu import build_candidate, family_of
+
+    monkeypatch.setenv("GTCO_CACHE_DIR", str(tmp_path))
+    problem = _patchify_copy(1)
+    task = Task(problem, "sm_90", template_version())
+    config = family_of(problem).configs(problem, "sm_90")[0]
+    built = build_candidate(task, config)
+    assert built.failure is None and built.artifact is not None and Path(built.artifact.library).is_file()
+    assert built.artifact.symbol.startswith("gtco_elementwise_sm90_f16_copy_n150528")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("queued", [False, True], ids=["plain", "queued"])
+def test_gpu_measurer_checks_and_times_an_elementwise_program(queued: bool) -> None:
+    from onnx_gtco.tune.gpu import family_of
+
+    m = GpuMeasurer(queued=queued)
+    problem = _patchify_copy(2)
+    got = m.measure(Task(problem, m.arch, template_version()), family_of(problem).configs(problem, m.arch)[0])
+    assert got.error_kind is None and got.median_us and got.median_us > 0, got
 
 
 @pytest.mark.gpu
