@@ -8,6 +8,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -723,3 +724,238 @@ def test_export_leaves_the_summary_and_an_archive_of_every_log_after_each_row(tm
     assert {"logs/core-vit-b16.b1.log", "logs/core-bert-base.b1.log", "summary.json"} <= names
     assert not any(n.endswith(".onnx") for n in names)
     assert "logs/core-vit-b16.b1.log" in seen[1] and "logs/core-vit-b16.b64.log" not in seen[1]
+
+
+# ------------------------------------------------------------------------------------------------------ calibration
+
+
+def _calibrate() -> ModuleType:
+    import calibrate
+
+    return calibrate
+
+
+H200_PROV = {"gpu": "NVIDIA H200", "driver": "580.159.04", "cuda": "13.0", "commit": "abc1234", "date": "2026-12-08",
+             "run": "calib-test"}
+
+
+def _chain_report(layers: int = 64, pdl_nodes: int | None = None) -> dict:
+    """What `onnx-gtco inspect --json` (and optimize, with its library) reports of tools/calibrate.py's chain."""
+    group = {"family": "layernorm", "attrs": {"hidden": 768, "residual": False, "affine": True, "epsilon": 1e-6},
+             "kernel": {"instance": "layernorm_sm90_f16_h768_t64_v8_r2",
+                        "config": {"THREADS": 64, "VEC": 8, "ROWS": 2}}}
+    report = {"precision": "fp16", "groups": [{**group, "name": f"gtco/layernorm/ln{i}"} for i in range(layers)],
+              "launches": {"ours": layers, "after_ours": layers - 1}}
+    if pdl_nodes is not None:
+        report["library"] = {"pdl": {f"ln{i}": ["sm_90"] for i in range(pdl_nodes)},
+                             "kernels": [{"instance": "layernorm_sm90_f16_h768_t64_v8_r2", "arch": "sm_90"}]}
+    return report
+
+
+def test_the_calibration_cases_measure_what_the_estimate_was_never_fitted_to() -> None:
+    """The row's case list, without a GPU or nvcc: the small-M curve (mma 64x64 and 128x64 at split-K 1-8 where
+    the family's check passes, our cuBLASLt instance, CUTLASS at M 197 capped at two instances, the rest listed as
+    cut), GEMM + LayerNorm fused against the pair the build would pick, the patch embedding as conv and as patchify,
+    the most-wanted cases first."""
+    from onnx_gtco.calibration import hardware
+    from onnx_gtco.kernels import cutlass
+    from onnx_gtco.kernels.select import select_instance
+
+    cal = _calibrate()
+    plan_ = cal.build_plan("h200")
+    cases = plan_.cases
+    curve = [c for c in cases if c.part == "gemm-curve"]
+    problems = {(c.problem.size("M"), c.problem.size("N"), c.problem.size("K"), bool(c.problem.flag("residual")))
+                for c in curve}
+    assert problems == {(m, n, k, res) for m in (128, 197) for n, k in ((768, 768), (2304, 768), (3072, 768),
+                                                                       (768, 3072)) for res in (False, n == 768)}
+    assert all(c.problem.dtype == "f16" and c.problem.flag("bias") for c in curve)
+    mma = [c for c in curve if c.impl == "mma"]
+    assert len(mma) == len(problems) * 8 and {c.config["SPLITK"] for c in mma} == {1, 2, 4, 8}
+    assert {(c.config["BM"], c.config["BN"], c.config["STAGES"]) for c in mma} == {(64, 64, 4), (128, 64, 4)}
+    lt = [c for c in curve if c.impl == "cublaslt"]
+    assert len(lt) == len(problems) and all(c.config == {"impl": "cublaslt", "RANK": 0} for c in lt)
+    cut = [c for c in curve if c.impl == "cutlass"]
+    if isinstance(cutlass.include_dirs(), str):
+        assert not cut and any("CUTLASS" in x["case"] for x in plan_.cut)
+    else:
+        assert len({c.instance.name for c in cut}) == 2 and all(c.arch == "sm_90a" for c in cut)
+        assert {c.problem.size("M") for c in cut} == {197} and not any(c.problem.flag("residual") for c in cut)
+        assert {(c.config["TILE_M"], c.config["SCHEDULE"]) for c in cut} == {(128, "cooperative"), (64, "pingpong")}
+        assert sum("at most 2 CUTLASS instances" in x["why"] for x in plan_.cut) == 4  # bias + residual, cut
+        assert not any(c.impl == "cutlass" for c in cal.build_plan("h200", max_cutlass=0).cases)
+    # the most wanted first: our cuBLASLt instances, the fused pair, the patch embedding; CUTLASS last
+    parts = [(c.part, c.impl) for c in cases]
+    assert parts[0] == ("gemm-curve", "cublaslt") and parts.index(("gemm-curve", "mma")) > max(
+        i for i, (p, _) in enumerate(parts) if p in ("gemm-layernorm", "patch-embed"))
+    assert [p for p, impl in parts if impl == "cutlass"] == [p for p, _ in parts[len(parts) - len(cut):]]
+    hw = hardware("h200")
+    ln = [c for c in cases if c.part == "gemm-layernorm"]
+    assert {(c.problem.size("M") if c.problem.family == "gemm" else c.problem.size("rows")) for c in ln} == {197, 12608}
+    for fused in (c for c in ln if c.role == "fused"):
+        assert fused.problem.flag("layernorm") and fused.problem.flag("residual") and fused.config.get("SPLITK", 1) == 1
+        assert select_instance(fused.problem, "sm_90", hw=hw).name == fused.instance.name  # the build's pick
+    assert len(plan_.comparisons) == 6 and all(len(x.fused) == 1 for x in plan_.comparisons)
+    patch = [c for c in cases if c.part == "patch-embed"]
+    assert {(c.batch, c.role) for c in patch} == {(b, r) for b in (1, 64) for r in ("conv", "copy", "gemm")}
+    for conv in (c for c in patch if c.role == "conv"):
+        assert conv.instance.name == select_instance(conv.problem, "sm_90", hw=hw).name
+    for copy in (c for c in patch if c.role == "copy"):  # patterns.patchify's copy: x [N, 3, 224, 224] as patches
+        layout = copy.problem.flag("layouts")[0]
+        assert copy.problem.flag("inputs")[0][0] == (copy.batch, 196, 768) and not copy.problem.flag("program")
+        assert math.prod(layout[0]) == copy.batch * 3 * 224 * 224
+    assert {c.config.get("impl", "mma") for c in patch if c.role == "gemm"} == {"mma", "cublaslt"}
+    assert len({c.key for c in cases}) < len(cases)  # the pair's GEMM at M 197 is the curve's: timed once
+    with pytest.raises(GtcoError, match="unknown target"):
+        cal.build_plan("h300")
+
+
+def test_the_records_writer_writes_what_the_fit_reads_and_predicts(tmp_path: Path) -> None:
+    """records_doc over a few timed cases, a failed one and the chain: every record ours (side gtco, cuBLASLt
+    included, no proxy) with its GPU, driver, CUDA, commit and date; a measurement shared by two parts recorded
+    once; the chain's kernel counted per node and its two model records, which fit.predict_model can price."""
+    from onnx_gtco.calibration import hardware
+    from onnx_gtco.tune import fit
+
+    cal = _calibrate()
+    plan_ = cal.build_plan("h200", max_cutlass=0)
+    chain = cal.chain_cases(_chain_report(), "h200")
+    assert len(chain) == 1 and chain[0].count == 64 and chain[0].problem.size("rows") == 197
+    wanted = [next(c for c in plan_.cases if c.part == p and c.impl == impl) for p, impl in
+              (("gemm-curve", "cublaslt"), ("gemm-curve", "mma"), ("gemm-layernorm", "mma"),
+               ("gemm-layernorm", "layernorm"), ("patch-embed", "conv"), ("patch-embed", "elementwise"))]
+    shared = next(c for c in plan_.cases if c.part == "gemm-layernorm" and c.role == "gemm"
+                  and c.problem.size("M") == 197)
+    twin = next(c for c in plan_.cases if c.part == "gemm-curve" and c.key == shared.key)  # the curve's own case
+    failed = next(c for c in plan_.cases if c.part == "gemm-curve" and c.impl == "mma" and c not in wanted)
+    cases = [*wanted, twin, shared, failed, *chain]
+    results = {c.key: {"us": 10.0 + i, "spread_us": 0.2} for i, c in enumerate(cases)}
+    results[failed.key] = {"us": None, "error": "wrong_answer: y: relative error 0.5"}
+    runs = {"kernels": [{"key": chain[0].key, "count": 64}],
+            "off": {"measured_ms": 0.9, "launches": 66, "pdl_launches": 0, "unrecorded_kernel_us": 3.0},
+            "on": {"measured_ms": 0.8, "launches": 66, "pdl_launches": 63, "unrecorded_kernel_us": 3.0}}
+    prov = cal.provenance(H200_PROV, False, "h200")
+    doc = cal.records_doc("h200", prov, cases, results, runs, stand_in=False)
+    path = tmp_path / "records.json"
+    cal.write_json(path, doc)
+    recs = fit.load_records([path])
+    assert recs.gpu == "NVIDIA H200" and recs.target == "h200"
+    singles = [k for k in doc["kernels"] if k["calls"] == 1]
+    assert len(singles) == len(set(results)) - 1  # one per measurement, none for the failed case
+    assert [k["part"] for k in singles if k["case"] == shared.key] == ["gemm-curve"]  # shared: recorded once
+    assert {(k.family, str(k.config.get("impl", "mma"))) for k in recs.kernels} >= {
+        ("gemm", "mma"), ("gemm", "cublaslt"), ("layernorm", "mma"), ("conv", "mma"), ("elementwise", "mma")}
+    assert all(k.side == "gtco" and k.proxy is None and k.run == "calib-test" for k in recs.kernels)
+    for k in doc["kernels"]:
+        assert {"gpu", "driver", "cuda", "commit", "date"} <= set(k) and k["date"] == "2026-12-08"
+    counted = next(k for k in recs.kernels if k.model == cal.CHAIN_MODEL)
+    assert counted.calls == 64 and counted.us_per_forward == pytest.approx(64 * results[chain[0].key]["us"])
+    assert sorted((m.pdl_launches, m.launches) for m in recs.models) == [(0, 66), (63, 66)]
+    hw = hardware("h200")
+    for m in recs.models:  # its kernels' records (same run, model and batch) and a gap per launch
+        assert fit.predict_model(m, recs.kernels, hw) > fit.predict_kernel(counted, hw)
+    assert doc["tells"] == ["elementwise.extra_us"] and recs.tells == ("elementwise.extra_us",)
+    # without the chain's kernel timed, no model record (the fit could not price it)
+    results.pop(chain[0].key)
+    assert not cal.records_doc("h200", prov, cases, results, runs, stand_in=False)["models"]
+    stand_in = cal.records_doc("sm_90", cal.provenance({}, True, "sm_90"), cases[:1], results, {}, stand_in=True)
+    assert stand_in["stand_in"] and stand_in["gpu"].startswith("stand-in for sm_90")
+
+
+def test_a_chain_bench_is_a_model_run_and_says_the_gap_and_what_pdl_hides() -> None:
+    cal = _calibrate()
+    launches = cal.chain_launches(_chain_report(pdl_nodes=63), "sm_90")
+    assert launches == {"launches": 64, "after_ours": 63, "pdl_nodes": 63}
+    profile = {"calls_per_run": 66.0, "kernel_us_per_run": 150.0,
+               "top": [{"kernel": "void gtco::layernorm_kernel<__half, 768>(...)", "us_per_run": 146.0},
+                       {"kernel": "void onnxruntime::cuda::_UnaryElementWise<...Cast...>", "us_per_run": 4.0}]}
+    bench = {"batches": [{"batch": 1, "variants": [
+        {"name": "ort-fp16", "status": "ok", "median_ms": 0.41, "cuda_graph": True},
+        {"name": "gtco", "status": "ok", "median_ms": 0.25, "cuda_graph": True, "profile": profile}]}]}
+    on = cal.bench_run(bench, True, launches)
+    assert on == {"measured_ms": 0.25, "launches": 66, "pdl_launches": 63, "unrecorded_kernel_us": 4.0,
+                  "profiled_kernel_us": 150.0, "ort_fp16_ms": 0.41}
+    off = cal.bench_run(bench, False, launches)
+    assert off["pdl_launches"] == 0 and off["launches"] == 66
+    no_graph = json.loads(json.dumps(bench))
+    no_graph["batches"][0]["variants"][1]["cuda_graph"] = False
+    assert cal.bench_run(no_graph, True, launches)["measured_ms"] is None
+    chain = {"off": {**off, "measured_ms": 0.30}, "on": on}
+    got = cal.chain_summary(chain, kernel_us=140.0)
+    assert got["gap_us_per_launch"] == pytest.approx((300.0 - 140.0 - 4.0) / 66, abs=1e-3)
+    assert got["pdl_hides_us"] == pytest.approx(50.0 / 63, abs=1e-3)
+    assert cal.chain_summary({"off": {}}, 140.0)["gap_us_per_launch"] is None
+
+
+def test_measuring_goes_past_a_failed_case_benches_the_chain_before_the_mma_curve_and_cuts_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path of `calibrate.py measure` with the GPU faked: every instance built (CUTLASS first), each case
+    timed in plan order; a build that fails and a wrong answer are recorded and the rest go on; the chain's benches
+    run once its kernel is timed and its optimize is done, before the mma curve; when the time budget is spent the
+    remaining cases are cut with that reason; the records written load."""
+    from onnx_gtco.tune import fit
+    from onnx_gtco.tune import gpu as gpu_mod
+    from onnx_gtco.tune.search import Measurement
+
+    cal = _calibrate()
+    built: list[str] = []
+    events: list[str] = []
+
+    def fake_build(instance):
+        built.append(instance.name)
+        return "compile: nvcc said no" if "128x64x32" in instance.name and "sk8" in instance.name else tmp_path
+
+    class FakeMeasurer:
+        device = "NVIDIA H200 sm_90"
+
+        def __init__(self, **kw):
+            assert kw["queued"] and kw["isolate"]
+
+        def run(self, task, config, artifact):
+            p = task.problem
+            curve = p.family == "gemm" and p.size("M") in (128, 197) and not p.flag("layernorm")
+            events.append(f"case {p.family} {config.get('impl', 'mma')}" + (" curve" if curve else ""))
+            n = len(events)
+            if n == 3:
+                return Measurement(None, error_kind="wrong_answer", detail="y: relative error 0.5")
+            if n == 60:
+                run.deadline = time.monotonic() - 1.0
+            return Measurement(5.0 + n / 10, 0.1, runs=30)
+
+        def close(self):
+            events.append("closed")
+
+    def fake_bench(self, pdl, optimized):
+        events.append(f"bench pdl {'on' if pdl else 'off'}")
+        assert optimized.result().returncode == 0
+        self.chain["on" if pdl else "off"] = cal.bench_run(
+            {"batches": [{"variants": [{"name": "gtco", "status": "ok", "median_ms": 0.3 - 0.05 * pdl,
+                                        "cuda_graph": True}]}]}, pdl, self.chain["plan"])
+
+    monkeypatch.setattr(cal, "_build", fake_build)
+    monkeypatch.setattr(gpu_mod, "GpuMeasurer", FakeMeasurer)
+    monkeypatch.setattr(cal.Run, "optimize_chain", lambda self: subprocess.CompletedProcess([], 0, "", ""))
+    monkeypatch.setattr(cal.Run, "bench_chain", fake_bench)
+    monkeypatch.setattr(cal, "clock_probe", lambda left: {"skipped": "faked"})
+    args = cal.parse_args(["measure", "--target", "h200", "--out", str(tmp_path / "calib"), "--time-budget-s", "300",
+                           "--provenance", json.dumps(H200_PROV), "--jobs", "2"])
+    run = cal.Run(args)
+    run.add_chain(_chain_report())
+    run.measure_all()
+    run.save()
+    kinds = [c.impl for c in run.plan.cases]
+    if "cutlass" in kinds:  # built first: they take longest
+        assert all("cutlass" in b for b in built[:2])
+    first_mma = events.index("case gemm mma curve")
+    bench = events.index("bench pdl off")
+    assert events[bench + 1] == "bench pdl on" and bench < first_mma
+    assert events.index("case layernorm mma") < bench and events[-1] == "closed"
+    measure = json.loads((tmp_path / "calib" / "measure.json").read_text())
+    why = {f["why"].split(":")[0] for f in measure["failed"]}
+    assert why == {"wrong_answer", "build"}, measure["failed"]
+    spent = [x for x in measure["cut"] if "time budget" in x["why"]]
+    assert spent and len(events) < len(run.plan.cases) + 3
+    assert measure["chain"]["summary"]["pdl_hides_us"] == pytest.approx(50.0 / 63, abs=1e-3)
+    recs = fit.load_records([tmp_path / "calib" / "records.json"])
+    assert len(recs.kernels) == measure["timed"] and len(recs.models) == 2
+    assert measure["provenance"]["gpu_measured"] == "NVIDIA H200 sm_90"
