@@ -93,7 +93,8 @@ def test_the_plan_runs_the_issues_rows_in_the_order_that_makes_a_short_window_co
     rows_ = plan.build_plan(False)
     ids = [r.id for r in rows_]
     assert len(ids) == len(set(ids))
-    assert ids[:4] == ["smoke/probe", "core/vit-b16.b1", "core/vit-b16.b64", "core/bert-base.b1"]
+    assert ids[:5] == ["smoke/probe", "calibration/refit", "core/vit-b16.b1", "core/vit-b16.b64",
+                       "core/bert-base.b1"]
     assert [plan.PHASES.index(r.phase) for r in rows_] == sorted(plan.PHASES.index(r.phase) for r in rows_)
     core = [r for r in rows_ if r.phase == "core"]
     assert all(r.baselines == ("ort-fp16", "ort-transformers-fp16") and not r.tune for r in core)
@@ -110,9 +111,12 @@ def test_the_plan_runs_the_issues_rows_in_the_order_that_makes_a_short_window_co
         if r.model is not None:  # each a zoo export: torch.compile compiles the model's own module
             assert r.model.zoo in zoo.MODELS and r.model.builtin is None
             assert r.model.ort_form == zoo.ORT_OPTIMIZER_ARGS.get(r.model.zoo, {})
-    # what a 9-minute first call starts: the smoke row and the three core rows fit, the next row does not
+    # what a 9-minute first call starts: smoke, the calibration and ViT-B/16's two core rows; BERT's waits for --resume
     first = [r for r in rows_ if sum(x.estimate_s for x in rows_[:rows_.index(r) + 1]) <= 9 * 60 - 30]
     assert [r.id for r in first] == ids[:4]
+    calib = rows_[1]
+    assert calib.kind == "calibration" and calib.phase == "calibration" and calib.estimate_s <= 150
+    assert plan.dry_row(calib).estimate_s <= 15  # the dry suite runs it: a few seconds beyond its compiles
 
 
 def test_a_dry_run_stands_in_for_every_row_or_says_why_it_cannot() -> None:
@@ -168,6 +172,7 @@ def test_list_prints_each_row_with_its_expected_time(capsys: pytest.CaptureFixtu
     assert suite.main(["--list"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["smoke/probe", "75", "75"]
+    assert out[2].split() == ["calibration/refit", "150", "225"]
     assert any(ln.startswith("core/vit-b16.b64") for ln in out)
 
 
@@ -296,8 +301,35 @@ def test_the_whole_dry_plan_killed_at_a_random_point_finishes_with_resume_repeat
         tests["tests"]["tests"]  # collected, and skipped without a GPU: a collection error anywhere fails it
     md = (out / "benchmarks.md").read_text()
     for line in ("- GPU: none (dry run), onnx-gtco target sm_90", "**Dry run**", "### Core rows",
-                 "| vit-b16.b64 (vit-tiny b2) | ok"):
+                 "| vit-b16.b64 (vit-tiny b2) | ok", "### Calibration: the estimate refitted on this GPU",
+                 "In force for the rest of the run: the refit `sm_90.json`", "| model | ln-chain64, PDL on"):
         assert line in md, line
+    # the calibration row: stand-in records the fit reads, the refit in OUT/calibration, every later row on it
+    from onnx_gtco.calibration import Hardware, LaunchConstants, load_calibration
+    from onnx_gtco.config import TARGETS
+    from onnx_gtco.tune import fit
+
+    calib = next(r for r in summary["rows"] if r["kind"] == "calibration")
+    refit_dir = out / "calibration"
+    assert calib["sets_env"] == {"GTCO_CALIBRATION_DIR": str(refit_dir)} and calib["calibration"]["stand_in"]
+    recs = fit.load_records([refit_dir / "records.json"])
+    assert {(k.family, str(k.config.get("impl", "mma"))) for k in recs.kernels} >= {
+        ("gemm", "mma"), ("gemm", "cublaslt"), ("layernorm", "mma"), ("conv", "mma"), ("elementwise", "mma")}
+    assert any(k.problems[0][1].flag("layernorm") for k in recs.kernels)  # the fused GEMM + LayerNorm
+    assert sorted(m.pdl_launches > 0 for m in recs.models) == [False, True]
+    assert all(k.side == "gtco" and k.proxy is None and {"gpu", "driver", "commit", "date"} <= set(k.source)
+               for k in recs.kernels)
+    cal = load_calibration("sm_90", refit_dir)
+    assert cal is not None and cal.gpu == recs.gpu and "launch.pdl_overlap_us" in cal.fitted["fitted"]
+    assert Hardware(TARGETS["sm_90"], cal).constants(LaunchConstants).graph_gap_us > 0
+    measure = json.loads((refit_dir / "measure.json").read_text())
+    if shutil.which("nvcc"):  # compile-only where nvcc is, as the kernels rows
+        assert measure["compiled"] and set(measure["compiled"].values()) == {"ok"}, measure["compiled"]
+    after = [r for r in bench if summary["rows"].index(r) > summary["rows"].index(calib)]
+    assert after
+    for r in after:  # planned with the refit, in the first run and in the resumed one alike
+        estimate = json.loads(Path(r["report"]).read_text())["estimate"]
+        assert estimate["calibration"]["file"] == "sm_90.json" and estimate["calibration"]["gpu"] == recs.gpu, r["id"]
 
 
 # ------------------------------------------------------------------------------------------------------ smoke
@@ -959,3 +991,157 @@ def test_measuring_goes_past_a_failed_case_benches_the_chain_before_the_mma_curv
     recs = fit.load_records([tmp_path / "calib" / "records.json"])
     assert len(recs.kernels) == measure["timed"] and len(recs.models) == 2
     assert measure["provenance"]["gpu_measured"] == "NVIDIA H200 sm_90"
+
+
+def test_the_calibration_row_refits_into_out_and_a_failed_fit_keeps_the_shipped_calibration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row's commands: the measurement with the machine's provenance and a share of the row's time, the fit of
+    the shipped H200 records beside the new ones (an H200's), its backtest, the comparison; the refit's folder goes
+    into every later command's environment and the row's sets_env. A fit that fails fails the row, says that the
+    shipped calibration stays in force, and sets nothing."""
+    from gpusuite import calibration as calib_mod
+
+    ctx = ctx_for(tmp_path, target="h200")
+    ctx.logs.mkdir(parents=True)
+    ctx.machine = {"gpu": {"name": "NVIDIA H200", "driver": "580.159.04"}, "cuda": "13.0", "tree": "abc1234",
+                   "versions": {"onnxruntime": "1.31.1"}}
+    seen: dict[str, list[str]] = {}
+    fit_ok = [True]
+
+    def fake_run(name, cmd, *, env, timeout_s, log, cwd=ROOT):
+        what = name.split(": ")[-1]
+        seen[what] = list(cmd)
+        assert calib_mod.ENV not in env  # measured and fitted against the shipped calibration
+        d = tmp_path / "calibration"
+        if what == "measure":
+            assert timeout_s <= 150 and float(cmd[cmd.index("--time-budget-s") + 1]) < timeout_s
+            (d / "records.json").write_text(json.dumps({"format": 1, "gpu": "NVIDIA H200", "target": "h200",
+                                                        "kernels": [], "models": []}))
+            (d / "measure.json").write_text(json.dumps({"target": "h200", "timed": 3, "models": 2, "counts": {},
+                                                        "cut": [], "failed": []}))
+        if what == "fit" and fit_ok[0]:
+            (d / "h200.json").write_text("{}")
+        if what == "compare":
+            (d / "compare.json").write_text(json.dumps({"error": {}, "kernels": [], "models": []}))
+        ok = what != "fit" or fit_ok[0]
+        return Step(name, "ok" if ok else "failed", "" if ok else "exit 1: scipy.optimize did not converge", 1.0)
+
+    monkeypatch.setattr(rows, "run_command", fake_run)
+    rec = rows.run_row(ctx, row("calibration/refit"), time.monotonic() + 1000)
+    assert rec["status"] == "ok", rec
+    measure, fit_cmd = seen["measure"], seen["fit"]
+    prov = json.loads(measure[measure.index("--provenance") + 1])
+    assert prov["gpu"] == "NVIDIA H200" and prov["commit"] == "abc1234" and prov["cuda"] == "13.0"
+    assert measure[measure.index("--target") + 1] == "h200" and "--stand-in" not in measure
+    shipped = sorted(str(p) for p in calib_mod.SHIPPED_RECORDS.glob("*.json"))
+    assert fit_cmd[3:5] == ["calibration", "fit"] and fit_cmd[5:-3] == shipped
+    assert fit_cmd[-3:] == [str(tmp_path / "calibration" / "records.json"), "-o",
+                            str(tmp_path / "calibration" / "h200.json")]
+    assert "--refit" in seen["compare"] and "backtest" in seen["backtest"]
+    assert rec["sets_env"] == {calib_mod.ENV: str(tmp_path / "calibration")} == {
+        calib_mod.ENV: ctx.env[calib_mod.ENV]}
+    assert rec["calibration"]["in_force"] == "refit"
+    # a fit that fails: the shipped calibration stays, the row says so
+    fit_ok[0] = False
+    ctx2 = ctx_for(tmp_path, target="h200")
+    ctx2.machine = ctx.machine
+    seen.clear()
+    rec = rows.run_row(ctx2, row("calibration/refit"), time.monotonic() + 1000)
+    assert rec["status"] == "failed" and "shipped calibration stays in force" in rec["reason"]
+    assert "scipy.optimize" in rec["reason"] and "sets_env" not in rec and calib_mod.ENV not in ctx2.env
+    assert "backtest" not in seen and "--refit" not in seen["compare"]
+    assert rec["calibration"]["in_force"].startswith("shipped (the fit failed")
+    # records of another GPU are fitted alone (a fit takes one GPU)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "target": "h100"}))
+    assert calib_mod.fit_inputs(other) == ([other], "this run's records alone (no shipped record measured a NVIDIA "
+                                                    "H100 80GB HBM3 for h100)")
+
+
+def test_a_resumed_run_plans_with_the_refit_its_calibration_row_made(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    seen: list[tuple[str, str | None]] = []
+
+    def fake_row(ctx, r, deadline):
+        seen.append((r.id, ctx.env.get("GTCO_CALIBRATION_DIR")))
+        if r.kind == "calibration":
+            rec = rows.record(r) | {"sets_env": {"GTCO_CALIBRATION_DIR": str(out / "calibration")}}
+            ctx.env.update(rec["sets_env"])
+            return rec
+        cut = r.id == "core/vit-b16.b64" and not (out / "cut").exists()
+        if cut:
+            (out / "cut").touch()
+        return rows.record(r) | {"status": "failed" if cut else "ok", "reason": "timed out" if cut else ""}
+
+    monkeypatch.setattr(runner, "run_row", fake_row)
+    monkeypatch.delenv("GTCO_CALIBRATION_DIR", raising=False)
+    skip = ["--skip", "smoke", "--rows", "calibration/*,core/vit-b16*"]
+    assert suite.main(["--dry-run", "--out", str(out), *skip]) == 1
+    refit = str(out / "calibration")
+    assert seen == [("calibration/refit", None), ("core/vit-b16.b1", refit), ("core/vit-b16.b64", refit)]
+    seen.clear()
+    assert suite.main(["--dry-run", "--out", str(out), "--resume", *skip]) == 0
+    assert seen == [("core/vit-b16.b64", refit)]  # the kept row's refit, restored
+
+
+def test_the_preflight_names_scipy_for_the_calibration_rows_fit() -> None:
+    gpu = preflight.needs_for(False, "h200", sql_storage=False, calibration=True)
+    assert "scipy" in gpu.modules and "pynvml" in gpu.optional_modules
+    assert "scipy" not in preflight.needs_for(True, "sm_90", sql_storage=False).modules
+    step = preflight.preflight(preflight.Needs(("gtco_not_scipy",), why={"gtco_not_scipy": "the row's fit"}),
+                               steps_env())
+    assert step.status == "failed"
+    assert step.reason == "Python package gtco_not_scipy is not importable (the row's fit)"
+
+
+def test_the_calibration_section_shows_each_measurement_beside_both_calibrations_the_gap_and_the_clock() -> None:
+    from gpusuite import calibration as calib_mod
+
+    measure = {"target": "h200", "timed": 2, "models": 2, "cases": 3, "seconds": 97.0,
+               "counts": {"gemm cublaslt": 1, "layernorm": 1}, "tells": ["gemm.cutlass.extra_us"],
+               "cut": [{"case": "gemm 197x768x768 bias+res: CUTLASS", "why": "at most 2 CUTLASS instances"}],
+               "failed": [{"case": "gemm 128x768x768 bias: mma", "why": "wrong_answer: y off"}],
+               "provenance": {"gpu": "NVIDIA H200"},
+               "chain": {"layers": 64, "rows": 197, "summary": {"kernel_us": 140.0, "gap_us_per_launch": 2.36,
+                                                                "pdl_hides_us": 0.79},
+                         "off": {"measured_ms": 0.3, "launches": 66, "ort_fp16_ms": 0.41},
+                         "on": {"measured_ms": 0.25, "launches": 66, "pdl_launches": 63}},
+               "clock": {"gemm": "cuBLAS (CuPy) fp16 12608x3072x768", "launches": 18000, "cold_us": 101.0,
+                         "sustained_us": 108.0, "sustained_over_cold": 1.069, "source": "pynvml",
+                         "before": {"sm_mhz_median": 345.0, "sm_mhz_min": 345.0, "sm_mhz_max": 1980.0,
+                                    "power_w_median": 90.0},
+                         "load": {"sm_mhz_median": 1755.0, "sm_mhz_min": 1650.0, "sm_mhz_max": 1980.0,
+                                  "power_w_median": 690.0, "clock_event_reasons": ["0x4"]}},
+               "comparisons": [{"what": "GEMM + LayerNorm M197 K768: fused / pair", "fused_us": 9.0, "split_us": 7.5,
+                                "ratio": 1.2}]}
+    compare = {"error": {"shipped": {"gtco": {"rows": 2, "worst_ratio": 1.6, "rms_log": 0.4}},
+                         "refit": {"gtco": {"rows": 2, "worst_ratio": 1.05, "rms_log": 0.03}}},
+               "refit_fit": {"records": ["h200-2026-11-28.json", "records.json"], "at_bound": [],
+                             "error": {"gtco": {"rows": 46, "worst_ratio": 0.9, "rms_log": 0.05}}},
+               "constants": {"launch.graph_gap_us": {"shipped": 1.14, "refit": 2.3, "fitted": True},
+                             "rowwise.pass_us": {"shipped": 1.0, "refit": 1.005, "fitted": True}},
+               "kernels": [{"part": "gemm-curve", "kernel": "gemm 197x768x768 bias: cuBLASLt rank 0 (ours)",
+                            "impl": "cublaslt", "calls": 1, "measured_us": 5.0, "shipped_us": 8.0, "refit_us": 5.1}],
+               "models": [{"model": "ln-chain64", "pdl": True, "launches": 66, "pdl_launches": 63,
+                           "measured_us": 250.0, "shipped_us": 230.0, "refit_us": 249.0}]}
+    rec = rows.record(row("calibration/refit")) | {
+        "calibration": calib_mod.summary(measure, compare, "/out/calibration/h200.json")}
+    assert set(rec["calibration"]["constants"]) == {"launch.graph_gap_us"}  # rowwise.pass_us barely moved
+    md = "\n".join(calib_mod.render(rec))
+    for want in ("In force for the rest of the run: the refit `h200.json`", "1 gemm cublaslt, 1 layernorm",
+                 "- gemm 197x768x768 bias+res: CUTLASS: at most 2 CUTLASS instances", "wrong_answer: y off",
+                 "300.0 µs per forward without PDL, 250.0 µs with it (63 launches after one of ours)",
+                 "Gap per launch: 2.36 µs; PDL hides 0.79 µs", "| launch.graph_gap_us | 1.14 | 2.3 | yes |",
+                 "median 101.0 µs cold, 108.0 µs sustained", "load 1755 MHz (min 1650, max 1980, 690 W, reasons 0x4)",
+                 "| GEMM + LayerNorm M197 K768: fused / pair | 9.0 | 7.5 | 1.20 |",
+                 "| gtco | 2 rows, furthest 1.600x, rms log 0.400 | 2 rows, furthest 1.050x, rms log 0.030 |",
+                 "| gemm-curve | gemm 197x768x768 bias: cuBLASLt rank 0 (ours) | 1 | 5.0 | 8.0 (1.60) | 5.1 (1.02) |",
+                 "| model | ln-chain64, PDL on (66 launches, 63 with PDL) | 1 | 250.0 | 230.0 (0.92) | 249.0 (1.00) |"):
+        assert want in md, want
+    summary = {"suite": {"command": "c", "date": "2026-12-08 10:00 UTC", "dry_run": False, "budget_min": 9.0,
+                         "elapsed_s": 1.0, "tune_trials": 8, "storage": "s"}, "env": {}, "steps": [], "rows": [rec]}
+    full = render.render_markdown(summary)
+    assert full.index("### Calibration") < full.index("### Kernels vs cuBLASLt")
+    failed = rows.record(row("calibration/refit")) | {"status": "failed", "reason": "measure: exit 1"}
+    assert "Not run: failed: measure: exit 1" in "\n".join(calib_mod.render(failed))

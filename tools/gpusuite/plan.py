@@ -5,14 +5,18 @@ Phases, in order (a GPU window of 15 minutes is spent on what matters most first
 1. install: the carried wheels (`--wheels`), only where some are given;
 2. smoke: the plugin of a one-block model built, loaded in onnxruntime-gpu, every fused node on the CUDA EP, its
    outputs checked with and without CUDA graphs, compute-sanitizer memcheck over it; a failure stops the run;
-3. core: ViT-B/16 at batch 1 and 64 and BERT-base at 128 tokens, the fp32 exports optimized to fp16 without
+3. calibration: what the kernel-time estimate was never fitted to, timed with our own instances
+   (tools/calibrate.py: the small-M GEMM curve, cuBLASLt and CUTLASS at a few tiles, GEMM + LayerNorm fused against
+   the pair, a CUDA-graph chain with and without PDL, the patch embedding as conv and as patchify, the SM clock),
+   then refitted (`onnx-gtco calibration fit`): every later row plans with the refit ($GTCO_CALIBRATION_DIR);
+4. core: ViT-B/16 at batch 1 and 64 and BERT-base at 128 tokens, the fp32 exports optimized to fp16 without
    tuning, against ORT fp16 and ORT fp16 with its transformer optimizer, each side's top kernels profiled;
-4. kernels: the kernel bench's GEMM and attention rows of those models (tools/kernel_bench.py);
-5. tune: those models' kernel tasks tuned (optimize --tune-trials), then the same rows benched with the tuned
+5. kernels: the kernel bench's GEMM and attention rows of those models (tools/kernel_bench.py);
+6. tune: those models' kernel tasks tuned (optimize --tune-trials), then the same rows benched with the tuned
    library;
-6. rest: ViT-B/16 at batch 8, DeiT-S, Swin-T, SETR, DETR, BERT-base with dynamic tokens (1..512) at 32, 128 and 512;
-7. extra: torch.compile max-autotune and TensorRT beside ours on the core rows;
-8. tests: `pytest -m gpu`, the tests that need a GPU (the measurer, the device path, the library on the CUDA EP).
+7. rest: ViT-B/16 at batch 8, DeiT-S, Swin-T, SETR, DETR, BERT-base with dynamic tokens (1..512) at 32, 128 and 512;
+8. extra: torch.compile max-autotune and TensorRT beside ours on the core rows;
+9. tests: `pytest -m gpu`, the tests that need a GPU (the measurer, the device path, the library on the CUDA EP).
 
 Each row's `estimate_s` is what it took (or is expected to take) on the H200 machine this plan was made for: one
 H200, 16 cores, the bundle set up (measured: export 24-30 s, optimize 27-36 s, 88 s with the three CUTLASS
@@ -29,7 +33,7 @@ from typing import Any
 
 from gpusuite.common import GtcoError
 
-PHASES = ("install", "smoke", "core", "kernels", "tune", "rest", "extra", "tests")
+PHASES = ("install", "smoke", "calibration", "core", "kernels", "tune", "rest", "extra", "tests")
 CORE_BASELINES = ("ort-fp16", "ort-transformers-fp16")
 """What ours is measured against in every row but the extra ones: ORT fp16, and ORT fp16 after its transformer
 optimizer (on the form of the model it fuses, for BERT)."""
@@ -93,8 +97,8 @@ class Row:
     Attributes:
         id: "phase/what", e.g. "core/vit-b16.b64": the same in a dry run, whose row stands in for it.
         phase: one of PHASES.
-        kind: "install", "smoke", "bench" (prepare, optimize, bench), "kernels" (tools/kernel_bench.py) or "tests"
-            (pytest -m gpu).
+        kind: "install", "smoke", "calibration" (tools/calibrate.py, then the refit), "bench" (prepare, optimize,
+            bench), "kernels" (tools/kernel_bench.py) or "tests" (pytest -m gpu).
         model: the model a bench row runs (a stand-in in a dry run), else None.
         batch: the batch size it runs at.
         tune: whether optimize tunes (the run's --tune-trials) before building.
@@ -132,8 +136,17 @@ def _bench(phase: str, model: str, batch: int, estimate_s: float, **kw: Any) -> 
     return Row(f"{phase}/{model}.{suffix}", phase, "bench", MODELS[model], batch, estimate_s=estimate_s, **kw)
 
 
+CALIBRATION_S = 150.0
+"""The calibration row on the H200, expected: about 10 s to start and plan the chain, builds from the start (two
+CUTLASS instances, 30-60 s of nvcc each, beside ~27 mma / cuBLASLt / LayerNorm / conv / elementwise ones, seconds
+each, 16 at a time), ~45 s timing 136 kernel cases as their builds finish (a 197-row case takes ~0.1 s, each of the
+nine 12608-row ones ~2.5 s of host inputs and fp64 reference), ~25 s for the chain's two benches, 5 s of clock
+probe, ~10 s for the fit, the backtest and the comparison; tools/calibrate.py starts no case past the row's share of
+it (rows.CALIBRATION_RESERVE_S is kept for the fit)."""
+
 GPU_PLAN: tuple[Row, ...] = (
     Row("smoke/probe", "smoke", "smoke", estimate_s=75.0),
+    Row("calibration/refit", "calibration", "calibration", estimate_s=CALIBRATION_S),
     _bench("core", "vit-b16", 1, 100.0),
     _bench("core", "vit-b16", 64, 165.0),
     _bench("core", "bert-base", 1, 125.0),
@@ -157,7 +170,8 @@ GPU_PLAN: tuple[Row, ...] = (
 )
 """Every row of a GPU run, in order."""
 
-DRY_ESTIMATE_S = {"smoke": 20.0, "bench": 15.0, "kernels": 40.0, "install": 30.0, "tests": 90.0}
+DRY_ESTIMATE_S = {"smoke": 20.0, "calibration": 15.0, "bench": 15.0, "kernels": 40.0, "install": 30.0,
+                  "tests": 90.0}
 """A dry row's expected seconds on a 2-core CPU machine, by kind (a tuned bench row takes the bench's)."""
 NO_CPU_STAND_IN = {"torch-compile": "torch.compile max-autotune runs on the GPU (minutes of autotuning per model)",
                    "tensorrt": "TensorRT runs on the GPU only"}
@@ -203,5 +217,5 @@ def build_plan(dry_run: bool, *, wheels: bool = False, skip: Sequence[str] = (),
     return tuple(rows)
 
 
-__all__ = ["BASELINES", "CORE_BASELINES", "GPU_PLAN", "MODELS", "PHASES", "STAND_INS", "ModelSpec", "Row",
-           "build_plan", "dry_row"]
+__all__ = ["BASELINES", "CALIBRATION_S", "CORE_BASELINES", "GPU_PLAN", "MODELS", "PHASES", "STAND_INS", "ModelSpec",
+           "Row", "build_plan", "dry_row"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from gpusuite.common import Step, probe
 from gpusuite.machine import target_arch
@@ -31,6 +31,7 @@ class Needs:
         cutlass_headers: CUTLASS's headers (the sm_90a GEMMs of an sm_90 target).
         tools: executables on PATH the run cannot do without.
         optional_tools: executables whose absence only skips a check (compute-sanitizer).
+        why: module -> what it is for (a missing module's line says it).
     """
 
     modules: tuple[str, ...]
@@ -41,6 +42,8 @@ class Needs:
     cutlass_headers: bool = False
     tools: tuple[str, ...] = ()
     optional_tools: tuple[str, ...] = ()
+    why: Mapping[str, str] = field(default_factory=dict)
+    """What a module is for, said beside it when it is missing."""
 
 
 BASE_MODULES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "onnxscript", "onnx_ir", "optuna", "jinja2",
@@ -48,17 +51,23 @@ BASE_MODULES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "onnxscript
 ZOO_MODULES = ("torch", "timm", "transformers")
 
 
-def needs_for(dry_run: bool, target: str | None, sql_storage: bool) -> Needs:
+CALIBRATION_WHY = {"scipy": "the calibration row's fit: onnx-gtco calibration fit",
+                   "pynvml": "the calibration row's SM clock readings; without it nvidia-smi reads them"}
+
+
+def needs_for(dry_run: bool, target: str | None, sql_storage: bool, calibration: bool = False) -> Needs:
     """A GPU run needs the CUDA EP, nvcc, g++, nvidia-smi, the zoo's exporters, CuPy (the tuner's measurer and the
     bench's peaks) and every header offline; a dry run the packages, g++ and the ORT headers (nvcc only for the
-    kernels rows' compile, which it skips without)."""
-    modules = BASE_MODULES + (("sqlalchemy",) if sql_storage else ())
+    kernels rows' compile, which it skips without). A plan with the calibration row needs scipy for its fit (and on a
+    GPU reads the clocks through pynvml where it is, else nvidia-smi)."""
+    modules = BASE_MODULES + (("sqlalchemy",) if sql_storage else ()) + (("scipy",) if calibration else ())
+    why = {k: v for k, v in CALIBRATION_WHY.items() if calibration}
     if dry_run:
-        return Needs(modules, optional_modules=ZOO_MODULES, tools=("g++",), optional_tools=("nvcc",))
-    return Needs(modules + ZOO_MODULES + ("cupy",), cuda_ep=True, cublaslt_header=True,
+        return Needs(modules, optional_modules=ZOO_MODULES, tools=("g++",), optional_tools=("nvcc",), why=why)
+    return Needs(modules + ZOO_MODULES + ("cupy",), optional_modules=("pynvml",) if calibration else (),
+                 cuda_ep=True, cublaslt_header=True,
                  cutlass_headers=target is not None and target_arch(target) == "sm_90",
-                 tools=("nvcc", "g++", "nvidia-smi"),
-                 optional_tools=("compute-sanitizer",))
+                 tools=("nvcc", "g++", "nvidia-smi"), optional_tools=("compute-sanitizer",), why=why)
 
 
 _PROBE = r"""
@@ -70,12 +79,14 @@ def importable(m):
         return importlib.util.find_spec(m) is not None
     except (ImportError, ValueError):
         return False
+def line(m):
+    return f"Python package {m} is not importable" + (f" ({n['why'][m]})" if m in n["why"] else "")
 for m in n["modules"]:
     if not importable(m):
-        missing.append(f"Python package {m} is not importable")
+        missing.append(line(m))
 for m in n["optional_modules"]:
     if not importable(m):
-        optional.append(f"Python package {m} is not importable")
+        optional.append(line(m))
 if n["cuda_ep"] and importable("onnxruntime"):
     try:
         import onnxruntime as ort
@@ -118,7 +129,7 @@ def preflight(needs: Needs, env: dict[str, str], timeout_s: float = 120.0) -> St
     optional = [f"tool {t} is not on PATH" for t in needs.optional_tools if shutil.which(t, path=path) is None]
     query = {"modules": list(needs.modules), "optional_modules": list(needs.optional_modules),
              "cuda_ep": needs.cuda_ep, "ort_headers": needs.ort_headers, "cublaslt_header": needs.cublaslt_header,
-             "cutlass_headers": needs.cutlass_headers}
+             "cutlass_headers": needs.cutlass_headers, "why": dict(needs.why)}
     try:
         got = probe(_PROBE, query, env, timeout_s)
     except (RuntimeError, subprocess.TimeoutExpired) as e:

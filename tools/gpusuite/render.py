@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpusuite import calibration
 from gpusuite.common import PROG
 from gpusuite.plan import BASELINES, PHASES
 
@@ -70,8 +71,9 @@ def _bench_table(rows: Sequence[dict[str, Any]], notes: dict[tuple[str, str, str
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
-    """OUT/benchmarks.md: date, GPU, driver, versions, the exact command, the steps, each phase's rows with their
-    latencies and ratios, where the time goes, the kernel bench, and every row not run with its reason."""
+    """OUT/benchmarks.md: date, GPU, driver, versions, the exact command, the steps, the calibration row's refit,
+    each phase's rows with their latencies and ratios, where the time goes, the kernel bench, and every row not run
+    with its reason."""
     s, env = summary["suite"], summary["env"]
     v = env.get("versions") or {}
     gpu = env.get("gpu")
@@ -112,8 +114,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
                                          if isinstance(val, (int, float, str)) and k not in PATH_KEYS)
         lines.append(f"| {st['name']} | {st['status']} | {st['seconds']:.1f} | {note} |")
     rows = summary["rows"]
-    for r in (r for r in rows if r["kind"] in ("smoke", "install")):
+    for r in (r for r in rows if r["kind"] in ("smoke", "install", "calibration")):
         lines.append(f"| {r['id']} | {r['status']} | {r['seconds']:.1f} | {r['reason'] or _steps_note(r)} |")
+    for r in (r for r in rows if r["kind"] == "calibration"):
+        lines += calibration.render(r)
     provider = "cpu" if s["dry_run"] else "cuda"
     notes: dict[tuple[str, str, str], list[str]] = {}
     for phase in PHASES:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpusuite import calibration
 from gpusuite.common import ROOT, GtcoError, Step, probe, run_command, skipped
 from gpusuite.machine import run_install, target_arch
 from gpusuite.plan import ModelSpec, Row
@@ -27,6 +28,9 @@ MEMCHECK_S = 60.0
 """compute-sanitizer memcheck over the probe's check gets at most this long (it is not run where it cannot work)."""
 KERNEL_MAX_CONFIGS = 3
 """Configurations per implementation a kernels row times (the family's first ones: what the tuner seeds with)."""
+CALIBRATION_RESERVE_S = 25.0
+"""Seconds of the calibration row kept after its measurements for the fit, the backtest and the comparison (each a
+few seconds) and a measurement cut off at its timeout."""
 
 _BUILD = r"""
 import json, os, sys
@@ -65,6 +69,8 @@ class Context:
     wheels: Sequence[Path] = ()
     site: Path | None = None
     zoo_missing: list[str] | None = field(default=None, repr=False)
+    machine: dict[str, Any] = field(default_factory=dict)
+    """The env step's reading of the machine (GPU, driver, CUDA, the commit, versions): the records' provenance."""
 
     @property
     def provider(self) -> str:
@@ -101,7 +107,8 @@ def run_row(ctx: Context, row: Row, deadline: float) -> dict[str, Any]:
         rec["status"], rec["reason"] = "skipped", f"no CPU stand-in: {row.no_stand_in}"
         return rec
     runner: Callable[[Context, Row, float, dict[str, Any]], None] = {
-        "install": _install, "smoke": _smoke, "bench": _bench, "kernels": _kernels, "tests": _tests}[row.kind]
+        "install": _install, "smoke": _smoke, "calibration": _calibration, "bench": _bench, "kernels": _kernels,
+        "tests": _tests}[row.kind]
     runner(ctx, row, deadline, rec)
     rec["seconds"] = round(time.monotonic() - t0, 2)
     return rec
@@ -396,6 +403,75 @@ def _memcheck(ctx: Context, check: list[str], deadline: float) -> Step:
         errors = [ln.strip(" =") for ln in text.splitlines() if "Invalid" in ln or "Error" in ln]
         return Step(step.name, "failed", (errors[0] if errors else step.reason)[:400], step.seconds, step.log)
     return skipped("smoke: memcheck", f"the tool does not work here: {step.reason}"[:400])
+
+
+# ------------------------------------------------------------------------------------------------------ calibration
+
+
+def _calibration(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> None:
+    """tools/calibrate.py measure into OUT/calibration (records.json: on a GPU our instances timed, in a dry run the
+    estimate's stand-ins), then `onnx-gtco calibration fit` of the shipped records of the same GPU and these into
+    OUT/calibration/<target>.json, its backtest, and tools/calibrate.py compare (each record priced by the shipped
+    calibration and by the refit). A fit that succeeds is in force for every later command of the run
+    ($GTCO_CALIBRATION_DIR, recorded as the row's `sets_env` so that --resume restores it); a failed one leaves the
+    shipped calibration in force and the row failed, saying so. A case that failed is listed, not the row's failure.
+    The measurement starts no case past the row's expected time less CALIBRATION_RESERVE_S."""
+    if ctx.target is None:
+        rec["status"], rec["reason"] = "failed", "no onnx-gtco target for this GPU"
+        return
+    d = ctx.out / "calibration"
+    d.mkdir(exist_ok=True)
+    records, refit = d / "records.json", d / f"{ctx.target}.json"
+    for stale in (records, refit, d / "measure.json", d / "compare.json"):  # an earlier try's, never mixed in
+        stale.unlink(missing_ok=True)
+    env = {k: v for k, v in ctx.env.items() if k != calibration.ENV}  # measured against the shipped calibration
+    left = _left(deadline)
+    budget = max(30.0, min(row.estimate_s, left) - CALIBRATION_RESERVE_S)
+    cmd = ctx.python(str(ROOT / "tools" / "calibrate.py"), "measure", "--target", ctx.target, "--out", str(d),
+                     "--time-budget-s", f"{budget:.0f}", "--provenance",
+                     json.dumps(calibration.provenance(ctx.machine, ctx.dry_run)))
+    cmd += ["--stand-in", "--jobs", "2"] if ctx.dry_run else []
+    step = run_command("calibration: measure", cmd, env=env, timeout_s=min(left, budget + CALIBRATION_RESERVE_S),
+                       log=ctx.logs / "calibration-measure.log")
+    measure = calibration.read_json(d / "measure.json") or {}
+    step.detail = {k: measure[k] for k in ("timed", "models", "seconds") if k in measure}
+    step.detail.update({"cut": len(measure.get("cut") or ()), "failed": len(measure.get("failed") or ())})
+    rec["steps"].append(step.as_json())
+    if not measure.get("timed"):
+        rec["status"] = "failed"
+        rec["reason"] = (f"measure: {step.reason or 'no kernel record'}; the shipped calibration stays in force")
+        return
+    try:
+        inputs, which = calibration.fit_inputs(records)
+    except ValueError as e:
+        rec["status"], rec["reason"] = "failed", f"fit: {e}; the shipped calibration stays in force"
+        return
+    fit = run_command("calibration: fit", ctx.python("-m", "onnx_gtco", "calibration", "fit", *map(str, inputs),
+                                                     "-o", str(refit)),
+                      env=env, timeout_s=_left(deadline), log=ctx.logs / "calibration-fit.log")
+    fit.detail = {"records": which}
+    rec["steps"].append(fit.as_json())
+    why_not = "" if fit.status == "ok" and refit.is_file() else f"the fit failed: {fit.reason or 'no file written'}"
+    if not why_not:
+        back = run_command("calibration: backtest", ctx.python("-m", "onnx_gtco", "calibration", "backtest",
+                                                               str(records), "--calibration-dir", str(d)),
+                           env=env, timeout_s=_left(deadline), log=ctx.logs / "calibration-backtest.log")
+        rec["steps"].append(back.as_json())
+    cmp = ctx.python(str(ROOT / "tools" / "calibrate.py"), "compare", "--target", ctx.target, "--records",
+                     str(records), "-o", str(d / "compare.json"))
+    cmp += [] if why_not else ["--refit", str(d)]
+    compared = run_command("calibration: compare", cmp, env=env, timeout_s=_left(deadline),
+                           log=ctx.logs / "calibration-compare.log")
+    rec["steps"].append(compared.as_json())
+    rec["calibration"] = calibration.summary(measure, calibration.read_json(d / "compare.json"),
+                                             None if why_not else str(refit), why_not)
+    if why_not:
+        rec["status"], rec["reason"] = "failed", f"{why_not}; the shipped calibration stays in force"
+        return
+    rec["sets_env"] = {calibration.ENV: str(d)}
+    ctx.env.update(rec["sets_env"])
+    if step.status != "ok":  # cut off after writing records: the refit stands on what was measured
+        rec["reason"] = f"measure: {step.reason} (the refit uses the {measure['timed']} records written before)"
 
 
 # ------------------------------------------------------------------------------------------------------ kernels

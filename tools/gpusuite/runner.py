@@ -99,6 +99,7 @@ class Options:
 EXPORT_ARCHIVE = "suite-files.tar.gz"
 EXPORTED = ("logs/**/*", "bench/*/bench.json", "bench/*/bench.md", "models/*.report.json", "plugin/*.json",
             "plugin/bench/bench.json", "kernel-bench/*/results.json", "kernel-bench/*/results.md", "pytest-gpu.xml",
+            "calibration/*.json", "calibration/chain/*.report.json", "calibration/chain/bench-pdl-*/bench.json",
             "tuning.db", "tuning.journal", "summary.json", "benchmarks.md")
 """What EXPORT_ARCHIVE holds of OUT (globs): every log and result file, the tuning storage; no model or export."""
 
@@ -226,11 +227,12 @@ def run_suite(opts: Options) -> dict[str, Any]:
     save()
     ctx = Context(out, env, opts.dry_run, target, opts.tune_trials, opts.workers, opts.runs, opts.reps,
                   (opts.zoo_dir or out / "zoo").resolve(), storage, opts.profile and not opts.dry_run,
-                  list(opts.wheels), site)
+                  list(opts.wheels), site, machine=summary["env"])
     for row in opts.rows:
         if row.id in kept:
             if kept[row.id].get("pdl") == "off":  # the smoke row found the device kernels wrong with PDL
                 env["GTCO_PDL"] = "0"
+            env.update(kept[row.id].get("sets_env") or {})  # the calibration row's refit, for every later row
             summary["rows"].append(kept[row.id])
             say(row.id, "ok", 0.0, f"(kept from the run of {resumed_from})")
             save()
@@ -257,7 +259,8 @@ def run_suite(opts: Options) -> dict[str, Any]:
 def check_needs(opts: Options, env: dict[str, str], target: str | None, storage: str, summary: dict[str, Any],
                 stop: Callable[[str], None], say: Callable[[str, str, float, str], None]) -> None:
     """The preflight step, its lines printed; a missing piece stops the run."""
-    step = preflight(needs_for(opts.dry_run, target, storage.startswith(("sqlite", "postgresql", "mysql"))), env)
+    step = preflight(needs_for(opts.dry_run, target, storage.startswith(("sqlite", "postgresql", "mysql")),
+                               calibration=any(r.kind == "calibration" for r in opts.rows)), env)
     summary["steps"].append(step.as_json())
     say("preflight", step.status, step.seconds, step.reason)
     for line in preflight_lines(step):
