@@ -816,11 +816,12 @@ def test_the_calibration_cases_measure_what_the_estimate_was_never_fitted_to() -
         assert {(c.config["TILE_M"], c.config["SCHEDULE"]) for c in cut} == {(128, "cooperative"), (64, "pingpong")}
         assert sum("at most 2 CUTLASS instances" in x["why"] for x in plan_.cut) == 4  # bias + residual, cut
         assert not any(c.impl == "cutlass" for c in cal.build_plan("h200", max_cutlass=0).cases)
-    # the most wanted first: our cuBLASLt instances, the fused pair, the patch embedding; CUTLASS last
+    # the most wanted first: our cuBLASLt instances, the fused pair, the patch embedding; CUTLASS, then the curve
     parts = [(c.part, c.impl) for c in cases]
     assert parts[0] == ("gemm-curve", "cublaslt") and parts.index(("gemm-curve", "mma")) > max(
         i for i, (p, _) in enumerate(parts) if p in ("gemm-layernorm", "patch-embed"))
-    assert [p for p, impl in parts if impl == "cutlass"] == [p for p, _ in parts[len(parts) - len(cut):]]
+    assert all(parts.index(("gemm-curve", "mma")) > i for i, (_, impl) in enumerate(parts) if impl == "cutlass")
+    assert [c.problem.size("M") for c in mma] == sorted((c.problem.size("M") for c in mma), reverse=True)
     hw = hardware("h200")
     ln = [c for c in cases if c.part == "gemm-layernorm"]
     assert {(c.problem.size("M") if c.problem.family == "gemm" else c.problem.size("rows")) for c in ln} == {197, 12608}
@@ -935,6 +936,8 @@ def test_measuring_goes_past_a_failed_case_benches_the_chain_before_the_mma_curv
 
     def fake_build(instance):
         built.append(instance.name)
+        if instance.name == "cublaslt_sm90_f16_r0_bias":  # a slow build: the cases behind it do not wait for it
+            time.sleep(0.5)
         return "compile: nvcc said no" if "128x64x32" in instance.name and "sk8" in instance.name else tmp_path
 
     class FakeMeasurer:
@@ -946,11 +949,12 @@ def test_measuring_goes_past_a_failed_case_benches_the_chain_before_the_mma_curv
         def run(self, task, config, artifact):
             p = task.problem
             curve = p.family == "gemm" and p.size("M") in (128, 197) and not p.flag("layernorm")
-            events.append(f"case {p.family} {config.get('impl', 'mma')}" + (" curve" if curve else ""))
+            events.append(f"case {p.family} {config.get('impl', 'mma')}" + (" curve" if curve else "")
+                          + (" res" if p.flag("residual") else ""))
             n = len(events)
             if n == 3:
                 return Measurement(None, error_kind="wrong_answer", detail="y: relative error 0.5")
-            if n == 60:
+            if n >= 60 and "case gemm cublaslt curve" in events:  # the time budget runs out here
                 run.deadline = time.monotonic() - 1.0
             return Measurement(5.0 + n / 10, 0.1, runs=30)
 
@@ -978,10 +982,12 @@ def test_measuring_goes_past_a_failed_case_benches_the_chain_before_the_mma_curv
     kinds = [c.impl for c in run.plan.cases]
     if "cutlass" in kinds:  # built first: they take longest
         assert all("cutlass" in b for b in built[:2])
-    first_mma = events.index("case gemm mma curve")
+    assert events[0] == "case gemm cublaslt curve res"  # the first case's build was slow: the next went first
+    first_mma = next(i for i, e in enumerate(events) if e.startswith("case gemm mma curve"))
     bench = events.index("bench pdl off")
     assert events[bench + 1] == "bench pdl on" and bench < first_mma
     assert events.index("case layernorm mma") < bench and events[-1] == "closed"
+    assert "case gemm cublaslt curve" in events  # the slow build's cases, timed once it was done
     measure = json.loads((tmp_path / "calib" / "measure.json").read_text())
     why = {f["why"].split(":")[0] for f in measure["failed"]}
     assert why == {"wrong_answer", "build"}, measure["failed"]
@@ -991,6 +997,53 @@ def test_measuring_goes_past_a_failed_case_benches_the_chain_before_the_mma_curv
     recs = fit.load_records([tmp_path / "calib" / "records.json"])
     assert len(recs.kernels) == measure["timed"] and len(recs.models) == 2
     assert measure["provenance"]["gpu_measured"] == "NVIDIA H200 sm_90"
+
+
+def test_the_clock_probe_samples_before_during_and_after_the_load_and_times_cold_against_sustained(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CuPy and the clock faked: the GEMMs run back to back for CLOCK_LOAD_S between two idle spells, the clock
+    is read in each phase, and the GEMM's first launches (cold) are set against its last (sustained)."""
+    from types import SimpleNamespace
+
+    cal = _calibrate()
+    launches = [0]
+
+    class Event:
+        def record(self):
+            self.n = launches[0]
+
+        def synchronize(self):
+            pass
+
+    def matmul(a, b):
+        launches[0] += 1
+
+    def elapsed(s, e):
+        return 0.100 if e.n <= 10 else 0.110  # ms: the first ten launches cold, then 10% slower
+
+    array = SimpleNamespace(astype=lambda dtype: "array")
+    fake = SimpleNamespace(float16="f16", float32="f32", matmul=matmul,
+                           random=SimpleNamespace(standard_normal=lambda shape, dtype: array),
+                           cuda=SimpleNamespace(Event=Event, Device=lambda: SimpleNamespace(synchronize=lambda: None),
+                                                get_elapsed_time=elapsed))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    start = time.monotonic()
+
+    def read():
+        load = launches[0] > 1 and time.monotonic() - start < 0.4
+        return {"sm_mhz": 1755.0 if load else 345.0, "power_w": 690.0 if load else 90.0, "reasons": 4.0 * load}
+
+    read.source = "fake"
+    monkeypatch.setattr(cal, "_clock_reader", lambda: read)
+    monkeypatch.setattr(cal, "CLOCK_LOAD_S", 0.2)
+    monkeypatch.setattr(cal, "CLOCK_IDLE_S", 0.1)
+    got = cal.clock_probe(60.0)
+    assert got["source"] == "fake" and got["launches"] % 50 == 0 and got["launches"] >= 50
+    assert got["cold_us"] == pytest.approx(100.0) and got["sustained_us"] == pytest.approx(110.0)
+    assert got["sustained_over_cold"] == pytest.approx(1.1)
+    assert got["before"]["sm_mhz_median"] == 345.0 and got["load"]["sm_mhz_max"] == 1755.0
+    assert got["load"]["clock_event_reasons"] == ["0x4"] and got["after"]["samples"] >= 1
+    assert "skipped" in cal.clock_probe(1.0)  # no time left for it
 
 
 def test_the_calibration_row_refits_into_out_and_a_failed_fit_keeps_the_shipped_calibration(

@@ -30,8 +30,9 @@ e. not a record: the SM clock (pynvml, else nvidia-smi) before, during and after
    confirm or rule out a power / clock effect behind the 4-5 us per launch outside kernels ours showed at batch 64.
 
 How: every instance is built on this machine with nvcc, --jobs at a time, the CUTLASS ones first (they take
-longest); the cases are timed in the order above that matters most first (the cuBLASLt instances, the fused pair,
-the patch embedding, the chain, then the mma curve, CUTLASS last) as their builds finish, each by the GPU measurer
+longest); the cases are timed in the order that matters most first (our cuBLASLt instances, the fused pair, the
+patch embedding, the chain and its benches, CUTLASS, the mma curve), each as soon as its build is done (a case whose
+build is still running lets the next one go first), each by the GPU measurer
 (tune.gpu.GpuMeasurer: in a child process, the first answer checked against the fp64 reference, CUDA events around
 each launch queued behind a spin kernel, the median of its runs). A case that fails (its build, its answer, its
 launch) is recorded with the reason and the rest go on; none starts after --time-budget-s (they are listed as cut).
@@ -55,6 +56,7 @@ import datetime
 import functools
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -122,6 +124,8 @@ BENCH_RUNS = 200
 CLOCK_GEMM = (12608, 3072, 768)
 """M, N, K of the clock probe's GEMM: ViT-B/16's fc1 at batch 64."""
 CLOCK_LOAD_S = 2.0
+CLOCK_IDLE_S = 1.0
+"""The clock probe's idle second before the load (its cold launches come after it) and after it."""
 TELLS = ("gemm.cutlass.extra_us", "elementwise.extra_us")
 """Constants with fit=False that these records tell (CUTLASS at a few tiles; the short patchify copy at batch 1)."""
 
@@ -317,7 +321,7 @@ def build_plan(target: str, max_cutlass: int = MAX_CUTLASS) -> Plan:
                      for config in ({"impl": cublaslt.IMPL, "RANK": 0}, mma_config)]
         plan.comparisons.append(Comparison(f"patch embedding b{n}: conv / patchify copy + GEMM", (conv_key,),
                                            tuple((copy_key, g) for g in gemm_keys)))
-    plan.cases += mma + cutlass_cases
+    plan.cases += cutlass_cases + mma  # CUTLASS ahead of the curve: timed as soon as its long builds are done
     return plan
 
 
@@ -749,9 +753,11 @@ class Run:
             self.results[case.key] = {"us": estimate_us(case.problem, case.config, case.arch, hw), "stand_in": True}
 
     def measure_all(self) -> None:
-        """Build every instance (CUTLASS first, --jobs at a time) and time the cases in plan order as their builds
-        finish; the chain's two benches run as soon as its kernels are timed and its optimize has finished (else
-        after the last case), then the clock probe. What the time budget leaves out is cut."""
+        """Build every instance (CUTLASS first, --jobs at a time) and time the cases in plan order, each as soon as
+        its build is done: the first pending case whose build has finished goes next, so a slow build (CUTLASS)
+        holds up nothing behind it; with none finished, the first pending one is waited for. The chain's two benches
+        run once its kernels are timed and its optimize has finished (else after the last case), then the clock
+        probe. What the time budget leaves out is cut."""
         from onnx_gtco.tune.builder import Artifact
         from onnx_gtco.tune.gpu import GpuMeasurer
         from onnx_gtco.tune.tasks import Task, template_version
@@ -759,11 +765,10 @@ class Run:
         version = template_version()
         order = sorted({c.instance.name: c.instance for c in self.plan.cases}.values(),
                        key=lambda i: i.config.get("impl") != cutlass.IMPL)  # stable: CUTLASS first, then plan order
-        pool = ThreadPoolExecutor(max_workers=max(1, self.jobs), thread_name_prefix="calib-build")
-        builds = {i.name: pool.submit(_build, i) for i in order}
-        chain_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="calib-chain")
-        optimized = chain_pool.submit(self.optimize_chain)
-        last_chain = max((i for i, c in enumerate(self.plan.cases) if c.part == "ln-chain"), default=-1)
+        futures = in_background([(_build, (i,)) for i in order], self.jobs)
+        builds = {i.name: f for i, f in zip(order, futures, strict=True)}
+        optimized = in_background([(self.optimize_chain, ())], 1)[0]
+        chain_keys = {c.key for c in self.plan.cases if c.part == "ln-chain"}
         benched = False
         try:
             measurer = GpuMeasurer(reps=REPS, warmup=WARMUP, rotate=ROTATE, isolate=True, queued=True)
@@ -772,15 +777,18 @@ class Run:
         else:
             broken = ""
             self.prov["gpu_measured"] = measurer.device
+        pending = list(self.plan.cases)
         try:
-            for i, case in enumerate(self.plan.cases):
-                if not benched and i > last_chain and optimized.done():
+            while pending:
+                if not benched and optimized.done() and chain_keys <= set(self.results):
                     benched = self.bench_both(optimized)
-                if case.key in self.results:
-                    continue
                 if broken or self.left() <= 0:
-                    self.plan.cut.append({"case": case.label,
-                                          "why": broken or "the time budget was spent (--time-budget-s)"})
+                    why = broken or "the time budget was spent (--time-budget-s)"
+                    self.plan.cut += [{"case": c.label, "why": why} for c in pending if c.key not in self.results]
+                    break
+                case = next((c for c in pending if builds[c.instance.name].done()), pending[0])
+                pending.remove(case)
+                if case.key in self.results:
                     continue
                 try:
                     lib = builds[case.instance.name].result(timeout=max(0.1, self.left()))
@@ -806,12 +814,13 @@ class Run:
             if not benched:
                 self.bench_both(optimized)
             self.save()
-            self.clock = clock_probe(self.left()) if not broken else {"skipped": broken}
+            try:
+                self.clock = clock_probe(self.left()) if not broken else {"skipped": broken}
+            except Exception as e:  # a diagnostic: its failure is said, the records stand
+                self.clock = {"failed": f"{type(e).__name__}: {_last_line(str(e))}"}
         finally:
             if measurer is not None:
                 measurer.close()
-            pool.shutdown(wait=False, cancel_futures=True)
-            chain_pool.shutdown(wait=False, cancel_futures=True)
 
     def bench_both(self, optimized: Future[Any]) -> bool:
         """The chain's benches, PDL off then on, and its summary (records saved first and after); True."""
@@ -826,6 +835,34 @@ class Run:
         kernel_us = self.chain_kernel_us()
         if kernel_us is not None:
             self.chain["summary"] = chain_summary(self.chain, kernel_us)
+
+
+def in_background(calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], jobs: int) -> list[Future[Any]]:
+    """Run the calls on `jobs` daemon threads, in order, each one's result (or exception) in its Future. Daemon
+    threads: a build still running when the run is done (a CUTLASS instance the time budget cut) does not hold the
+    process's exit, as a ThreadPoolExecutor's workers would; its nvcc finishes on its own, into the kernel cache."""
+    todo: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+    futures: list[Future[Any]] = []
+    for fn, args in calls:
+        futures.append(Future())
+        todo.put((futures[-1], fn, args))
+
+    def work() -> None:
+        while True:
+            try:
+                fut, fn, args = todo.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the caller reads it from the Future
+                fut.set_exception(e)
+
+    for k in range(max(1, min(jobs, len(futures)))):
+        threading.Thread(target=work, name=f"calib-{k}", daemon=True).start()
+    return futures
 
 
 def _build(instance: Instance) -> Path | str:
@@ -876,8 +913,9 @@ def clock_probe(left_s: float) -> dict[str, Any]:
     """The SM clock (pynvml, else nvidia-smi) sampled before, during and after CLOCK_LOAD_S of back-to-back fp16
     GEMMs of CLOCK_GEMM (cuBLAS through CuPy), and the GEMM's median time cold (the first launches after a second
     idle) against sustained (the last ones)."""
-    if left_s < CLOCK_LOAD_S + 3.0:
-        return {"skipped": f"{left_s:.0f} s of the time budget left, the probe takes about {CLOCK_LOAD_S + 3:.0f} s"}
+    need = CLOCK_LOAD_S + 2 * CLOCK_IDLE_S + 1.0
+    if left_s < need:
+        return {"skipped": f"{left_s:.0f} s of the time budget left, the probe takes about {need:.0f} s"}
     try:
         import cupy as cp
     except ImportError as e:
@@ -893,7 +931,7 @@ def clock_probe(left_s: float) -> dict[str, Any]:
     cp.cuda.Device().synchronize()
     sampler.start()
     try:
-        time.sleep(1.0)
+        time.sleep(CLOCK_IDLE_S)
         sampler.mark("load")
         times: list[float] = []
         t_end = time.monotonic() + CLOCK_LOAD_S
@@ -908,12 +946,13 @@ def clock_probe(left_s: float) -> dict[str, Any]:
             pairs[-1][1].synchronize()
             times += [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in pairs]
         sampler.mark("after")
-        time.sleep(1.0)
+        time.sleep(CLOCK_IDLE_S)
     finally:
         sampler.stop()
     phases = sampler.phases()
     cold, sustained = statistics.median(times[:10]), statistics.median(times[-500:])
-    return {"gemm": f"cuBLAS (CuPy) fp16 {m}x{n}x{k}", "launches": len(times), "cold_us": round(cold, 2),
+    return {"gemm": f"cuBLAS (CuPy) fp16 {m}x{n}x{k}", "launches": len(times), "first_us": round(times[0], 2),
+            "cold_us": round(cold, 2),
             "sustained_us": round(sustained, 2), "sustained_over_cold": round(sustained / cold, 4),
             "source": sampler.source, **phases}
 
