@@ -854,6 +854,10 @@ def test_the_records_writer_writes_what_the_fit_reads_and_predicts(tmp_path: Pat
     plan_ = cal.build_plan("h200", max_cutlass=0)
     chain = cal.chain_cases(_chain_report(), "h200")
     assert len(chain) == 1 and chain[0].count == 64 and chain[0].problem.size("rows") == 197
+    unfused = _chain_report(2)
+    del unfused["groups"][1]["kernel"]
+    with pytest.raises(GtcoError, match="ln1 has no device kernel"):
+        cal.chain_cases(unfused, "h200")
     wanted = [next(c for c in plan_.cases if c.part == p and c.impl == impl) for p, impl in
               (("gemm-curve", "cublaslt"), ("gemm-curve", "mma"), ("gemm-layernorm", "mma"),
                ("gemm-layernorm", "layernorm"), ("patch-embed", "conv"), ("patch-embed", "elementwise"))]
@@ -1076,12 +1080,15 @@ def test_the_calibration_row_refits_into_out_and_a_failed_fit_keeps_the_shipped_
             (d / "h200.json").write_text("{}")
         if what == "compare":
             (d / "compare.json").write_text(json.dumps({"error": {}, "kernels": [], "models": []}))
+        if what == "backtest":
+            return Step(name, "failed", "exit 1: the backtest broke", 1.0)
         ok = what != "fit" or fit_ok[0]
         return Step(name, "ok" if ok else "failed", "" if ok else "exit 1: scipy.optimize did not converge", 1.0)
 
     monkeypatch.setattr(rows, "run_command", fake_run)
     rec = rows.run_row(ctx, row("calibration/refit"), time.monotonic() + 1000)
-    assert rec["status"] == "ok", rec
+    assert rec["status"] == "ok", rec  # a broken backtest is said, the refit stands
+    assert rec["reason"] == "backtest: exit 1: the backtest broke (the refit is in force all the same)"
     measure, fit_cmd = seen["measure"], seen["fit"]
     prov = json.loads(measure[measure.index("--provenance") + 1])
     assert prov["gpu"] == "NVIDIA H200" and prov["commit"] == "abc1234" and prov["cuda"] == "13.0"

@@ -246,7 +246,7 @@ def build_plan(target: str, max_cutlass: int = MAX_CUTLASS) -> Plan:
     the comparisons and what was cut. Pure: no GPU, no nvcc.
 
     Raises:
-        GtcoError: an unknown target, or one whose arch has no mma kernels.
+        GtcoError: an unknown target.
     """
     if target not in TARGETS:
         raise GtcoError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
@@ -271,16 +271,16 @@ def build_plan(target: str, max_cutlass: int = MAX_CUTLASS) -> Plan:
                     mma.append(Case("gemm-curve", "gemm-small-m", 1, p, config, arch, _label(p, config)))
                 else:
                     plan.cut.append({"case": _label(p, config), "why": why})
-    cut_cases: list[Case] = []
+    cutlass_all: list[Case] = []
     if arch == cutlass.TARGET and not isinstance(cutlass.include_dirs(), str):
         for p, m in curve:
             for config in cutlass_configs(p) if m == 197 else ():
-                cut_cases.append(Case("gemm-curve", "gemm-small-m", 1, p, config, cutlass.ARCH, _label(p, config)))
+                cutlass_all.append(Case("gemm-curve", "gemm-small-m", 1, p, config, cutlass.ARCH, _label(p, config)))
     elif arch == cutlass.TARGET:
         plan.cut.append({"case": "CUTLASS at a few tiles", "why": str(cutlass.include_dirs())})
     built: list[str] = []
     cutlass_cases = []
-    for c in cut_cases:  # at most max_cutlass instances: the first flags' (bias), each configuration once
+    for c in cutlass_all:  # at most max_cutlass instances: the first flags' (bias), each configuration once
         name = c.instance.name
         if name in built or len(built) < max_cutlass:
             built += [name] if name not in built else []
@@ -401,8 +401,8 @@ def chain_cases(report: Mapping[str, Any], target: str) -> list[Case]:
     for g in report.get("groups") or ():
         kernel = g.get("kernel")
         if g.get("family") != "layernorm" or not kernel:
-            raise GtcoError(f"the chain's group {g.get('name')} is {g.get('family')} "
-                            f"{'without a device kernel' if not kernel else ''}: expected one LayerNorm kernel each")
+            what = f"is a {g.get('family')} group" if g.get("family") != "layernorm" else "has no device kernel"
+            raise GtcoError(f"the chain's group {g.get('name')} {what}: expected one LayerNorm kernel per node")
         attrs = g.get("attrs") or {}
         res, affine = bool(attrs.get("residual")), bool(attrs.get("affine", True))
         problem = Problem.make("layernorm", dtype, {"hidden": int(attrs["hidden"]), "rows": CHAIN_ROWS},
@@ -410,6 +410,8 @@ def chain_cases(report: Mapping[str, Any], target: str) -> list[Case]:
                                 "epsilon": attrs.get("epsilon", EPSILON)})
         key = (problem, tuple(sorted(kernel["config"].items())))
         seen[key] = seen.get(key, 0) + 1
+    if not seen:
+        raise GtcoError("the chain's plan has no group: expected one LayerNorm kernel per node")
     return [Case("ln-chain", CHAIN_MODEL, 1, p, dict(cfg), arch,
                  f"layernorm {CHAIN_ROWS}x{p.size('hidden')}: {_tile_label(dict(cfg))} (x{n} in the chain)", n)
             for (p, cfg), n in seen.items()]
@@ -621,17 +623,22 @@ class Run:
 
     def plan_chain(self) -> None:
         """Write the chain model and plan it (onnx-gtco inspect, seconds): its kernel cases join the plan after the
-        patch embedding's, its launches are the plan's."""
+        patch embedding's, its launches are the plan's. A chain that cannot be planned is said in measure.json and
+        costs the run its model records only."""
         path = self.chain_path
         path.parent.mkdir(exist_ok=True)
         onnx.save(chain_model(), str(path.with_suffix(".tmp")))
         os.replace(path.with_suffix(".tmp"), path)
-        proc = subprocess.run([sys.executable, "-m", "onnx_gtco", "inspect", str(path), "--target", self.target,
-                               "--precision", "fp16", "--json"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=max(10.0, min(120.0, self.left())), check=False)
-        if proc.returncode != 0:
-            raise GtcoError(f"onnx-gtco inspect of the chain: exit {proc.returncode}: {_last_line(proc.stderr)}")
-        self.add_chain(json.loads(proc.stdout))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "onnx_gtco", "inspect", str(path), "--target", self.target,
+                                   "--precision", "fp16", "--json"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=max(10.0, min(120.0, self.left())), check=False)
+            if proc.returncode != 0:
+                raise GtcoError(f"onnx-gtco inspect: exit {proc.returncode}: {_last_line(proc.stderr)}")
+            self.add_chain(json.loads(proc.stdout))
+        except (GtcoError, ValueError, subprocess.TimeoutExpired) as e:
+            self.chain["failed"] = f"planning the chain: {_last_line(str(e))}"
+            self.notes.append(self.chain["failed"])
 
     def add_chain(self, report: Mapping[str, Any]) -> None:
         """The chain's kernel cases (chain_cases of its plan) into the plan, after the patch embedding's; its launches
@@ -686,6 +693,9 @@ class Run:
         graph replay, the profiled launches, the kernels no record describes, and the PDL launches (the library's
         nodes that launch with PDL on this arch, else the plan's count)."""
         side = "on" if pdl else "off"
+        if "plan" not in self.chain:
+            self.chain[side] = {"skipped": self.chain.get("failed", "the chain was not planned")}
+            return
         if pdl and os.environ.get("GTCO_PDL") == "0":
             self.chain[side] = {"skipped": "PDL is off for this run (GTCO_PDL=0: the smoke row found the device "
                                            "kernels wrong with it, or --no-pdl)"}

@@ -470,8 +470,11 @@ def _calibration(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -
         return
     rec["sets_env"] = {calibration.ENV: str(d)}
     ctx.env.update(rec["sets_env"])
-    if step.status != "ok":  # cut off after writing records: the refit stands on what was measured
-        rec["reason"] = f"measure: {step.reason} (the refit uses the {measure['timed']} records written before)"
+    notes = [f"measure: {step.reason} (the refit uses the {measure['timed']} records written before)"
+             if step.status != "ok" else "",  # cut off after writing records: the refit stands on them
+             *(f"{s['name'].split(': ')[-1]}: {s['reason']} (the refit is in force all the same)"
+               for s in rec["steps"][2:] if s["status"] != "ok")]
+    rec["reason"] = "; ".join(n for n in notes if n)
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
