@@ -30,12 +30,13 @@ from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.conv import conv_problem
 from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.elementwise import elementwise_problem
+from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
 from onnx_gtco.patterns.patchify import PatchConv
 from onnx_gtco.plan.types import Candidate
-from onnx_gtco.plugin.binding import FusedNode, TensorInfo
-from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances, estimate_instance, slot_estimate
+from onnx_gtco.plugin.binding import Binding, FusedNode, TensorInfo
+from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances, device_problem, estimate_instance, slot_estimate
 from onnx_gtco.plugin.library import bind_node, bind_nodes, select_device
 from onnx_gtco.plugin.nodes import DTYPE_NAMES, fused_nodes, make_fused_node
 from onnx_gtco.precision import DTYPE_TAG, HALF_TYPES, to_half
@@ -157,11 +158,21 @@ def candidate_coverage(view: GraphView, precision: str, archs: Sequence[str] = A
     """Candidate -> the Coverage its fused node would have on its own (bound by its binder, an instance for each
     of `archs`, selected as the build selects them for the planning target `hw`), with the instance of the
     target's slot and its estimate on `hw` (by default the data-sheet target of sm_90); an unfused candidate has
-    none. Answers are cached per candidate."""
+    none. Answers are cached per candidate, and the selection per device problem (a transformer's layers repeat
+    the same problems)."""
     slots = tuple(archs)
     hw = hw or hardware("sm_90")
     slot = target_slot(hw, slots)
     seen: dict[Candidate, Coverage] = {}
+    selected: dict[Problem, tuple[Instance, ...] | str] = {}
+
+    def instances(node: FusedNode, bound: Binding) -> tuple[Instance, ...] | str:
+        problem = device_problem(node, bound)
+        if isinstance(problem, str):
+            return problem
+        if problem not in selected:
+            selected[problem] = device_instances(node, bound, slots, hw=hw)
+        return selected[problem]
 
     def coverage(cand: Candidate) -> Coverage:
         if not cand.fused:
@@ -169,7 +180,7 @@ def candidate_coverage(view: GraphView, precision: str, archs: Sequence[str] = A
         if cand not in seen:
             node = candidate_node(view, cand, precision)
             bound = bind_node(node)
-            got = bound if isinstance(bound, str) else device_instances(node, bound, slots, hw=hw)
+            got = bound if isinstance(bound, str) else instances(node, bound)
             if isinstance(got, str):
                 seen[cand] = Coverage((), got)
             elif slot in slots:
