@@ -68,6 +68,7 @@ def test_failed_build_writes_nothing(model_path: Path, monkeypatch: pytest.Monke
                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("ORT_INCLUDE_DIR", str(ort_include_dir()))
     monkeypatch.setenv("XDG_CACHE_HOME", str(model_path.parent / "cache"))
+    monkeypatch.delenv("GTCO_CACHE_DIR", raising=False)  # it would win over XDG_CACHE_HOME
     monkeypatch.setenv("CXX", shutil.which("false") or "false")
     assert main(["optimize", "--cpu", str(model_path)]) == 2
     err = capsys.readouterr().err

@@ -212,6 +212,7 @@ def test_ort_include_dir_override_is_used(tmp_path: Path, monkeypatch: pytest.Mo
 def test_header_cache_is_filled_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ORT_INCLUDE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GTCO_CACHE_DIR", raising=False)  # it would win over XDG_CACHE_HOME
 
     def offline(*_a: object, **_k: object) -> object:
         raise OSError("network is unreachable")
@@ -226,6 +227,7 @@ def test_header_cache_is_filled_atomically(tmp_path: Path, monkeypatch: pytest.M
 def test_failed_build_leaves_nothing(small: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORT_INCLUDE_DIR", str(headers.ort_include_dir()))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("GTCO_CACHE_DIR", raising=False)  # it would win over XDG_CACHE_HOME
     monkeypatch.setenv("CXX", shutil.which("false") or "false")
     out = tmp_path / "out"
     out.mkdir()
@@ -323,6 +325,7 @@ def test_unwritable_cache_builds_in_out_dir(tmp_path: Path, monkeypatch: pytest.
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache cannot be created under a file
+    monkeypatch.delenv("GTCO_CACHE_DIR", raising=False)  # it would win over XDG_CACHE_HOME
     out = tmp_path / "out"
     out.mkdir()
     lib = build_library(optimize(ln_softmax_model()).model, out, cuda=False)

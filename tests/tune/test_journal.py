@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 import optuna
 import pytest
+import worker_quorum
 
 from onnx_gtco import optimize
 from onnx_gtco.cli import main
@@ -22,7 +23,7 @@ from onnx_gtco.config import GtcoConfig
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.models import build
 from onnx_gtco.tune.driver import best_configs, tune
-from onnx_gtco.tune.search import DELAY_ENV, AnalyticalMeasurer, open_storage, storage_url, study_name
+from onnx_gtco.tune.search import AnalyticalMeasurer, open_storage, storage_url, study_name
 from onnx_gtco.tune.tasks import Task, model_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +56,10 @@ def test_a_journal_keeps_the_trials_and_a_second_run_measures_nothing(tmp_path: 
 
 
 def test_workers_share_a_journal(tmp_path: Path, tasks: list[Task], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(DELAY_ENV, "0.1")  # measurements that take time, so the worker process gets its share
     url = f"journal:{tmp_path / 'shared.log'}"
+    worker_quorum.hold(monkeypatch, url, 2)  # both processes ask a trial before either measures one
+    for k, v in worker_quorum.env(tmp_path / "site", url, 2).items():
+        monkeypatch.setenv(k, v)
     results = tune(tasks, trials=6, measurer=AnalyticalMeasurer(), storage=url, workers=2)
     trials = _trials(url, tasks)
     assert all(t.state.is_finished() for t in trials)
@@ -85,13 +88,13 @@ sys.meta_path.insert(0, _NoSql())
 def test_tuning_with_a_journal_never_imports_sqlalchemy(tmp_path: Path) -> None:
     """optimize --tune-trials with two workers and the journal named by $GTCO_TUNE_STORAGE, in processes (this one's
     child and its tune-worker) where importing sqlalchemy fails and is logged: it finishes, nothing tried."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(_BLOCKER))
     log = tmp_path / "sql.log"
     journal = tmp_path / "trials.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "GTCO_TEST_SQL_LOG": str(log),
-           "GTCO_TUNE_STORAGE": f"journal:{journal}", "GTCO_CACHE_DIR": str(tmp_path / "cache"), DELAY_ENV: "0.05"}
+    # both processes ask a trial before either measures one (worker_quorum), so each is seen working the journal
+    env = {**worker_quorum.env(tmp_path / "site", f"journal:{journal}", 2, before=textwrap.dedent(_BLOCKER)),
+           "GTCO_TEST_SQL_LOG": str(log), "GTCO_TUNE_STORAGE": f"journal:{journal}",
+           "GTCO_CACHE_DIR": str(tmp_path / "cache")}
+    env["PYTHONPATH"] += os.pathsep + str(ROOT)
     probe = subprocess.run([sys.executable, "-c", "import sqlalchemy"], env=env, capture_output=True, text=True,
                            check=False)
     assert probe.returncode != 0 and log.read_text().split()[1] == "sqlalchemy"  # the blocker works

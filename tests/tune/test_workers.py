@@ -17,6 +17,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import worker_quorum
 
 from onnx_gtco import optimize
 from onnx_gtco.config import GtcoConfig
@@ -97,8 +98,8 @@ def tasks() -> list[Task]:
     return model_tasks(model, "sm_90")[0]
 
 
-def _worker(url: str, delay: float = 0.0) -> subprocess.Popen:
-    env = {**os.environ, DELAY_ENV: str(delay)}
+def _worker(url: str, delay: float = 0.0, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**(env or os.environ), DELAY_ENV: str(delay)}
     return subprocess.Popen([sys.executable, "-m", "onnx_gtco", "tune-worker", "--storage", url, "--patience", "100"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -109,10 +110,11 @@ def _trials(url: str, tasks: list[Task]) -> list[optuna.trial.FrozenTrial]:
                                                             storage=store).trials]
 
 
-def test_two_workers_split_the_trials(postgres: str, tasks: list[Task]) -> None:
+def test_two_workers_split_the_trials(postgres: str, tasks: list[Task], tmp_path: Path) -> None:
     per_task = 6
     prepare(tasks, per_task, postgres, "analytical")
-    procs = [_worker(postgres, delay=0.05) for _ in range(2)]
+    both = worker_quorum.env(tmp_path / "site", postgres, 2)  # each asks a trial before either measures one
+    procs = [_worker(postgres, delay=0.05, env=both) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     trials = _trials(postgres, tasks)
@@ -162,9 +164,13 @@ def test_killed_worker_loses_no_finished_trial(postgres: str, tasks: list[Task])
     assert len([t for t in after if t.state.is_finished()]) >= 8
 
 
-def test_optimize_workers_option_uses_worker_processes(tmp_path: Path, postgres: str) -> None:
+def test_optimize_workers_option_uses_worker_processes(tmp_path: Path, postgres: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     model = optimize(build("vit-tiny", depth=1), GtcoConfig(precision="fp16")).model
     ts = model_tasks(model, "sm_80")[0]
+    worker_quorum.hold(monkeypatch, postgres, 2)  # this process and its tune-worker each ask before measuring
+    for k, v in worker_quorum.env(tmp_path / "site", postgres, 2).items():
+        monkeypatch.setenv(k, v)
     results = tune(ts, trials=4, measurer=AnalyticalMeasurer(), storage=postgres, workers=2)
     trials = _trials(postgres, ts)
     assert all(r.trials >= 4 for r in results)
