@@ -96,17 +96,19 @@ def test_problem_for_reasons_name_the_obstacle():
 @pytest.mark.nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "precision"), [("vit-b16", "fp16"), ("bert-base", "bf16"), ("deit-s", "fp16")])
-def test_builtin_model_kernels_compile_without_spills(tmp_path, name, precision):
+def test_builtin_model_kernels_compile_without_spills(name, precision):
     instances, _ = model_instances(rewritten(name, precision), ARCHS, MMA_ONLY)
-    compiled = compile_instances(instances, tmp_path)  # raises on a compile error, a spill or a stack frame
+    # the user's kernel cache, which the library builds and the zoo's kernel tests share: an entry keeps its ptxas
+    # report, and a cached kernel is checked against it again (kernels.compile.check_resources)
+    compiled = compile_instances(instances)  # raises on a compile error, a spill or a stack frame
     assert len(compiled) == len(instances)
     for c in compiled:
-        assert c.object_path.stat().st_size > 0 and c.kernels and not c.cached
+        assert c.object_path.stat().st_size > 0 and c.kernels
         for k in c.kernels:
             assert k.arch == c.instance.arch
             assert 0 < k.registers <= 255 and not k.spills and k.stack_frame_bytes == 0
         assert c.summary()["instance"] == c.instance.name
-    again = compile_instances(instances[:1], tmp_path)
+    again = compile_instances(instances[:1])
     assert again[0].cached and again[0].kernels == compiled[0].kernels
 
 

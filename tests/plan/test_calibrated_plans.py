@@ -1,6 +1,6 @@
 """The plans the H200 calibration makes of ViT-B/16 and BERT-base at fp16, and that each choice the measurements
 changed follows the estimate rather than a rule: the GEMM + LayerNorm fusion, cuBLASLt and CUTLASS as defaults, the
-patch embedding as a patchify copy and a GEMM."""
+patch embedding as a patchify copy and a GEMM; and the launches per layer the report counts from those plans."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from onnx_gtco import GtcoConfig, models, optimize
+from onnx_gtco.report import summary
+from onnx_gtco.report_md import family_rows, render
 
 
 def _impl(group: dict[str, Any]) -> str:
@@ -84,3 +86,32 @@ def test_a_patch_embedding_stays_a_conv_where_the_conv_is_predicted_faster(calib
     assert [g for g in report["groups"] if g["family"] == "conv"]
     assert not [g for g in optimize(model, config.replace(patchify=False)).report["groups"]
                 if "patchify" in g["name"]]
+
+
+@pytest.mark.parametrize("key", ["vit-b16.b1", "bert-base.b1"])
+def test_the_report_counts_the_plans_launches_per_layer(plans: dict[str, dict[str, Any]], key: str) -> None:
+    rep = plans[key]
+    la = rep["launches"]
+    blk = la["per_block"]
+    assert blk["anchor"] == "attention" and blk["blocks"] == 11
+    assert blk["ours"] < blk["original_launching_nodes"] and la["ours"] < la["original_launching_nodes"]
+    assert la["original_nodes"] == rep["nodes_before"]
+    assert "qkv" not in rep["families"]  # BERT's three projections packed into one GEMM before matching
+    for g in rep["groups"]:  # where a GEMM + LayerNorm was chosen, the report names what it replaced and why
+        if g["attrs"].get("layernorm"):
+            assert g["instead_of"]["groups"] == ["gemm", "layernorm"]
+            assert g["predicted_us"] < g["instead_of"]["predicted_us"]
+    assert 0 < la["after_ours"] <= la["ours"]
+    assert rep["predicted_us_after_pdl"] < rep["predicted_us_after"]
+    text = summary(rep)
+    assert f"launches   {la['ours']} per forward" in text and f"per layer {blk['ours']:g}" in text
+    assert "with PDL" in text
+    md = render(rep)
+    assert f"| kernel launches per layer | {blk['original_launching_nodes']:g} | {blk['ours']:g} | - |" in md
+    assert "Assumed, not measured" in md
+    # the family table adds up to the predicted time after, also where Q, K and V were packed first (BERT)
+    assert sum(f["after_us"] for f in family_rows(rep)) == pytest.approx(rep["predicted_us_after"], abs=0.01)
+    # both were rewritten before planning (ViT's patch embedding as patchify + GEMM, BERT's Q, K and V packed):
+    # the report prices the model as given and as planned
+    assert rep["predicted_us_before_planned"] != rep["predicted_us_before"]
+    assert "The planner rewrote the graph first" in md
