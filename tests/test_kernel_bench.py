@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -11,17 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_module import load_tool
 
 from onnx_gtco.kernels import cublaslt, cutlass
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "kernel_bench.py"
 
-_spec = importlib.util.spec_from_file_location("kernel_bench", TOOL)
-assert _spec is not None and _spec.loader is not None
-kb = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("kernel_bench", kb)  # dataclasses look their module up while the class is made
-_spec.loader.exec_module(kb)
+kb = load_tool("kernel_bench")
 
 
 def _rows(arch: str) -> list[dict]:

@@ -3,29 +3,20 @@ named with the file it is in."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import onnx
 import pytest
+from tool_module import load_tool
 
 from onnx_gtco.models import build
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "rewrite_digest.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("rewrite_digest", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_digests_repeat_and_a_difference_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "vit.onnx"
     onnx.save(build("vit-tiny", depth=1, seed=0), str(model))
-    tool = _tool()
+    tool = load_tool("rewrite_digest")
     before = tmp_path / "before.json"
     assert tool.main(["--builtin", "bert-tiny", str(model), "-o", str(before), "-j", "1"]) == 0
     digests = json.loads(before.read_text())

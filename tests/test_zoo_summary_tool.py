@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import onnx
 import pytest
+from tool_module import load_tool
 
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.models import build
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "zoo_summary.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("zoo_summary", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_summary_line_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,7 +17,7 @@ def test_summary_line_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     onnx.save(build("vit-tiny", depth=3, seed=0), str(good))
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00not a model")
-    tool = _tool()
+    tool = load_tool("zoo_summary")
     assert tool.main([str(good)]) == 0
     line = capsys.readouterr().out
     rep = optimize(onnx.load(str(good)), GtcoConfig(target="sm_90")).report  # the line is the report's

@@ -2,39 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
-import sys
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import pytest
+from tool_module import load_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "export_zoo.py"
 TORCH_REASON = "zoo tests need torch, timm, transformers and onnxscript: pip install -r requirements-zoo.txt"
 
 _ERRORS = pytest.StashKey[dict[tuple[str, str], str]]()
 
 
-def load_tool() -> ModuleType:
-    """Imports ``tools/export_zoo.py`` (it needs no torch to import) as module ``export_zoo``.
-
-    Test modules then ``import export_zoo`` (found in ``sys.modules``).
-    """
-    if "export_zoo" in sys.modules:
-        return sys.modules["export_zoo"]
-    spec = importlib.util.spec_from_file_location("export_zoo", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["export_zoo"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-zoo = load_tool()
+zoo = load_tool("export_zoo")  # it needs no torch to import; test modules then `import export_zoo`
 
 
 def _selected(env: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
