@@ -57,9 +57,7 @@ def test_a_journal_keeps_the_trials_and_a_second_run_measures_nothing(tmp_path: 
 
 def test_workers_share_a_journal(tmp_path: Path, tasks: list[Task], monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"journal:{tmp_path / 'shared.log'}"
-    worker_quorum.hold(monkeypatch, url, 2)  # both processes ask a trial before either measures one
-    for k, v in worker_quorum.env(tmp_path / "site", url, 2).items():
-        monkeypatch.setenv(k, v)
+    worker_quorum.hold(monkeypatch, url, 2, tmp_path / "site")  # both processes ask a trial before either measures one
     results = tune(tasks, trials=6, measurer=AnalyticalMeasurer(), storage=url, workers=2)
     trials = _trials(url, tasks)
     assert all(t.state.is_finished() for t in trials)

@@ -168,9 +168,7 @@ def test_optimize_workers_option_uses_worker_processes(tmp_path: Path, postgres:
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     model = optimize(build("vit-tiny", depth=1), GtcoConfig(precision="fp16")).model
     ts = model_tasks(model, "sm_80")[0]
-    worker_quorum.hold(monkeypatch, postgres, 2)  # this process and its tune-worker each ask before measuring
-    for k, v in worker_quorum.env(tmp_path / "site", postgres, 2).items():
-        monkeypatch.setenv(k, v)
+    worker_quorum.hold(monkeypatch, postgres, 2, tmp_path / "site")  # it and its tune-worker ask before measuring
     results = tune(ts, trials=4, measurer=AnalyticalMeasurer(), storage=postgres, workers=2)
     trials = _trials(postgres, ts)
     assert all(r.trials >= 4 for r in results)

@@ -4,8 +4,9 @@ workers (the "worker" attribute run_trials sets when it asks a trial) are in the
 trial holds it RUNNING while it waits, so the others find room; one that never comes leaves the wait after
 `DEADLINE_S`, and the test's count of workers then fails with the names it found.
 
-In this process: `hold(monkeypatch, url, count)`. In worker processes the test starts: `env(...)` gives the
-environment whose sitecustomize does the same (and can first run other start-up code, such as an import blocker).
+In this process and the worker processes it starts: `hold(monkeypatch, url, count, site)`. In worker processes
+alone: `env(...)` gives the environment whose sitecustomize installs the hold (and can first run other start-up
+code, such as an import blocker).
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def _held_measure(url: str, count: int, since: datetime) -> Any:
     return measure
 
 
-def hold(monkeypatch: pytest.MonkeyPatch, url: str, count: int) -> None:
-    monkeypatch.setattr(AnalyticalMeasurer, "measure", _held_measure(url, count, datetime.now()))
+def hold(monkeypatch: pytest.MonkeyPatch, url: str, count: int, site: Path) -> None:
+    """The hold in this process, and in the worker processes it starts (their environment: `env`'s variables)."""
+    since = datetime.now()
+    monkeypatch.setattr(AnalyticalMeasurer, "measure", _held_measure(url, count, since))
+    for key, value in _variables(site, url, count, "", since).items():
+        monkeypatch.setenv(key, value)
 
 
 def install() -> None:
@@ -62,12 +67,15 @@ def install() -> None:
     AnalyticalMeasurer.measure = _held_measure(url, int(count), datetime.fromisoformat(since))  # type: ignore
 
 
-def env(site: Path, url: str, count: int, before: str = "", since: datetime | None = None) -> dict[str, str]:
+def env(site: Path, url: str, count: int, before: str = "") -> dict[str, str]:
     """The environment for worker processes: a sitecustomize in `site` that runs `before`, then installs the hold
-    (counting trials asked since `since`, default now)."""
-    stamp = (since or datetime.now()).isoformat()
+    (counting trials asked from now on)."""
+    return {**os.environ, **_variables(site, url, count, before, datetime.now())}
+
+
+def _variables(site: Path, url: str, count: int, before: str, since: datetime) -> dict[str, str]:
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(
         f"{before}\nimport sys\nsys.path.insert(0, {str(_HERE)!r})\nimport worker_quorum\nworker_quorum.install()\n")
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "GTCO_TEST_QUORUM": f"{count} {stamp} {url}"}
+    return {"PYTHONPATH": path, "GTCO_TEST_QUORUM": f"{count} {since.isoformat()} {url}"}
