@@ -163,29 +163,26 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
         items = [(k, tuple(v), "float") for k, v in inputs.items()]
     else:
         items = [_as_input(i) for i in inputs]
-    consts: dict[str, float] = {}
-    for k, v in (constants or {}).items():
-        arr = _const_array(v)
-        if arr.size == 1:
-            consts[k] = float(arr.reshape(()))
-    prog_inputs: list[tuple[str, tuple[int, ...], str]] = []
-    layouts: list[Layout | None] = []
-    env: dict[str, tuple[Ref, tuple[int, ...]]] = {}  # tensor -> (ref, shape)
-    flat: dict[str, tuple[int, ...]] = {}  # a computed value reshaped freely -> its shape before: an output only
-    transposed: dict[str, tuple[str, list[int]]] = {}  # a Transpose of an input's view -> (that view, perm)
-    for name, shape, kind in items:
-        env[name] = (("x", len(prog_inputs)), shape)
-        prog_inputs.append((name, shape, kind))
-        layouts.append(None)
-    # every constant array by name (initializers and the group's Constant nodes): view ops read their shape or
-    # axes from here; a non-scalar one read by a computing op must be passed as an input instead
-    arrays = {k: _const_array(v) for k, v in (constants or {}).items()}
-    big_consts = {k for k, v in arrays.items() if v.size != 1}
+    builder = _ProgramBuilder(items, constants or {}, nodes, outputs)
+    for node in _topological(nodes):
+        builder.add(node)
+    return builder.finish()
 
-    # topological order over the group's own edges
+
+def _attr(node: Any, key: str, default: Any = None) -> Any:
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == key:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _topological(nodes: Sequence[Any]) -> list[Any]:
+    """The nodes in a topological order over the group's own edges."""
     pending = list(nodes)
     produced = {o for n in pending for o in n.output}
-    ordered = []
+    ordered: list[Any] = []
     while pending:
         ready = [n for n in pending if all(i not in produced or any(i in m.output for m in ordered)
                                            for i in n.input if i)]
@@ -193,41 +190,62 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             raise ValueError("elementwise: the nodes form a cycle")
         ordered += ready
         pending = [n for n in pending if n not in ready]
+    return ordered
 
-    instrs: list[Instr] = []
 
-    def get(tensor: str, node: Any) -> tuple[Ref, tuple[int, ...]]:
-        if tensor in flat and node.op_type not in _VIEW_OPS:
+class _ProgramBuilder:
+    """The state of program_from_onnx while it reads a group's nodes in order: the program's inputs (a group input
+    read through a view is one more program input with its layout), each tensor's value, and the instructions."""
+
+    def __init__(self, items: Sequence[tuple[str, tuple[int, ...], str]], constants: Mapping[str, Any],
+                 nodes: Sequence[Any], outputs: Sequence[str]) -> None:
+        self.nodes, self.outputs = nodes, outputs
+        self.consts: dict[str, float] = {}
+        for k, v in constants.items():
+            arr = _const_array(v)
+            if arr.size == 1:
+                self.consts[k] = float(arr.reshape(()))
+        self.prog_inputs: list[tuple[str, tuple[int, ...], str]] = []
+        self.layouts: list[Layout | None] = []
+        self.env: dict[str, tuple[Ref, tuple[int, ...]]] = {}  # tensor -> (ref, shape)
+        # a computed value reshaped freely -> its shape before: an output only
+        self.flat: dict[str, tuple[int, ...]] = {}
+        self.transposed: dict[str, tuple[str, list[int]]] = {}  # a Transpose of an input's view -> (that view, perm)
+        for name, shape, kind in items:
+            self.env[name] = (("x", len(self.prog_inputs)), shape)
+            self.prog_inputs.append((name, shape, kind))
+            self.layouts.append(None)
+        # every constant array by name (initializers and the group's Constant nodes): view ops read their shape or
+        # axes from here; a non-scalar one read by a computing op must be passed as an input instead
+        self.arrays = {k: _const_array(v) for k, v in constants.items()}
+        self.big_consts = {k for k, v in self.arrays.items() if v.size != 1}
+        self.instrs: list[Instr] = []
+
+    def get(self, tensor: str, node: Any) -> tuple[Ref, tuple[int, ...]]:
+        if tensor in self.flat and node.op_type not in _VIEW_OPS:
             raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads {tensor!r}, a computed value reshaped "
-                             f"{flat[tensor]} -> {env[tensor][1]}, which moves its broadcast axes: a computed value "
-                             "may only gain or lose leading 1s before another op reads it (reshape the group's "
-                             "inputs instead)")
-        if tensor in env:
-            return env[tensor]
-        if tensor in consts:
-            return ("c", consts[tensor]), ()
-        if tensor in big_consts:
+                             f"{self.flat[tensor]} -> {self.env[tensor][1]}, which moves its broadcast axes: a "
+                             "computed value may only gain or lose leading 1s before another op reads it (reshape "
+                             "the group's inputs instead)")
+        if tensor in self.env:
+            return self.env[tensor]
+        if tensor in self.consts:
+            return ("c", self.consts[tensor]), ()
+        if tensor in self.big_consts:
             raise ValueError(f"elementwise: constant {tensor!r} read by {node.op_type} {node.name!r} is not a "
                              "scalar: pass it as an input")
         raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads {tensor!r}, which is neither an input, "
                          "a constant nor computed in the group")
 
-    def attr(node: Any, key: str, default: Any = None) -> Any:
-        from onnx import helper
-
-        for a in node.attribute:
-            if a.name == key:
-                return helper.get_attribute_value(a)
-        return default
-
-    def operands(node: Any) -> tuple[list[tuple[Ref, tuple[int, ...]]], tuple[int, ...] | None]:
+    def operands(self, node: Any) -> tuple[list[tuple[Ref, tuple[int, ...]]], tuple[int, ...] | None]:
         """The operands of a computing node, and the shape before the reshape where it reads freely reshaped values
         (all from one shape, at the node's full shape): then the iteration runs in that shape, and the node's other
         operands, group inputs or scalars, are read through the same reshape as views (None: no such operand)."""
+        env, flat = self.env, self.flat
         names = [t for t in node.input if t]
         before = {flat[t] for t in names if t in flat}
         if not before:
-            return [get(t, node) for t in names], None
+            return [self.get(t, node) for t in names], None
         full = _broadcast([env[t][1] if t in env else () for t in names], node)
         if len(before) > 1 or any(env[t][1] != full for t in names if t in flat):
             raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads values reshaped from different shapes "
@@ -238,7 +256,7 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
             if t in flat:
                 args.append((env[t][0], pre))
                 continue
-            ref, shape = get(t, node)
+            ref, shape = self.get(t, node)
             if ref[0] == "c" or all(d == 1 for d in shape):
                 args.append((ref, ()))
                 continue
@@ -246,118 +264,143 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                 raise ValueError(f"elementwise: {node.op_type} {node.name!r} reads the computed value {t!r} {shape} "
                                  f"with values reshaped {pre} -> {full}: only group inputs are read through the "
                                  "reshape")
-            name, _, kind = prog_inputs[ref[1]]
-            src, strides, base, rolls = view_of_input(ref[1], shape)
+            name, _, kind = self.prog_inputs[ref[1]]
+            src, strides, base, rolls = self.view_of_input(ref[1], shape)
             moved = _reshape_view(full, _widen(shape, full, strides),
                                   [(*t[:5], _widen(shape, full, t[5])) for t in rolls], pre)
             if moved is None:
                 raise ValueError(f"elementwise: {node.op_type} {node.name!r}: {t!r} {shape} cannot be read through "
                                  f"the reshape {full} -> {pre} as a view")
-            args.append((("x", len(prog_inputs)), pre))
-            prog_inputs.append((name, pre, kind))
-            layouts.append(canonical_layout((src, moved[0], base, moved[1])))
+            args.append((("x", len(self.prog_inputs)), pre))
+            self.prog_inputs.append((name, pre, kind))
+            self.layouts.append(canonical_layout((src, moved[0], base, moved[1])))
         return args, pre
 
-    def view_of_input(i: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[int], int, list[Any]]:
+    def view_of_input(self, i: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[int], int, list[Any]]:
         """(source shape, strides, base, rolls) of program input i of `shape`."""
-        lay = layouts[i]
+        lay = self.layouts[i]
         if lay is None:
             return shape, list(contiguous_strides(shape)), 0, []
         return tuple(lay[0]), list(lay[1]), int(lay[2]), list(layout_rolls(lay))
 
-    def add_view(node: Any, i: int, shape: tuple[int, ...], strides: Sequence[int], base: int,
+    def add_view(self, node: Any, i: int, shape: tuple[int, ...], strides: Sequence[int], base: int,
                  rolls: Sequence[Any]) -> None:
-        name, _, kind = prog_inputs[i]
-        env[node.output[0]] = (("x", len(prog_inputs)), shape)
-        prog_inputs.append((name, shape, kind))
-        layouts.append(_layout_or_none(view_of_input(i, prog_inputs[i][1])[0], shape, strides, base, rolls))
+        name, _, kind = self.prog_inputs[i]
+        self.env[node.output[0]] = (("x", len(self.prog_inputs)), shape)
+        self.prog_inputs.append((name, shape, kind))
+        self.layouts.append(_layout_or_none(self.view_of_input(i, self.prog_inputs[i][1])[0], shape, strides, base,
+                                            rolls))
 
-    def emit(op: str, refs: list[Ref], a: Any = None) -> Ref:
-        instrs.append((op, tuple(refs), a))
-        return ("t", len(instrs) - 1)
+    def emit(self, op: str, refs: list[Ref], a: Any = None) -> Ref:
+        self.instrs.append((op, tuple(refs), a))
+        return ("t", len(self.instrs) - 1)
 
-    for node in ordered:
+    def add(self, node: Any) -> None:
+        """Read one node (its inputs already read)."""
         op = node.op_type
-        where = f"{op} {node.name!r}"
         if node.domain not in ("", "ai.onnx") and not (node.domain == "com.microsoft" and op == "Gelu"):
             raise ValueError(f"elementwise: unsupported op {node.domain}.{op} (node {node.name!r})")
         if op == "Constant":
-            values = [attr(node, k) for k in ("value", "value_float", "value_floats", "value_int", "value_ints")]
-            if all(v is None for v in values):
-                raise ValueError(f"elementwise: Constant {node.name!r} has no numeric value attribute")
-            arr = _const_array(next(v for v in values if v is not None))
-            arrays[node.output[0]] = arr
-            if arr.size != 1:
-                big_consts.add(node.output[0])  # a shape or axes operand, unless a computing op reads it
-            else:
-                consts[node.output[0]] = float(arr.reshape(()))
-            continue
-        if op == "Cast" and _widens_input(node, attr, env, flat, prog_inputs):
+            self.add_constant(node)
+        elif op == "Cast" and _widens_input(node, _attr, self.env, self.flat, self.prog_inputs):
             # a float input widened to f32 (a half group's boundary Cast): the program computes in f32, so this is
             # what loading the input does already; the Cast's readers read the input, and layout ops after it fold
             # into that input's load like any other
-            env[node.output[0]] = env[node.input[0]]
-            continue
-        if op == "Cast" and _moved_to_output(node, attr, env, transposed, flat, outputs, nodes,
-                                                           prog_inputs):
+            self.env[node.output[0]] = self.env[node.input[0]]
+        elif op == "Cast" and _moved_to_output(node, _attr, self.env, self.transposed, self.flat, self.outputs,
+                                               self.nodes, self.prog_inputs):
             # a moved float input narrowed where the group writes it (a half group's boundary Cast): the store
             # rounds to the output's type as the Cast does, and a transposed store stays one
-            env[node.output[0]] = env[node.input[0]]
-            if node.input[0] in transposed:
-                transposed[node.output[0]] = transposed[node.input[0]]
-            if node.input[0] in flat:
-                flat[node.output[0]] = flat[node.input[0]]
-            continue
-        if op in LAYOUT_OPS:
-            ins = [get(t, node) for t in (node.input if op == "Concat" else node.input[:1])]
-            if any(ref[0] != "x" for ref, _ in ins):
-                raise ValueError(f"elementwise: {where} moves the elements of a computed value or a constant: a "
-                                 "layout op is folded only into the load of a group input")
-            if op == "Concat":
-                views = [(shape, *view_of_input(ref[1], shape)[1:]) for ref, shape in ins]
-                names = {prog_inputs[ref[1]][0] for ref, _ in ins}
-                rolled = _concat_roll(node, views, int(attr(node, "axis", 0))) if len(names) == 1 else None
-                if rolled is None:
-                    raise ValueError(f"elementwise: {where}: only the Concat of a torch.roll (the two slices of one "
-                                     "tensor, swapped) is folded")
-                add_view(node, ins[0][0][1], *rolled)
-                continue
-            (ref, shape), = ins
-            _, strides, base, rolls = view_of_input(ref[1], shape)
-            add_view(node, ref[1], *_layout_view(node, shape, strides, base, rolls, consts, attr, arrays))
-            if op == "Transpose":
-                transposed[node.output[0]] = (node.input[0], [int(p) % len(shape) for p in (
-                    attr(node, "perm") or list(range(len(shape)))[::-1])])
-            continue
-        if op in _VIEW_OPS:
-            tensor = node.input[0]
-            ref, shape = get(tensor, node)
-            new = _view_shape(node, shape, consts, attr, arrays)
-            moved = None
-            if ref[0] == "x" and tensor not in flat:
-                _, strides, base, rolls = view_of_input(ref[1], shape)
-                moved = _reshape_view(shape, strides, rolls, new)
-            if ref[0] == "c":
-                env[node.output[0]] = (ref, ())
-            elif moved is not None:
-                add_view(node, ref[1], new, moved[0], base, moved[1])
-            elif ref[0] == "t" and _strip_leading_ones(new) == _strip_leading_ones(shape) and tensor not in flat:
-                env[node.output[0]] = (ref, new)  # only adds or drops leading 1s: the broadcast is unchanged
-            else:
-                # a reshape that is no view (of a computed value, or merging dims a view walks apart): the kernel
-                # writes the value densely in its own shape's order, which is this reshape's as well, so it is free
-                # as long as only outputs read it
-                env[node.output[0]] = (ref, new)
-                flat[node.output[0]] = flat.get(tensor, shape)
-            continue
+            self.env[node.output[0]] = self.env[node.input[0]]
+            if node.input[0] in self.transposed:
+                self.transposed[node.output[0]] = self.transposed[node.input[0]]
+            if node.input[0] in self.flat:
+                self.flat[node.output[0]] = self.flat[node.input[0]]
+        elif op in LAYOUT_OPS:
+            self.add_layout(node)
+        elif op in _VIEW_OPS:
+            self.add_reshape(node)
+        else:
+            self.add_compute(node)
+
+    def add_constant(self, node: Any) -> None:
+        values = [_attr(node, k) for k in ("value", "value_float", "value_floats", "value_int", "value_ints")]
+        if all(v is None for v in values):
+            raise ValueError(f"elementwise: Constant {node.name!r} has no numeric value attribute")
+        arr = _const_array(next(v for v in values if v is not None))
+        self.arrays[node.output[0]] = arr
+        if arr.size != 1:
+            self.big_consts.add(node.output[0])  # a shape or axes operand, unless a computing op reads it
+        else:
+            self.consts[node.output[0]] = float(arr.reshape(()))
+
+    def add_layout(self, node: Any) -> None:
+        """A layout op (Transpose, Slice, Pad, a torch.roll's Concat): folded into the load of a group input."""
+        op, where = node.op_type, f"{node.op_type} {node.name!r}"
+        ins = [self.get(t, node) for t in (node.input if op == "Concat" else node.input[:1])]
+        if any(ref[0] != "x" for ref, _ in ins):
+            raise ValueError(f"elementwise: {where} moves the elements of a computed value or a constant: a "
+                             "layout op is folded only into the load of a group input")
+        if op == "Concat":
+            views = [(shape, *self.view_of_input(ref[1], shape)[1:]) for ref, shape in ins]
+            names = {self.prog_inputs[ref[1]][0] for ref, _ in ins}
+            rolled = _concat_roll(node, views, int(_attr(node, "axis", 0))) if len(names) == 1 else None
+            if rolled is None:
+                raise ValueError(f"elementwise: {where}: only the Concat of a torch.roll (the two slices of one "
+                                 "tensor, swapped) is folded")
+            self.add_view(node, ins[0][0][1], *rolled)
+            return
+        (ref, shape), = ins
+        _, strides, base, rolls = self.view_of_input(ref[1], shape)
+        self.add_view(node, ref[1], *_layout_view(node, shape, strides, base, rolls, self.consts, _attr,
+                                                  self.arrays))
+        if op == "Transpose":
+            self.transposed[node.output[0]] = (node.input[0], [int(p) % len(shape) for p in (
+                _attr(node, "perm") or list(range(len(shape)))[::-1])])
+
+    def add_reshape(self, node: Any) -> None:
+        """A view op (Reshape, Unsqueeze, Squeeze, Flatten)."""
+        tensor = node.input[0]
+        ref, shape = self.get(tensor, node)
+        new = _view_shape(node, shape, self.consts, _attr, self.arrays)
+        moved = None
+        if ref[0] == "x" and tensor not in self.flat:
+            _, strides, base, rolls = self.view_of_input(ref[1], shape)
+            moved = _reshape_view(shape, strides, rolls, new)
+        if ref[0] == "c":
+            self.env[node.output[0]] = (ref, ())
+        elif moved is not None:
+            self.add_view(node, ref[1], new, moved[0], base, moved[1])
+        elif ref[0] == "t" and _strip_leading_ones(new) == _strip_leading_ones(shape) and tensor not in self.flat:
+            self.env[node.output[0]] = (ref, new)  # only adds or drops leading 1s: the broadcast is unchanged
+        else:
+            # a reshape that is no view (of a computed value, or merging dims a view walks apart): the kernel
+            # writes the value densely in its own shape's order, which is this reshape's as well, so it is free
+            # as long as only outputs read it
+            self.env[node.output[0]] = (ref, new)
+            self.flat[node.output[0]] = self.flat.get(tensor, shape)
+
+    def add_compute(self, node: Any) -> None:
+        """A computing op: its instructions."""
+        op = node.op_type
         if op not in ARITY and op not in ("Sum", "Mean", "Clip"):
             raise ValueError(f"elementwise: unsupported op {op!r} (node {node.name!r}); supported: "
                              f"{', '.join(sorted([*ARITY, 'Sum', 'Mean', 'Clip', *_VIEW_OPS, *LAYOUT_OPS]))}")
-        args, pre = operands(node)
+        args, pre = self.operands(node)
         refs = [r for r, _ in args]
         shape = _broadcast([s for _, s in args], node)
         if not refs:
-            raise ValueError(f"elementwise: {where} has no operand")
+            raise ValueError(f"elementwise: {op} {node.name!r} has no operand")
+        out = self.compute(node, refs)
+        if pre is None:
+            self.env[node.output[0]] = (out, shape)
+        else:  # computed in the shape before the reshape: the node's own shape is a free reshape of it
+            self.env[node.output[0]] = (out, _broadcast([self.env[t][1] if t in self.env else ()
+                                                         for t in node.input if t], node))
+            self.flat[node.output[0]] = shape
+
+    def compute(self, node: Any, refs: list[Ref]) -> Ref:
+        op, emit = node.op_type, self.emit
         if op in ("Max", "Min", "Sum", "Mean"):
             out = refs[0]
             for r in refs[1:]:
@@ -366,91 +409,84 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
                 out = emit("Div", [out, ("c", float(len(refs)))])
             elif len(refs) == 1:
                 out = emit("Identity", [out])
-        elif op == "Clip":
+            return out
+        if op == "Clip":
             # opset 11+: optional min / max inputs (an empty name skips one); before: min / max attributes
-            out = get(node.input[0], node)[0]
+            out = self.get(node.input[0], node)[0]
             bounds = []
             for pos, key, default in ((1, "min", None), (2, "max", None)):
                 if len(node.input) > pos and node.input[pos]:
-                    bounds.append((key, get(node.input[pos], node)[0]))
-                elif attr(node, key, default) is not None:
-                    bounds.append((key, ("c", float(attr(node, key)))))
+                    bounds.append((key, self.get(node.input[pos], node)[0]))
+                elif _attr(node, key, default) is not None:
+                    bounds.append((key, ("c", float(_attr(node, key)))))
             for key, r in bounds:
                 out = emit("Max" if key == "min" else "Min", [out, r])
-            if not bounds:
-                out = emit("Identity", [out])
-        elif op == "Elu":
-            out = emit(op, refs, float(attr(node, "alpha", 1.0)))
-        elif op == "HardSigmoid":
-            out = emit(op, refs, (float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))))
-        elif op == "Pow":
-            out = emit("Pow", refs)
-        elif op == "LeakyRelu":
-            out = emit(op, refs, float(attr(node, "alpha", 0.01)))
-        elif op == "Gelu":
-            approx = attr(node, "approximate", b"none")
-            approx = approx.decode() if isinstance(approx, bytes) else str(approx)
-            out = emit(op, refs, approx)
-        elif op == "Cast":
-            out = emit(op, refs, _onnx_cast_target(int(attr(node, "to"))))
-        else:
-            if len(refs) != ARITY[op]:
-                raise ValueError(f"elementwise: {where} has {len(refs)} operands, {ARITY[op]} supported")
-            out = emit(op, refs)
-        if pre is None:
-            env[node.output[0]] = (out, shape)
-        else:  # computed in the shape before the reshape: the node's own shape is a free reshape of it
-            env[node.output[0]] = (out, _broadcast([env[t][1] if t in env else () for t in node.input if t], node))
-            flat[node.output[0]] = shape
+            return out if bounds else emit("Identity", [out])
+        if op in ("Elu", "LeakyRelu"):
+            return emit(op, refs, float(_attr(node, "alpha", 1.0 if op == "Elu" else 0.01)))
+        if op == "HardSigmoid":
+            return emit(op, refs, (float(_attr(node, "alpha", 0.2)), float(_attr(node, "beta", 0.5))))
+        if op == "Pow":
+            return emit("Pow", refs)
+        if op == "Gelu":
+            approx = _attr(node, "approximate", b"none")
+            return emit(op, refs, approx.decode() if isinstance(approx, bytes) else str(approx))
+        if op == "Cast":
+            return emit(op, refs, _onnx_cast_target(int(_attr(node, "to"))))
+        if len(refs) != ARITY[op]:
+            raise ValueError(f"elementwise: {op} {node.name!r} has {len(refs)} operands, {ARITY[op]} supported")
+        return emit(op, refs)
 
-    for name in outputs:
-        if name not in env:
-            raise ValueError(f"elementwise: output {name!r} is not computed by the group")
-    stores = _transposed_stores(outputs, env, flat, transposed)
-    for name, (src, _) in stores.items():
-        env[name] = env[src]  # stored transposed: the program computes the value before the Transpose
-    # drop inputs only a view op read (their reshaped alias is what the program uses); the iteration shape is
-    # the broadcast of the inputs the program reads
-    used = {r[1] for _, refs, _ in instrs for r in refs if r[0] == "x"} | {
-        env[name][0][1] for name in outputs if env[name][0][0] == "x"}
-    keep = sorted(used)
-    if not keep:
-        raise ValueError("elementwise: the group reads no tensor input (only constants)")
-    shape = tuple(np.broadcast_shapes(*(prog_inputs[i][1] for i in keep)))
-    outs = []
-    for name in outputs:
-        ref, s = env[name]
-        s = flat.get(name, s)
-        if ref[0] == "c":
-            raise ValueError(f"elementwise: output {name!r} is a constant")
-        if tuple(np.broadcast_shapes(s, shape)) != shape or int(np.prod(s)) != int(np.prod(shape)):
-            raise ValueError(f"elementwise: output {name!r} has shape {s}, not the iteration shape {shape}")
-        if name in stores and tuple(s) != shape:
-            raise ValueError(f"elementwise: output {name!r} is stored transposed from {s}, not the iteration shape "
-                             f"{shape}")
-        outs.append((name, ref))
-    out_strides = []
-    for name in outputs:
-        if name not in stores:
-            out_strides.append(None)
-            continue
-        perm = stores[name][1]  # output index j_k = iteration index i_perm[k]
-        dense = contiguous_strides([shape[p] for p in perm])
-        st = [0] * len(shape)
-        for k, p in enumerate(perm):
-            st[p] = dense[k]
-        out_strides.append(tuple(st))
-    remap = {old: new for new, old in enumerate(keep)}
+    def finish(self) -> ProgramSpec:
+        env, flat, prog_inputs, outputs = self.env, self.flat, self.prog_inputs, self.outputs
+        for name in outputs:
+            if name not in env:
+                raise ValueError(f"elementwise: output {name!r} is not computed by the group")
+        stores = _transposed_stores(outputs, env, flat, self.transposed)
+        for name, (src, _) in stores.items():
+            env[name] = env[src]  # stored transposed: the program computes the value before the Transpose
+        # drop inputs only a view op read (their reshaped alias is what the program uses); the iteration shape is
+        # the broadcast of the inputs the program reads
+        used = {r[1] for _, refs, _ in self.instrs for r in refs if r[0] == "x"} | {
+            env[name][0][1] for name in outputs if env[name][0][0] == "x"}
+        keep = sorted(used)
+        if not keep:
+            raise ValueError("elementwise: the group reads no tensor input (only constants)")
+        shape = tuple(np.broadcast_shapes(*(prog_inputs[i][1] for i in keep)))
+        outs = []
+        for name in outputs:
+            ref, s = env[name]
+            s = flat.get(name, s)
+            if ref[0] == "c":
+                raise ValueError(f"elementwise: output {name!r} is a constant")
+            if tuple(np.broadcast_shapes(s, shape)) != shape or int(np.prod(s)) != int(np.prod(shape)):
+                raise ValueError(f"elementwise: output {name!r} has shape {s}, not the iteration shape {shape}")
+            if name in stores and tuple(s) != shape:
+                raise ValueError(f"elementwise: output {name!r} is stored transposed from {s}, not the iteration "
+                                 f"shape {shape}")
+            outs.append((name, ref))
+        out_strides = [None if name not in stores else _store_strides(shape, stores[name][1]) for name in outputs]
+        remap = {old: new for new, old in enumerate(keep)}
 
-    def fix(r: Ref) -> Ref:
-        return ("x", remap[r[1]]) if r[0] == "x" else r
+        def fix(r: Ref) -> Ref:
+            return ("x", remap[r[1]]) if r[0] == "x" else r
 
-    kept_layouts = tuple(layouts[i] for i in keep)
-    return ProgramSpec(tuple(prog_inputs[i] for i in keep),
-                   tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in instrs),
-                   tuple((n, fix(r)) for n, r in outs),
-                   kept_layouts if any(lay is not None for lay in kept_layouts) else (),
-                   tuple(out_strides) if any(st is not None for st in out_strides) else ())
+        kept_layouts = tuple(self.layouts[i] for i in keep)
+        return ProgramSpec(tuple(prog_inputs[i] for i in keep),
+                           tuple((op, tuple(fix(r) for r in refs), a) for op, refs, a in self.instrs),
+                           tuple((n, fix(r)) for n, r in outs),
+                           kept_layouts if any(lay is not None for lay in kept_layouts) else (),
+                           tuple(out_strides) if any(st is not None for st in out_strides) else ())
+
+
+def _store_strides(shape: Sequence[int], perm: Sequence[int]) -> tuple[int, ...]:
+    """Store strides over the iteration shape of an output stored transposed: output index j_k = iteration index
+    i_perm[k]."""
+    dense = contiguous_strides([shape[p] for p in perm])
+    st = [0] * len(shape)
+    for k, p in enumerate(perm):
+        st[p] = dense[k]
+    return tuple(st)
 
 
 def _transposed_stores(outputs: Sequence[str], env: Mapping[str, Any], flat: Mapping[str, Any],
