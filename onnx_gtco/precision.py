@@ -147,41 +147,63 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
     """
     if precision not in HALF_TYPES:
         raise RewriteError(f"precision {precision!r}: the conversion is for {', '.join(HALF_TYPES)}")
-    half = HALF_TYPES[precision]
-    tag = DTYPE_TAG[half]
-    graph = model.graph
-    conv = Conversion(model, precision)
+    converter = _Converter(model, precision, dtype_of)
+    converter.choose_nodes()
+    converter.place_tensors()
+    converter.write_nodes()
+    return converter.finish()
 
-    def is_float(t: str) -> bool:
-        return bool(t) and dtype_of(t) == TensorProto.FLOAT
 
-    initializers = {t.name: t for t in graph.initializer}
-    constants: dict[str, onnx.NodeProto] = {
-        n.output[0]: n for n in graph.node
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output and is_float(n.output[0])
-        and any(a.name == "value" for a in n.attribute)}
+class _Converter:
+    """convert's steps over one model: 1. which nodes compute in the half type, 2. each float tensor's dtype as
+    produced, 3. the nodes reading each input in the dtype they want, 4. the model."""
 
-    def const_value(t: str) -> np.ndarray | None:
-        if t in initializers and not external_data_helper.uses_external_data(initializers[t]):
-            return numpy_helper.to_array(initializers[t])
-        if t in constants:
-            return numpy_helper.to_array(next(a.t for a in constants[t].attribute if a.name == "value"))
+    def __init__(self, model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], int | None]) -> None:
+        self.model, self.dtype_of = model, dtype_of
+        self.half = HALF_TYPES[precision]
+        self.tag = DTYPE_TAG[self.half]
+        self.graph = graph = model.graph
+        self.conv = Conversion(model, precision)
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.constants: dict[str, onnx.NodeProto] = {
+            n.output[0]: n for n in graph.node
+            if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output and self.is_float(n.output[0])
+            and any(a.name == "value" for a in n.attribute)}
+        self.outputs = {o.name for o in graph.output}
+        self.low: list[bool] = []
+        self.folded: set[str] = set()
+        self.home: dict[str, int] = {}
+        self.new_inits: list[onnx.TensorProto] = []
+        self.nodes: list[onnx.NodeProto] = []
+        self.alias: dict[tuple[str, int], str] = {}
+        self.copies: set[str] = set()  # half copies of weights, initializers of their own
+        self.new_functions: dict[tuple[str, str], onnx.FunctionProto] = {}
+        self.used_functions: set[tuple[str, str, str]] = set()
+
+    def is_float(self, t: str) -> bool:
+        return bool(t) and self.dtype_of(t) == TensorProto.FLOAT
+
+    def const_value(self, t: str) -> np.ndarray | None:
+        if t in self.initializers and not external_data_helper.uses_external_data(self.initializers[t]):
+            return numpy_helper.to_array(self.initializers[t])
+        if t in self.constants:
+            return numpy_helper.to_array(next(a.t for a in self.constants[t].attribute if a.name == "value"))
         return None
 
-    def unholdable(t: str) -> bool:
+    def unholdable(self, t: str) -> bool:
         """Whether `t` is a small constant (an epsilon, a scale, a mask value) the half type cannot hold."""
-        v = const_value(t) if is_float(t) else None
-        return v is not None and v.size <= SMALL_CONSTANT and not _holds(v, half)
+        v = self.const_value(t) if self.is_float(t) else None
+        return v is not None and v.size <= SMALL_CONSTANT and not _holds(v, self.half)
 
-    def half_constant(value_of: str, name: str, node_name: str) -> onnx.NodeProto:
+    def half_constant(self, value_of: str, name: str, node_name: str) -> onnx.NodeProto:
         """A Constant node `name` holding the value of the constant `value_of` in the half type."""
-        value = const_value(value_of)
+        value = self.const_value(value_of)
         assert value is not None
         return helper.make_node("Constant", [], [name], name=node_name,
-                                value=numpy_helper.from_array(to_half(value, half), name))
+                                value=numpy_helper.from_array(to_half(value, self.half), name))
 
     # 1. Which nodes compute in the half type: None, or why the node stays fp32.
-    def keep_reason(n: onnx.NodeProto) -> str | None:
+    def keep_reason(self, n: onnx.NodeProto) -> str | None:
         if n.domain == DOMAIN:  # a fused node of a group that was not fp32 already computes in its own dtype
             return None if split_op_type(n.op_type)[1] == DTYPE_TAG[TensorProto.FLOAT] else "not an fp32 group"
         if _subgraphs(n):
@@ -191,202 +213,205 @@ def convert(model: onnx.ModelProto, precision: str, dtype_of: Callable[[str], in
         if n.op_type in DEFAULT_OP_BLOCK_LIST:
             return "in ONNX Runtime's float16 op block list"
         if n.op_type in STATISTICS:
-            return f"loses range or precision in {tag}"
+            return f"loses range or precision in {self.tag}"
         if n.op_type in OWN_DTYPE:
             return "its output dtype is fixed by an attribute or input"
-        if half == TensorProto.BFLOAT16 and n.op_type not in MOVES_DATA:
+        if self.half == TensorProto.BFLOAT16 and n.op_type not in MOVES_DATA:
             return "computes in fp32 in a bf16 model (ONNX Runtime's CPU EP has no bf16 kernel for it)"
-        held = [t for t in n.input if unholdable(t)]
-        return f"reads a constant {tag} cannot hold ({held[0]})" if held else None
+        held = [t for t in n.input if self.unholdable(t)]
+        return f"reads a constant {self.tag} cannot hold ({held[0]})" if held else None
 
-    touches = [any(is_float(t) for t in (*n.input, *n.output)) for n in graph.node]
-    low: list[bool] = []
-    for n, floats in zip(graph.node, touches, strict=True):
-        if n.output and n.output[0] in constants:
-            low.append(False)  # a Constant: its value is converted with the weights below
-            continue
-        why = keep_reason(n) if floats else "no float tensors"
-        low.append(why is None)
-        if why is not None and floats:
-            count, _ = conv.kept.get(n.op_type, (0, why))
-            conv.kept[n.op_type] = (count + 1, why)
+    def choose_nodes(self) -> None:
+        graph, conv = self.graph, self.conv
+        touches = [any(self.is_float(t) for t in (*n.input, *n.output)) for n in graph.node]
+        for n, floats in zip(graph.node, touches, strict=True):
+            if n.output and n.output[0] in self.constants:
+                self.low.append(False)  # a Constant: its value is converted with the weights below
+                continue
+            why = self.keep_reason(n) if floats else "no float tensors"
+            self.low.append(why is None)
+            if why is not None and floats:
+                count, _ = conv.kept.get(n.op_type, (0, why))
+                conv.kept[n.op_type] = (count + 1, why)
+        self.folded = {o for n, is_low in zip(graph.node, self.low, strict=True) for o in n.output
+                       if self.folds(n, is_low, o)}
 
-    def wants(n: onnx.NodeProto, is_low: bool, i: int) -> int:
+    def wants(self, n: onnx.NodeProto, is_low: bool, i: int) -> int:
         """The dtype node `n` reads its float input `i` in."""
         if not is_low:
             return TensorProto.FLOAT
         if n.domain != DOMAIN and i in ALWAYS_FLOAT_INPUTS.get(n.op_type, []):
             return TensorProto.FLOAT
-        if n.domain == DOMAIN and i not in kernel_inputs(n):
+        if n.domain == DOMAIN and i not in _kernel_inputs(n):
             return TensorProto.FLOAT  # what the kernel does not read (a constant its attributes carry) stays exact
         # a fused node's epsilon or mask value its function reads: kept exact
-        return TensorProto.FLOAT if unholdable(n.input[i]) else half
+        return TensorProto.FLOAT if self.unholdable(n.input[i]) else self.half
 
-    def kernel_inputs(n: onnx.NodeProto) -> frozenset[int]:
-        """The inputs a fused node's kernel reads: its roles' (every input of a family without roles)."""
-        op = decode_node(n)
-        if not isinstance(op, str) and op.inputs:
-            return frozenset(op.inputs.values())
-        return frozenset(range(len(n.input)))
-
-    outputs = {o.name for o in graph.output}
-
-    def folds(n: onnx.NodeProto, is_low: bool, o: str) -> bool:
+    def folds(self, n: onnx.NodeProto, is_low: bool, o: str) -> bool:
         """Whether the fused node `n` writes its float graph output `o` in fp32 itself: a GEMM without a
         residual (its kernel has an fp32-output form; with a residual the residual would have to be fp32 too)."""
-        if not (is_low and n.domain == DOMAIN and o in outputs and is_float(o)):
+        if not (is_low and n.domain == DOMAIN and o in self.outputs and self.is_float(o)):
             return False
         op = decode_node(n)
         return not isinstance(op, str) and op.family == "gemm" and not op["residual"]
 
-    folded = {o for n, is_low in zip(graph.node, low, strict=True) for o in n.output if folds(n, is_low, o)}
-
     # 2. Each float tensor's dtype as produced ("home"); weights read only in the half type convert in place.
-    home: dict[str, int] = {}
-    readers: dict[str, set[int]] = {}
-    for n, is_low in zip(graph.node, low, strict=True):
-        for i, t in enumerate(n.input):
-            if is_float(t):
-                readers.setdefault(t, set()).add(wants(n, is_low, i))
-    for t in outputs:
-        if is_float(t):
-            readers.setdefault(t, set()).add(TensorProto.FLOAT)
-    for v in graph.input:
-        if is_float(v.name):
-            home[v.name] = TensorProto.FLOAT
-    new_inits: list[onnx.TensorProto] = []
-    for t in graph.initializer:
-        if t.data_type != TensorProto.FLOAT or t.name in home:
-            new_inits.append(t)
-            continue
-        want = readers.get(t.name, set())
-        on_disk = external_data_helper.uses_external_data(t)
-        if want == {half} and not on_disk:
-            new_inits.append(_half_tensor(t, half, t.name))
-            home[t.name] = half
-        else:
-            new_inits.append(t)
-            home[t.name] = TensorProto.FLOAT
-    for t in constants:
-        home[t] = half if readers.get(t, set()) == {half} else TensorProto.FLOAT
-    for n, is_low in zip(graph.node, low, strict=True):
-        for o in n.output:
-            if is_float(o) and o not in home:
-                home[o] = half if is_low and o not in folded else TensorProto.FLOAT
+    def place_tensors(self) -> None:
+        graph, half, home = self.graph, self.half, self.home
+        readers: dict[str, set[int]] = {}
+        for n, is_low in zip(graph.node, self.low, strict=True):
+            for i, t in enumerate(n.input):
+                if self.is_float(t):
+                    readers.setdefault(t, set()).add(self.wants(n, is_low, i))
+        for t in self.outputs:
+            if self.is_float(t):
+                readers.setdefault(t, set()).add(TensorProto.FLOAT)
+        for v in graph.input:
+            if self.is_float(v.name):
+                home[v.name] = TensorProto.FLOAT
+        for t in graph.initializer:
+            if t.data_type != TensorProto.FLOAT or t.name in home:
+                self.new_inits.append(t)
+                continue
+            want = readers.get(t.name, set())
+            on_disk = external_data_helper.uses_external_data(t)
+            if want == {half} and not on_disk:
+                self.new_inits.append(_half_tensor(t, half, t.name))
+                home[t.name] = half
+            else:
+                self.new_inits.append(t)
+                home[t.name] = TensorProto.FLOAT
+        for t in self.constants:
+            home[t] = half if readers.get(t, set()) == {half} else TensorProto.FLOAT
+        for n, is_low in zip(graph.node, self.low, strict=True):
+            for o in n.output:
+                if self.is_float(o) and o not in home:
+                    home[o] = half if is_low and o not in self.folded else TensorProto.FLOAT
 
     # 3. The nodes, in order, reading each input in the dtype they want (a Cast, or a half copy of a weight).
-    nodes: list[onnx.NodeProto] = []
-    alias: dict[tuple[str, int], str] = {}
-    copies: set[str] = set()  # half copies of weights, initializers of their own
-
-    def new_name(t: str, dtype: int) -> str:
+    def new_name(self, t: str, dtype: int) -> str:
         name = f"{t}.{DTYPE_TAG[dtype]}"
-        conv.source[name] = t
-        conv.dtypes[name] = dtype
+        self.conv.source[name] = t
+        self.conv.dtypes[name] = dtype
         return name
 
-    def read(t: str, dtype: int) -> str:
-        if home.get(t, dtype) == dtype:
+    def read(self, t: str, dtype: int) -> str:
+        if self.home.get(t, dtype) == dtype:
             return t
         key = (t, dtype)
-        if key not in alias:
-            name = new_name(t, dtype)
-            init = initializers.get(t)
-            if dtype == half and init is not None and not external_data_helper.uses_external_data(init):
-                new_inits.append(_half_tensor(init, half, name))
-                copies.add(name)
-            elif dtype == half and t in constants:
-                nodes.append(half_constant(t, name, f"gtco/const/{name}"))
+        if key not in self.alias:
+            name = self.new_name(t, dtype)
+            init = self.initializers.get(t)
+            if dtype == self.half and init is not None and not external_data_helper.uses_external_data(init):
+                self.new_inits.append(_half_tensor(init, self.half, name))
+                self.copies.add(name)
+            elif dtype == self.half and t in self.constants:
+                self.nodes.append(self.half_constant(t, name, f"gtco/const/{name}"))
             else:
-                nodes.append(helper.make_node("Cast", [t], [name], name=f"gtco/cast/{name}", to=dtype))
-                conv.casts += 1
-            alias[key] = name
-        return alias[key]
+                self.nodes.append(helper.make_node("Cast", [t], [name], name=f"gtco/cast/{name}", to=dtype))
+                self.conv.casts += 1
+            self.alias[key] = name
+        return self.alias[key]
 
-    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
-    new_functions: dict[tuple[str, str], onnx.FunctionProto] = {}
-    used_functions: set[tuple[str, str, str]] = set()
-    for n, is_low in zip(graph.node, low, strict=True):
-        if n.output and n.output[0] in constants:
-            nodes.append(half_constant(n.output[0], n.output[0], n.name) if home[n.output[0]] == half else n)
-            continue
-        out = onnx.NodeProto()
-        out.CopyFrom(n)
-        for i, t in enumerate(n.input):
-            if is_float(t):
-                out.input[i] = read(t, wants(n, is_low, i))
+    def write_nodes(self) -> None:
+        functions = {(f.domain, f.name, f.overload): f for f in self.model.functions}
+        for n, is_low in zip(self.graph.node, self.low, strict=True):
+            if n.output and n.output[0] in self.constants:
+                self.nodes.append(self.half_constant(n.output[0], n.output[0], n.name)
+                                  if self.home[n.output[0]] == self.half else n)
+                continue
+            out = onnx.NodeProto()
+            out.CopyFrom(n)
+            for i, t in enumerate(n.input):
+                if self.is_float(t):
+                    out.input[i] = self.read(t, self.wants(n, is_low, i))
+            after = self.write_low(n, out, functions) if is_low else []
+            if not is_low and n.domain == DOMAIN:
+                self.used_functions.add((n.domain, n.op_type, n.overload))
+            self.nodes.append(out)
+            self.nodes.extend(after)
+
+    def write_low(self, n: onnx.NodeProto, out: onnx.NodeProto,
+                  functions: dict[tuple[str, str, str], onnx.FunctionProto]) -> list[onnx.NodeProto]:
+        """`out`, the copy of a node computing in the half type, made so; the Casts of its graph outputs after it."""
+        conv, half = self.conv, self.half
         after: list[onnx.NodeProto] = []
-        if is_low:
-            for j, o in enumerate(n.output):
-                if o in folded:  # the node writes the fp32 graph output itself
-                    conv.outputs_folded += 1
-                elif o in outputs and is_float(o):  # a graph output keeps its dtype: the node writes a half copy
-                    out.output[j] = renamed = new_name(o, half)
-                    home[renamed] = half
-                    home[o] = TensorProto.FLOAT
-                    alias[(o, half)] = renamed
-                    after.append(helper.make_node("Cast", [renamed], [o], name=f"gtco/cast/{o}",
-                                                  to=TensorProto.FLOAT))
-                    conv.casts += 1
-            if n.domain == DOMAIN:
-                key = (n.domain, n.op_type, n.overload)
-                if key not in functions:
-                    raise RewriteError(f"fused node {n.name!r} ({n.op_type}) has no model-local function")
-                fn = _half_function(functions[key], [is_float(t) and wants(n, True, i) == half
-                                                     for i, t in enumerate(n.input)],
-                                    [is_float(t) and t not in folded for t in n.output], half,
-                                    list(model.opset_import))
-                new_functions.setdefault((fn.name, fn.overload), fn)
-                out.op_type, out.overload = fn.name, fn.overload
-                conv.fused += 1
-            else:
-                conv.converted += 1
-                if n.op_type == "Cast":
-                    for a in out.attribute:
-                        if a.name == "to" and a.i == TensorProto.FLOAT:
-                            a.i = half
-                if n.op_type == "ConstantOfShape":
-                    for a in out.attribute:
-                        if a.name == "value" and a.t.data_type == TensorProto.FLOAT:
-                            a.t.CopyFrom(_half_tensor(a.t, half, a.t.name))
-        elif n.domain == DOMAIN:
-            used_functions.add((n.domain, n.op_type, n.overload))
-        nodes.append(out)
-        nodes.extend(after)
+        for j, o in enumerate(n.output):
+            if o in self.folded:  # the node writes the fp32 graph output itself
+                conv.outputs_folded += 1
+            elif o in self.outputs and self.is_float(o):  # a graph output keeps its dtype: the node writes a half copy
+                out.output[j] = renamed = self.new_name(o, half)
+                self.home[renamed] = half
+                self.home[o] = TensorProto.FLOAT
+                self.alias[(o, half)] = renamed
+                after.append(helper.make_node("Cast", [renamed], [o], name=f"gtco/cast/{o}", to=TensorProto.FLOAT))
+                conv.casts += 1
+        if n.domain == DOMAIN:
+            key = (n.domain, n.op_type, n.overload)
+            if key not in functions:
+                raise RewriteError(f"fused node {n.name!r} ({n.op_type}) has no model-local function")
+            fn = _half_function(functions[key], [self.is_float(t) and self.wants(n, True, i) == half
+                                                 for i, t in enumerate(n.input)],
+                                [self.is_float(t) and t not in self.folded for t in n.output], half,
+                                list(self.model.opset_import))
+            self.new_functions.setdefault((fn.name, fn.overload), fn)
+            out.op_type, out.overload = fn.name, fn.overload
+            conv.fused += 1
+            return after
+        conv.converted += 1
+        if n.op_type == "Cast":
+            for a in out.attribute:
+                if a.name == "to" and a.i == TensorProto.FLOAT:
+                    a.i = half
+        if n.op_type == "ConstantOfShape":
+            for a in out.attribute:
+                if a.name == "value" and a.t.data_type == TensorProto.FLOAT:
+                    a.t.CopyFrom(_half_tensor(a.t, half, a.t.name))
+        return after
 
     # 4. The model: value_info in the new dtypes, the fused nodes' new functions beside the ones still used.
-    for t, dtype in home.items():
-        if dtype != TensorProto.FLOAT:
-            conv.dtypes.setdefault(t, dtype)
-    shapes = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
-    value_info = []
-    for vi in graph.value_info:
-        v = onnx.ValueInfoProto()
-        v.CopyFrom(vi)
-        if vi.name in home and v.type.HasField("tensor_type"):
-            v.type.tensor_type.elem_type = home[vi.name]
-        value_info.append(v)
-    for name, src in conv.source.items():
-        if src in shapes and name not in copies:
+    def finish(self) -> Conversion:
+        graph, conv, model = self.graph, self.conv, self.model
+        for t, dtype in self.home.items():
+            if dtype != TensorProto.FLOAT:
+                conv.dtypes.setdefault(t, dtype)
+        shapes = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
+        value_info = []
+        for vi in graph.value_info:
             v = onnx.ValueInfoProto()
-            v.CopyFrom(shapes[src])
-            v.name = name
-            v.type.tensor_type.elem_type = conv.dtypes[name]
+            v.CopyFrom(vi)
+            if vi.name in self.home and v.type.HasField("tensor_type"):
+                v.type.tensor_type.elem_type = self.home[vi.name]
             value_info.append(v)
-    fused_names = {(f.domain, f.name, f.overload) for f in model.functions if f.domain == DOMAIN}
-    kept_functions = [f for f in model.functions
-                      if (f.domain, f.name, f.overload) not in fused_names or
-                      (f.domain, f.name, f.overload) in used_functions]
-    new_graph = helper.make_graph(nodes, graph.name, list(graph.input), list(graph.output), new_inits,
-                                  value_info=value_info, sparse_initializer=list(graph.sparse_initializer))
-    new_graph.doc_string = graph.doc_string
-    out_model = onnx.ModelProto()
-    out_model.CopyFrom(model)
-    out_model.graph.CopyFrom(new_graph)
-    del out_model.functions[:]
-    out_model.functions.extend([*kept_functions, *(new_functions[k] for k in sorted(new_functions))])
-    conv.model = out_model
-    return conv
+        for name, src in conv.source.items():
+            if src in shapes and name not in self.copies:
+                v = onnx.ValueInfoProto()
+                v.CopyFrom(shapes[src])
+                v.name = name
+                v.type.tensor_type.elem_type = conv.dtypes[name]
+                value_info.append(v)
+        fused_names = {(f.domain, f.name, f.overload) for f in model.functions if f.domain == DOMAIN}
+        kept_functions = [f for f in model.functions
+                          if (f.domain, f.name, f.overload) not in fused_names or
+                          (f.domain, f.name, f.overload) in self.used_functions]
+        new_graph = helper.make_graph(self.nodes, graph.name, list(graph.input), list(graph.output), self.new_inits,
+                                      value_info=value_info, sparse_initializer=list(graph.sparse_initializer))
+        new_graph.doc_string = graph.doc_string
+        out_model = onnx.ModelProto()
+        out_model.CopyFrom(model)
+        out_model.graph.CopyFrom(new_graph)
+        del out_model.functions[:]
+        out_model.functions.extend([*kept_functions, *(self.new_functions[k] for k in sorted(self.new_functions))])
+        conv.model = out_model
+        return conv
+
+
+def _kernel_inputs(n: onnx.NodeProto) -> frozenset[int]:
+    """The inputs a fused node's kernel reads: its roles' (every input of a family without roles)."""
+    op = decode_node(n)
+    if not isinstance(op, str) and op.inputs:
+        return frozenset(op.inputs.values())
+    return frozenset(range(len(n.input)))
 
 
 def _half_function(fn: onnx.FunctionProto, half_in: list[bool], half_out: list[bool], half: int,
