@@ -357,7 +357,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     from onnx_gtco.models import BUILTIN
     from onnx_gtco.pipeline import __version__
-    from onnx_gtco.runtime.check import defaults_text
 
     model_help = "an .onnx file, or a built-in model's name: " + ", ".join(BUILTIN)
     ap = argparse.ArgumentParser(prog="onnx-gtco", description=DESCRIPTION, epilog=EPILOG,
@@ -371,6 +370,30 @@ def parser() -> argparse.ArgumentParser:
         return subs.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
     p = command("optimize", "fuse a model; writes MODEL.gtco.onnx and its report")
+    _optimize_args(p, model_help)
+    p = command("tune-worker", "run tuning trials of a shared storage's open studies until none is open")
+    _tune_worker_args(p, model_help)
+    p = command("tune-records", "merge a tuning storage's measured trials into the tuning records, or list them")
+    _tune_records_args(p, model_help)
+    p = command("calibration", "fit the kernel-time estimate's constants to measured kernel records, check them, "
+                "or show them")
+    _calibration_args(p, model_help)
+    p = command("inspect", "print the fusion plan without writing anything")
+    _inspect_args(p, model_help)
+    p = command("report", "render an optimize report (JSON) as Markdown, and a PNG of time per family")
+    _report_args(p, model_help)
+    p = command("check", "compare a rewritten model with its original on seeded random inputs")
+    _check_args(p, model_help)
+    p = command("demo", "build a built-in model (ViT-tiny by default), optimize it, check it, print the report")
+    _demo_args(p, model_help)
+    p = command("bench", "time the model's baselines and ours on the same inputs; table, JSON, PNG")
+    _bench_args(p, model_help)
+    for p in subs.choices.values():  # also after the command: onnx-gtco optimize -v model.onnx
+        _add_verbosity(p, top=False)
+    return ap
+
+
+def _optimize_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("model", help=model_help)
     p.add_argument("-o", "--output", default=None,
                    help="output model (default MODEL.gtco.onnx beside MODEL; for a built-in name, in this folder)")
@@ -405,7 +428,8 @@ def parser() -> argparse.ArgumentParser:
     _add_plan_args(p)
     p.set_defaults(func=cmd_optimize)
 
-    p = command("tune-worker", "run tuning trials of a shared storage's open studies until none is open")
+
+def _tune_worker_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("--storage", required=True, metavar="URL",
                    help="the Optuna storage the studies are in (an RDB URL or journal:PATH, as optimize takes it)")
     p.add_argument("--patience", type=int, default=20,
@@ -414,7 +438,8 @@ def parser() -> argparse.ArgumentParser:
                    help="only this task (repeatable; default: every open task)")
     p.set_defaults(func=cmd_tune_worker)
 
-    p = command("tune-records", "merge a tuning storage's measured trials into the tuning records, or list them")
+
+def _tune_records_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("action", choices=["merge", "list"],
                    help="merge: add the storage's fastest GPU-measured configuration of each kernel problem to the "
                    "records files, keeping the faster record per arch and problem; list: print the records")
@@ -426,8 +451,8 @@ def parser() -> argparse.ArgumentParser:
                    "ones shipped in the package, onnx_gtco/tune/records)")
     p.set_defaults(func=cmd_tune_records)
 
-    p = command("calibration", "fit the kernel-time estimate's constants to measured kernel records, check them, "
-                "or show them")
+
+def _calibration_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("action", choices=["fit", "backtest", "show"],
                    help="fit: least squares of the constants to the records, written as the target's calibration "
                    "file; backtest: every record's prediction against its measurement; show: a target's constants "
@@ -447,14 +472,16 @@ def parser() -> argparse.ArgumentParser:
                    "the package's)")
     p.set_defaults(func=cmd_calibration)
 
-    p = command("inspect", "print the fusion plan without writing anything")
+
+def _inspect_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     _add_dynamic_arg(p)
     _add_plan_args(p)
     p.set_defaults(func=cmd_inspect)
 
-    p = command("report", "render an optimize report (JSON) as Markdown, and a PNG of time per family")
+
+def _report_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("report", help="the JSON report optimize wrote (MODEL.gtco.onnx.report.json)")
     p.add_argument("-o", "--output", default=None, metavar="OUT.md", help="write the Markdown here (default stdout)")
     p.add_argument("--png", default=None, metavar="OUT.png",
@@ -462,7 +489,10 @@ def parser() -> argparse.ArgumentParser:
                    "(default: no chart)")
     p.set_defaults(func=cmd_report)
 
-    p = command("check", "compare a rewritten model with its original on seeded random inputs")
+
+def _check_args(p: argparse.ArgumentParser, model_help: str) -> None:
+    from onnx_gtco.runtime.check import defaults_text
+
     p.add_argument("original", help="the original model (" + model_help + ")")
     p.add_argument("rewritten", help="the rewritten model optimize wrote")
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="ORT execution provider (default cpu)")
@@ -496,7 +526,10 @@ def parser() -> argparse.ArgumentParser:
                    "run instead of the model-local functions; default: the functions run")
     p.set_defaults(func=cmd_check)
 
-    p = command("demo", "build a built-in model (ViT-tiny by default), optimize it, check it, print the report")
+
+def _demo_args(p: argparse.ArgumentParser, model_help: str) -> None:
+    from onnx_gtco.models import BUILTIN
+
     p.add_argument("--model", default="vit-tiny", metavar="NAME",
                    help="the built-in model to build, optimize and check (default vit-tiny; one of "
                    f"{', '.join(BUILTIN)})")
@@ -504,7 +537,8 @@ def parser() -> argparse.ArgumentParser:
     _add_plan_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = command("bench", "time the model's baselines and ours on the same inputs; table, JSON, PNG")
+
+def _bench_args(p: argparse.ArgumentParser, model_help: str) -> None:
     p.add_argument("model", help=model_help)
     p.add_argument("--rewritten", default=None, metavar="R",
                    help="time this optimized model as ours (its library beside it); default: optimize MODEL")
@@ -547,9 +581,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     p.add_argument("--out", default=".", help="folder for bench.json, bench.md and bench.png (default .)")
     p.set_defaults(func=cmd_bench)
-    for p in subs.choices.values():  # also after the command: onnx-gtco optimize -v model.onnx
-        _add_verbosity(p, top=False)
-    return ap
 
 
 def _add_verbosity(p: argparse.ArgumentParser, top: bool) -> None:

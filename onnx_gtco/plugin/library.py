@@ -55,6 +55,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -664,6 +665,100 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     results, binders = bind_nodes(nodes)
     archs = CUDA_ARCHS if cuda else (EMULATED_ARCH,) if emulated else ()
     hw = hardware(target) if target is not None else None
+    # every header the build needs is found before the first compile: a machine without network learns what is
+    # missing in a second, not after minutes of nvcc
+    try:
+        inc = ort_include_dir()
+    except HeaderError as e:
+        raise BuildError(str(e)) from None
+    sel = _select_and_compile(nodes, results, archs, cuda, emulated, tuned, dispatch, ranges, hw)
+    device, dynamic = sel.device, sel.dynamic
+    moved = move_to_functions(model, function_only_nodes(results, device if archs else None, sel.kernel_skips))
+    results = [NodeResult(r.node, function_only_op_type(r.op_type), None,
+                          r.reason or sel.kernel_skips.get(r.node) or "no device kernel")
+               if r.node in moved else r for r in results]
+    binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
+    kernel_skips = {n: why for n, why in sel.kernel_skips.items() if n not in moved}
+    # node -> the instances it may launch per arch slot (its own, its dispatch entries', its fallback)
+    launched = device_nodes(results, binders, device, dynamic, len(archs), sel.fallbacks)
+    fallbacks = {node: per_slot for node, per_slot in sel.fallbacks.items() if node in launched}
+    pdl = pdl_slots(model, archs, launched)
+    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic, pdl,
+                                                   fallbacks)
+    tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
+                     for arch, table in zip(archs, dynamic[node].tables, strict=True)}
+              for node in launched if node in dynamic and dynamic[node].tables}
+    used = {(i.name, i.arch) for per_slot in launched.values() for insts in per_slot for i in insts}
+    instances = [i for i in sel.instances if (i.name, i.arch) in used]
+    compiled = [c for c in sel.compiled if (c.instance.name, c.instance.arch) in used]
+    cxx = find_cxx()
+    nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
+    h = hashlib.sha256()
+    for part in (source, *CXX_FLAGS, *sanitize_flags(), cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
+                 *(f"{i.arch}:{i.source}" for i in instances)):
+        h.update(part.encode() + b"\0")
+    _tree_digest(h, PLUGINS)
+    _tree_digest(h, inc)
+    name = f"libgtco-{h.hexdigest()[:12]}.so"
+    dest = out / name
+
+    per_arch = {n: dict(zip(archs, per, strict=True)) for n, per in fallbacks.items()}
+    fallback_names = {n: {a: f.name for a, f in per.items() if isinstance(f, Instance)} for n, per in per_arch.items()}
+    fallback_skips = {n: {a: f for a, f in per.items() if isinstance(f, str)} for n, per in per_arch.items()}
+
+    def result(built: bool, created: bool, log: str, fresh: bool) -> LibraryResult:
+        lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh, created,
+                            time.monotonic() - start, log, [c.summary() for c in compiled], kernel_skips, emulated,
+                            tables, built=built,
+                            rejected={f"{n} ({a})": why for (n, a), why in sel.rejected.items()},
+                            function_only=moved, pdl=pdl_archs(pdl, archs),
+                            fallbacks={n: names for n, names in fallback_names.items() if names},
+                            fallback_skips={n: why for n, why in fallback_skips.items() if why})
+        st.note = lib.what()
+        return lib
+
+    with progress.stage("library", total=2, unit="step") as st:  # the glue, the link
+        if dest.is_file():
+            return result(False, False, "", sel.fresh)
+        cache = lib_cache_dir()
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            if not os.access(cache, os.W_OK):
+                raise PermissionError(f"{cache} is not writable")
+        except OSError:
+            cache = out  # no per-user cache: build in out_dir (the temp dir and the rename stay atomic)
+        cached = cache / name
+        log_text = ""
+        fresh = not cached.is_file()
+        if fresh:
+            log_text = _link(cached, source, op_types, inc, cxx, cuda, emulated, instances, compiled,
+                             sel.lt_include, st)
+        if cached != dest:
+            _install(cached, dest)
+        return result(fresh, True, log_text, fresh)
+
+
+@dataclass
+class _Selection:
+    """What build_library's select-and-compile rounds settled on."""
+
+    device: dict[str, Any]
+    kernel_skips: dict[str, str]
+    dynamic: dict[str, NodeDynamic]
+    fallbacks: dict[str, Any]
+    instances: list[Instance]  # every distinct instance the nodes may launch
+    compiled: list[CompiledInstance]  # their objects (a CUDA build)
+    rejected: dict[tuple[str, str], str]  # (instance, arch) -> why it is avoided
+    fresh: bool  # an instance was compiled, not taken from the cache, in some round
+    lt_include: list[Path]  # cublasLt.h's folder, and CUDA's runtime headers' for the emulation's g++
+
+
+def _select_and_compile(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str], cuda: bool,
+                        emulated: bool, tuned: Mapping[str, Mapping[str, Mapping[str, int]]] | None,
+                        dispatch: Dispatch | None, ranges: Mapping[str, tuple[int, int]],
+                        hw: Hardware | None) -> _Selection:
+    """Select, compile; an instance ptxas rejects (a spill, a stack frame) is avoided and its nodes select again,
+    until every node has instances that compile clean or has none left (it then runs its function)."""
     # the emulation runs the generated kernels, and a tuned cuBLASLt configuration's plan (then its node's mma
     # fallback, gtco/cublaslt.h): another library's configuration (CUTLASS) gives way, and its default selections
     # are among the generated kernels only
@@ -672,18 +767,10 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") in ("mma", CUBLASLT)}
                  for n, per in tuned.items()}
     asked_lt = any(c.get("impl") == CUBLASLT for per in (tuned or {}).values() for c in per.values())
-    # every header the build needs is found before the first compile: a machine without network learns what is
-    # missing in a second, not after minutes of nvcc
-    try:
-        inc = ort_include_dir()
-    except HeaderError as e:
-        raise BuildError(str(e)) from None
-    # select, compile; an instance ptxas rejects (a spill, a stack frame) is avoided and its nodes select again,
-    # until every node has instances that compile clean or has none left (it then runs its function)
     rejected: dict[tuple[str, str], str] = {}
     compiled: list[CompiledInstance] = []
-    fresh = False  # an instance was compiled, not taken from the cache, in some round
-    lt_include: list[Path] = []  # cublasLt.h's folder, and CUDA's runtime headers' for the emulation's g++
+    fresh = False
+    lt_include: list[Path] = []
     while True:
         device, kernel_skips = select_device(nodes, results, archs, tuned, rejected, hw, impls) if archs else ({}, {})
         dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch, rejected, hw, impls)
@@ -714,108 +801,59 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         if again:  # a selection that returns what it was told to avoid would loop forever
             raise BuildError(f"{new[again[0]]} (selected again after ptxas rejected it)")
         rejected.update(new)
-    moved = move_to_functions(model, function_only_nodes(results, device if archs else None, kernel_skips))
-    results = [NodeResult(r.node, function_only_op_type(r.op_type), None,
-                          r.reason or kernel_skips.get(r.node) or "no device kernel")
-               if r.node in moved else r for r in results]
-    binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
-    kernel_skips = {n: why for n, why in kernel_skips.items() if n not in moved}
-    # node -> the instances it may launch per arch slot (its own, its dispatch entries', its fallback)
-    launched = device_nodes(results, binders, device, dynamic, len(archs), fallbacks)
-    fallbacks = {node: per_slot for node, per_slot in fallbacks.items() if node in launched}
-    pdl = pdl_slots(model, archs, launched)
-    source, op_types, device_types = generate_glue(nodes, results, binders, device, emulated, dynamic, pdl,
-                                                   fallbacks)
-    tables = {node: {arch: [(t, i.name, dict(i.config)) for t, i in table]
-                     for arch, table in zip(archs, dynamic[node].tables, strict=True)}
-              for node in launched if node in dynamic and dynamic[node].tables}
-    used = {(i.name, i.arch) for per_slot in launched.values() for insts in per_slot for i in insts}
-    instances = [i for i in instances if (i.name, i.arch) in used]
-    compiled = [c for c in compiled if (c.instance.name, c.instance.arch) in used]
-    cxx = find_cxx()
-    nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
-    h = hashlib.sha256()
-    for part in (source, *CXX_FLAGS, *sanitize_flags(), cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
-                 *(f"{i.arch}:{i.source}" for i in instances)):
-        h.update(part.encode() + b"\0")
-    _tree_digest(h, PLUGINS)
-    _tree_digest(h, inc)
-    name = f"libgtco-{h.hexdigest()[:12]}.so"
-    dest = out / name
+    return _Selection(device, kernel_skips, dynamic, fallbacks, instances, compiled, rejected, fresh, lt_include)
 
-    per_arch = {n: dict(zip(archs, per, strict=True)) for n, per in fallbacks.items()}
-    fallback_names = {n: {a: f.name for a, f in per.items() if isinstance(f, Instance)} for n, per in per_arch.items()}
-    fallback_skips = {n: {a: f for a, f in per.items() if isinstance(f, str)} for n, per in per_arch.items()}
 
-    def result(built: bool, created: bool, log: str) -> LibraryResult:
-        lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh, created,
-                            time.monotonic() - start, log, [c.summary() for c in compiled], kernel_skips, emulated,
-                            tables, built=built, rejected={f"{n} ({a})": why for (n, a), why in rejected.items()},
-                            function_only=moved, pdl=pdl_archs(pdl, archs),
-                            fallbacks={n: names for n, names in fallback_names.items() if names},
-                            fallback_skips={n: why for n, why in fallback_skips.items() if why})
-        st.note = lib.what()
-        return lib
-
-    with progress.stage("library", total=2, unit="step") as st:  # the glue, the link
-        if dest.is_file():
-            return result(False, False, "")
-        cache = lib_cache_dir()
+def _link(cached: Path, source: str, op_types: Sequence[str], inc: Path, cxx: str, cuda: bool, emulated: bool,
+          instances: Sequence[Instance], compiled: Sequence[CompiledInstance], lt_include: Sequence[Path],
+          st: Any) -> str:
+    """Compile the glue and link the library as `cached` (renamed there whole, built in a temporary folder beside
+    it); the build log."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cached.parent))
+    except OSError as e:
+        raise BuildError(f"cannot build in {cached.parent}: {e.strerror or e}") from None
+    name = cached.name
+    log: list[str] = []
+    try:
+        glue = tmp / "glue.cc"
+        glue.write_text(source)
+        obj = tmp / "glue.o"
+        inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{PLUGINS / 'include'}", f"-I{inc}"]
+        cmd = [cxx, *CXX_FLAGS, *inc_flags, "-c", str(glue), "-o", str(obj)]
         try:
-            cache.mkdir(parents=True, exist_ok=True)
-            if not os.access(cache, os.W_OK):
-                raise PermissionError(f"{cache} is not writable")
-        except OSError:
-            cache = out  # no per-user cache: build in out_dir (the temp dir and the rename stay atomic)
-        cached = cache / name
-        log_text = ""
-        if not cached.is_file():
-            try:
-                tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
-            except OSError as e:
-                raise BuildError(f"cannot build in {cache}: {e.strerror or e}") from None
-            log: list[str] = []
-            try:
-                glue = tmp / "glue.cc"
-                glue.write_text(source)
-                obj = tmp / "glue.o"
-                inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{PLUGINS / 'include'}", f"-I{inc}"]
-                cmd = [cxx, *CXX_FLAGS, *inc_flags, "-c", str(glue), "-o", str(obj)]
-                try:
-                    res = run_compile(cmd, glue, timeout_s=600)
-                except BuildError as e:
-                    raise BuildError(f"glue of op types {', '.join(op_types) or '(none)'}: {e}") from None
-                log.append(" ".join(cmd) + "\n" + res.stderr)
-                st.step("link")
-                objs = [obj]
-                if cuda:
-                    objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
-                    link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
-                else:
-                    objs += _emulated_objects(tmp, instances, log, lt_include) if emulated else []
-                    link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
-                res = run_compile(link, tmp / name, timeout_s=600)
-                log.append(" ".join(link) + "\n" + res.stderr)
-                st.step()
-                log_text = "\n".join(log)
-                os.replace(tmp / name, cached)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            fresh = True
+            res = run_compile(cmd, glue, timeout_s=600)
+        except BuildError as e:
+            raise BuildError(f"glue of op types {', '.join(op_types) or '(none)'}: {e}") from None
+        log.append(" ".join(cmd) + "\n" + res.stderr)
+        st.step("link")
+        objs = [obj]
+        if cuda:
+            objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
+            link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
         else:
-            fresh = False
-        if cached == dest:
-            return result(fresh, True, log_text)
-        fd, part = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-        os.close(fd)
-        try:
-            shutil.copyfile(cached, part)
-            os.chmod(part, 0o755)
-            os.replace(part, dest)
-        except OSError as e:
-            Path(part).unlink(missing_ok=True)
-            raise BuildError(f"cannot write {dest}: {e.strerror or e}") from None
-        return result(fresh, True, log_text)
+            objs += _emulated_objects(tmp, instances, log, list(lt_include)) if emulated else []
+            link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
+        res = run_compile(link, tmp / name, timeout_s=600)
+        log.append(" ".join(link) + "\n" + res.stderr)
+        st.step()
+        os.replace(tmp / name, cached)
+        return "\n".join(log)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(cached: Path, dest: Path) -> None:
+    """Copy the cached library to `dest` (whole or not at all)."""
+    fd, part = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(cached, part)
+        os.chmod(part, 0o755)
+        os.replace(part, dest)
+    except OSError as e:
+        Path(part).unlink(missing_ok=True)
+        raise BuildError(f"cannot write {dest}: {e.strerror or e}") from None
 
 
 def library_info(path: str | os.PathLike[str]) -> dict[str, object]:
