@@ -59,35 +59,68 @@ def plan(
     Raises:
         PlanError: no finite-cost cover exists, or a candidate names a node outside the graph.
     """
-    succ = list(dag.succ_mask)
-    n = len(succ)
-    cands = sorted(set(candidates), key=_order)
-    unfused = {next(iter(c.nodes)) for c in cands if len(c.nodes) == 1 and not c.fused}
-    cands += [Candidate(frozenset([i]), "unfused", "single") for i in range(n) if i not in unfused]
-    masks: list[int] = []
-    outs: list[int] = []
-    costs: list[float] = []
-    by_node: list[list[int]] = [[] for _ in range(n)]
-    for k, c in enumerate(cands):
-        m = 0
-        for i in c.nodes:
-            if not 0 <= i < n:
-                raise PlanError(f"candidate {c.family}/{c.pattern} names node {i}, graph has {n}")
-            m |= 1 << i
-        o = 0
-        for i in c.nodes:
-            o |= succ[i]
-        masks.append(m)
-        outs.append(o & ~m)
-        costs.append(float(cost(c)))
-        for i in c.nodes:
-            by_node[i].append(k)
+    search = _Search(list(dag.succ_mask), candidates, cost, max_states)
+    n = len(search.succ)
+    names = [getattr(node, "name", "") or f"#{i}" for i, node in enumerate(getattr(dag, "nodes", range(n)))]
+    groups: list[Candidate] = []
+    charged: list[float] = []
+    rejects: list[Reject] = []
+    total = 0.0
+    states = 0
+    for lo, hi in segments(n, search.cands):
+        try:
+            chosen, seg_total, seg_states = search.segment(lo, hi)
+        except SearchBudgetError:
+            # Past the budget even with forced moves: every node of the segment runs alone, in topological order.
+            rejects.append(Reject("dp", names[lo], f"fusion search passed {max_states} states on nodes {lo}..{hi - 1} "
+                                                   f"({names[lo]} .. {names[hi - 1]}); that segment is left unfused"))
+            chosen = search.alone(lo, hi)
+            seg_total, seg_states = sum(search.costs[k] for k in chosen), max_states
+        if seg_total == math.inf:
+            raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
+        total += seg_total
+        groups.extend(search.cands[k] for k in chosen)
+        charged.extend(search.costs[k] for k in chosen)
+        states += seg_states
+    return Plan(tuple(groups), total, states=states, rejects=tuple(rejects), costs=tuple(charged))
 
-    # forced[v]: the cheapest single-node candidate of v when every candidate through v is a single node, else -1
-    forced = [min(ks, key=lambda k: (costs[k], k)) if all(masks[k] == 1 << v for k in ks) else -1
-              for v, ks in enumerate(by_node)]
 
-    def endings(state: int, force: bool) -> list[int]:
+class _Search:
+    """The DP over one graph's candidates: each candidate's node mask, the successors outside it and its cost, the
+    candidates through each node."""
+
+    def __init__(self, succ: list[int], candidates: Sequence[Candidate], cost: Callable[[Candidate], float],
+                 max_states: int) -> None:
+        self.succ, self.max_states = succ, max_states
+        n = len(succ)
+        cands = sorted(set(candidates), key=_order)
+        unfused = {next(iter(c.nodes)) for c in cands if len(c.nodes) == 1 and not c.fused}
+        cands += [Candidate(frozenset([i]), "unfused", "single") for i in range(n) if i not in unfused]
+        self.cands = cands
+        self.masks: list[int] = []
+        self.outs: list[int] = []
+        self.costs: list[float] = []
+        self.by_node: list[list[int]] = [[] for _ in range(n)]
+        for k, c in enumerate(cands):
+            m = 0
+            for i in c.nodes:
+                if not 0 <= i < n:
+                    raise PlanError(f"candidate {c.family}/{c.pattern} names node {i}, graph has {n}")
+                m |= 1 << i
+            o = 0
+            for i in c.nodes:
+                o |= succ[i]
+            self.masks.append(m)
+            self.outs.append(o & ~m)
+            self.costs.append(float(cost(c)))
+            for i in c.nodes:
+                self.by_node[i].append(k)
+        # forced[v]: the cheapest single-node candidate of v when every candidate through v is a single node, else -1
+        self.forced = [min(ks, key=lambda k: (self.costs[k], k)) if all(self.masks[k] == 1 << v for k in ks) else -1
+                       for v, ks in enumerate(self.by_node)]
+
+    def endings(self, state: int, force: bool) -> list[int]:
+        succ, masks, outs, costs = self.succ, self.masks, self.outs, self.costs
         found: dict[int, None] = {}
         rest = state
         while rest:
@@ -96,16 +129,17 @@ def plan(
             rest ^= low
             if succ[v] & state:
                 continue  # not a sink of state
-            if force and forced[v] >= 0:
-                return [forced[v]]
-            for k in by_node[v]:
+            if force and self.forced[v] >= 0:
+                return [self.forced[v]]
+            for k in self.by_node[v]:
                 if masks[k] & ~state == 0 and outs[k] & state == 0 and costs[k] < math.inf:
                     found.setdefault(k, None)
         return sorted(found)
 
-    def solve(full: int, force: bool) -> dict[int, tuple[float, int]]:
+    def solve(self, full: int, force: bool) -> dict[int, tuple[float, int]]:
         """best[state] = (least cost, chosen ending) for `full` and every state it reaches; SearchBudgetError past
         max_states."""
+        masks, costs = self.masks, self.costs
         best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
         pending: dict[int, list[int]] = {}
         stack = [full]
@@ -116,11 +150,11 @@ def plan(
                 continue
             trans = pending.get(state)
             if trans is None:
-                trans = pending[state] = endings(state, force)
+                trans = pending[state] = self.endings(state, force)
                 todo = [state & ~masks[k] for k in trans if (state & ~masks[k]) not in best]
                 if todo:
                     stack.extend(todo)
-                    if len(best) + len(pending) > max_states:
+                    if len(best) + len(pending) > self.max_states:
                         raise SearchBudgetError
                     continue
             value, choice = math.inf, -1
@@ -133,48 +167,27 @@ def plan(
             stack.pop()
         return best
 
-    names = [getattr(node, "name", "") or f"#{i}" for i, node in enumerate(getattr(dag, "nodes", range(n)))]
-    groups: list[Candidate] = []
-    charged: list[float] = []
-    rejects: list[Reject] = []
-    total = 0.0
-    states = 0
-    for lo, hi in segments(n, cands):
+    def segment(self, lo: int, hi: int) -> tuple[list[int], float, int]:
+        """The candidates covering nodes lo..hi-1 at least cost, in execution order, that cost (inf: no finite
+        cover), and the states explored; SearchBudgetError past the budget even with forced moves."""
         full = ((1 << hi) - 1) & ~((1 << lo) - 1)
-        seg: list[Candidate] = []
-        seg_costs: list[float] = []
         try:
-            try:
-                best = solve(full, force=False)
-            except SearchBudgetError:
-                best = solve(full, force=True)
+            best = self.solve(full, force=False)
         except SearchBudgetError:
-            # Past the budget even with forced moves: every node of the segment runs alone, in topological order.
-            rejects.append(Reject("dp", names[lo], f"fusion search passed {max_states} states on nodes {lo}..{hi - 1} "
-                                                   f"({names[lo]} .. {names[hi - 1]}); that segment is left unfused"))
-            alone = [min((k for k in by_node[i] if masks[k] == 1 << i), key=lambda k: (costs[k], k))
-                     for i in range(lo, hi)]
-            seg = [cands[k] for k in alone]
-            seg_costs = [costs[k] for k in alone]
-            seg_total = sum(costs[k] for k in alone)
-            states += max_states
-        else:
-            seg_total = best[full][0]
-            state = full if seg_total < math.inf else 0
-            while state:
-                _, k = best[state]
-                seg.append(cands[k])
-                seg_costs.append(costs[k])
-                state &= ~masks[k]
-            seg.reverse()
-            seg_costs.reverse()
-            states += len(best) - (1 if lo else 0)  # the empty state is shared by every segment
-        if seg_total == math.inf:
-            raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
-        total += seg_total
-        groups.extend(seg)
-        charged.extend(seg_costs)
-    return Plan(tuple(groups), total, states=states, rejects=tuple(rejects), costs=tuple(charged))
+            best = self.solve(full, force=True)
+        chosen = []
+        state = full if best[full][0] < math.inf else 0
+        while state:
+            _, k = best[state]
+            chosen.append(k)
+            state &= ~self.masks[k]
+        # the empty state is shared by every segment
+        return chosen[::-1], best[full][0], len(best) - (1 if lo else 0)
+
+    def alone(self, lo: int, hi: int) -> list[int]:
+        """Every node of lo..hi-1 as its cheapest single-node candidate, in topological order."""
+        return [min((k for k in self.by_node[i] if self.masks[k] == 1 << i), key=lambda k: (self.costs[k], k))
+                for i in range(lo, hi)]
 
 
 def segments(n: int, candidates: Sequence[Candidate]) -> list[tuple[int, int]]:
