@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from onnx_gtco.calibration import LaunchConstants, hardware
+from onnx_gtco.calibration import Hardware, LaunchConstants, hardware
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.cost.model import cost_fn, estimate, launches, node_flops, unfused_cost
 from onnx_gtco.ir.labels import Label, label
@@ -59,46 +59,8 @@ def build_report(
 
     Every predicted time is the one estimate the DP planned with (cost.model.cost_fn over the kernels' estimates),
     with the target's calibration (`estimate`: which GPU's fitted constants, or that none applies)."""
-    groups = []
-    kernelless: dict[Candidate, float] = {}  # fused groups with no device kernel on the target: their unfused cost
-    for cand, name in zip(plan.fused_groups, node_names, strict=True):
-        unfused = unfused_cost(cost, cand)
-        est = estimate(view, cand)
-        kernels = device.nodes.get(name) if device is not None and device.error is None else None
-        if kernels is not None and not kernels.on(config.arch):
-            kernelless[cand] = unfused
-        chosen = coverage(cand) if coverage is not None and cand not in kernelless else None
-        groups.append({
-            "name": name,
-            "family": cand.family,
-            "pattern": cand.pattern,
-            "label": group_label(view, cand),
-            "nodes": [view.nodes[i].name for i in sorted(cand.nodes)],
-            "ops": [view.nodes[i].op_type for i in sorted(cand.nodes)],
-            "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in cand.attrs},
-            "flops": _flops(view, cand.nodes),
-            "dram_bytes": est.dram_bytes,
-            "predicted_us": round(kernelless.get(cand, cost(cand)), 4),
-            "predicted_unfused_us": round(unfused, 4),
-            **_pair(cand, candidates, cost),
-            **({"device_kernels": list(kernels.archs), "device_reason": kernels.reason} if kernels is not None
-               else {}),
-            **({"kernel": {"instance": chosen.kernel[0], "config": chosen.kernel[1],
-                           "estimate_us": round(chosen.us, 4)}}
-               if chosen is not None and chosen.kernel is not None and chosen.us is not None else {}),
-        })
-    chosen = {g.nodes for g in plan.fused_groups}
-    owner = {i: name for g, name in zip(plan.fused_groups, node_names, strict=True) for i in g.nodes}
-    not_chosen = []
-    for c in candidates:
-        if c.nodes in chosen:
-            continue
-        by = sorted({owner.get(i, "unfused") for i in c.nodes})
-        not_chosen.append({
-            "pattern": c.pattern, "family": c.family, "anchor": view.nodes[min(c.nodes)].name,
-            "nodes": len(c.nodes),
-            "reason": "the DP found a cheaper cover: " + ", ".join(by),
-        })
+    groups, kernelless = _group_entries(view, plan, node_names, candidates, cost, config, device, coverage)
+    not_chosen = _not_chosen(view, plan, node_names, candidates)
     fused_ids = set().union(*(g.nodes for g in plan.fused_groups)) if plan.fused_groups else set()
     unfused_ops = _count(n.op_type for n in view.nodes if n.id not in fused_ids)
     total_flops = _flops(view, frozenset(range(len(view))))
@@ -148,7 +110,68 @@ def build_report(
         **({"device": device_summary(groups, device)} if device is not None else {}),
         "launches": launch_counts(view, plan, kernelless, original or view),
     }
-    dependent = out["launches"]["after_ours"]
+    out.update(_pdl_entries(out["launches"]["after_ours"], after, config, hw))
+    return out
+
+
+def _group_entries(view: GraphView, plan: Plan, node_names: list[str], candidates: list[Candidate], cost: Any,
+                   config: GtcoConfig, device: ModelCoverage | None,
+                   coverage: Callable[[Candidate], Coverage] | None) -> tuple[list[dict[str, Any]],
+                                                                              dict[Candidate, float]]:
+    """The report's entry of each fused group, and the fused groups with no device kernel on the target (their
+    unfused cost)."""
+    groups = []
+    kernelless: dict[Candidate, float] = {}  # fused groups with no device kernel on the target: their unfused cost
+    for cand, name in zip(plan.fused_groups, node_names, strict=True):
+        unfused = unfused_cost(cost, cand)
+        est = estimate(view, cand)
+        kernels = device.nodes.get(name) if device is not None and device.error is None else None
+        if kernels is not None and not kernels.on(config.arch):
+            kernelless[cand] = unfused
+        chosen = coverage(cand) if coverage is not None and cand not in kernelless else None
+        groups.append({
+            "name": name,
+            "family": cand.family,
+            "pattern": cand.pattern,
+            "label": group_label(view, cand),
+            "nodes": [view.nodes[i].name for i in sorted(cand.nodes)],
+            "ops": [view.nodes[i].op_type for i in sorted(cand.nodes)],
+            "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in cand.attrs},
+            "flops": _flops(view, cand.nodes),
+            "dram_bytes": est.dram_bytes,
+            "predicted_us": round(kernelless.get(cand, cost(cand)), 4),
+            "predicted_unfused_us": round(unfused, 4),
+            **_pair(cand, candidates, cost),
+            **({"device_kernels": list(kernels.archs), "device_reason": kernels.reason} if kernels is not None
+               else {}),
+            **({"kernel": {"instance": chosen.kernel[0], "config": chosen.kernel[1],
+                           "estimate_us": round(chosen.us, 4)}}
+               if chosen is not None and chosen.kernel is not None and chosen.us is not None else {}),
+        })
+    return groups, kernelless
+
+
+def _not_chosen(view: GraphView, plan: Plan, node_names: list[str], candidates: list[Candidate]
+                ) -> list[dict[str, Any]]:
+    """Each candidate the DP did not choose, and the groups that cover its nodes instead."""
+    chosen = {g.nodes for g in plan.fused_groups}
+    owner = {i: name for g, name in zip(plan.fused_groups, node_names, strict=True) for i in g.nodes}
+    not_chosen = []
+    for c in candidates:
+        if c.nodes in chosen:
+            continue
+        by = sorted({owner.get(i, "unfused") for i in c.nodes})
+        not_chosen.append({
+            "pattern": c.pattern, "family": c.family, "anchor": view.nodes[min(c.nodes)].name,
+            "nodes": len(c.nodes),
+            "reason": "the DP found a cheaper cover: " + ", ".join(by),
+        })
+    return not_chosen
+
+
+def _pdl_entries(dependent: int, after: float, config: GtcoConfig, hw: Hardware) -> dict[str, Any]:
+    """On sm_90 and later, the predicted time with programmatic dependent launch, and what it assumes."""
+    out: dict[str, Any] = {}
     launch = hw.constants(LaunchConstants)
     if int(config.arch[3:]) >= 90 and launch.pdl_overlap_us > 0 and dependent:
         fitted = set(hw.calibration.fitted.get("fitted", ()) if hw.calibration is not None else ())
