@@ -406,8 +406,20 @@ def optimize_file(
         raise OutputError(f"workers={workers}: give at least 1")
     config = config or GtcoConfig.from_env()  # the one config of the run: planning, tuning and the build
     result = optimize(model_path, config)
-    tuned = dispatch = None
+    result, tuned, dispatch = _tune(result, config, tune_trials, storage, workers, progress, measurer,
+                                    shipped_records)
+    created = _build(result, out, build, tuned, dispatch, config) if build is not None else None
+    _write_all(result, out, rep_path, md_path, created)
+    return result, out, rep_path
+
+
+def _tune(result: OptimizeResult, config: GtcoConfig, tune_trials: int, storage: str | None, workers: int,
+          progress: Any, measurer: Any, shipped_records: bool) -> tuple[OptimizeResult, Any, Any]:
+    """optimize_file's tuning (see there): the result (planned again where real kernels were measured), the tuned
+    configurations and the dispatch tables of a model with symbolic dims."""
     from onnx_gtco.tune import apply as tuning
+
+    tuned = dispatch = None
 
     if result.dynamic and tuning.wanted(tune_trials, storage):  # symbolic dims: shape-generic tuning instead
         from onnx_gtco.tune import dynamic as shape_generic
@@ -432,28 +444,36 @@ def optimize_file(
         report_s, tuned = tuning.shipped_model(result.model, config.arch, shape_of=result.shape_of())
         if report_s is not None:
             result.report["tuning"] = report_s
-    created: Path | None = None
-    if build is not None:
-        from onnx_gtco.kernels.toolchain import BuildError, find_nvcc
-        from onnx_gtco.plugin.library import build_library
-        from onnx_gtco.runtime.session import METADATA_KEY
+    return result, tuned, dispatch
 
-        cuda = build == "cuda"
-        if build == "auto":
-            try:
-                find_nvcc()
-                cuda = True
-            except BuildError as e:
-                result.warnings.append(f"{e}: the library has the CPU kernels only")
-        out_dir = out.parent if str(out.parent) else Path(".")
-        lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch,
-                            ranges=result.dynamic.bounds() if result.dynamic else {}, planned=result.planned(),
-                            target=config.target)
-        created = lib.path if lib.created else None
-        result.library = lib
-        result.timings["build_s"] = lib.seconds
-        result.report["library"] = lib.to_json()
-        result.model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
+
+def _build(result: OptimizeResult, out: Path, build: str, tuned: Any, dispatch: Any, config: GtcoConfig
+           ) -> Path | None:
+    """optimize_file's library build (see there) beside `out`: the library file this call created, if any."""
+    from onnx_gtco.kernels.toolchain import BuildError, find_nvcc
+    from onnx_gtco.plugin.library import build_library
+    from onnx_gtco.runtime.session import METADATA_KEY
+
+    cuda = build == "cuda"
+    if build == "auto":
+        try:
+            find_nvcc()
+            cuda = True
+        except BuildError as e:
+            result.warnings.append(f"{e}: the library has the CPU kernels only")
+    out_dir = out.parent if str(out.parent) else Path(".")
+    lib = build_library(result.model, out_dir, cuda=cuda, tuned=tuned, dispatch=dispatch,
+                        ranges=result.dynamic.bounds() if result.dynamic else {}, planned=result.planned(),
+                        target=config.target)
+    result.library = lib
+    result.timings["build_s"] = lib.seconds
+    result.report["library"] = lib.to_json()
+    result.model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=lib.name))
+    return lib.path if lib.created else None
+
+
+def _write_all(result: OptimizeResult, out: Path, rep_path: Path, md_path: Path | None, created: Path | None) -> None:
+    """Write the model, its report and its Markdown, all or nothing (a library this call created goes too)."""
     saved = reported = False
     try:
         save_atomic(result.model, out)
@@ -472,4 +492,3 @@ def optimize_file(
         if created is not None:
             created.unlink(missing_ok=True)
         raise
-    return result, out, rep_path
