@@ -12,6 +12,7 @@ import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -574,17 +575,7 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
     if names != [o.name for o in new_model.graph.output]:
         raise CheckError(f"the two models have different outputs: {names} vs "
                          f"{[o.name for o in new_model.graph.output]}")
-    for flag, tol in (("rtol", rt), ("atol", at), ("agreement", ag)):
-        unknown = [n for n in tol.per_output if n not in names]
-        if unknown:
-            raise CheckError(f"--{flag} {unknown[0]}:{tol.per_output[unknown[0]]:g}: the models have no output "
-                             f"{unknown[0]!r} (their outputs: {', '.join(names)})")
-    declared = {o.name: o.type.tensor_type.elem_type for o in orig_model.graph.output}
-    floats = [n for n in ag.per_output if declared[n] and declared[n] not in INTEGER_TYPES]
-    if floats:
-        raise CheckError(f"--agreement {floats[0]}:{ag.per_output[floats[0]]:g}: output {floats[0]!r} is "
-                         f"{helper.tensor_dtype_to_np_dtype(declared[floats[0]])}, and agreement judges integer "
-                         "outputs only; give a float output --atol / --rtol")
+    _check_tolerances(orig_model, names, rt, at, ag)
     if inputs is None:
         feeds_list = [make_inputs(orig_model, seed + k, dims) for k in range(samples)]
     elif isinstance(inputs, (str, os.PathLike)):
@@ -605,43 +596,62 @@ def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.
         except Exception as e:  # ORT runtime failures
             raise CheckError(f"onnxruntime failed while running: {first_line(e)}") from None
         for name, r, g in zip(names, ref, got, strict=True):
-            a, o_atol, o_rtol = acc[name], at.of(name), rt.of(name)
-            r64, g64 = np.asarray(r, dtype=np.float64), np.asarray(g, dtype=np.float64)
-            if r64.shape != g64.shape:
-                raise CheckError(f"output {name}: shape {g64.shape} != original {r64.shape}")
-            diff, rel, nan_bad = _errors(r64, g64, o_atol)
-            a["abs"].append(diff.ravel())
-            a["rel"].append(rel.ravel())
-            a["cos"] = min(a["cos"], _cosine(r64, g64))
-            if np.issubdtype(np.asarray(r).dtype, np.integer) or np.asarray(r).dtype == np.bool_:
-                a["exact"] = True
-                a["equal"] += int(np.count_nonzero(np.asarray(r) == np.asarray(g)))
-                a["elements"] += int(r64.size)
-                continue
-            need_atol, need_rtol = _needed(diff, r64, o_atol, o_rtol)
-            a["nan"] = a["nan"] or nan_bad
-            a["ok"] = a["ok"] and not nan_bad and _within(diff, r64, o_atol, o_rtol)
-            a["need_atol"] = max(a["need_atol"], need_atol)
-            a["need_rtol"] = max(a["need_rtol"], need_rtol)
+            _accumulate(acc[name], name, r, g, at.of(name), rt.of(name))
     if placement is not None:
         with placement:
             require_fused_on_cuda(new_model, profile_events(s_new), "check --provider cuda")
     if save_inputs is not None:
         write_bytes_atomic(inputs_npz(feeds_list), save_inputs)
-    out = []
-    for n in names:
-        a = acc[n]
-        d, r = np.concatenate(a["abs"]), np.concatenate(a["rel"])
-        stats = [float(f(x)) if x.size else 0.0 for x in (d, r) for f in (np.max, np.mean, np.median)]
-        inf = float("inf")
-        share = a["equal"] / a["elements"] if a["elements"] else 1.0
-        ok = share >= ag.of(n) if a["exact"] else a["ok"]
-        out.append(OutputDiff(n, stats[0], stats[3], a["cos"], ok, stats[1], stats[2], stats[4], stats[5],
-                              at.of(n), rt.of(n), inf if a["nan"] else a["need_atol"],
-                              inf if a["nan"] else a["need_rtol"], a["nan"], a["exact"], share, ag.of(n), a["equal"],
-                              a["elements"]))
-    return out
+    return [_output_diff(n, acc[n], rt, at, ag) for n in names]
 
+def _check_tolerances(orig_model: onnx.ModelProto, names: Sequence[str], rt: Tolerance, at: Tolerance,
+                      ag: Tolerance) -> None:
+    """CheckError where a tolerance names an output the models do not have, or an agreement a float output."""
+    for flag, tol in (("rtol", rt), ("atol", at), ("agreement", ag)):
+        unknown = [n for n in tol.per_output if n not in names]
+        if unknown:
+            raise CheckError(f"--{flag} {unknown[0]}:{tol.per_output[unknown[0]]:g}: the models have no output "
+                             f"{unknown[0]!r} (their outputs: {', '.join(names)})")
+    declared = {o.name: o.type.tensor_type.elem_type for o in orig_model.graph.output}
+    floats = [n for n in ag.per_output if declared[n] and declared[n] not in INTEGER_TYPES]
+    if floats:
+        raise CheckError(f"--agreement {floats[0]}:{ag.per_output[floats[0]]:g}: output {floats[0]!r} is "
+                         f"{helper.tensor_dtype_to_np_dtype(declared[floats[0]])}, and agreement judges integer "
+                         "outputs only; give a float output --atol / --rtol")
+
+
+def _accumulate(a: dict[str, Any], name: str, r: Any, g: Any, o_atol: float, o_rtol: float) -> None:
+    """Add one sample of output `name` (original `r`, rewritten `g`) to its errors so far `a`."""
+    r64, g64 = np.asarray(r, dtype=np.float64), np.asarray(g, dtype=np.float64)
+    if r64.shape != g64.shape:
+        raise CheckError(f"output {name}: shape {g64.shape} != original {r64.shape}")
+    diff, rel, nan_bad = _errors(r64, g64, o_atol)
+    a["abs"].append(diff.ravel())
+    a["rel"].append(rel.ravel())
+    a["cos"] = min(a["cos"], _cosine(r64, g64))
+    if np.issubdtype(np.asarray(r).dtype, np.integer) or np.asarray(r).dtype == np.bool_:
+        a["exact"] = True
+        a["equal"] += int(np.count_nonzero(np.asarray(r) == np.asarray(g)))
+        a["elements"] += int(r64.size)
+        return
+    need_atol, need_rtol = _needed(diff, r64, o_atol, o_rtol)
+    a["nan"] = a["nan"] or nan_bad
+    a["ok"] = a["ok"] and not nan_bad and _within(diff, r64, o_atol, o_rtol)
+    a["need_atol"] = max(a["need_atol"], need_atol)
+    a["need_rtol"] = max(a["need_rtol"], need_rtol)
+
+
+def _output_diff(n: str, a: dict[str, Any], rt: Tolerance, at: Tolerance, ag: Tolerance) -> OutputDiff:
+    """The verdict on output `n` from its errors over every sample."""
+    d, r = np.concatenate(a["abs"]), np.concatenate(a["rel"])
+    stats = [float(f(x)) if x.size else 0.0 for x in (d, r) for f in (np.max, np.mean, np.median)]
+    inf = float("inf")
+    share = a["equal"] / a["elements"] if a["elements"] else 1.0
+    ok = share >= ag.of(n) if a["exact"] else a["ok"]
+    return OutputDiff(n, stats[0], stats[3], a["cos"], ok, stats[1], stats[2], stats[4], stats[5],
+                      at.of(n), rt.of(n), inf if a["nan"] else a["need_atol"],
+                      inf if a["nan"] else a["need_rtol"], a["nan"], a["exact"], share, ag.of(n), a["equal"],
+                      a["elements"])
 
 def round_up(x: float) -> str:
     """`x` rounded up to two significant digits, e.g. 3.04e-3 -> '3.1e-3', so that a tolerance of that text passes
