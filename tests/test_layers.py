@@ -119,3 +119,26 @@ def test_the_private_import_check_knows_whose_name_it_is() -> None:
     assert [(name, private) for _, _, name, private in found] == [
         ("onnx_gtco.tune.search._space", "onnx_gtco.tune.search._space"),
         ("onnx_gtco.patterns._act.R", "onnx_gtco.patterns._act")]
+
+
+MAX_FUNCTION_LINES = 100
+
+
+def _long_functions(tree: ast.Module, path: str) -> list[str]:
+    return [f"{path}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (n.end_lineno or n.lineno) - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_over_a_hundred_lines() -> None:
+    root = PACKAGE.parent
+    tools = [p for p in (root / "tools").rglob("*") if p.is_file() and (p.suffix == ".py" or p.name == "gpu_suite")]
+    found = [*(f for path, tree in _modules() for f in _long_functions(tree, path)),
+             *(f for p in sorted(tools)
+               for f in _long_functions(ast.parse(p.read_text(encoding="utf-8")), p.relative_to(root).as_posix()))]
+    assert found == [], "split these along the steps they take:\n" + "\n".join(found)
+
+
+def test_the_length_check_sees_a_long_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(ast.parse(f"def f():\n{body}\n"), "m.py") == ["m.py:1 f (101 lines)"]

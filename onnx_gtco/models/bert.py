@@ -73,32 +73,9 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int | 
     b = Builder(name, seed=seed, opset=opset, batch=batch)
     ids = b.input("input_ids", TensorProto.INT64, [batch, seq])
     mask = b.input("attention_mask", TensorProto.INT64, [batch, seq])
-    seq_len = _seq_length(b, ids) if symbolic else None
-    if token_types:
-        types = b.input("token_type_ids", TensorProto.INT64, [batch, seq])
-    elif seq_len is not None:
-        types = _first_columns(b, "embeddings.token_type_ids", np.zeros((1, max_positions)), seq_len)
-    else:
-        types = b.const("embeddings.token_type_ids", np.zeros((1, seq)), np.int64)
-
-    e = "embeddings"
-    x = b.op("Gather", [b.param(f"{e}.word_embeddings.weight", (vocab, dim)), ids], f"{e}.word_embeddings")
-    t = b.op("Gather", [b.param(f"{e}.token_type_embeddings.weight", (type_vocab, dim)), types],
-             f"{e}.token_type_embeddings")
-    x = b.op("Add", [x, t], f"{e}.add_token_types")
-    if seq_len is not None:
-        positions = _first_columns(b, f"{e}.position_ids", np.arange(max_positions)[None, :], seq_len)
-    else:
-        positions = b.const(f"{e}.position_ids", np.arange(seq)[None, :], np.int64)
-    pos = b.op("Gather", [b.param(f"{e}.position_embeddings.weight", (max_positions, dim)), positions],
-               f"{e}.position_embeddings")
-    x = b.op("Add", [x, pos], f"{e}.add_positions")
-    x = layer_norm(b, x, f"{e}.LayerNorm", dim, ln, LN_EPS)
-
-    m = b.op("Unsqueeze", [mask, b.const("extended_mask.axes", [1, 2], np.int64)], "extended_mask.unsqueeze")
-    m = b.op("Cast", [m], "extended_mask.cast", to=TensorProto.FLOAT)
-    m = b.op("Sub", [b.const("extended_mask.one", 1.0), m], "extended_mask.invert")
-    m = b.op("Mul", [m, b.const("extended_mask.fill_value", mask_value)], "extended_mask.fill")
+    x = _embeddings(b, ids, batch, seq, token_types=token_types, vocab=vocab, dim=dim, type_vocab=type_vocab,
+                    max_positions=max_positions, ln=ln)
+    m = _extended_mask(b, mask, mask_value)
 
     for i in range(depth):
         p = f"encoder.layer.{i}"
@@ -122,6 +99,44 @@ def bert(*, batch: int | str = 1, seed: int = 0, vocab: int = 30522, seq: int | 
         b.output("pooler_output", TensorProto.FLOAT, [batch, dim])
     return b.model(f"{name}: BERT, vocab {vocab}, seq {seq}, dim {dim}, depth {depth}, heads {heads}, "
                    f"mlp {mlp}, ln={ln}, gelu={gelu}, qkv={qkv}, seed {seed}")
+
+
+def _embeddings(b: Builder, ids: str, batch: int | str, seq: int | str, *, token_types: bool, vocab: int, dim: int,
+                type_vocab: int, max_positions: int, ln: str) -> str:
+    """Gather(word, input_ids) + Gather(token_type, ids or constant zeros) + Gather(position, constant range)
+    -> LayerNorm (see bert)."""
+    symbolic = isinstance(seq, str)
+    seq_len = _seq_length(b, ids) if symbolic else None
+    if token_types:
+        types = b.input("token_type_ids", TensorProto.INT64, [batch, seq])
+    elif seq_len is not None:
+        types = _first_columns(b, "embeddings.token_type_ids", np.zeros((1, max_positions)), seq_len)
+    else:
+        types = b.const("embeddings.token_type_ids", np.zeros((1, seq)), np.int64)
+
+    e = "embeddings"
+    x = b.op("Gather", [b.param(f"{e}.word_embeddings.weight", (vocab, dim)), ids], f"{e}.word_embeddings")
+    t = b.op("Gather", [b.param(f"{e}.token_type_embeddings.weight", (type_vocab, dim)), types],
+             f"{e}.token_type_embeddings")
+    x = b.op("Add", [x, t], f"{e}.add_token_types")
+    if seq_len is not None:
+        positions = _first_columns(b, f"{e}.position_ids", np.arange(max_positions)[None, :], seq_len)
+    else:
+        positions = b.const(f"{e}.position_ids", np.arange(seq)[None, :], np.int64)
+    pos = b.op("Gather", [b.param(f"{e}.position_embeddings.weight", (max_positions, dim)), positions],
+               f"{e}.position_embeddings")
+    x = b.op("Add", [x, pos], f"{e}.add_positions")
+    x = layer_norm(b, x, f"{e}.LayerNorm", dim, ln, LN_EPS)
+    return x
+
+
+def _extended_mask(b: Builder, mask: str, mask_value: float) -> str:
+    """Unsqueeze(mask, [1, 2]) -> Cast float -> Sub(1, m) -> Mul(mask_value)."""
+    m = b.op("Unsqueeze", [mask, b.const("extended_mask.axes", [1, 2], np.int64)], "extended_mask.unsqueeze")
+    m = b.op("Cast", [m], "extended_mask.cast", to=TensorProto.FLOAT)
+    m = b.op("Sub", [b.const("extended_mask.one", 1.0), m], "extended_mask.invert")
+    m = b.op("Mul", [m, b.const("extended_mask.fill_value", mask_value)], "extended_mask.fill")
+    return m
 
 
 def _seq_length(b: Builder, ids: str) -> str:

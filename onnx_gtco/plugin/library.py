@@ -673,12 +673,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         raise BuildError(str(e)) from None
     sel = _select_and_compile(nodes, results, archs, cuda, emulated, tuned, dispatch, ranges, hw)
     device, dynamic = sel.device, sel.dynamic
-    moved = move_to_functions(model, function_only_nodes(results, device if archs else None, sel.kernel_skips))
-    results = [NodeResult(r.node, function_only_op_type(r.op_type), None,
-                          r.reason or sel.kernel_skips.get(r.node) or "no device kernel")
-               if r.node in moved else r for r in results]
-    binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
-    kernel_skips = {n: why for n, why in sel.kernel_skips.items() if n not in moved}
+    moved, results, binders, kernel_skips = _to_functions(model, results, binders, sel, bool(archs))
     # node -> the instances it may launch per arch slot (its own, its dispatch entries', its fallback)
     launched = device_nodes(results, binders, device, dynamic, len(archs), sel.fallbacks)
     fallbacks = {node: per_slot for node, per_slot in sel.fallbacks.items() if node in launched}
@@ -693,18 +688,10 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     compiled = [c for c in sel.compiled if (c.instance.name, c.instance.arch) in used]
     cxx = find_cxx()
     nvcc = find_nvcc() if cuda else ""  # an explicit CUDA build needs nvcc even when the cache has the library
-    h = hashlib.sha256()
-    for part in (source, *CXX_FLAGS, *sanitize_flags(), cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
-                 *(f"{i.arch}:{i.source}" for i in instances)):
-        h.update(part.encode() + b"\0")
-    _tree_digest(h, PLUGINS)
-    _tree_digest(h, inc)
-    name = f"libgtco-{h.hexdigest()[:12]}.so"
+    name = _library_name(source, cxx, nvcc, emulated, instances, inc)
     dest = out / name
 
-    per_arch = {n: dict(zip(archs, per, strict=True)) for n, per in fallbacks.items()}
-    fallback_names = {n: {a: f.name for a, f in per.items() if isinstance(f, Instance)} for n, per in per_arch.items()}
-    fallback_skips = {n: {a: f for a, f in per.items() if isinstance(f, str)} for n, per in per_arch.items()}
+    fallback_names, fallback_skips = _fallback_entries(fallbacks, archs)
 
     def result(built: bool, created: bool, log: str, fresh: bool) -> LibraryResult:
         lib = LibraryResult(dest, op_types, device_types, results, cuda, not built and not fresh, created,
@@ -720,14 +707,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
     with progress.stage("library", total=2, unit="step") as st:  # the glue, the link
         if dest.is_file():
             return result(False, False, "", sel.fresh)
-        cache = lib_cache_dir()
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            if not os.access(cache, os.W_OK):
-                raise PermissionError(f"{cache} is not writable")
-        except OSError:
-            cache = out  # no per-user cache: build in out_dir (the temp dir and the rename stay atomic)
-        cached = cache / name
+        cached = _build_dir(out) / name
         log_text = ""
         fresh = not cached.is_file()
         if fresh:
@@ -736,6 +716,51 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         if cached != dest:
             _install(cached, dest)
         return result(fresh, True, log_text, fresh)
+
+
+def _to_functions(model: onnx.ModelProto, results: list[NodeResult], binders: dict[str, Binder], sel: _Selection,
+                  device_build: bool) -> tuple[dict[str, str], list[NodeResult], dict[str, Binder], dict[str, str]]:
+    """Turn the nodes left without a kernel into their functions' op types in `model`: the nodes moved, the
+    results and binders that remain, and the other nodes' reasons for having no device kernel."""
+    moved = move_to_functions(model, function_only_nodes(results, sel.device if device_build else None,
+                                                         sel.kernel_skips))
+    results = [NodeResult(r.node, function_only_op_type(r.op_type), None,
+                          r.reason or sel.kernel_skips.get(r.node) or "no device kernel")
+               if r.node in moved else r for r in results]
+    binders = {t: b for t, b in binders.items() if any(r.op_type == t and r.binding is not None for r in results)}
+    return moved, results, binders, {n: why for n, why in sel.kernel_skips.items() if n not in moved}
+
+
+def _fallback_entries(fallbacks: Mapping[str, Any], archs: Sequence[str]
+                      ) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]]:
+    """Per node and arch, the fallback instance's name, and why a node has none."""
+    per_arch = {n: dict(zip(archs, per, strict=True)) for n, per in fallbacks.items()}
+    return ({n: {a: f.name for a, f in per.items() if isinstance(f, Instance)} for n, per in per_arch.items()},
+            {n: {a: f for a, f in per.items() if isinstance(f, str)} for n, per in per_arch.items()})
+
+
+def _library_name(source: str, cxx: str, nvcc: str, emulated: bool, instances: Sequence[Instance], inc: Path) -> str:
+    """The library's file name: a hash of everything that goes into it (the glue, the flags and compilers, each
+    instance's source, the plugin headers and ORT's)."""
+    h = hashlib.sha256()
+    for part in (source, *CXX_FLAGS, *sanitize_flags(), cxx, nvcc, *CUDA_ARCHS, "emulated" if emulated else "",
+                 *(f"{i.arch}:{i.source}" for i in instances)):
+        h.update(part.encode() + b"\0")
+    _tree_digest(h, PLUGINS)
+    _tree_digest(h, inc)
+    return f"libgtco-{h.hexdigest()[:12]}.so"
+
+
+def _build_dir(out: Path) -> Path:
+    """The per-user library cache, or `out` where there is none (the temp dir and the rename stay atomic)."""
+    cache = lib_cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache, os.W_OK):
+            raise PermissionError(f"{cache} is not writable")
+    except OSError:
+        return out
+    return cache
 
 
 @dataclass
