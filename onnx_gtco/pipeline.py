@@ -77,7 +77,7 @@ class OptimizeResult:
     """The plugin.library.LibraryResult when optimize_file built the custom-op library, else None."""
     warnings: list[str] = field(default_factory=list)
     dynamic: Any = None
-    """The tune.dynamic.Ranges of the model's symbolic dims (declared or defaulted; empty for a static model)."""
+    """The tune.shape_generic.Ranges of the model's symbolic dims (declared or defaulted; empty for a static model)."""
     loaded: LoadedModel | None = field(default=None, repr=False)
     """The loaded model the plan was made for (replan plans it again)."""
     conversion: Conversion | None = field(default=None, repr=False)
@@ -422,7 +422,7 @@ def _tune(result: OptimizeResult, config: GtcoConfig, tune_trials: int, storage:
     tuned = dispatch = None
 
     if result.dynamic and tuning.wanted(tune_trials, storage):  # symbolic dims: shape-generic tuning instead
-        from onnx_gtco.tune import dynamic as shape_generic
+        from onnx_gtco.tune import shape_generic
 
         result.report["dynamic"]["tuning"], dispatch = shape_generic.tune_model(
             result.model, config.arch, result.dynamic, tune_trials, storage, measurer=measurer,

@@ -1,4 +1,4 @@
-"""tools/gpu_suite and its parts (tools/gpusuite): the plan and its stand-ins, the budget that starts no row it cannot
+"""tools/gpu_suite and its parts (tools/suite): the plan and its stand-ins, the budget that starts no row it cannot
 finish, resuming a run cut off at any point, the preflight on a machine shaped like the GPU one, the bundle's
 environment, the commands each row runs, the install of carried wheels, and the rendered table."""
 
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "gpu_suite"
 sys.path.insert(0, str(ROOT / "tools"))
 
-from gpusuite import machine, plan, preflight, render, rows, runner  # noqa: E402
-from gpusuite.common import Step, run_command  # noqa: E402
+from suite import machine, plan, preflight, render, rows, runner  # noqa: E402
+from suite.common import Step, run_command  # noqa: E402
 
 
 def _tool() -> ModuleType:
@@ -1056,7 +1056,7 @@ def test_the_calibration_row_refits_into_out_and_a_failed_fit_keeps_the_shipped_
     the shipped H200 records beside the new ones (an H200's), its backtest, the comparison; the refit's folder goes
     into every later command's environment and the row's sets_env. A fit that fails fails the row, says that the
     shipped calibration stays in force, and sets nothing."""
-    from gpusuite import calibration as calib_mod
+    from suite import calibration as calib_mod
 
     ctx = ctx_for(tmp_path, target="h200")
     ctx.logs.mkdir(parents=True)
@@ -1156,7 +1156,7 @@ def test_the_preflight_names_scipy_for_the_calibration_rows_fit() -> None:
 
 
 def test_the_calibration_section_shows_each_measurement_beside_both_calibrations_the_gap_and_the_clock() -> None:
-    from gpusuite import calibration as calib_mod
+    from suite import calibration as calib_mod
 
     measure = {"target": "h200", "timed": 2, "models": 2, "cases": 3, "seconds": 97.0,
                "counts": {"gemm cublaslt": 1, "layernorm": 1}, "tells": ["gemm.cutlass.extra_us"],

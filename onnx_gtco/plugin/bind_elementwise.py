@@ -26,14 +26,14 @@ from onnx_gtco.kernels.elementwise import FAMILY, KINDS, MAX_IN, MAX_OUT, TEMPLA
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.render import macro
 from onnx_gtco.kernels.select import kernel_dtype
-from onnx_gtco.plugin.binding import Binding, FusedNode, TensorInfo
+from onnx_gtco.plugin.binding import Binding, FusedNode, Operand
 from onnx_gtco.plugin.nodes import DTYPE_NAMES
 
 DTYPES = ("f32", "f16", "bf16")
 _ONNX_TYPES = {name: TensorProto.DataType.Name(t) for t, name in DTYPE_NAMES.items()}  # "f16" -> "FLOAT16"
 
 
-def _static(info: TensorInfo) -> tuple[int, ...] | None:
+def _static(info: Operand) -> tuple[int, ...] | None:
     if info.shape is None or not all(isinstance(d, int) for d in info.shape):
         return None
     return tuple(int(d) for d in info.shape)

@@ -21,7 +21,7 @@ MAX_ROLES = 8  # gtco::kMaxRoles in plugins/ort/gtco_ort.h
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class Operand:
     """One input or output of a fused node as the optimizer knows it after shape inference."""
 
     name: str
@@ -37,8 +37,8 @@ class FusedNode:
     node: onnx.NodeProto
     function: onnx.FunctionProto
     attrs: dict[str, Any]                 # onnx.helper.get_attribute_value of each attribute
-    inputs: tuple[TensorInfo, ...]
-    outputs: tuple[TensorInfo, ...]
+    inputs: tuple[Operand, ...]
+    outputs: tuple[Operand, ...]
 
     @property
     def family(self) -> str:

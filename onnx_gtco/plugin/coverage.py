@@ -35,7 +35,7 @@ from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
 from onnx_gtco.patterns.patchify import PatchConv
 from onnx_gtco.plan.types import Candidate
-from onnx_gtco.plugin.binding import Binding, FusedNode, TensorInfo
+from onnx_gtco.plugin.binding import Binding, FusedNode, Operand
 from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances, device_problem, estimate_instance, slot_estimate
 from onnx_gtco.plugin.library import bind_node, bind_nodes, select_device
 from onnx_gtco.plugin.nodes import DTYPE_NAMES, fused_nodes, make_fused_node
@@ -123,24 +123,24 @@ def candidate_node(view: GraphView, cand: Candidate, precision: str) -> FusedNod
                               [o for o in view.model.opset_import if o.domain != DOMAIN])
     inits = {t.name: t for t in view.model.graph.initializer}
 
-    def info(t: str) -> TensorInfo:
+    def info(t: str) -> Operand:
         got = _info(view, inits, t)
         if not converts or t not in halves or got.dtype != "f32":
             return got
         value = None if got.value is None else to_half(got.value, half)  # type: ignore[arg-type]
-        return TensorInfo(t, DTYPE_TAG[half], got.shape, value)  # type: ignore[index]
+        return Operand(t, DTYPE_TAG[half], got.shape, value)  # type: ignore[index]
 
     return make_fused_node(node, function, info)
 
 
-def _info(view: GraphView, inits: dict[str, onnx.TensorProto], tensor: str) -> TensorInfo:
-    """plugin.nodes.fused_nodes's TensorInfo of a tensor, from the view: dtype, shape (a symbolic dim by its name,
+def _info(view: GraphView, inits: dict[str, onnx.TensorProto], tensor: str) -> Operand:
+    """plugin.nodes.fused_nodes's Operand of a tensor, from the view: dtype, shape (a symbolic dim by its name,
     an unknown one as "?") and the value of an initializer held in memory or of a Constant's `value`."""
     ti = view.info(tensor)
     shape = None if ti is None or ti.shape is None else tuple(
         d if isinstance(d, int) else (d or "?") for d in ti.shape)
     dtype = DTYPE_NAMES.get(ti.dtype, "") if ti is not None else ""
-    return TensorInfo(tensor, dtype, shape, _value(view, inits, tensor))
+    return Operand(tensor, dtype, shape, _value(view, inits, tensor))
 
 
 def _value(view: GraphView, inits: dict[str, onnx.TensorProto], tensor: str) -> np.ndarray | None:

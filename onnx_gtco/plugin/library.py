@@ -635,7 +635,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
             the family's default. A tuned instance that spills is a BuildError like any other; a cuBLASLt one
             brings the node's mma fallback into the build (LibraryResult.fallbacks).
         dispatch: node name -> arch -> the dispatch table [(max_extent, config)] of a node whose run-time extent
-            is symbolic (onnx_gtco.tune.dynamic); such nodes missing from it get the analytical default table
+            is symbolic (onnx_gtco.tune.shape_generic); such nodes missing from it get the analytical default table
             (plugin.dispatch), whatever `tuned` says for them. Every distinct instance of the tables is built.
         ranges: the ranges of the model's symbolic dims ({dim: (lo, hi)}) that each node checks at run time; by
             default read from the model's `gtco.dynamic` metadata. optimize_file passes the plan's.

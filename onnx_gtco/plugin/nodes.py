@@ -13,7 +13,7 @@ from onnx_gtco.errors import ModelError
 from onnx_gtco.ir.load import infer_shapes
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.opspec import DOMAIN
-from onnx_gtco.plugin.binding import FusedNode, TensorInfo
+from onnx_gtco.plugin.binding import FusedNode, Operand
 
 DTYPE_NAMES = {
     TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16", TensorProto.DOUBLE: "f64",
@@ -44,7 +44,7 @@ def _attr(a: onnx.AttributeProto) -> Any:
 def fused_nodes(model: onnx.ModelProto, planned: Callable[[str], PlanTensor | None] | None = None
                 ) -> list[FusedNode]:
     """Every node of domain ai.gtco in graph order, with its model-local function (matched by domain, op type and
-    overload), attributes, and input / output TensorInfo (dtype and shape; the value of inputs that are
+    overload), attributes, and input and output Operands (dtype and shape; the value of inputs that are
     initializers or Constant outputs).
 
     `planned` gives each tensor's type as the plan knew it (pipeline: the plan's `GraphView.info`, over the loaded
@@ -83,9 +83,9 @@ def fused_nodes(model: onnx.ModelProto, planned: Callable[[str], PlanTensor | No
                 if a.name == "value":
                     values[n.output[0]] = numpy_helper.to_array(a.t)
 
-    def info(name: str) -> TensorInfo:
+    def info(name: str) -> Operand:
         dtype, shape = types.get(name, ("", None))
-        return TensorInfo(name, dtype, shape, values.get(name))
+        return Operand(name, dtype, shape, values.get(name))
 
     out = []
     for n in fused:
@@ -98,9 +98,9 @@ def fused_nodes(model: onnx.ModelProto, planned: Callable[[str], PlanTensor | No
 
 
 def make_fused_node(node: onnx.NodeProto, function: onnx.FunctionProto,
-                    info: Callable[[str], TensorInfo]) -> FusedNode:
+                    info: Callable[[str], Operand]) -> FusedNode:
     """The FusedNode of `node` with its `function`, its attributes decoded and `info` of each named input and
-    output (an absent optional input has an empty TensorInfo)."""
+    output (an absent optional input has an empty Operand)."""
     return FusedNode(node=node, function=function, attrs={a.name: _attr(a) for a in node.attribute},
-                     inputs=tuple(info(t) if t else TensorInfo("", "", None) for t in node.input),
+                     inputs=tuple(info(t) if t else Operand("", "", None) for t in node.input),
                      outputs=tuple(info(t) for t in node.output))

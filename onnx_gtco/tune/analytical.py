@@ -46,7 +46,7 @@ def estimate_us(problem: Problem, config: Mapping[str, object], arch: str, hw: H
 @dataclass(frozen=True)
 class Tiling:
     """How one configuration's blocks cover a problem along its run-time extent (`kernels.dynamic.extent_name`):
-    the micro-kernel geometry of the shape-generic tuner (onnx_gtco.tune.dynamic).
+    the micro-kernel geometry of the shape-generic tuner (onnx_gtco.tune.shape_generic).
 
     Attributes:
         tile: the extent one block covers (gemm BM, attention BQ, row-wise ROWS).

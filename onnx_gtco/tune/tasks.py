@@ -28,7 +28,7 @@ from onnx_gtco.kernels.select import model_dtypes, node_problem
 from onnx_gtco.kernels.toolchain import headers_digest
 from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.binders import binder_for
-from onnx_gtco.plugin.binding import TensorInfo
+from onnx_gtco.plugin.binding import Operand
 from onnx_gtco.plugin.device import bound_problem
 from onnx_gtco.plugin.nodes import make_fused_node
 
@@ -134,7 +134,7 @@ def shaped_problem(node: onnx.NodeProto, shape_of: ShapeOf, function: onnx.Funct
     binder = binder_for(split_op_type(node.op_type)[0])
     if binder is None:
         return f"no binder for {node.op_type} (the node runs its function)"
-    fused = make_fused_node(node, function or onnx.FunctionProto(), lambda t: TensorInfo(t, "", shape_of(t)))
+    fused = make_fused_node(node, function or onnx.FunctionProto(), lambda t: Operand(t, "", shape_of(t)))
     binding = binder.bind(fused)
     return binding if isinstance(binding, str) else bound_problem(fused, binding)
 

@@ -33,7 +33,7 @@ from onnx_gtco.plugin.bind_gemm import (
     GemmBinder,
     QkvBinder,
 )
-from onnx_gtco.plugin.binding import Binding, FusedNode, TensorInfo
+from onnx_gtco.plugin.binding import Binding, FusedNode, Operand
 from onnx_gtco.plugin.coverage import candidate_node
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes as plugin_fused_nodes
@@ -476,8 +476,8 @@ def _fused(nodes: list[onnx.NodeProto], n_in: int, n_out: int, attrs: dict, op_t
     node = helper.make_node(op_type, [f"i{i}" for i in range(n_in)], [f"o{i}" for i in range(n_out)],
                             name="gtco/test", domain="ai.gtco", **attrs)
     values = values or {}
-    ins = tuple(TensorInfo(f"i{i}", "f32", None, values.get(i)) for i in range(n_in))
-    outs = tuple(TensorInfo(f"o{i}", "f32", None) for i in range(n_out))
+    ins = tuple(Operand(f"i{i}", "f32", None, values.get(i)) for i in range(n_in))
+    outs = tuple(Operand(f"o{i}", "f32", None) for i in range(n_out))
     return FusedNode(node, fn, {a.name: helper.get_attribute_value(a) for a in node.attribute}, ins, outs)
 
 

@@ -32,8 +32,8 @@ from onnx_gtco.report_md import _tuning
 from onnx_gtco.runtime.session import METADATA_KEY, make_session
 from onnx_gtco.tune.analytical import estimate_us, tiling
 from onnx_gtco.tune.apply import tune_model
-from onnx_gtco.tune.dynamic import dynamic_tasks
 from onnx_gtco.tune.search import AnalyticalMeasurer, analytical_guesses, check, predict_us, search_space
+from onnx_gtco.tune.shape_generic import dynamic_tasks
 from onnx_gtco.tune.tasks import Task, model_tasks
 
 FP16 = GtcoConfig(precision="fp16", target="sm_90")

@@ -210,7 +210,7 @@ def test_tuning_takes_the_shapes_the_plan_has() -> None:
     (OptimizeResult.shape_of: the view's shapes under the names the precision conversion gave, such as the fp16
     Cast of ViT's image that its patch-embedding conv task reads x's shape from)."""
     from onnx_gtco.config import Ranges
-    from onnx_gtco.tune.dynamic import dynamic_tasks
+    from onnx_gtco.tune.shape_generic import dynamic_tasks
     from onnx_gtco.tune.tasks import model_tasks
 
     def keyed(tasks):

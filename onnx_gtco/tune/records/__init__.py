@@ -177,7 +177,7 @@ def from_storage(url: str) -> list[Record]:
     for summary in optuna.get_all_study_summaries(store, include_best_trial=False):
         attrs = summary.user_attrs
         if not isinstance(attrs.get("task"), dict):
-            continue  # a micro-kernel study (tune.dynamic), or not ours
+            continue  # a micro-kernel study (tune.shape_generic), or not ours
         task = task_from_attrs(attrs)
         study = optuna.load_study(study_name=summary.study_name, storage=store)
         measured = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))

@@ -14,8 +14,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpusuite.common import Step, probe
-from gpusuite.machine import target_arch
+from suite.common import Step, probe
+from suite.machine import target_arch
 
 
 @dataclass(frozen=True)

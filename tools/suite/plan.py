@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpusuite.common import GtcoError
+from suite.common import GtcoError
 
 PHASES = ("install", "smoke", "calibration", "core", "kernels", "tune", "rest", "extra", "tests")
 CORE_BASELINES = ("ort-fp16", "ort-transformers-fp16")

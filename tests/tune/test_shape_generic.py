@@ -1,4 +1,4 @@
-"""Shape-generic tuning (onnx_gtco.tune.dynamic) on the CPU with the analytical measurer: BERT with symbolic batch
+"""Shape-generic tuning (onnx_gtco.tune.shape_generic) on the CPU with the analytical measurer: BERT with symbolic batch
 and sequence is tuned once over a range, in far fewer trials than per-shape tuning of 8 sampled shapes; its dispatch
 tables cover the range and its micro-kernel cost model predicts the measurer's time at sampled shapes. Also the
 `--dynamic` option: parsing, validation, the ranges the rewritten model carries."""
@@ -19,14 +19,14 @@ from onnx_gtco.config import GtcoConfig, format_dynamic, parse_dynamic, resolve_
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.tune.driver import tune
-from onnx_gtco.tune.dynamic import DynamicTask, dynamic_tasks, table_config, tune_dynamic
 from onnx_gtco.tune.search import AnalyticalMeasurer
+from onnx_gtco.tune.shape_generic import DynamicTask, dynamic_tasks, table_config, tune_dynamic
 from onnx_gtco.tune.tasks import Task, merge
 
 RANGES = (("batch", 1, 16), ("seq", 1, 128))
 TRIALS, PATIENCE = 12, 6      # per task, in both modes
 # the cost model's largest relative error against the analytical measurer: linear in waves and occupancy, it
-# cannot follow the estimate's SM crowding and L2 sharing within a wave (tune.dynamic)
+# cannot follow the estimate's SM crowding and L2 sharing within a wave (tune.shape_generic)
 MAX_ERROR = 0.25
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpusuite.common import ROOT
+from suite.common import ROOT
 
 SHIPPED_RECORDS = ROOT / "onnx_gtco" / "calibration" / "records"
 """The shipped calibration records (onnx_gtco.calibration.RECORDS_DIR), which the refit fits beside the row's own."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpusuite.common import PROG, ROOT, GtcoError, Step, probe, write_atomic
-from gpusuite.machine import (
+from suite.common import PROG, ROOT, GtcoError, Step, probe, write_atomic
+from suite.machine import (
     BUNDLE_ENV,
     BUNDLE_SETUP,
     VERSIONS_PROBE,
@@ -28,11 +28,11 @@ from gpusuite.machine import (
     target_for,
     tree_version,
 )
-from gpusuite.plan import Row
-from gpusuite.preflight import lines as preflight_lines
-from gpusuite.preflight import needs_for, preflight
-from gpusuite.render import render_markdown
-from gpusuite.rows import Context, record, run_row
+from suite.plan import Row
+from suite.preflight import lines as preflight_lines
+from suite.preflight import needs_for, preflight
+from suite.render import render_markdown
+from suite.rows import Context, record, run_row
 
 STOPPING_PHASES = ("install", "smoke")
 """Phases whose failure on a GPU stops the run: nothing after them could measure anything."""

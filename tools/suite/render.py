@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpusuite import calibration
-from gpusuite.common import PROG
-from gpusuite.plan import BASELINES, PHASES
+from suite import calibration
+from suite.common import PROG
+from suite.plan import BASELINES, PHASES
 
 OURS = "gtco"
 PATH_KEYS = ("junit", "results", "site", "library", "md")

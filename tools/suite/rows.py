@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusuite import calibration
-from gpusuite.common import ROOT, GtcoError, Step, probe, run_command, skipped
-from gpusuite.machine import run_install, target_arch
-from gpusuite.plan import ModelSpec, Row
+from suite import calibration
+from suite.common import ROOT, GtcoError, Step, probe, run_command, skipped
+from suite.machine import run_install, target_arch
+from suite.plan import ModelSpec, Row
 
 SMOKE_COSINE = 0.999
 """The smoke check's bound on the probe's fp16 output against the fp32 original's (cosine similarity), with CUDA

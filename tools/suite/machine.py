@@ -15,7 +15,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpusuite.common import ROOT, GtcoError, Step, probe, run_command, skipped, tool_output
+from suite.common import ROOT, GtcoError, Step, probe, run_command, skipped, tool_output
 
 BUNDLE_ENV = Path("/tmp/gpu-env.sh")
 """Where a GPU bundle's setup writes the environment of a GPU run (PYTHONPATH with its packages, ORT_INCLUDE_DIR,
