@@ -102,7 +102,7 @@ def target_for(arch: str, name: str = "") -> str | None:
 
 
 def target_arch(target: str) -> str:
-    """The arch of an onnx-gtco target, what tools/kernel_bench.py's --arch takes ("h200" -> "sm_90")."""
+    """The arch of an onnx-gtco target, what the kernel bench's --arch takes ("h200" -> "sm_90")."""
     if target in ARCH_TARGETS:
         return target
     from onnx_gtco.config import TARGETS  # a GPU's own target comes from target_for, which imported it

@@ -11,7 +11,7 @@ Phases, in order (a GPU window of 15 minutes is spent on what matters most first
    then refitted (`onnx-gtco calibration fit`): every later row plans with the refit ($GTCO_CALIBRATION_DIR);
 4. core: ViT-B/16 at batch 1 and 64 and BERT-base at 128 tokens, the fp32 exports optimized to fp16 without
    tuning, against ORT fp16 and ORT fp16 with its transformer optimizer, each side's top kernels profiled;
-5. kernels: the kernel bench's GEMM and attention rows of those models (tools/kernel_bench.py);
+5. kernels: the kernel bench's GEMM and attention rows of those models (onnx_gtco.bench.kernel_bench);
 6. tune: those models' kernel tasks tuned (optimize --tune-trials), then the same rows benched with the tuned
    library;
 7. rest: ViT-B/16 at batch 8, DeiT-S, Swin-T, SETR, DETR, BERT-base with dynamic tokens (1..512) at 32, 128 and 512;
@@ -98,14 +98,14 @@ class Row:
         id: "phase/what", e.g. "core/vit-b16.b64": the same in a dry run, whose row stands in for it.
         phase: one of PHASES.
         kind: "install", "smoke", "calibration" (tools/calibrate.py, then the refit), "bench" (prepare, optimize,
-            bench), "kernels" (tools/kernel_bench.py) or "tests" (pytest -m gpu).
+            bench), "kernels" (onnx_gtco.bench.kernel_bench) or "tests" (pytest -m gpu).
         model: the model a bench row runs (a stand-in in a dry run), else None.
         batch: the batch size it runs at.
         tune: whether optimize tunes (the run's --tune-trials) before building.
         baselines: the bench's baselines beside ours.
         dims: sizes of other symbolic input dims the bench binds (a dynamic model's sequence length).
         dynamic: optimize's --dynamic ranges (a dynamic model), else None.
-        kernel_set: tools/kernel_bench.py's shape set of a kernels row.
+        kernel_set: the kernel bench's shape set of a kernels row.
         estimate_s: its expected seconds on the machine of the run's kind.
         stands_in_for: in a dry run, the GPU model the stand-in replaces.
         no_stand_in: in a dry run, why the row has no CPU stand-in (it is then listed as skipped), else "".

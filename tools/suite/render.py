@@ -144,7 +144,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines += ["", "### Rows not run or failed", ""]
         lines += [f"- {r['id']}: {r['status']}: {r['reason']}" for r in not_run]
     lines += render_profiles(rows)
-    lines += ["", "### Kernels vs cuBLASLt, torch and ONNX Runtime (`tools/kernel_bench.py`)", ""]
+    lines += ["", "### Kernels vs cuBLASLt, torch and ONNX Runtime (`python -m onnx_gtco.bench.kernel_bench`)", ""]
     kernel_rows = [r for r in rows if r["kind"] == "kernels"]
     for r in kernel_rows:
         md = Path((r.get("kernel_bench") or {}).get("md") or "/nonexistent")

@@ -481,7 +481,7 @@ def _calibration(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -
 
 
 def _kernels(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> None:
-    """tools/kernel_bench.py for one shape set into OUT/kernel-bench/<set>: on a GPU the first configurations of
+    """The kernel bench (onnx_gtco.bench.kernel_bench) for one shape set into OUT/kernel-bench/<set>: on a GPU the first configurations of
     each implementation timed beside cuBLASLt, torch and ORT (no torch.compile: the extra rows time it), within the
     row's time; a dry run compiles three instances and launches none."""
     if ctx.target is None:
@@ -492,7 +492,7 @@ def _kernels(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> No
         return
     assert row.kernel_set is not None
     out = ctx.out / "kernel-bench" / row.kernel_set
-    cmd = ctx.python(str(ROOT / "tools" / "kernel_bench.py"), "--arch", str(ctx.arch), "--set", row.kernel_set,
+    cmd = ctx.python("-m", "onnx_gtco.bench.kernel_bench", "--arch", str(ctx.arch), "--set", row.kernel_set,
                      "--out", str(out))
     left = _left(deadline)
     if ctx.dry_run:

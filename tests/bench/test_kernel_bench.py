@@ -1,4 +1,5 @@
-"""tools/kernel_bench.py without a GPU: its shape table and candidates (--list), its Markdown, and --compile-only."""
+"""The kernel bench (onnx_gtco.bench.kernel_bench) without a GPU: its shape table and candidates (--list), its
+Markdown, and --compile-only."""
 
 from __future__ import annotations
 
@@ -10,22 +11,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from tool_module import load_tool
 
+from onnx_gtco.bench.kernel_bench import __main__ as cli
+from onnx_gtco.bench.kernel_bench.candidates import listing
+from onnx_gtco.bench.kernel_bench.markdown import markdown
+from onnx_gtco.bench.kernel_bench.measure import ratios
+from onnx_gtco.bench.kernel_bench.shapes import CUTLASS_CONFIGS, SETS, cases
 from onnx_gtco.kernels import cublaslt, cutlass
-
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "kernel_bench.py"
-
-kb = load_tool("kernel_bench")
 
 
 def _rows(arch: str) -> list[dict]:
-    return kb.listing(kb.cases(), arch, None)
+    return listing(cases(), arch, None)
 
 
 def test_list_holds_every_shape_set_of_the_issue(capsys: pytest.CaptureFixture[str]) -> None:
-    assert kb.main(["--list"]) == 0
+    assert cli.main(["--list"]) == 0
     printed = capsys.readouterr().out
     rows = _rows("sm_90")
     assert printed.count("\n[") == len(rows)
@@ -45,7 +45,7 @@ def test_list_holds_every_shape_set_of_the_issue(capsys: pytest.CaptureFixture[s
     convs = [r for r in detr if r["kind"] == "conv"]
     assert sum(r["count"] for r in convs) == 53 + 1  # ResNet-50's 53 convs (4 downsamples) + the input projection
     assert any("stem 7x7" in r["case"] for r in convs) and any("+bias+res+relu" in r["case"] for r in convs)
-    assert {r["set"] for r in rows} == set(kb.SETS)
+    assert {r["set"] for r in rows} == set(SETS)
 
 
 def test_list_offers_each_implementation_where_it_applies() -> None:
@@ -53,7 +53,7 @@ def test_list_offers_each_implementation_where_it_applies() -> None:
     exactly where cublaslt.unsupported(problem) is None; mma everywhere; conv: our conv family's instances (the
     implicit GEMM, or the direct kernel of a grouped conv) beside cuDNN through torch and ORT."""
     for arch in ("sm_90", "sm_80"):
-        for case, row in zip(kb.cases(), _rows(arch), strict=True):
+        for case, row in zip(cases(), _rows(arch), strict=True):
             c = row["candidates"]
             if row["kind"] == "conv":
                 assert set(c) == {"ours"} and c["ours"] and all(n.startswith("conv_") for n in c["ours"]), row
@@ -71,7 +71,7 @@ def test_list_offers_each_implementation_where_it_applies() -> None:
             if arch != cutlass.TARGET:
                 assert isinstance(cut, str) and cutlass.ARCH in cut
             elif isinstance(cutlass.include_dirs(), tuple) and cutlass.unsupported(p) is None:
-                assert isinstance(cut, list) and 1 <= len(cut) <= kb.CUTLASS_CONFIGS
+                assert isinstance(cut, list) and 1 <= len(cut) <= CUTLASS_CONFIGS
                 assert all(name.startswith("gemm_sm90a_cutlass_") for name in cut)
             else:
                 assert isinstance(cut, str)
@@ -89,15 +89,15 @@ def test_list_offers_each_implementation_where_it_applies() -> None:
 
 
 def test_max_configs_and_impls_cap_the_candidates(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = kb.listing(kb.cases(["vit-b16"], quick=True), "sm_90", 1, ("mma",))
+    rows = listing(cases(["vit-b16"], quick=True), "sm_90", 1, ("mma",))
     assert len(rows) == 3 and all(r["kind"] == "gemm" for r in rows)
     for r in rows:
         assert len(r["candidates"]["mma"]) == 1
         assert r["candidates"][cutlass.IMPL] == r["candidates"][cublaslt.IMPL] == "not selected (--impls)"
     with pytest.raises(SystemExit):
-        kb.main(["--list", "--set", "vit-b16,resnet"])
+        cli.main(["--list", "--set", "vit-b16,resnet"])
     with pytest.raises(SystemExit):
-        kb.main(["--list", "--impls", "mma,triton"])
+        cli.main(["--list", "--impls", "mma,triton"])
     assert "choose from" in capsys.readouterr().err
 
 
@@ -116,7 +116,7 @@ def test_markdown_marks_wrong_answers_and_gives_the_ratios() -> None:
             "baselines": {}, "separate": {"name": "torch addmm + epilogue", "us": 150.0},
             "cublaslt_fused": {"ok": True, "us": 90.0, "note": "tanh proxy"},
             "compile": {"name": "torch.compile max-autotune", "ok": True, "us": 120.0}, "all_ok": False}
-    gemm["ratios"] = kb.ratios(gemm)
+    gemm["ratios"] = ratios(gemm)
     assert gemm["ratios"] == pytest.approx({"tuned_vs_separate": 1.5, "cutlass_vs_cublaslt_fused": 0.9,
                                             "tuned_vs_compile": 1.2})
     conv = {"set": "detr", "case": "detr backbone stem 7x7", "kind": "conv", "count": 1, "rows": [],
@@ -133,7 +133,7 @@ def test_markdown_marks_wrong_answers_and_gives_the_ratios() -> None:
                    rows=[{"instance": "conv_a", "ok": True, "us": 20.0},
                          {"instance": "conv_b", "ok": False, "us": None, "error": "wrong answer"}],
                    ratios={"ours_vs_cudnn_ort": None, "ours_vs_cudnn_torch": 1.5})
-    md = kb.markdown([gemm, skipped, conv, conv_ok, attn], "NVIDIA H100", ["torch 2.x"])
+    md = markdown([gemm, skipped, conv, conv_ok, attn], "NVIDIA H100", ["torch 2.x"])
     row = next(ln for ln in md.splitlines() if ln.startswith("| vit-b16 | vit-b16 b64 fc1"))
     assert "| 200.0 | 100.0 | skip | 100.0 (cutlass) | 200.0 (mma) | 90.0 (tanh proxy) | 150.0 | 120.0 | 1.50x | " \
            "0.90x | 1.20x | 5.0e-01 | 2/3 |" in row
@@ -154,9 +154,9 @@ def test_compile_only_builds_without_torch_or_a_gpu(tmp_path: Path) -> None:
     """What tools/gpu_suite --dry-run runs: three instances built, none launched, in a process where torch cannot
     be imported."""
     out = tmp_path / "kb"
-    argv = [str(TOOL), "--compile-only", "--quick", "--max-configs", "1", "--impls", "mma", "--out", str(out)]
-    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    argv = ["--compile-only", "--quick", "--max-configs", "1", "--impls", "mma", "--out", str(out)]
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 'kernel_bench'; "
+            "runpy.run_module('onnx_gtco.bench.kernel_bench', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=False,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
