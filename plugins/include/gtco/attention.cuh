@@ -91,28 +91,6 @@ struct alignas(16) Chunk {  // 16 bytes, one cp.async / one vector store
     uint32_t w[4];
 };
 
-template <typename T>
-GTCO_DEVICE T from_float(float x) {
-    if constexpr (std::is_same<T, float>::value) {
-        return x;
-    } else if constexpr (std::is_same<T, __half>::value) {
-        return __float2half_rn(x);
-    } else {
-        return __float2bfloat16_rn(x);
-    }
-}
-
-template <typename T>
-GTCO_DEVICE float to_float(T x) {
-    if constexpr (std::is_same<T, float>::value) {
-        return x;
-    } else if constexpr (std::is_same<T, __half>::value) {
-        return __half2float(x);
-    } else {
-        return __bfloat162float(x);
-    }
-}
-
 // Compile-time shape of one instance.
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS>
 struct Shape {
@@ -159,7 +137,7 @@ GTCO_DEVICE void load_rows_padded(T* dst, const T* src, int row_stride, int row0
         if (kElems % THREADS == 0 || e < kElems) {
             const int r = e / D, c = e % D;
             dst[r * (D + kRowPad<T>) + c] =
-                row0 + r < limit && c < dim ? src[(row0 + r) * row_stride + c] : from_float<T>(0.0f);
+                row0 + r < limit && c < dim ? src[(row0 + r) * row_stride + c] : from_f32<T>(0.0f);
         }
     }
 }
@@ -188,7 +166,7 @@ GTCO_DEVICE void load_kt_tile(T* dst, const T* src, int ss, int sd, int kv0, int
         if (kElems % THREADS == 0 || e < kElems) {
             const int d = e / BKV, j = e % BKV;
             dst[d * (BKV + kPad) + j] =
-                kv0 + j < seq_k && d < dim ? src[(kv0 + j) * ss + d * sd] : from_float<T>(0.0f);
+                kv0 + j < seq_k && d < dim ? src[(kv0 + j) * ss + d * sd] : from_f32<T>(0.0f);
         }
     }
 }
@@ -286,8 +264,8 @@ GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args&
                 float x = s[mt][n][i] * scale_log2;
                 if constexpr (MASK || BIAS) {
                     if (row < a.seq_q && col < a.seq_k) {
-                        if constexpr (MASK) x += to_float(mask[row * msq + col * msk]) * mask_log2;
-                        if constexpr (BIAS) x += to_float(bias[row * bsq + col * bsk]) * bias_log2;
+                        if constexpr (MASK) x += to_f32(mask[row * msq + col * msk]) * mask_log2;
+                        if constexpr (BIAS) x += to_f32(bias[row * bsq + col * bsk]) * bias_log2;
                     }
                 }
                 s[mt][n][i] = col < a.seq_k ? x : -INFINITY;
@@ -334,6 +312,41 @@ GTCO_DEVICE void pv_tile_tf32(float (&o)[MT][D / 8][4], const float (&p)[MT][BKV
             for (int mt = 0; mt < MT; ++mt) mma_m16n8k8_tf32(o[mt][nd], pa[mt], b);
         }
     }
+}
+
+// One tile of the online softmax over rows g (r = 0) and g + 8 (r = 1) of each m-tile (a quad holds one row): the
+// running max m and this lane's share of the row sum l move on, and alpha is what rescales everything summed
+// before this tile (0 on the first tile, where m = -inf). With WRITE_P each score becomes exp2(s - m), the P that
+// multiplies V; without it (the two-pass kernel's pass 1) the scores are left as they are.
+template <int MT, int NB, bool WRITE_P>
+GTCO_DEVICE void online_softmax_step(float (&s)[MT][NB][4], float (&m)[MT][2], float (&l)[MT][2],
+                                     float (&alpha)[MT][2]) {
+    GTCO_UNROLL
+    for (int mt = 0; mt < MT; ++mt)
+        GTCO_UNROLL
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+            GTCO_UNROLL
+            for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+            const float m_new = fmaxf(m[mt][r], quad_max(mx));
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // all -inf so far: p = 0, not NaN
+#if defined(GTCO_ATTN_TEST_NO_RESCALE)
+            alpha[mt][r] = 1.0f;
+#else
+            alpha[mt][r] = exp2f(m[mt][r] - m_use);
+#endif
+            m[mt][r] = m_new;
+            float sum = 0.0f;
+            GTCO_UNROLL
+            for (int n = 0; n < NB; ++n)
+                GTCO_UNROLL
+                for (int c = 0; c < 2; ++c) {
+                    const float p = exp2f(s[mt][n][2 * r + c] - m_use);
+                    if constexpr (WRITE_P) s[mt][n][2 * r + c] = p;
+                    sum += p;
+                }
+            l[mt][r] = l[mt][r] * alpha[mt][r] + sum;  // this lane's share of the row; quad_sum at the end
+        }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -404,38 +417,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
         qk_tile<T, D, BKV, MT, K_TRANS>(s, qs + wrow * RS, kst, lane);
         finish_scores<T, MT, NB, MASK, BIAS>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
 
-        // Online softmax: rows g (r = 0) and g + 8 (r = 1) of each m-tile; a quad holds one row.
+        // Online softmax, then O rescaled by alpha per row.
+        float alpha[MT][2];
+        online_softmax_step<MT, NB, true>(s, m, l, alpha);
         GTCO_UNROLL
         for (int mt = 0; mt < MT; ++mt)
             GTCO_UNROLL
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
-                GTCO_UNROLL
-                for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-                const float m_new = fmaxf(m[mt][r], quad_max(mx));
-                const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // all -inf so far: p = 0, not NaN
-#if defined(GTCO_ATTN_TEST_NO_RESCALE)
-                const float alpha = 1.0f;
-#else
-                const float alpha = exp2f(m[mt][r] - m_use);  // 0 on the first tile (m = -inf)
-#endif
-                m[mt][r] = m_new;
-                float sum = 0.0f;
-                GTCO_UNROLL
-                for (int n = 0; n < NB; ++n)
-                    GTCO_UNROLL
-                    for (int c = 0; c < 2; ++c) {
-                        const float p = exp2f(s[mt][n][2 * r + c] - m_use);
-                        s[mt][n][2 * r + c] = p;
-                        sum += p;
-                    }
-                l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share of the row; quad_sum at the end
+            for (int r = 0; r < 2; ++r)
                 GTCO_UNROLL
                 for (int n = 0; n < ND; ++n) {
-                    o[mt][n][2 * r] *= alpha;
-                    o[mt][n][2 * r + 1] *= alpha;
+                    o[mt][n][2 * r] *= alpha[mt][r];
+                    o[mt][n][2 * r + 1] *= alpha[mt][r];
                 }
-            }
 
         if constexpr (std::is_same<T, float>::value) {
             pv_tile_tf32<D, BKV, MT>(o, s, vst, lane);
@@ -447,10 +440,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
                 uint32_t pa[MT][4];
                 GTCO_UNROLL
                 for (int mt = 0; mt < MT; ++mt) {
-                    pa[mt][0] = pack_b16(from_float<T>(s[mt][2 * kb][0]), from_float<T>(s[mt][2 * kb][1]));
-                    pa[mt][1] = pack_b16(from_float<T>(s[mt][2 * kb][2]), from_float<T>(s[mt][2 * kb][3]));
-                    pa[mt][2] = pack_b16(from_float<T>(s[mt][2 * kb + 1][0]), from_float<T>(s[mt][2 * kb + 1][1]));
-                    pa[mt][3] = pack_b16(from_float<T>(s[mt][2 * kb + 1][2]), from_float<T>(s[mt][2 * kb + 1][3]));
+                    pa[mt][0] = pack_b16(from_f32<T>(s[mt][2 * kb][0]), from_f32<T>(s[mt][2 * kb][1]));
+                    pa[mt][1] = pack_b16(from_f32<T>(s[mt][2 * kb][2]), from_f32<T>(s[mt][2 * kb][3]));
+                    pa[mt][2] = pack_b16(from_f32<T>(s[mt][2 * kb + 1][0]), from_f32<T>(s[mt][2 * kb + 1][1]));
+                    pa[mt][3] = pack_b16(from_f32<T>(s[mt][2 * kb + 1][2]), from_f32<T>(s[mt][2 * kb + 1][3]));
                 }
                 GTCO_UNROLL
                 for (int nd = 0; nd < D / 16; ++nd) {
@@ -487,7 +480,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
                         make_float2(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
                 } else {
                     *reinterpret_cast<uint32_t*>(row + n * 8 + 2 * t) =
-                        pack_b16(from_float<T>(o[mt][n][2 * r] * inv), from_float<T>(o[mt][n][2 * r + 1] * inv));
+                        pack_b16(from_f32<T>(o[mt][n][2 * r] * inv), from_f32<T>(o[mt][n][2 * r + 1] * inv));
                 }
             }
         }
@@ -581,26 +574,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
         float s[MT][NB][4];
         qk_tile<T, D, BKV, MT, K_TRANS>(s, qs + wrow * RS, kst, lane);
         finish_scores<T, MT, NB, MASK, BIAS>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
-        GTCO_UNROLL
-        for (int mt = 0; mt < MT; ++mt)
-            GTCO_UNROLL
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
-                GTCO_UNROLL
-                for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-                const float m_new = fmaxf(m[mt][r], quad_max(mx));
-                const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // all -inf so far: p = 0, not NaN
-#if defined(GTCO_ATTN_TEST_NO_RESCALE)
-                const float alpha = 1.0f;
-#else
-                const float alpha = exp2f(m[mt][r] - m_use);  // 0 on the first tile (m = -inf)
-#endif
-                float sum = 0.0f;
-                GTCO_UNROLL
-                for (int n = 0; n < NB; ++n) sum += exp2f(s[mt][n][2 * r] - m_use) + exp2f(s[mt][n][2 * r + 1] - m_use);
-                m[mt][r] = m_new;
-                l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share of the row
-            }
+        float alpha[MT][2];
+        online_softmax_step<MT, NB, false>(s, m, l, alpha);
         __syncthreads();  // every warp is done with this slot before it is refilled
     }
 
@@ -636,7 +611,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
                         for (int c = 0; c < 2; ++c) {
                             const int col = tile * BKV + n * 8 + 2 * t + c;
                             if (col < a.seq_k)
-                                prow[col * o_sd] = from_float<T>(exp2f(s[mt][n][2 * r + c] - m[mt][r]) * l[mt][r]);
+                                prow[col * o_sd] = from_f32<T>(exp2f(s[mt][n][2 * r + c] - m[mt][r]) * l[mt][r]);
                         }
                 }
             }

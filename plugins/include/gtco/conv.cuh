@@ -50,12 +50,12 @@ namespace conv_detail {
 template <class T, int EPI>
 GTCO_DEVICE void channel_affine(const ConvArgs& p, int c, float& add, float& mul, float& post) {
     add = 0.0f;
-    if constexpr ((EPI & kConvBias) != 0) add = gemm_detail::to_f32(static_cast<const T*>(p.bias)[c * p.bias_step]);
-    const float s = (EPI & kConvScale) != 0 ? gemm_detail::to_f32(static_cast<const T*>(p.scale)[c * p.scale_step]) : 1.0f;
-    const float t = (EPI & kConvShift) != 0 ? gemm_detail::to_f32(static_cast<const T*>(p.shift)[c * p.shift_step]) : 0.0f;
+    if constexpr ((EPI & kConvBias) != 0) add = to_f32(static_cast<const T*>(p.bias)[c * p.bias_step]);
+    const float s = (EPI & kConvScale) != 0 ? to_f32(static_cast<const T*>(p.scale)[c * p.scale_step]) : 1.0f;
+    const float t = (EPI & kConvShift) != 0 ? to_f32(static_cast<const T*>(p.shift)[c * p.shift_step]) : 0.0f;
     if constexpr ((EPI & kConvBn) != 0) {
-        const float mean = gemm_detail::to_f32(static_cast<const T*>(p.mean)[c * p.mean_step]);
-        const float var = gemm_detail::to_f32(static_cast<const T*>(p.var)[c * p.var_step]);
+        const float mean = to_f32(static_cast<const T*>(p.mean)[c * p.mean_step]);
+        const float var = to_f32(static_cast<const T*>(p.var)[c * p.var_step]);
         mul = s / sqrtf(var + p.epsilon);
         post = t - mean * mul;
     } else {
@@ -67,8 +67,8 @@ GTCO_DEVICE void channel_affine(const ConvArgs& p, int c, float& add, float& mul
 template <class T, int EPI, Act ACT, Act POST>
 GTCO_DEVICE void store_out(float acc, float add, float mul, float post, const T* R, T* Y, int64_t off) {
     float v = gemm_detail::activate<ACT>((acc + add) * mul + post);
-    if constexpr ((EPI & kConvRes) != 0) v += gemm_detail::to_f32(R[off]);
-    Y[off] = gemm_detail::from_f32<T>(gemm_detail::activate<POST>(v));
+    if constexpr ((EPI & kConvRes) != 0) v += to_f32(R[off]);
+    Y[off] = from_f32<T>(gemm_detail::activate<POST>(v));
 }
 
 // The argument checks both launchers share: sizes, pads, the window origin's int math, operand pointers present
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(THREADS) conv_direct_kernel(const ConvArgs p) 
             for (int kx = 0; kx < KW; ++kx) {
                 const int ix = ix0 + kx * dw;
                 if (static_cast<unsigned>(ix) < static_cast<unsigned>(W))
-                    acc += gemm_detail::to_f32(row[ix]) * gemm_detail::to_f32(wk[kx]);
+                    acc += to_f32(row[ix]) * to_f32(wk[kx]);
             }
         }
     }

@@ -7,8 +7,8 @@
 // This header holds the rest: the loop over the VEC elements of a thread (a vector path with one access of at most
 // 16 bytes per operand where its layout allows, and a scalar path for the ragged tail and misaligned pointers),
 // the broadcast index of every operand (gtco/broadcast.h), the checks and the launch; and what the other row-wise
-// families (layernorm.cuh, softmax.cuh) reuse: the 16/32-bit <-> fp32 conversions, vector loads and stores of VEC
-// elements, and the math of the supported ONNX ops.
+// families (layernorm.cuh, softmax.cuh) reuse: vector loads and stores of VEC elements, and the math of the
+// supported ONNX ops. The conversions between fp32 and each element type are gtco/primitives.cuh's.
 #pragma once
 
 #include <cmath>
@@ -18,23 +18,6 @@
 #include "gtco/launch.cuh"
 
 namespace gtco {
-
-// ---- conversions: every family does its math in fp32 ---------------------------------------------------------
-GTCO_DEVICE float to_f32(float x) { return x; }
-GTCO_DEVICE float to_f32(__half x) { return __half2float(x); }
-GTCO_DEVICE float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-GTCO_DEVICE float to_f32(uint8_t x) { return x ? 1.0f : 0.0f; }  // ONNX bool
-GTCO_DEVICE float to_f32(int32_t x) { return static_cast<float>(x); }
-GTCO_DEVICE float to_f32(int64_t x) { return static_cast<float>(x); }
-
-template <typename T>
-GTCO_DEVICE T from_f32(float x);
-template <>
-GTCO_DEVICE float from_f32<float>(float x) { return x; }
-template <>
-GTCO_DEVICE __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <>
-GTCO_DEVICE __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // ---- vector access: N elements of T in one aligned access (N * sizeof(T) <= 16) ------------------------------
 template <typename T, int N>

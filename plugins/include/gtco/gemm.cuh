@@ -79,28 +79,6 @@ enum class Act : int { kNone = 0, kRelu, kGeluErf, kGeluTanh, kSilu, kQuickGelu,
 
 namespace gemm_detail {
 
-template <class T>
-GTCO_DEVICE float to_f32(T x) {
-    if constexpr (std::is_same<T, float>::value) {
-        return x;
-    } else if constexpr (std::is_same<T, __half>::value) {
-        return __half2float(x);
-    } else {
-        return __bfloat162float(x);
-    }
-}
-
-template <class T>
-GTCO_DEVICE T from_f32(float x) {
-    if constexpr (std::is_same<T, float>::value) {
-        return x;
-    } else if constexpr (std::is_same<T, __half>::value) {
-        return __float2half_rn(x);
-    } else {
-        return __float2bfloat16_rn(x);
-    }
-}
-
 // The two T of a 32-bit word (low half first) as floats.
 template <class T>
 GTCO_DEVICE void unpack_f32(uint32_t w, float& lo, float& hi) {
@@ -622,13 +600,13 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
             for (int e = 0; e < OE; ++e) {
                 float b = 0.0f;
                 if constexpr (HAS_BIAS) {
-                    b = gemm_detail::to_f32(bias[col + e]);
+                    b = to_f32(bias[col + e]);
 #if GTCO_GEMM_TEST_FAULT == 1
                     b *= 2.0f;
 #endif
                 }
                 v[e] = gemm_detail::activate<ACT>(v[e] * p.alpha + b);
-                if constexpr (HAS_SCALE) v[e] *= gemm_detail::to_f32(lscale[col + e]);
+                if constexpr (HAS_SCALE) v[e] *= to_f32(lscale[col + e]);
             }
             const int64_t off = static_cast<int64_t>(row) * N + col;
             if constexpr (std::is_same<TOut, float>::value) {
@@ -663,7 +641,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
                 }
                 GTCO_UNROLL
                 for (int q = 0; q < 4; ++q)
-                    w[q] = pack_b16(gemm_detail::from_f32<T>(v[2 * q]), gemm_detail::from_f32<T>(v[2 * q + 1]));
+                    w[q] = pack_b16(from_f32<T>(v[2 * q]), from_f32<T>(v[2 * q + 1]));
                 uint4 o;
                 o.x = w[0];
                 o.y = w[1];
@@ -683,16 +661,16 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
         const bool pair = VEC || col + 1 < N;
         float b0 = 0.0f, b1 = 0.0f, s0 = 1.0f, s1 = 1.0f;
         if constexpr (HAS_BIAS) {
-            b0 = gemm_detail::to_f32(bias[col]);
-            b1 = pair ? gemm_detail::to_f32(bias[col + 1]) : 0.0f;
+            b0 = to_f32(bias[col]);
+            b1 = pair ? to_f32(bias[col + 1]) : 0.0f;
 #if GTCO_GEMM_TEST_FAULT == 1
             b0 *= 2.0f;
             b1 *= 2.0f;
 #endif
         }
         if constexpr (HAS_SCALE) {
-            s0 = gemm_detail::to_f32(lscale[col]);
-            s1 = pair ? gemm_detail::to_f32(lscale[col + 1]) : 0.0f;
+            s0 = to_f32(lscale[col]);
+            s1 = pair ? to_f32(lscale[col + 1]) : 0.0f;
         }
         GTCO_UNROLL
         for (int mi = 0; mi < MI; ++mi) {
@@ -722,13 +700,13 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
                         v1 += r1;
                     }
                     *reinterpret_cast<uint32_t*>(Y + off) =
-                        pack_b16(gemm_detail::from_f32<T>(v0), gemm_detail::from_f32<T>(v1));
+                        pack_b16(from_f32<T>(v0), from_f32<T>(v1));
                 } else {
-                    if constexpr (HAS_RES) v0 += gemm_detail::to_f32(R[off]);
-                    Y[off] = gemm_detail::from_f32<TOut>(v0);
+                    if constexpr (HAS_RES) v0 += to_f32(R[off]);
+                    Y[off] = from_f32<TOut>(v0);
                     if (pair) {
-                        if constexpr (HAS_RES) v1 += gemm_detail::to_f32(R[off + 1]);
-                        Y[off + 1] = gemm_detail::from_f32<TOut>(v1);
+                        if constexpr (HAS_RES) v1 += to_f32(R[off + 1]);
+                        Y[off + 1] = from_f32<TOut>(v1);
                     }
                 }
             }

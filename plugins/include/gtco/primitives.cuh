@@ -1,5 +1,5 @@
 // Device building blocks of gtco's Tensor Core kernels: mma.m16n8k16 (f16 / bf16), mma.m16n8k8 (tf32), the tf32
-// rounding, ldmatrix, cp.async and warp reductions.
+// rounding, ldmatrix, cp.async, warp reductions and the conversions between fp32 and each element type.
 //
 // Built by nvcc, these are inline PTX (sm_80 and later). With GTCO_EMULATE defined (a g++ build), the same
 // names come from plugins/emu/gtco_emu.h, which runs them on the CPU. Fragment layouts are those of the PTX ISA,
@@ -189,6 +189,24 @@ GTCO_DEVICE void mma_m16n8k16(float (&acc)[4], const uint32_t (&a)[4], const uin
 GTCO_DEVICE void mma_m16n8k8_tf32(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     mma_m16n8k8_tf32(acc, a, b, acc);
 }
+
+// ---- conversions: every family computes in fp32 and stores in its element type T ----------------------------
+GTCO_DEVICE float to_f32(float x) { return x; }
+GTCO_DEVICE float to_f32(__half x) { return __half2float(x); }
+GTCO_DEVICE float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+GTCO_DEVICE float to_f32(uint8_t x) { return x ? 1.0f : 0.0f; }  // ONNX bool
+GTCO_DEVICE float to_f32(int32_t x) { return static_cast<float>(x); }
+GTCO_DEVICE float to_f32(int64_t x) { return static_cast<float>(x); }
+
+// Rounded to nearest even.
+template <typename T>
+GTCO_DEVICE T from_f32(float x);
+template <>
+GTCO_DEVICE float from_f32<float>(float x) { return x; }
+template <>
+GTCO_DEVICE __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <>
+GTCO_DEVICE __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // An fp32 value as a tf32 mma operand (round_tf32 of its bits).
 GTCO_DEVICE uint32_t to_tf32(float x) { return round_tf32(__float_as_uint(x)); }
