@@ -387,6 +387,17 @@ class _AttentionBase(KernelFamily):
         names = ["qkv"] if lay["q"] == "qkv_packed" else ["q", "k"] + (["v"] if "v" in lay else [])
         return names + [w for w in ("mask", "bias") if problem.flag(w, False)]
 
+    launch = ""
+    """The launch function template of the family's kernel in gtco/attention.cuh."""
+
+    def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
+        if why := self.check(problem, config, arch):
+            raise ValueError(f"{self.name}: {why}")
+        name = self._tag(problem, config, arch)
+        call = f"gtco::{self.launch}<{self._template_args(problem, config)}, {self._flags_args(problem)}>"
+        return Instance(name, f"gtco_{name}", self._source(name, call), problem, dict(config), arch,
+                        self._smem(problem, config))
+
     def _out_name(self) -> str:
         raise NotImplementedError
 
@@ -481,6 +492,7 @@ class AttentionFamily(_AttentionBase):
     """Fused attention, FlashAttention-2 style (attention.cuh attention_kernel)."""
 
     name = "attention"
+    launch = "attention_launch"
 
     def _smem(self, problem: Problem, config: Config) -> int:
         d, bq, bkv, st = _kd(problem), config["BQ"], config["BKV"], config["STAGES"]
@@ -494,14 +506,6 @@ class AttentionFamily(_AttentionBase):
         # f16's), of which ptxas holds about a quarter live: fitted to ptxas (d64 with 2 m-tiles and d128 with one
         # stay under 255 registers with no spill, d80 with 2 m-tiles is left out)
         return mt * (d // 2 + config["BKV"] // 2 + (d // 8 if problem.dtype == "f32" else 0))
-
-    def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
-        if why := self.check(problem, config, arch):
-            raise ValueError(f"{self.name}: {why}")
-        name = self._tag(problem, config, arch)
-        call = f"gtco::attention_launch<{self._template_args(problem, config)}, {self._flags_args(problem)}>"
-        return Instance(name, f"gtco_{name}", self._source(name, call), problem, dict(config), arch,
-                        self._smem(problem, config))
 
     def _out_name(self) -> str:
         return "out"
@@ -526,6 +530,7 @@ class BmmSoftmaxFamily(_AttentionBase):
     online, then S recomputed and P written), so any seq_k runs with one S tile in registers."""
 
     name = "bmm_softmax"
+    launch = "bmm_softmax_launch"
 
     def _smem(self, problem: Problem, config: Config) -> int:
         d, bq, bkv, st = _kd(problem), config["BQ"], config["BKV"], config["STAGES"]
@@ -541,14 +546,6 @@ class BmmSoftmaxFamily(_AttentionBase):
         if problem.dtype == "f32":
             return mt * (3 * config["BKV"] // 4 + d // 2)
         return mt * (config["BKV"] // 2 + d // 4)
-
-    def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
-        if why := self.check(problem, config, arch):
-            raise ValueError(f"{self.name}: {why}")
-        name = self._tag(problem, config, arch)
-        call = f"gtco::bmm_softmax_launch<{self._template_args(problem, config)}, {self._flags_args(problem)}>"
-        return Instance(name, f"gtco_{name}", self._source(name, call), problem, dict(config), arch,
-                        self._smem(problem, config))
 
     def _out_name(self) -> str:
         return "probs"
