@@ -176,7 +176,7 @@ def test_forced_moves_keep_the_optimum_past_the_state_budget() -> None:
     n = 16
     dag = Dag(tuple(0 for _ in range(n)))
     cands = [Candidate(frozenset([0, n - 1]), "fam", "span")]
-    full = plan(dag, cands, _pair_cost)
+    full = plan(dag, cands, _pair_cost, unforced_states=10**6)  # every order searched
     assert full.states > 1000
     capped = plan(dag, cands, _pair_cost, max_states=100)
     assert capped.rejects == ()
@@ -184,6 +184,8 @@ def test_forced_moves_keep_the_optimum_past_the_state_budget() -> None:
     assert capped.states <= 100
     assert frozenset([0, n - 1]) in {g.nodes for g in capped.groups}
     assert sorted(i for g in capped.groups for i in g.nodes) == list(range(n))
+    default = plan(dag, cands, _pair_cost)  # past the first search's budget: forced moves, without searching 2^16
+    assert default.groups == capped.groups and default.cost_us == full.cost_us and default.states <= 100
 
 
 def test_segment_past_the_budget_runs_unfused_and_says_so() -> None:
