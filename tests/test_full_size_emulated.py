@@ -15,19 +15,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
+from cpu_session import assert_close_through_library
 
 from onnx_gtco.config import GtcoConfig
-from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.models import BUILTIN as MODELS
 from onnx_gtco.models import build
 from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.plugin.library import build_library
-from onnx_gtco.runtime.check import make_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +46,6 @@ def cases() -> list[tuple[str, str]]:
     return pairs  # type: ignore[return-value]
 
 
-def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
-    so = ort.SessionOptions()
-    if lib is not None:
-        so.add_session_config_entry("gtco.register", "all")  # a CPU session: the emulated device kernels
-        so.register_custom_ops_library(str(lib))
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)
-
-
 @pytest.mark.parametrize(("name", "precision"), cases(), ids=lambda v: str(v))
 def test_full_size_model_through_emulated_kernels(name: str, precision: str, tmp_path: Path) -> None:
     original = build(name, seed=0)
@@ -66,11 +53,4 @@ def test_full_size_model_through_emulated_kernels(name: str, precision: str, tmp
     lib = build_library(result.model, tmp_path, cuda=False, emulated=True, planned=result.planned())
     fused = {n.op_type for n in result.model.graph.node if n.domain == DOMAIN}
     assert set(lib.cuda_op_types) == fused, lib.kernel_skips  # the patch-embedding conv included
-    path = tmp_path / "model.gtco.onnx"
-    onnx.save(result.model, str(path))
-    x = make_inputs(original, 1)
-    for out, ref, got in zip(original.graph.output, run(original, x), run(path, x, lib.path), strict=True):
-        assert got.dtype == ref.dtype and got.shape == ref.shape, out.name
-        err = rel_error(got.astype(np.float64), ref.astype(np.float64))
-        print(f"{name} {precision} {out.name}: ‖err‖/‖ref‖ = {err:.3g}")
-        assert err < BOUND[precision], f"{name} {precision} {out.name}: ‖err‖/‖ref‖ = {err:.3g}"
+    assert_close_through_library(original, result.model, lib.path, tmp_path, BOUND[precision], f"{name} {precision}")

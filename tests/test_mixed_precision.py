@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cpu_session import run
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.config import GtcoConfig
@@ -40,15 +40,6 @@ SMALL = {
     "vit-tiny": lambda: build("vit-tiny", depth=2, image=64, seed=0),
     "bert-tiny": lambda: build("bert-tiny", depth=2, seq=24, seed=0),
 }
-
-
-def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
-    so = ort.SessionOptions()
-    if lib is not None:
-        so.add_session_config_entry("gtco.register", "all")  # a CPU session: every CPU kernel too
-        so.register_custom_ops_library(str(lib))
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)
 
 
 def io_types(model: onnx.ModelProto) -> list[tuple[str, int]]:

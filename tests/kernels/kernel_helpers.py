@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,3 +30,22 @@ def run_exe(exe: Path, *args: object) -> subprocess.CompletedProcess[str]:
     if proc.returncode != 0:
         pytest.fail(f"{exe.name} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}")
     return proc
+
+
+def ptxas_of_cases(family: Any, problems: Mapping[str, Any], cases: Sequence[tuple[str, str, dict]], out: Path,
+                   jobs: int = 2) -> dict[int, tuple[Any, list]]:
+    """Compile each (problem key, arch, config) case of `family` with nvcc, `jobs` at a time (the CI machine has 2
+    cores): case index -> (instance, its ptxas records)."""
+    from onnx_gtco.kernels.ptxas import parse_ptxas
+    from onnx_gtco.kernels.toolchain import nvcc_compile
+
+    def compile_one(i: int) -> tuple[Any, list]:
+        key, arch, config = cases[i]
+        inst = family.instantiate(problems[key], config, arch)
+        src = out / f"{inst.name}.cu"
+        src.write_text(inst.source)
+        result = nvcc_compile(src, out / f"{inst.name}.o", arch, include_dirs=[INCLUDE], timeout_s=300)
+        return inst, parse_ptxas(result.stderr)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return dict(enumerate(pool.map(compile_one, range(len(cases)))))

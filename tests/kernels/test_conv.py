@@ -12,14 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_helpers import nvcc_missing
+from kernel_helpers import nvcc_missing, ptxas_of_cases
 
 from onnx_gtco.errors import EmulationError
 from onnx_gtco.kernels.conv import FAMILY, conv_problem, gemm_sizes
-from onnx_gtco.kernels.emulate import INCLUDE_DIR, build_emulated, run_emulated
+from onnx_gtco.kernels.emulate import build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.ptxas import parse_ptxas
-from onnx_gtco.kernels.toolchain import nvcc_compile
 
 TOL = 2e-3                                           # against the fp64 reference rounded to the output dtype
 RAW_TOL = {"f16": 2e-3, "bf16": 4e-3, "f32": 1e-5}  # against the unrounded one (f32: TF32-rounded operands)
@@ -350,16 +348,7 @@ NVCC_CASES = _nvcc_cases()
 def ptxas_reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("conv_nvcc")
 
-    def compile_one(i):
-        key, arch, config = NVCC_CASES[i]
-        inst = FAMILY.instantiate(NVCC_PROBLEMS[key], config, arch)
-        src = out / f"{inst.name}.cu"
-        src.write_text(inst.source)
-        result = nvcc_compile(src, out / f"{inst.name}.o", arch, include_dirs=[INCLUDE_DIR], timeout_s=300)
-        return inst, parse_ptxas(result.stderr)
-
-    with ThreadPoolExecutor(JOBS) as pool:
-        return dict(enumerate(pool.map(compile_one, range(len(NVCC_CASES)))))
+    return ptxas_of_cases(FAMILY, NVCC_PROBLEMS, NVCC_CASES, out, JOBS)
 
 
 @pytest.mark.nvcc

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_helpers import nvcc_missing
+from kernel_helpers import nvcc_missing, ptxas_of_cases
 
 from onnx_gtco.config import TARGETS
-from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
+from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
 from onnx_gtco.kernels.gemm import (
     _FILL_TILE,
@@ -25,8 +25,6 @@ from onnx_gtco.kernels.gemm import (
     split_workspace_bytes,
     tf32_round,
 )
-from onnx_gtco.kernels.ptxas import parse_ptxas
-from onnx_gtco.kernels.toolchain import nvcc_compile
 from onnx_gtco.tune.analytical import estimate_us
 
 TOL = 2e-3           # ||y - ref|| / ||ref||, ref in fp64 from the same rounded inputs, rounded to the output dtype
@@ -545,16 +543,7 @@ def ptxas_reports(tmp_path_factory):
     """Compile every case (two nvcc at a time): case index -> (instance, ptxas records)."""
     out = tmp_path_factory.mktemp("gemm_nvcc")
 
-    def compile_one(i):
-        key, arch, config = NVCC_CASES[i]
-        inst = FAMILY.instantiate(NVCC_PROBLEMS[key], config, arch)
-        src = out / f"{inst.name}.cu"
-        src.write_text(inst.source)
-        result = nvcc_compile(src, out / f"{inst.name}.o", arch, include_dirs=[INCLUDE_DIR], timeout_s=300)
-        return inst, parse_ptxas(result.stderr)
-
-    with ThreadPoolExecutor(JOBS) as pool:
-        return dict(enumerate(pool.map(compile_one, range(len(NVCC_CASES)))))
+    return ptxas_of_cases(FAMILY, NVCC_PROBLEMS, NVCC_CASES, out, JOBS)
 
 
 @pytest.mark.nvcc

@@ -82,3 +82,16 @@ def decomposed_ln_model(*, reciprocal: bool, affine: bool, opset: int = 17) -> o
                                                                                      ["N", 4, 16])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 4, 16])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def relu_gemm_model(rows: int | str, k: int, n: int) -> onnx.ModelProto:
+    """Y = Relu(X @ W + b), fp16: one Gemm_f16 node with a bias and a ReLU, both in cuBLASLt's epilogue."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float16), "W")
+    b = numpy_helper.from_array((0.5 * rng.standard_normal(n)).astype(np.float16), "b")
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["xw"], name="mm"),
+             helper.make_node("Add", ["xw", "b"], ["xwb"], name="add"),
+             helper.make_node("Relu", ["xwb"], ["Y"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT16, [rows, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, [rows, n])], [w, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from plugin_helpers import relu_gemm_model
 
 from onnx_gtco import optimize
 from onnx_gtco.config import CUBLASLT_INCLUDE_ENV
@@ -51,16 +52,7 @@ SEQUENTIAL = 2  # then these, one after another
 
 
 def _model(rows: int | str = M) -> onnx.ModelProto:
-    """Y = Relu(X @ W + b), fp16: one Gemm_f16 node with a bias and a ReLU, both in cuBLASLt's epilogue."""
-    rng = np.random.default_rng(0)
-    w = numpy_helper.from_array((rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float16), "W")
-    b = numpy_helper.from_array((0.5 * rng.standard_normal(N)).astype(np.float16), "b")
-    nodes = [helper.make_node("MatMul", ["X", "W"], ["xw"], name="mm"),
-             helper.make_node("Add", ["xw", "b"], ["xwb"], name="add"),
-             helper.make_node("Relu", ["xwb"], ["Y"], name="relu")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT16, [rows, K])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, [rows, N])], [w, b])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return relu_gemm_model(rows, K, N)
 
 
 def _reference(x: np.ndarray) -> np.ndarray:

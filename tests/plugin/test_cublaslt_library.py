@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from plugin_helpers import relu_gemm_model
 
 from onnx_gtco import optimize
 from onnx_gtco.errors import HeaderError
@@ -27,16 +27,7 @@ LT = {"impl": "cublaslt", "RANK": 0}
 
 
 def _model() -> onnx.ModelProto:
-    """Y = Relu(X @ W + b), fp16."""
-    rng = np.random.default_rng(0)
-    w = numpy_helper.from_array((rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float16), "W")
-    b = numpy_helper.from_array((0.5 * rng.standard_normal(N)).astype(np.float16), "b")
-    nodes = [helper.make_node("MatMul", ["X", "W"], ["xw"], name="mm"),
-             helper.make_node("Add", ["xw", "b"], ["xwb"], name="add"),
-             helper.make_node("Relu", ["xwb"], ["Y"], name="relu")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT16, [M, K])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, [M, N])], [w, b])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return relu_gemm_model(M, K, N)
 
 
 def _build(tmp_path: Path) -> tuple[onnx.ModelProto, LibraryResult, str]:

@@ -25,6 +25,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
+from cpu_session import run
 from onnx import TensorProto
 from onnxruntime.transformers.float16 import convert_float_to_float16
 from plugin_helpers import ln_softmax_model
@@ -89,15 +90,6 @@ def feeds(model: onnx.ModelProto, seed: int, batch: int = 2) -> dict[str, np.nda
             assert elem == TensorProto.FLOAT, vi.name
             out[vi.name] = rng.standard_normal(shape).astype(np.float32)
     return out
-
-
-def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
-    so = ort.SessionOptions()
-    if lib is not None:
-        so.add_session_config_entry("gtco.register", "all")  # a CPU session: every CPU kernel too
-        so.register_custom_ops_library(str(lib))
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)
 
 
 def build_emulated(name: str, out: Path) -> tuple[onnx.ModelProto, Path, LibraryResult]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from cpu_session import run
 from onnx import TensorProto
 
 from onnx_gtco import optimize, pipeline
@@ -43,15 +43,6 @@ def two_attentions() -> onnx.ModelProto:
     z = attention_core(b, y, "wide", seq=SEQ, dim=DIM, heads=1, qkv="split", scale_op="Mul")
     b.output(z, TensorProto.FLOAT, [1, SEQ, DIM])
     return b.model("two attentions of different head dims")
-
-
-def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
-    so = ort.SessionOptions()
-    if lib is not None:
-        so.add_session_config_entry("gtco.register", "all")
-        so.register_custom_ops_library(str(lib))
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)
 
 
 def test_a_node_without_a_kernel_runs_its_function_and_its_siblings_keep_theirs(

@@ -14,17 +14,14 @@ import os
 import pathlib
 
 import export_zoo as zoo  # tools/export_zoo.py, loaded by conftest
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from cpu_session import assert_close_through_library
 
 from onnx_gtco.config import GtcoConfig
-from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.opspec import DOMAIN
 from onnx_gtco.pipeline import optimize
 from onnx_gtco.plugin.library import build_library
-from onnx_gtco.runtime.check import make_inputs
 
 pytestmark = [pytest.mark.zoo, pytest.mark.slow]
 
@@ -48,16 +45,6 @@ def cases() -> list[tuple[str, str, str]]:
     return triples  # type: ignore[return-value]
 
 
-def run(model: onnx.ModelProto | pathlib.Path, x: dict[str, np.ndarray], lib: pathlib.Path | None = None
-        ) -> list[np.ndarray]:
-    so = ort.SessionOptions()
-    if lib is not None:
-        so.add_session_config_entry("gtco.register", "all")  # a CPU session: the emulated device kernels
-        so.register_custom_ops_library(str(lib))
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, x)
-
-
 @pytest.mark.parametrize(("name", "exporter", "precision"), cases(), ids=lambda v: str(v))
 def test_export_through_emulated_kernels(name: str, exporter: str, precision: str, tmp_path: pathlib.Path) -> None:
     for module in zoo.ZOO_DEPS:
@@ -67,11 +54,5 @@ def test_export_through_emulated_kernels(name: str, exporter: str, precision: st
     lib = build_library(result.model, tmp_path, cuda=False, emulated=True, planned=result.planned())
     fused = {n.op_type for n in result.model.graph.node if n.domain == DOMAIN}
     assert fused <= set(lib.cuda_op_types), lib.kernel_skips  # every fused op type has its device kernel
-    path = tmp_path / "model.gtco.onnx"
-    onnx.save(result.model, str(path))
-    x = make_inputs(original, 1)
-    for out, ref, got in zip(original.graph.output, run(original, x), run(path, x, lib.path), strict=True):
-        assert got.dtype == ref.dtype and got.shape == ref.shape, out.name
-        err = rel_error(got.astype(np.float64), ref.astype(np.float64))
-        print(f"{name} {exporter} {precision} {out.name}: ‖err‖/‖ref‖ = {err:.3g}")
-        assert err < BOUND[precision], f"{name} {exporter} {precision} {out.name}: ‖err‖/‖ref‖ = {err:.3g}"
+    assert_close_through_library(original, result.model, lib.path, tmp_path, BOUND[precision],
+                                 f"{name} {exporter} {precision}")

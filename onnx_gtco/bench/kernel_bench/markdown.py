@@ -37,8 +37,7 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in gemm:
             if r.get("error") or r.get("skipped_reason"):
-                lines.append(f"| {r['set']} | {r['case']} | {r.get('count', 1)} | "
-                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 12)
+                lines.append(_unmeasured_row(r, 12))
                 continue
             best = r["best"]
             cells = []
@@ -80,8 +79,7 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
                   "cuDNN (torch) / ours | cuDNN (ORT) / ours | torch err |", "|---|---|---|---|---|---|---|---|---|"]
         for r in conv:
             if r.get("error") or r.get("skipped_reason"):
-                lines.append(f"| {r['set']} | {r['case']} | {r.get('count', 1)} | "
-                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 5)
+                lines.append(_unmeasured_row(r, 5))
                 continue
             b = r["baselines"]
             ort_b = b.get("ORT cuDNN") or {}
@@ -104,8 +102,7 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
                   "configs ok |", "|---|---|---|---|---|---|---|---|"]
         for r in other:
             if r.get("error") or r.get("skipped_reason"):
-                lines.append(f"| {r['set']} | {r['case']} | {r.get('count', 1)} | "
-                             f"{r.get('error') or 'skipped: ' + r['skipped_reason']} |" + " |" * 5)
+                lines.append(_unmeasured_row(r, 5))
                 continue
             best = (r.get("best") or {}).get("mma")
             default = r["rows"][0]["us"] if r["rows"] else None
@@ -117,3 +114,9 @@ def markdown(results: list[dict], device: str, notes: list[str] | None = None) -
                          f"{n_ok}/{len(r['rows'])} |")
     lines += [""] + [f"- {n}" for n in notes or ()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _unmeasured_row(r: dict, empty: int) -> str:
+    """A case's table row when it failed or was skipped: the reason, then `empty` empty cells."""
+    why = r.get("error") or "skipped: " + r["skipped_reason"]
+    return f"| {r['set']} | {r['case']} | {r.get('count', 1)} | {why} |" + " |" * empty

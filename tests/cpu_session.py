@@ -1,0 +1,46 @@
+"""A model run by ONNX Runtime on the CPU, with a custom-op library registered where one is given: every op type it
+has, CPU and (emulated) device kernels alike (`gtco.register all`); shared by the tests that compare a rewritten
+model run through a library with its original."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from onnx_gtco.kernels.family import rel_error
+from onnx_gtco.runtime.check import make_inputs
+
+
+def cpu_session(model: onnx.ModelProto | Path, lib: Path | None = None, *, threads: int = 0,
+                register: str = "all", profile: Path | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if lib is not None:
+        so.add_session_config_entry("gtco.register", register)
+        so.register_custom_ops_library(str(lib))
+    if profile is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile / "profile")
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | None = None) -> list[np.ndarray]:
+    return cpu_session(model, lib).run(None, x)
+
+
+def assert_close_through_library(original: onnx.ModelProto, rewritten: onnx.ModelProto, lib: Path, tmp_path: Path,
+                                 bound: float, label: str) -> None:
+    """The rewritten model run through `lib` gives each output of the original within ‖err‖/‖ref‖ < bound, on one
+    seeded input set, with the original's dtype and shape."""
+    path = tmp_path / "model.gtco.onnx"
+    onnx.save(rewritten, str(path))
+    x = make_inputs(original, 1)
+    for out, ref, got in zip(original.graph.output, run(original, x), run(path, x, lib), strict=True):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, out.name
+        err = rel_error(got.astype(np.float64), ref.astype(np.float64))
+        print(f"{label} {out.name}: ‖err‖/‖ref‖ = {err:.3g}")
+        assert err < bound, f"{label} {out.name}: ‖err‖/‖ref‖ = {err:.3g}"
