@@ -24,7 +24,7 @@ import pytest
 
 from onnx_gtco.errors import GtcoError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "gpu_suite"
 sys.path.insert(0, str(ROOT / "tools"))
 
