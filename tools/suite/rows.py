@@ -481,9 +481,9 @@ def _calibration(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -
 
 
 def _kernels(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> None:
-    """The kernel bench (onnx_gtco.bench.kernel_bench) for one shape set into OUT/kernel-bench/<set>: on a GPU the first configurations of
-    each implementation timed beside cuBLASLt, torch and ORT (no torch.compile: the extra rows time it), within the
-    row's time; a dry run compiles three instances and launches none."""
+    """The kernel bench (onnx_gtco.bench.kernel_bench) for one shape set into OUT/kernel-bench/<set>: on a GPU the
+    first configurations of each implementation timed beside cuBLASLt, torch and ORT (no torch.compile: the extra
+    rows time it), within the row's time; a dry run compiles three instances and launches none."""
     if ctx.target is None:
         rec["status"], rec["reason"] = "failed", "no onnx-gtco target for this GPU"
         return
