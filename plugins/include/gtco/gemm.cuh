@@ -322,6 +322,15 @@ GTCO_DEVICE void zero_acc(float (&acc)[MI][NI][4]) {
 // row of A). 16-bit T: m16n8k16 on ldmatrix fragments. fp32 T: m16n8k8 tf32 on fragments rounded by cvt.rna:
 // A (and B when TRANS_B) through ldmatrix, whose .b16 rows of 16 bytes are 4 floats each; [K, N] B with plain
 // 32-bit shared loads (ldmatrix.trans would split the words).
+// The four registers of an x4 ldmatrix of B as the fragments of n-tiles ni and ni + 1 (b0 b1 of each).
+template <int NI>
+GTCO_DEVICE void take_b_pair(uint32_t (&bf)[NI][2], int ni, const uint32_t (&r)[4]) {
+    bf[ni][0] = r[0];
+    bf[ni][1] = r[1];
+    bf[ni + 1][0] = r[2];
+    bf[ni + 1][1] = r[3];
+}
+
 template <class Tile, class T, bool TRANS_B, int BK>
 GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, const T* bs, int a_row, int wn,
                            int lane) {
@@ -342,10 +351,7 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
                 uint32_t r[4];
                 ldmatrix_x4(r, bs + (wn * TN + ni * 8 + (lane / 16) * 8 + lane % 8) * kBStride + k0 +
                                    ((lane / 8) % 2) * E);
-                bf[ni][0] = r[0];
-                bf[ni][1] = r[1];
-                bf[ni + 1][0] = r[2];
-                bf[ni + 1][1] = r[3];
+                take_b_pair(bf, ni, r);
             }
             if constexpr (NI % 2 == 1) {
                 constexpr int ni = NI - 1;
@@ -363,10 +369,7 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
             for (int ni = 0; ni + 1 < NI; ni += 2) {
                 uint32_t r[4];
                 ldmatrix_x4_trans(r, bs + (k0 + lane % 16) * kBStride + wn * TN + ni * 8 + (lane / 16) * 8);
-                bf[ni][0] = r[0];
-                bf[ni][1] = r[1];
-                bf[ni + 1][0] = r[2];
-                bf[ni + 1][1] = r[3];
+                take_b_pair(bf, ni, r);
             }
             if constexpr (NI % 2 == 1) {
                 constexpr int ni = NI - 1;
