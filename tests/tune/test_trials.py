@@ -212,13 +212,16 @@ class HeldBuild(StandIn):
 
 
 def test_a_slow_build_holds_its_own_slot_only() -> None:
-    """A build that lasts until three quick ones are told beside it: it ends well before its deadline only if the
-    quick ones are measured and told while it builds, and their freed slot takes new trials meanwhile. A driver
-    that waited for every build of a round would hold it to the deadline with fewer than three told."""
+    """A build that lasts until three quick ones are told beside it: it ends before its deadline only if the quick
+    ones are measured and told while it builds, and their freed slot takes new trials meanwhile. A driver that
+    waited for every build of a round would hold it to the deadline with fewer than three told. The deadline only
+    bounds that failure, so it is far above what the quick trials take on a loaded machine (beside the rest of the
+    suite on 2 cores, three of them were once not told within 60 s: their measurements start a fresh interpreter).
+    """
     task = _task()
     slow = analytical_guesses(task)[0]
     url = "memory:slow-build"
-    meas = HeldBuild(slow, url, task, quick=3, deadline_s=60.0)
+    meas = HeldBuild(slow, url, task, quick=3, deadline_s=600.0)
     try:
         tune([task], trials=10, measurer=meas, storage=url, patience=50, jobs=2)
     finally:
