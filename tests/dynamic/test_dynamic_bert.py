@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
+from cpu_session import cpu_session
 
 from onnx_gtco import optimize
 from onnx_gtco.config import DYNAMIC_METADATA_KEY as DYNAMIC_KEY
@@ -57,23 +56,14 @@ def feeds(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
     return {"input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64), "attention_mask": mask}
 
 
-def session(model: onnx.ModelProto, lib: Path | None = None) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    if lib is not None:
-        so.add_session_config_entry("gtco.register", "all")  # a CPU session: every CPU kernel too
-        so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     original = build("bert-tiny", batch="batch", seq="seq", seed=0, **SIZES)
-    out: dict[str, object] = {"original": original, "ref": session(original)}
+    out: dict[str, object] = {"original": original, "ref": cpu_session(original, threads=2)}
     for kind, model in (("cpu", original), ("emu", fp16(original))):
         rewritten = optimize(model, GtcoConfig(dynamic=RANGES)).model  # writes the ranges into gtco.dynamic
         lib = build_library(rewritten, tmp_path_factory.mktemp(kind), cuda=False, emulated=kind == "emu")
-        out[kind] = (rewritten, lib, session(rewritten, lib.path))
+        out[kind] = (rewritten, lib, cpu_session(rewritten, lib.path, threads=2))
     return out
 
 

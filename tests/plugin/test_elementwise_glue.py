@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cpu_session import cpu_session
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import optimize
@@ -27,7 +28,6 @@ from onnx_gtco.plugin.coverage import candidate_node
 from onnx_gtco.plugin.library import LibraryResult, bind_nodes, build_library, generate_glue, library_info
 from onnx_gtco.plugin.nodes import fused_nodes
 
-CPU = ["CPUExecutionProvider"]
 h = helper.make_node
 
 
@@ -162,19 +162,6 @@ def feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def session(model: onnx.ModelProto | Path, lib: Path | None = None, register: str = "all",
-            profile: Path | None = None) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.add_session_config_entry("gtco.register", register)
-    if lib is not None:
-        so.register_custom_ops_library(str(lib))
-    if profile is not None:
-        so.enable_profiling = True
-        so.profile_file_prefix = str(profile / "profile")
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(data, so, providers=CPU)
-
-
 def ran_ops(sess: ort.InferenceSession) -> set[str]:
     events = json.loads(Path(sess.end_profiling()).read_text())
     return {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
@@ -203,16 +190,16 @@ def test_cpu_kernel_matches_function(name: str, cpu_libs, tmp_path: Path) -> Non
     assert not lib.skipped(), lib.skipped()
     for seed in (0, 1, 2):
         x = feeds(rewritten, seed)
-        want = session(rewritten, register="none").run(None, x)  # the model-local function
-        got = session(rewritten, lib.path).run(None, x)
+        want = cpu_session(rewritten, register="none").run(None, x)  # the model-local function
+        got = cpu_session(rewritten, lib.path).run(None, x)
         assert len(got) == len(want)
         for w, g in zip(want, got, strict=True):
             assert g.shape == w.shape and g.dtype == w.dtype
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{name} seed {seed}")
-    sess = session(rewritten, lib.path, profile=tmp_path)
+    sess = cpu_session(rewritten, lib.path, profile=tmp_path)
     sess.run(None, feeds(rewritten, 0))
     assert "Elementwise_f32" in ran_ops(sess)  # the custom op ran (a registered op type hides the function)
-    sess = session(rewritten, lib.path, register="none", profile=tmp_path)
+    sess = cpu_session(rewritten, lib.path, register="none", profile=tmp_path)
     sess.run(None, feeds(rewritten, 0))
     assert "Elementwise_f32" not in ran_ops(sess)  # the function's own ops ran
 
@@ -258,8 +245,8 @@ def test_nodes_of_one_program_share_its_host_function(tmp_path: Path) -> None:
     assert source.count("static const gtco::ElementwiseNode gtco_elementwise_node_") == 2
     lib = build_library(rewritten, tmp_path, cuda=False)
     x = feeds(rewritten, 0)
-    want = session(rewritten, register="none").run(None, x)
-    for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
+    want = cpu_session(rewritten, register="none").run(None, x)
+    for w, g in zip(want, cpu_session(rewritten, lib.path).run(None, x), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
@@ -287,13 +274,13 @@ def test_emulated_device_kernel_matches_fp32_original(name: str, emulated, tmp_p
     for seed in (0, 1):
         x32 = feeds(original, seed)
         x16 = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in x32.items()}
-        want = session(original).run(None, x32)
-        got = session(rewritten, lib.path).run(None, x16)
+        want = cpu_session(original).run(None, x32)
+        got = cpu_session(rewritten, lib.path).run(None, x16)
         for w, g in zip(want, got, strict=True):
             assert g.dtype == np.float16 and g.shape == w.shape and np.isfinite(g).all()
             err = rel_error(g.astype(np.float32), w)
             assert err < 5e-3, f"{name} seed {seed}: ‖err‖/‖ref‖ = {err:.2e}"
-    sess = session(rewritten, lib.path, profile=tmp_path)
+    sess = cpu_session(rewritten, lib.path, profile=tmp_path)
     sess.run(None, {k: v.astype(np.float16) if v.dtype == np.float32 else v
                     for k, v in feeds(original, 0).items()})
     assert "Elementwise_f16" in ran_ops(sess)  # in an emulated build the device kernel is the only one registered
@@ -310,8 +297,8 @@ def test_cuda_build_compiles_the_instances_and_runs_the_host_function_on_cpu(tmp
         for r in k["kernels"]:
             assert r["spill_store_bytes"] == 0 and r["stack_frame_bytes"] == 0, k
     x = {k: v.astype(np.float16) for k, v in feeds(rewritten, 0).items()}
-    want = session(rewritten, register="none").run(None, x)
-    for w, g in zip(want, session(rewritten, lib.path).run(None, x), strict=True):
+    want = cpu_session(rewritten, register="none").run(None, x)
+    for w, g in zip(want, cpu_session(rewritten, lib.path).run(None, x), strict=True):
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=2e-3, atol=2e-3)
 
 
@@ -330,7 +317,7 @@ def test_wrong_shape_names_the_op(cpu_libs) -> None:
     x = {k: v[:, :20].copy() for k, v in feeds(rewritten, 0).items()}
     with pytest.raises(Exception, match=r"Elementwise_f32 node '[^']+': inputs float \[4,20\], float \[4,20\]; the "
                                         r"kernel was built for float \[4,24\], float \[4,24\]"):
-        session(model, lib.path).run(None, x)
+        cpu_session(model, lib.path).run(None, x)
 
 
 def test_wrong_shape_names_the_op_on_the_device_path(emulated) -> None:
@@ -339,7 +326,7 @@ def test_wrong_shape_names_the_op_on_the_device_path(emulated) -> None:
     x = {k: v[:, :20].astype(np.float16) for k, v in feeds(rewritten, 0).items()}
     with pytest.raises(Exception, match=r"Elementwise_f16 node '[^']+': inputs float16 \[4,20\], float16 \[4,20\]; "
                                         r"the kernel was built for float16 \[4,24\]"):
-        session(model, lib.path).run(None, x)
+        cpu_session(model, lib.path).run(None, x)
 
 
 # --- (d) nodes the binder refuses keep their function, with the reason ---------------------------------------------
@@ -351,8 +338,8 @@ def test_refused_nodes_keep_their_function(tmp_path: Path) -> None:
     assert "Elementwise_f32" not in lib.op_types
     assert "static shape" in lib.skipped()[node] and "'N'" in lib.skipped()[node], lib.skipped()
     x = feeds(rewritten, 0)
-    want = session(gelu(batch="N")).run(None, x)[0]
-    np.testing.assert_allclose(session(rewritten, lib.path).run(None, x)[0], want, rtol=1e-5, atol=1e-6)
+    want = cpu_session(gelu(batch="N")).run(None, x)[0]
+    np.testing.assert_allclose(cpu_session(rewritten, lib.path).run(None, x)[0], want, rtol=1e-5, atol=1e-6)
 
 
 def test_binder_reasons() -> None:
@@ -402,8 +389,8 @@ def test_layout_chain_optimized_to_fp16_runs_its_kernel(name: str, tmp_path: Pat
     assert lib.cuda_op_types == ["Elementwise_f16"], (lib.skipped(), lib.kernel_skips)
     for seed in (0, 1):
         x = feeds(original, seed)
-        want = session(original).run(None, x)
-        got = session(result.model, lib.path).run(None, x)
+        want = cpu_session(original).run(None, x)
+        got = cpu_session(result.model, lib.path).run(None, x)
         for w, g in zip(want, got, strict=True):
             assert g.shape == w.shape and np.isfinite(g).all()
             err = rel_error(g.astype(np.float32), w)
