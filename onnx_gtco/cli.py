@@ -366,28 +366,21 @@ def parser() -> argparse.ArgumentParser:
     _add_verbosity(ap, top=True)
     subs = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def command(name: str, summary: str) -> argparse.ArgumentParser:
-        return subs.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
-
-    p = command("optimize", "fuse a model; writes MODEL.gtco.onnx and its report")
-    _optimize_args(p, model_help)
-    p = command("tune-worker", "run tuning trials of a shared storage's open studies until none is open")
-    _tune_worker_args(p, model_help)
-    p = command("tune-records", "merge a tuning storage's measured trials into the tuning records, or list them")
-    _tune_records_args(p, model_help)
-    p = command("calibration", "fit the kernel-time estimate's constants to measured kernel records, check them, "
-                "or show them")
-    _calibration_args(p, model_help)
-    p = command("inspect", "print the fusion plan without writing anything")
-    _inspect_args(p, model_help)
-    p = command("report", "render an optimize report (JSON) as Markdown, and a PNG of time per family")
-    _report_args(p, model_help)
-    p = command("check", "compare a rewritten model with its original on seeded random inputs")
-    _check_args(p, model_help)
-    p = command("demo", "build a built-in model (ViT-tiny by default), optimize it, check it, print the report")
-    _demo_args(p, model_help)
-    p = command("bench", "time the model's baselines and ours on the same inputs; table, JSON, PNG")
-    _bench_args(p, model_help)
+    commands = (
+        ("optimize", "fuse a model; writes MODEL.gtco.onnx and its report", _optimize_args),
+        ("tune-worker", "run tuning trials of a shared storage's open studies until none is open", _tune_worker_args),
+        ("tune-records", "merge a tuning storage's measured trials into the tuning records, or list them",
+         _tune_records_args),
+        ("calibration", "fit the kernel-time estimate's constants to measured kernel records, check them, or show them",
+         _calibration_args),
+        ("inspect", "print the fusion plan without writing anything", _inspect_args),
+        ("report", "render an optimize report (JSON) as Markdown, and a PNG of time per family", _report_args),
+        ("check", "compare a rewritten model with its original on seeded random inputs", _check_args),
+        ("demo", "build a built-in model (ViT-tiny by default), optimize it, check it, print the report", _demo_args),
+        ("bench", "time the model's baselines and ours on the same inputs; table, JSON, PNG", _bench_args),
+    )
+    for name, summary, add_args in commands:
+        add_args(subs.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + "."), model_help)
     for p in subs.choices.values():  # also after the command: onnx-gtco optimize -v model.onnx
         _add_verbosity(p, top=False)
     return ap
