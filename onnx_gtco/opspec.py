@@ -13,13 +13,15 @@ A fused node's op type names its kernel family and I/O dtype: `Attention_f16`, `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
 from onnx import helper
 
+from onnx_gtco import families
 from onnx_gtco.errors import RewriteError
 
 DOMAIN = "ai.gtco"
@@ -156,48 +158,29 @@ def _decode(a: Attr, v: Any) -> Any:
     return v
 
 
-_ATTENTION = (Attr("heads", DIM), Attr("head_dim", DIM), Attr("seq_q", DIM), Attr("seq_k", DIM),
-              Attr("scale", FLOAT), Attr("mask", BOOL, False), Attr("bias", BOOL, False),
-              Attr("nan_guard", BOOL, False), Attr("batch_dims", DIMS, ()), Attr("q_layout", STR, "bhsd"),
-              Attr("k_layout", STR, "bhds"), Attr("causal", BOOL, False), Attr("scores_path", STRS, ()),
-              Attr("mask_period", INT, 0), Attr("mask_scale", FLOAT, 1.0), Attr("bias_scale", FLOAT, 1.0))
-QKV_PROJECTIONS = 3  # the projections a qkv op names roles for (C++ gtco::Qkv::kMaxProj)
-_EPILOGUE = (Attr("bias", BOOL, False), Attr("activation", STR, "none"), Attr("residual", BOOL, False))
+EPILOGUE = (Attr("bias", BOOL, False), Attr("activation", STR, "none"), Attr("residual", BOOL, False))
+"""The epilogue attributes of the families that share one (the GEMM's and the conv's)."""
 
-SPECS: dict[str, OpSpec] = {s.family: s for s in (
-    # softmax(scale * q kᵀ + mask_scale * mask + bias_scale * bias) v; scores_path: ops between QKᵀ and the Softmax
-    # other than the scale and the additive terms (a reshape, a Where mask), which a kernel reading [B, H, Sq, Sk]
-    # scores cannot take; mask_period: the mask is read at batch row b % mask_period (Swin's window mask
-    # [1, nW, 1|H, N, N]; 0: row b); mask_scale / bias_scale: the scales the graph applies after adding the term
-    OpSpec("attention", ("q", "k", "v", "mask", "bias"), ("out",),
-           (*_ATTENTION, Attr("v_layout", STR, "bhsd"), Attr("out_layout", STR, "bhsd"))),
-    OpSpec("bmm_softmax", ("q", "k", "mask", "bias"), ("probs",), _ATTENTION),
-    # y_p = a @ w_p (+ bias_p), p < len(ns) <= QKV_PROJECTIONS
-    OpSpec("qkv", ("a", *(f"w{p}" for p in range(QKV_PROJECTIONS)), *(f"bias{p}" for p in range(QKV_PROJECTIONS))),
-           tuple(f"y{p}" for p in range(QKV_PROJECTIONS)),
-           (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False))),
-    # y = act(alpha * a @ op(b) + beta * bias) * layer_scale + residual (layer_scale: one factor per column of y);
-    # layernorm: norm = LayerNorm(y) * gamma + beta over each row of N (y then an output only when read outside)
-    OpSpec("gemm", ("a", "b", "bias", "residual", "layer_scale", "gamma", "beta"), ("y", "norm"),
-           (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
-            Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *_EPILOGUE,
-            Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5))),
-    # y = post_act(act(affine(conv(x, w) + bias)) + residual); affine: v * scale + shift, or with batchnorm
-    # (v - mean) * scale / sqrt(var + epsilon) + shift (patterns/conv.py); auto_pad: ONNX Conv's (SAME_* pads depend
-    # on x's spatial size, so the kernels compute them from x's shape and `pads` is zero then)
-    OpSpec("conv", ("x", "w", "bias", "scale", "shift", "mean", "var", "residual"), ("y",),
-           (Attr("kernel", INTS), Attr("stride", INTS), Attr("pads", INTS), Attr("dilations", INTS),
-            Attr("auto_pad", STR, "NOTSET"), Attr("groups", INT, 1), *_EPILOGUE, Attr("scale", BOOL, False),
-            Attr("shift", BOOL, False), Attr("batchnorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5),
-            Attr("affine", BOOL, False), Attr("post_activation", STR, "none"))),
-    # y = LayerNorm(a [+ b]) * gamma + beta; sum = a + b when read outside
-    OpSpec("layernorm", ("a", "b", "gamma", "beta"), ("y", "sum"),
-           (Attr("epsilon", FLOAT, 1e-5), Attr("axis", INT, -1), Attr("hidden", DIM), Attr("residual", BOOL, False),
-            Attr("decomposed", BOOL, False), Attr("affine", BOOL, True))),
-    OpSpec("softmax", ("x",), ("y",), (Attr("axis", INT, -1), Attr("rows", DIM), Attr("cols", DIM))),
-    # the group's elementwise program over its inputs in order
-    OpSpec("elementwise", None, None, (Attr("ops", STRS, ()),)),
-)}
+
+class _Specs(Mapping[str, "OpSpec"]):
+    """Family name -> OpSpec, from each family's spec module (onnx_gtco.families), read on first use: a family's
+    spec module imports this one."""
+
+    @functools.cached_property
+    def _specs(self) -> dict[str, OpSpec]:
+        return {s.family: s for part in families.parts("spec") for s in part.SPECS}
+
+    def __getitem__(self, family: str) -> OpSpec:
+        return self._specs[family]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+SPECS: Mapping[str, OpSpec] = _Specs()
 
 
 @dataclass(frozen=True)

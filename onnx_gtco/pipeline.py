@@ -105,8 +105,9 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
                   ) -> Callable[[Candidate], float | None]:
     """A fused candidate's measured kernel time where its tuning task has one (onnx_gtco.tune task key ->
     microseconds on the target GPU), else None."""
+    from onnx_gtco.kernels.select import shaped
     from onnx_gtco.rewrite import fused_node
-    from onnx_gtco.tune.tasks import SHAPED_FAMILIES, node_task, template_version, view_shapes
+    from onnx_gtco.tune.tasks import node_task, template_version, view_shapes
 
     version = template_version()
     shape_of = view_shapes(view)
@@ -116,7 +117,7 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
             return None
         # a conv's binder checks its group's Conv (auto_pad), which the rewrite puts in the node's function
         body = onnx.FunctionProto(node=[view.model.graph.node[i] for i in sorted(cand.nodes)]
-                                  ) if cand.family in SHAPED_FAMILIES else None
+                                  ) if shaped(cand.family) else None
         task = node_task(fused_node(view, cand, config.precision), shape_of, config.arch, version, function=body)
         if isinstance(task, str) or task.key not in measured_us:
             return None
@@ -184,7 +185,7 @@ def plan_model(
         elif unfused:
             candidates, rejects = [], [Reject("model", view.model.graph.name or "graph", unfused)]
         else:
-            candidates, rejects = cands_mod.collect(view, patterns_mod.PATTERNS, config.max_group_size)
+            candidates, rejects = cands_mod.collect(view, patterns_mod.rules(), config.max_group_size)
         st.step(f"{len(candidates)} candidates")
 
         # the kernel the build would select for each group, and its estimate on the target: the DP's price

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from onnx_gtco.errors import RewriteError
-from onnx_gtco.opspec import QKV_PROJECTIONS, SPECS, decode
-from onnx_gtco.plugin.bind_attention import CPP_IN
+from onnx_gtco.families.attention.bind import CPP_IN
+from onnx_gtco.families.gemm.spec import QKV_PROJECTIONS
+from onnx_gtco.opspec import SPECS, decode
 
 ORT = Path(__file__).resolve().parents[1] / "plugins" / "ort"
 

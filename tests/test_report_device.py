@@ -21,7 +21,7 @@ from onnx_gtco.plugin.library import bind_nodes, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
 
 CONV3D_REASON = "Conv_f32 node 'gtco/conv/conv': a 3-D convolution; the kernel takes 1-D and 2-D ones"
-"""Why a 3-D conv has no kernel (plugin.bind_conv): a CUDA session keeps its function. Since grouped and depthwise
+"""Why a 3-D conv has no kernel (families.conv.bind): a CUDA session keeps its function. Since grouped and depthwise
 convs got their direct kernel and SAME-padded ones their run-time pads, a 3-D conv is the honest conv without one."""
 
 

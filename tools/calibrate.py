@@ -82,13 +82,13 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from onnx_gtco.calibration import SHIPPED_DIR, Hardware, hardware, load_calibration  # noqa: E402
 from onnx_gtco.config import TARGETS  # noqa: E402
 from onnx_gtco.errors import GtcoError  # noqa: E402
-from onnx_gtco.kernels import cublaslt, cutlass  # noqa: E402
-from onnx_gtco.kernels.conv import conv_problem  # noqa: E402
-from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE  # noqa: E402
-from onnx_gtco.kernels.elementwise import program_from_onnx  # noqa: E402
+from onnx_gtco.families.conv.kernel import conv_problem  # noqa: E402
+from onnx_gtco.families.elementwise.kernel import FAMILY as ELEMENTWISE  # noqa: E402
+from onnx_gtco.families.elementwise.kernel import program_from_onnx  # noqa: E402
+from onnx_gtco.families.gemm import cublaslt, cutlass  # noqa: E402
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM  # noqa: E402
+from onnx_gtco.families.gemm.kernel import gemm_problem  # noqa: E402
 from onnx_gtco.kernels.family import Instance, Problem  # noqa: E402
-from onnx_gtco.kernels.gemm import FAMILY as GEMM  # noqa: E402
-from onnx_gtco.kernels.gemm import gemm_problem  # noqa: E402
 from onnx_gtco.kernels.select import candidates, fastest  # noqa: E402
 from onnx_gtco.patterns.patchify import patchify_convs  # noqa: E402
 from onnx_gtco.tune import fit  # noqa: E402

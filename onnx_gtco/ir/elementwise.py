@@ -1,6 +1,6 @@
-"""An elementwise group of ONNX nodes as a program: what onnx_gtco.kernels.elementwise generates a kernel for, and
-what the elementwise pattern asks of a group before it proposes it (whether its layout ops fold into loads and
-stores). The encoding of a program is described in onnx_gtco/kernels/elementwise.py."""
+"""An elementwise group of ONNX nodes as a program: what onnx_gtco.families.elementwise.kernel generates a kernel for,
+and what the elementwise pattern asks of a group before it proposes it (whether its layout ops fold into loads and
+stores). The encoding of a program is described in onnx_gtco/families/elementwise/kernel.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CAST_TARGETS = ("f16", "bf16", "f32", "f64", "bool")
 Ref = tuple[str, Any]
 Instr = tuple[str, tuple[Ref, ...], Any]
 # (source shape, element strides over the view, base[, terms]); a term (n, r, q, m, stride, weights over the view dims)
-# adds ((sum_d i_d * weights_d + r) % n // q % m) * stride to the offset (onnx_gtco/kernels/elementwise.py)
+# adds ((sum_d i_d * weights_d + r) % n // q % m) * stride to the offset (onnx_gtco/families/elementwise/kernel.py)
 Layout = tuple[Any, ...]
 Term = tuple[int, int, int, int, int, tuple[int, ...]]
 

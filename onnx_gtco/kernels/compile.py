@@ -19,8 +19,8 @@ from pathlib import Path
 
 from onnx_gtco import progress
 from onnx_gtco.errors import BuildError, HeaderError, KernelResourceError
-from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
-from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
+from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir
+from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas

@@ -14,12 +14,19 @@ The same text builds with nvcc (sm_80 / sm_90) and with g++ -DGTCO_EMULATE for t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from onnx_gtco.config import Target
+    from onnx_gtco.kernels.timing import Tiling
+    from onnx_gtco.opspec import FusedOp
 
 DTYPES = ("f16", "bf16", "f32")
 ARCHS = ("sm_80", "sm_90")
@@ -53,6 +60,10 @@ class Problem:
                 return v
         return default
 
+    def with_sizes(self, new: Mapping[str, int]) -> Problem:
+        """The same problem with the sizes in `new` replaced (sizes it does not have are left out)."""
+        return dataclasses.replace(self, sizes=tuple((k, int(new.get(k, v))) for k, v in self.sizes))
+
     @classmethod
     def make(cls, family: str, dtype: str, sizes: Mapping[str, int], flags: Mapping[str, Any] | None = None
              ) -> Problem:
@@ -60,6 +71,35 @@ class Problem:
             raise ValueError(f"dtype {dtype!r}: choose one of {DTYPES}")
         return cls(family, dtype, tuple(sorted((k, int(v)) for k, v in sizes.items())),
                    tuple(sorted((flags or {}).items())))
+
+
+@dataclass(frozen=True)
+class OpKernel:
+    """How the nodes of one fused op (an opspec family) reach their kernel family: a family's kernel module lists one
+    per op it writes (OPS), and kernels.select reads a node's Problem through it.
+
+    Attributes:
+        op: the fused op's family name, e.g. "qkv".
+        kernel: the kernel family its nodes run, e.g. "gemm".
+        problem: (the node read through its spec, the kernel dtype) -> the Problem, or why no kernel serves the node
+            (it then runs its function).
+        extent_attr: the node attribute whose factors ("batch*seq") make its run-time extent, where it has one
+            (tune.shape_generic; None: the leading dims of its first input).
+        shaped: its Problem needs the node's tensor shapes, which only its binder reads (`problem` says so).
+    """
+
+    op: str
+    kernel: str
+    problem: Callable[[FusedOp, str], Problem | str]
+    extent_attr: str | None = None
+    shaped: bool = False
+
+
+def static_product(dims: Sequence[Any]) -> int | None:
+    """The product of `dims`; None when one is symbolic (not an int)."""
+    if any(not isinstance(d, int) for d in dims):
+        return None
+    return math.prod(dims)
 
 
 Config = Mapping[str, int]
@@ -110,6 +150,25 @@ class KernelFamily(ABC):
     name: str
     space: Mapping[str, tuple[int, ...]]
     """Tunable parameter -> allowed values (the tuner's search space)."""
+    extent: str | None = None
+    """The Problem size its tiles run over that changes with the input shape, which a dynamic-shape node dispatches
+    on at run time (kernels.dynamic); None: it does not dispatch on size."""
+    rowwise: bool = False
+    """Whether its instance takes its row count at run time (a Problem from a node's attributes has rows 1; the
+    tuner's task and the estimate take the rows from the node's first input)."""
+    row_term: bool = False
+    """Whether its blocks' time also follows the valid rows of their tiles (A's rows loaded, outputs written: the
+    mma GEMM): the shape-generic tuner's cost model gets a third term and measures it at one row as well."""
+    grows_with_extent: bool = False
+    """Whether a block's work grows with the run-time extent (attention's keys follow its queries): the
+    shape-generic tuner caps its micro-kernel extents near the range's top."""
+    arch_specific: bool = False
+    """Whether it offers configurations of its own for an arch-specific slot (sm_90a: CUTLASS's wgmma GEMMs), which
+    the library builds where the estimate predicts them faster than the slot's fallback (plugin.device.own_config)."""
+    per_group: bool = False
+    """Whether its kernel is generated per fused group (the elementwise programs): the group's binder builds the
+    Problem and the first valid configuration runs, with no estimate to choose and nothing to tune
+    (kernels.select.FAMILIES holds the others)."""
 
     @abstractmethod
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
@@ -123,6 +182,32 @@ class KernelFamily(ABC):
     @abstractmethod
     def instantiate(self, problem: Problem, config: Config, arch: str) -> Instance:
         """The instance's source. Raises ValueError with check()'s reason for an invalid config."""
+
+    def library_configs(self, problem: Problem, arch: str) -> list[dict[str, Any]]:
+        """Configurations that run a vendor library instead of a generated kernel, which the selection weighs beside
+        `configs` (kernels.select.candidates); none by default."""
+        del problem, arch
+        return []
+
+    def tiling(self, problem: Problem, config: Config, target: Target) -> Tiling:
+        """How `config`'s blocks cover `problem` along its run-time extent on `target` (tune.shape_generic's
+        micro-kernels).
+
+        Raises:
+            ValueError: the family has no tiling over a run-time extent.
+        """
+        del config, target
+        raise ValueError(f"{problem.family} kernels have no tiling over a run-time extent")
+
+    def block_work(self, problem: Problem, config: Config, n: np.ndarray, follows: bool) -> np.ndarray:
+        """The work of one block at run-time extents `n`, relative (the shape-generic tuner's W); `follows`: the
+        problem's other lengths follow the extent. One unit by default."""
+        del problem, config, follows
+        return np.ones_like(n)
+
+    def at_extent(self, problem: Problem, n: int) -> Problem:
+        """`problem` with its run-time extent (`extent`, at least 1) set to `n` (kernels.dynamic.with_extent)."""
+        return problem.with_sizes({str(self.extent): n})
 
     def instance_name(self, problem: Problem, config: Config, arch: str) -> str:
         """The name instantiate gives the instance (a family overrides this where it can say it without generating

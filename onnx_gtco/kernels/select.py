@@ -19,35 +19,25 @@ fp32.
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import onnx
 
+from onnx_gtco import families
 from onnx_gtco.calibration import Hardware, hardware_for_arch
-from onnx_gtco.kernels import cublaslt
-from onnx_gtco.kernels.attention import FAMILIES as ATTENTION_FAMILIES
-from onnx_gtco.kernels.attention import make_problem
-from onnx_gtco.kernels.conv import FAMILY as CONV
-from onnx_gtco.kernels.family import ARCHS, Instance, KernelFamily, Problem
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.gemm import gemm_problem
-from onnx_gtco.kernels.layernorm import FAMILY as LAYERNORM
-from onnx_gtco.kernels.softmax import FAMILY as SOFTMAX
+from onnx_gtco.kernels.family import Instance, KernelFamily, OpKernel, Problem
 from onnx_gtco.opspec import FusedOp, decode_node
 
-FAMILIES: dict[str, KernelFamily] = {
-    "gemm": GEMM, "layernorm": LAYERNORM, "softmax": SOFTMAX, "conv": CONV, **{f.name: f for f in ATTENTION_FAMILIES},
-}
-"""Kernel families by name (the elementwise family is generated per group and selected by its own binder; the
-conv family's Problem needs the input's shape, which its binder reads: plugin.bind_conv)."""
+ALL_FAMILIES: dict[str, KernelFamily] = {k.name: k for part in families.parts("kernel") for k in part.KERNELS}
+"""Every kernel family by name, from each family's kernel module (onnx_gtco.families)."""
+FAMILIES: dict[str, KernelFamily] = {name: k for name, k in ALL_FAMILIES.items() if not k.per_group}
+"""The kernel families a node's attributes select an instance of (the elementwise family is generated per group and
+selected by its own binder; the conv family's Problem needs the input's shape, which its binder reads:
+families.conv.bind)."""
 
-CONV_NEEDS_SHAPES = "a conv's kernel Problem needs its input's shape (the binder gives it: plugin.bind_conv)"
-"""problem_for's answer for a conv node: its attributes hold the kernel, strides, pads and dilations but not x's
-shape. The conv binder builds the Problem from the shapes instead, for the library (plugin.device) and for the
-tuner's tasks (tune.tasks.shaped_problem) alike; model_instances, which reads attributes only, skips conv nodes
-with this reason."""
+OPS: dict[str, OpKernel] = {o.op: o for part in families.parts("kernel") for o in part.OPS}
+"""Fused op family -> how its nodes reach their kernel family (each family kernel module's OPS)."""
 
 _PRECISION_DTYPE = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 
@@ -60,85 +50,24 @@ def kernel_dtype(family: str, io_dtype: str, precision: str) -> str:
     return want if want != "f32" else io_dtype
 
 
-def _batch(dims: Sequence[Any]) -> int | None:
-    """Product of batch dims; None when one is symbolic."""
-    if any(not isinstance(d, int) for d in dims):
-        return None
-    return math.prod(dims)
-
-
 def problem_for(op: FusedOp) -> Problem | str:
     """The kernel Problem of a fused node read through its spec (opspec.decode), or why there is none."""
-    family, precision = op.family, str(op["precision"])
-    kernel_family = "gemm" if family == "qkv" else family
-    if kernel_family not in FAMILIES:
-        return f"no {family} kernel family (the node runs its function)"
-    if kernel_family == "conv":
-        return CONV_NEEDS_SHAPES
-    dtype = kernel_dtype(kernel_family, op.dtype, precision)
-    if kernel_family == "gemm":
-        return _gemm(dtype, op)
-    if kernel_family in ("attention", "bmm_softmax"):
-        return _attention(kernel_family, dtype, op)
-    if kernel_family == "layernorm":
-        hidden = op.int("hidden")
-        if hidden is None:
-            return "LayerNorm over a symbolic hidden size (the kernel is built per hidden size)"
-        residual, affine = op["residual"], op["affine"]
-        return Problem.make("layernorm", dtype, {"hidden": hidden, "rows": 1}, {
-            "residual": residual, "residual_out": residual, "gamma": affine, "beta": affine,
-            "epsilon": op["epsilon"]})
-    cols = op.int("cols")
-    if cols is None:
-        return "softmax over a symbolic row length (the kernel is built per row length)"
-    return Problem.make("softmax", dtype, {"rows": op.int("rows") or 1, "cols": cols}, {"scale": None, "mask": False})
+    found = OPS.get(op.family)
+    if found is None:
+        return f"no {op.family} kernel family (the node runs its function)"
+    return found.problem(op, kernel_dtype(op.family, op.dtype, str(op["precision"])))
 
 
-def _gemm(dtype: str, op: FusedOp) -> Problem | str:
-    beta = float(op.attrs.get("beta", 1.0))  # qkv has no trans_a, alpha or beta: the defaults
-    if op.attrs.get("trans_a"):
-        return "GEMM with a transposed A (the kernel reads A row-major)"
-    if op["bias"] and beta != 1.0:
-        return f"GEMM with beta={beta:g} on its bias (the epilogue has no scale yet)"
-    m, n, k = op.int("m"), op.int("n"), op.int("k")
-    if op.family == "qkv":  # the C++ QKV op launches the instance once per projection, each with its own N: the
-        ns = op["ns"] or ()  # tiles are chosen, and the split-K workspace sized, for the widest such launch
-        n = max(ns) if ns and all(isinstance(x, int) for x in ns) else op.int("n_out")
-    batch_dims = op.attrs.get("batch", ())
-    batch = _batch(batch_dims)
-    if batch is None:
-        return f"batched GEMM over symbolic batch dims {list(batch_dims)}"
-    # symbolic M (a dynamic batch folded into the rows) is a runtime size: 1 stands for it when choosing tiles
-    m = 1 if m is None else m
-    if n is None or k is None:
-        return "GEMM with a symbolic N or K (the weight's shape must be known)"
-    return gemm_problem(dtype, batch, m, n, k, b_batched=batch > 1 or bool(batch_dims),
-                        trans_b=bool(op.attrs.get("trans_b")), bias=bool(op["bias"]),
-                        activation=str(op.attrs.get("activation") or "none"),
-                        residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)),
-                        layer_scale=bool(op.attrs.get("layer_scale")), layernorm=bool(op.attrs.get("layernorm")),
-                        epsilon=float(op.attrs.get("epsilon", 1e-5)))
+def extent_attr(family: str) -> str | None:
+    """The attribute of a `family` node whose factors make its run-time extent (OpKernel.extent_attr)."""
+    found = OPS.get(family)
+    return None if found is None else found.extent_attr
 
 
-def _attention(family: str, dtype: str, op: FusedOp) -> Problem | str:
-    if op["causal"]:
-        return "causal attention (the kernel has no causal mask yet)"
-    heads, head_dim = op.int("heads"), op.int("head_dim")
-    if heads is None or head_dim is None:
-        return "attention with a symbolic head count or head size"
-    seq_q, seq_k = op.int("seq_q"), op.int("seq_k")
-    # batch and sequence lengths are run-time sizes of both kernels: a symbolic one stands as 1 when choosing tiles
-    batch = _batch(op["batch_dims"] or (1,)) or 1
-    flags: dict[str, Any] = {
-        "scale": op["scale"] if op["scale"] is not None else 1.0 / math.sqrt(head_dim),
-        "mask": op["mask"], "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],
-        **{f"{t}_scale": float(op[f"{t}_scale"]) for t in ("mask", "bias") if float(op[f"{t}_scale"]) != 1.0},
-    }
-    if family == "attention":
-        flags["v_layout"] = op["v_layout"]
-        flags["out_layout"] = op["out_layout"]
-    return make_problem(family, dtype, batch=batch, heads=heads, seq_q=seq_q or seq_k or 1, seq_k=seq_k or seq_q or 1,
-                        head_dim=head_dim, **flags)
+def shaped(family: str) -> bool:
+    """Whether a `family` node's Problem needs its tensor shapes, which only its binder reads (OpKernel.shaped)."""
+    found = OPS.get(family)
+    return found is not None and found.shaped
 
 
 Avoid = Container[tuple[str, str]]
@@ -152,13 +81,11 @@ MMA_ONLY = frozenset({"mma"})
 def candidates(problem: Problem, arch: str, avoid: Avoid = (), impls: Container[str] | None = None
                ) -> list[dict[str, Any]]:
     """The configurations a selection for `arch` chooses among, in the family's order: the family's offered ones
-    (configs: on sm_90a a GEMM's CUTLASS instances), and for a GEMM on sm_80 / sm_90 cuBLASLt's first heuristic
-    choice where its epilogue maps the group; none whose instance is in `avoid`, none of an implementation outside
-    `impls` (None: every one)."""
+    (configs: on sm_90a a GEMM's CUTLASS instances) and a vendor library's (library_configs: for a GEMM on sm_80 /
+    sm_90 cuBLASLt's first heuristic choice where its epilogue maps the group); none whose instance is in `avoid`, none
+    of an implementation outside `impls` (None: every one)."""
     family = FAMILIES[problem.family]
-    offered = list(family.configs(problem, arch))
-    if problem.family == "gemm" and arch in ARCHS and cublaslt.unsupported(problem) is None:
-        offered.append({"impl": cublaslt.IMPL, "RANK": 0})
+    offered = [*family.configs(problem, arch), *family.library_configs(problem, arch)]
     if impls is not None:
         offered = [c for c in offered if str(c.get("impl", "mma")) in impls]
     return [c for c in offered if (family.instance_name(problem, c, arch), arch) not in avoid]

@@ -2,14 +2,15 @@
 waves a grid runs, and a warp-tile's register need.
 
 Each family's `estimate_us(problem, config, hw)` lives in its own module, beside its configurations and checks
-(kernels.gemm, kernels.attention, ...), with its constants (onnx_gtco.calibration: fitted per GPU, or their
-defaults). These helpers are the resource rules they have in common; they read only the data sheet
+(families.gemm.kernel, families.attention.kernel, ...), with its constants (onnx_gtco.calibration: fitted per GPU, or
+their defaults). These helpers are the resource rules they have in common; they read only the data sheet
 (config.Target), never a fitted constant.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from onnx_gtco.config import Target
@@ -75,3 +76,35 @@ def grid(target: Target, blocks: int, per_sm_max: int) -> Grid:
 
 __all__ = ["MAX_REGS", "REG_OVERHEAD", "WARPS_PER_PARTITION_SET", "Grid", "crowding", "grid", "regs_per_thread",
            "resident"]
+
+
+FILL_FLOOR = 0.05  # a row-wise kernel's time stops dropping with fewer busy slots than this share: latency-bound
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How one configuration's blocks cover a problem along its run-time extent (`KernelFamily.extent`):
+    the micro-kernel geometry of the shape-generic tuner (onnx_gtco.tune.shape_generic).
+
+    Attributes:
+        tile: the extent one block covers (gemm BM, attention BQ, row-wise ROWS).
+        across: blocks per tile of the extent (the grid's other dims: batch x N tiles, batch x heads, 1).
+        slots: blocks resident on the whole GPU at once (SMs x blocks per SM): one wave.
+        saturation: blocks from which a wave costs as much as a full one (all the slots for the Tensor Core
+            families; FILL_FLOOR of them for the row-wise kernels, whose waves are latency-bound).
+        min_busy: blocks below which a wave gets no faster (one per SM for the Tensor Core families, whose lone
+            blocks run at their SM's speed; none for the row-wise kernels).
+    """
+
+    tile: int
+    across: int
+    slots: int
+    saturation: float
+    min_busy: float
+
+
+def rowwise_tiling(target: Target, config: Mapping[str, int]) -> Tiling:
+    """The Tiling of a row-wise kernel (THREADS threads over ROWS rows a block): memory-bound, its waves
+    latency-bound below FILL_FLOOR of the slots."""
+    slots = target.sms * max(1, min(target.max_threads_per_sm // (config["THREADS"] * config["ROWS"]), 32))
+    return Tiling(config["ROWS"], 1, slots, FILL_FLOOR * slots, 0.0)

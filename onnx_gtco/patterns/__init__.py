@@ -1,4 +1,4 @@
-"""Fusion rules: the registry the planner runs, in order (for identical node sets the first rule wins).
+"""Fusion rules: each family's, in the order the planner runs them (for identical node sets the first rule wins).
 
 Families a rule proposes, and the attrs each candidate carries (ints where static, else the dim's name); each
 family's roles, attribute kinds and defaults are its onnx_gtco.opspec.OpSpec, and a Match also says which tensor
@@ -23,27 +23,13 @@ plays which role:
 
 from __future__ import annotations
 
-from onnx_gtco.patterns.attention import AttentionPattern
+from onnx_gtco import families
 from onnx_gtco.patterns.base import Match, Pattern
-from onnx_gtco.patterns.conv import ConvPattern
-from onnx_gtco.patterns.elementwise import ElementwisePattern
-from onnx_gtco.patterns.gemm import GemmLayerNormPattern, GemmPattern
-from onnx_gtco.patterns.layernorm import LayerNormPattern
-from onnx_gtco.patterns.qkv import QkvPattern
-from onnx_gtco.patterns.softmax import SoftmaxPattern
 
-PATTERNS: tuple[Pattern, ...] = (
-    AttentionPattern(),
-    QkvPattern(),
-    GemmPattern(),
-    GemmLayerNormPattern(),
-    ConvPattern(),
-    LayerNormPattern(),
-    SoftmaxPattern(),
-    ElementwisePattern(),
-)
 
-__all__ = [
-    "PATTERNS", "AttentionPattern", "ConvPattern", "ElementwisePattern", "GemmLayerNormPattern", "GemmPattern",
-    "LayerNormPattern", "Match", "Pattern", "QkvPattern", "SoftmaxPattern",
-]
+def rules() -> tuple[Pattern, ...]:
+    """Every family's rules (its rule module's RULES), in the families' order (onnx_gtco.families.ORDER)."""
+    return tuple(rule for part in families.parts("rule") for rule in part.RULES)
+
+
+__all__ = ["Match", "Pattern", "rules"]

@@ -24,10 +24,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx_gtco.families.attention.rule import AttentionPattern
+from onnx_gtco.families.gemm.qkv_rule import QkvPattern
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.patterns.attention import AttentionPattern
 from onnx_gtco.patterns.base import Match
-from onnx_gtco.patterns.qkv import QkvPattern
 
 ROLES = ("q", "k", "v")
 

@@ -39,7 +39,7 @@ from onnx import external_data_helper, helper, numpy_helper
 
 from onnx_gtco.ir.view import GraphView, Node, outer_scope_inputs, subgraphs
 from onnx_gtco.patterns.base import is_op
-from onnx_gtco.patterns.elementwise import FLOAT_TYPES
+from onnx_gtco.patterns.util import FLOAT_TYPES
 
 MIN_OPSET = 10
 """Slice takes its bounds as inputs from opset 10 (load_model leaves opset 13 or later)."""

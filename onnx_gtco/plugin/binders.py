@@ -1,20 +1,22 @@
-"""The registry of binders: pattern family -> the Binder that maps its nodes onto a C++ op struct.
+"""The binders: fused op family -> the Binder that maps its nodes onto a C++ op struct, from each family's bind
+module (onnx_gtco.families).
 
-A family with no binder here keeps running its model-local function (the library does not register its op types).
+A family with no binder keeps running its model-local function (the library does not register its op types).
 """
 
 from __future__ import annotations
 
-from onnx_gtco.plugin import bind_attention, bind_conv, bind_gemm
-from onnx_gtco.plugin.bind_elementwise import ElementwiseBinder
-from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
-from onnx_gtco.plugin.bind_softmax import SoftmaxBinder
+import functools
+
+from onnx_gtco import families
 from onnx_gtco.plugin.binding import Binder
 
-BINDERS: dict[str, Binder] = {
-    b.family: b for b in (LayerNormBinder(), SoftmaxBinder(), ElementwiseBinder(), *bind_gemm.BINDERS,
-                          *bind_attention.BINDERS, *bind_conv.BINDERS)}
+
+@functools.cache
+def binders() -> dict[str, Binder]:
+    """Every family's binders (its bind module's BINDERS) by the fused op family they bind."""
+    return {b.family: b for part in families.parts("bind") for b in part.BINDERS}
 
 
 def binder_for(family: str) -> Binder | None:
-    return BINDERS.get(family)
+    return binders().get(family)

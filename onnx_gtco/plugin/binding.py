@@ -107,6 +107,27 @@ def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tupl
     return Binding(tuple(op.inputs.get(r, -1) for r in cpp_in), tuple(op.outputs.get(r, -1) for r in cpp_out))
 
 
+def present(binding: Binding, operands: tuple[tuple[str, str, int], ...]) -> dict[str, bool]:
+    """Flag -> whether the binding has the operand it names: (flag, "in" or "out", role index)."""
+    flags = {}
+    for flag, side, role in operands:
+        roles = binding.inputs if side == "in" else binding.outputs
+        flags[flag] = role < len(roles) and roles[role] >= 0
+    return flags
+
+
+def one_row(node: FusedNode, binding: Binding, role: str, index: int, n: int | None) -> str | None:
+    """None when the input of role `role` (index `index` of the binding) is one row (of `n` values where given) or
+    of unknown shape, else why the device kernel cannot take it (an operand of one value per column)."""
+    operand = node.inputs[binding.inputs[index]]
+    if operand.shape is None or not all(isinstance(d, int) for d in operand.shape):
+        return None
+    dims = [int(d) for d in operand.shape]
+    if len(dims) == 0 or int(np.prod(dims[:-1], dtype=np.int64)) != 1 or (n is not None and dims[-1] != n):
+        return f"{role} of shape {dims}: the device kernel {'adds' if role == 'bias' else 'takes'} one row of N"
+    return None
+
+
 class Binder(Protocol):
     """A family's build-time half: which C++ op struct serves it, and how a node's operands map onto roles.
 
@@ -118,6 +139,15 @@ class Binder(Protocol):
       `&descriptor`); without it node_data is nullptr.
     * `problem(node) -> Problem | str`: the node's kernel Problem for its device instance (plugin.device), in place
       of kernels.select.node_problem, which reads the node's attributes only.
+
+    And two for every family that needs them:
+
+    * `operand_flags(node, binding, problem) -> dict | str`: the Problem flags the node's operands fix (a LayerNorm
+      whose residual sum is read outside writes it, a GEMM with a bias input adds it, an attention node with a mask
+      input reads it), so the instance's own argument checks and the node agree; or why the device kernel cannot
+      take those operands. Without it the Problem keeps its flags.
+    * `extent_dims(node, binding) -> ((input index, axis), ...)`: the dims whose product is the node's run-time
+      extent (plugin.dispatch); without it, the leading dims of its first operand.
     """
 
     family: str         # the pattern family, e.g. "layernorm"

@@ -25,13 +25,13 @@ from onnx import external_data_helper, numpy_helper
 
 from onnx_gtco.calibration import Hardware, LaunchConstants, hardware
 from onnx_gtco.errors import GtcoError
+from onnx_gtco.families.conv.kernel import conv_problem
+from onnx_gtco.families.elementwise.kernel import FAMILY as ELEMENTWISE
+from onnx_gtco.families.elementwise.kernel import elementwise_problem
+from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
-from onnx_gtco.kernels.conv import conv_problem
-from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
-from onnx_gtco.kernels.elementwise import elementwise_problem
 from onnx_gtco.kernels.family import Instance, Problem
-from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
 from onnx_gtco.patterns.patchify import PatchConv
 from onnx_gtco.plan.types import Candidate

@@ -6,7 +6,7 @@ operand flags the instance is built with (a LayerNorm whose residual sum is read
 bias input adds it, an attention node with a mask input reads it), so the instance's own argument checks and the
 node agree. One
 instance per arch slot of the glue (gtco::kArchSlots): sm_80 for 8.x GPUs, sm_90 for 9.x, and sm_90a for 9.0
-GPUs, the arch-specific slot (wgmma: the CUTLASS GEMMs, kernels.cutlass). A node has an sm_90a instance of its own
+GPUs, the arch-specific slot (wgmma: the CUTLASS GEMMs, families.gemm.cutlass). A node has an sm_90a instance of its own
 where `tuned` names a configuration for sm_90a (the tuner's or the caller's choice), or, untuned, where it is a GEMM
 big enough for CUTLASS's 128x128 tiles to fill the GPU (`default_own_config`); otherwise that slot holds its sm_90
 instance, so a 9.0 device runs what every 9.x runs and a model of small GEMMs compiles no CUTLASS kernel (each takes
@@ -30,10 +30,10 @@ import math
 from collections.abc import Container, Mapping, Sequence
 
 from onnx_gtco.calibration import Hardware, hardware_for_arch
-from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
-from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
+from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.select import (
+    ALL_FAMILIES,
     FAMILIES,
     MMA_ONLY,
     Avoid,
@@ -53,17 +53,6 @@ FALLBACK_SLOTS: Mapping[str, str] = {"sm_90a": "sm_90"}
 EMULATED_ARCH = "sm_80"
 """The emulated device's arch (gtco_device_cc() returns 80 in an emulated build)."""
 
-_ROLE_FLAGS: dict[str, tuple[tuple[str, str, int], ...]] = {
-    # family -> (flag, "in"/"out", role index): the flag is whether the node has that operand
-    "layernorm": (("residual", "in", 1), ("residual_out", "out", 1), ("gamma", "in", 2), ("beta", "in", 3)),
-    "gemm": (("bias", "in", 2), ("residual", "in", 3), ("layer_scale", "in", 4)),
-    "qkv": (("bias", "in", 4),),
-    "attention": (("mask", "in", 3), ("bias", "in", 4)),
-    "bmm_softmax": (("mask", "in", 3), ("bias", "in", 4)),
-    "conv": (("bias", "in", 2), ("scale", "in", 3), ("shift", "in", 4), ("batchnorm", "in", 5), ("residual", "in", 7)),
-}
-
-
 def _with_flags(problem: Problem, **flags: object) -> Problem:
     return Problem.make(problem.family, problem.dtype, dict(problem.sizes), {**dict(problem.flags), **flags})
 
@@ -80,29 +69,26 @@ def select_config(problem: Problem, arch: str, config: Mapping[str, int] | None 
                   hw: Hardware | None = None, impls: Container[str] | None = None) -> Instance | str:
     """select_instance (with `config`, else the candidate the estimate predicts fastest on the arch's hardware, `hw`
     where it runs the arch: calibration.hardware_for_arch; none in `avoid`, which ptxas rejected, none of an
-    implementation outside `impls`); the elementwise family, which is not tuned and has one implementation, always
-    gets its first valid configuration not in `avoid` (kernels.select chooses only among the families whose Problem
-    a node's attributes describe)."""
-    if problem.family != ELEMENTWISE.name:
+    implementation outside `impls`); a family generated per group (KernelFamily.per_group: the elementwise
+    programs), which is not tuned and has one implementation, always gets its first valid configuration not in
+    `avoid` (kernels.select chooses only among the families whose Problem a node's attributes describe)."""
+    family = ALL_FAMILIES[problem.family]
+    if not family.per_group:
         return select_instance(problem, arch, config, avoid, hw, impls)
-    configs = ELEMENTWISE.configs(problem, arch)
+    configs = family.configs(problem, arch)
     if not configs:
-        return f"no valid elementwise configuration for {arch} (every candidate failed its check)"
+        return f"no valid {family.name} configuration for {arch} (every candidate failed its check)"
     for c in configs:
-        inst = ELEMENTWISE.instantiate(problem, c, arch)
+        inst = family.instantiate(problem, c, arch)
         if (inst.name, arch) not in avoid:
             return inst
-    return f"each of the {len(configs)} valid elementwise configurations for {arch} spills or needs a stack frame"
-
-
-ROWWISE = ("layernorm", "softmax")
-"""Families whose instance takes its row count at run time (their Problem from a node's attributes has rows 1)."""
+    return f"each of the {len(configs)} valid {family.name} configurations for {arch} spills or needs a stack frame"
 
 
 def run_time_problem(problem: Problem, node: FusedNode | None) -> Problem:
     """`problem` with the run-time sizes a node's attributes leave out: a row-wise node's rows, from its first
     input's shape (a symbolic dim counting as 1, as the tuner's tasks count it: tune.tasks.node_task)."""
-    if node is None or problem.family not in ROWWISE or not node.inputs or node.inputs[0].shape is None:
+    if node is None or not ALL_FAMILIES[problem.family].rowwise or not node.inputs or node.inputs[0].shape is None:
         return problem
     dims = [d if isinstance(d, int) and d > 0 else 1 for d in node.inputs[0].shape]
     rows = max(1, math.prod(dims[:-1])) if dims else 1
@@ -112,7 +98,7 @@ def run_time_problem(problem: Problem, node: FusedNode | None) -> Problem:
 def estimate_instance(inst: Instance, hw: Hardware | None = None, node: FusedNode | None = None) -> float:
     """The estimated time of one launch of `inst` (its family's estimate_us on its arch's hardware: `hw` where that
     runs the arch), for `node`'s run-time sizes where given (run_time_problem)."""
-    family = ELEMENTWISE if inst.problem.family == ELEMENTWISE.name else FAMILIES[inst.problem.family]
+    family = ALL_FAMILIES[inst.problem.family]
     problem = run_time_problem(inst.problem, node)
     return float(family.estimate_us(problem, inst.config, hardware_for_arch(inst.arch, hw)))  # type: ignore[attr-defined]
 
@@ -127,22 +113,13 @@ def bound_problem(node: FusedNode, binding: Binding) -> Problem | str:
 
 
 def _bound(problem: Problem, node: FusedNode, binding: Binding) -> Problem | str:
-    flags = {}
-    for flag, side, role in _ROLE_FLAGS.get(node.family, ()):
-        roles = binding.inputs if side == "in" else binding.outputs
-        flags[flag] = role < len(roles) and roles[role] >= 0
-    if node.family == "gemm" and not flags.get("layer_scale"):
-        flags.pop("layer_scale", None)  # a GEMM without it keeps the Problem (and tuning task) it always had
-    rows = {"gemm": (("bias", 2), ("layer_scale", 4)), "qkv": (("bias", 4),)}.get(node.family, ())
-    for role, index in rows:  # operands of one value per column
-        if not flags.get(role):
-            continue
-        operand = node.inputs[binding.inputs[index]]
-        n = problem.size("N") if node.family == "gemm" else None
-        if operand.shape is not None and all(isinstance(d, int) for d in operand.shape):
-            dims = [int(d) for d in operand.shape]
-            if len(dims) == 0 or math.prod(dims[:-1]) != 1 or (n is not None and dims[-1] != n):
-                return f"{role} of shape {dims}: the device kernel {'adds' if role == 'bias' else 'takes'} one row of N"
+    """`problem` with the flags the binding's operands fix (the binder's `operand_flags`), or why the device
+    kernel cannot take those operands."""
+    binder = binder_for(node.family)
+    operand_flags = getattr(binder, "operand_flags", None)
+    flags = operand_flags(node, binding, problem) if operand_flags is not None else {}
+    if isinstance(flags, str):
+        return flags
     return _with_flags(problem, **flags) if flags else problem
 
 
@@ -182,7 +159,7 @@ def own_config(problem: Problem, arch: str, fallback: Instance | None, avoid: Av
     then holds its fallback slot's instance, `fallback`): its own configuration the estimate predicts fastest
     (CUTLASS's wgmma / TMA GEMMs) where that beats the fallback's instance on the same hardware, so a model of
     GEMMs that the fallback runs faster compiles no CUTLASS kernel (30-60 s of nvcc an instance)."""
-    if arch not in FALLBACK_SLOTS or problem.family != "gemm":
+    if arch not in FALLBACK_SLOTS or not ALL_FAMILIES[problem.family].arch_specific:
         return None
     pick = fastest(problem, arch, candidates(problem, arch, avoid, impls), hw)
     if pick is None:
@@ -250,7 +227,7 @@ def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = (), hw: Hardware
         offered = candidates(problem, arch, impls=MMA_ONLY)
         pick = fastest(problem, arch, candidates(problem, arch, avoid, MMA_ONLY), hw)
         if pick is not None:
-            out.append(FAMILIES["gemm"].instantiate(problem, pick[0], arch))
+            out.append(FAMILIES[problem.family].instantiate(problem, pick[0], arch))
         elif offered:
             out.append(f"each of the {len(offered)} valid mma GEMM configurations for {arch} spills or needs a stack "
                        "frame (ptxas)")

@@ -28,6 +28,7 @@ from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.family import Config, Instance, Problem
 from onnx_gtco.kernels.select import candidates, fastest
+from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
 BUCKETS = (16, 64, 256, 1024, 4096, 16384)
@@ -66,27 +67,20 @@ def node_ranges(node: FusedNode, ranges: Mapping[str, tuple[int, int]]) -> tuple
     return tuple(out)
 
 
-_SEQ_AXIS = {"bhsd": -2, "bshd": -3, "bshd_merged": -2, "qkv_packed": -2}
-"""Axis (from the end) of the sequence in an attention operand of each layout."""
-
-
 def extent_dims(node: FusedNode, binding: Binding) -> tuple[tuple[int, int], ...]:
-    """(input index, axis) of the dims whose product is the node's run-time extent; () when it has none or the
+    """(input index, axis) of the dims whose product is the node's run-time extent (its binder's `extent_dims`, by
+    default the leading dims of its first operand: A of a GEMM, x of a row-wise kernel); () when it has none or the
     operand's rank is unknown."""
-    family = node.family
-    if extent_name(family) is None or not binding.inputs or binding.inputs[0] < 0:
+    if extent_name(node.family) is None or not binding.inputs or binding.inputs[0] < 0:
         return ()
-    first = binding.inputs[0]  # A of gemm / qkv, q (or the packed qkv) of attention, x of layernorm / softmax
+    first = binding.inputs[0]
     shape = node.inputs[first].shape
     if not shape:
         return ()
-    rank = len(shape)
-    if family in ("attention", "bmm_softmax"):
-        axis = _SEQ_AXIS.get(str(node.attrs.get("q_layout", "bhsd")))
-        return () if axis is None or rank < -axis else ((first, rank + axis),)
-    if family == "gemm" and node.attrs.get("batch"):  # batched GEMM: M is A's row dim
-        return ((first, rank - 2),) if rank >= 2 else ()
-    return tuple((first, a) for a in range(rank - 1))
+    own = getattr(binder_for(node.family), "extent_dims", None)
+    if own is not None:
+        return tuple(own(node, binding))
+    return tuple((first, a) for a in range(len(shape) - 1))
 
 
 def extent_top(node: FusedNode, dims: Sequence[tuple[int, int]], ranges: Mapping[str, tuple[int, int]]

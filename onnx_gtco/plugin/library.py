@@ -63,10 +63,10 @@ from onnx_gtco import progress
 from onnx_gtco.calibration import Hardware, hardware
 from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
+from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
+from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
-from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
-from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.render import render

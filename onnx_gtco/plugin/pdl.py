@@ -22,8 +22,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import onnx
 
-from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
-from onnx_gtco.kernels.cutlass import IMPL as CUTLASS
+from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
+from onnx_gtco.families.gemm.cutlass import IMPL as CUTLASS
 from onnx_gtco.kernels.family import Instance
 
 FOREIGN_IMPLS = (CUTLASS, CUBLASLT)

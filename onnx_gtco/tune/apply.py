@@ -19,8 +19,8 @@ import onnx
 
 from onnx_gtco.calibration import Hardware
 from onnx_gtco.config import tune_storage_env
-from onnx_gtco.kernels import cublaslt, cutlass
-from onnx_gtco.kernels.conv import summary as conv_summary
+from onnx_gtco.families.conv.kernel import summary as conv_summary
+from onnx_gtco.families.gemm import cublaslt, cutlass
 from onnx_gtco.progress import detail, stage
 from onnx_gtco.tune import records
 from onnx_gtco.tune.driver import TaskResult, best_configs, impl_bests, tune
@@ -209,7 +209,7 @@ def implementations(task: Task, best: tuple[dict[str, Any], float] | None, times
     whether each was offered ("cublaslt", "cutlass": "offered" or why not), whether the times were "measured" or
     "analytical" (the model's ranking, no GPU), and the nodes it serves. A conv task's: which of its kernels won
     ("impl": "implicit_gemm", the Tensor Core tile, or "direct", the CUDA-core kernel of grouped convs; None
-    without a successful trial), its shape ("conv", kernels.conv.summary), the timing and its nodes. Empty for
+    without a successful trial), its shape ("conv", families.conv.kernel.summary), the timing and its nodes. Empty for
     the other families."""
     if task.problem.family == "conv":
         impl = None if best is None else "direct" if best[0].get("DIRECT") else "implicit_gemm"

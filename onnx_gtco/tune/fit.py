@@ -45,13 +45,13 @@ from onnx_gtco.calibration import (
 )
 from onnx_gtco.cost.model import OrtConstants, VendorGemmConstants, memory_us
 from onnx_gtco.errors import GtcoError, missing_package
-from onnx_gtco.kernels.attention import AttentionConstants
-from onnx_gtco.kernels.conv import ConvConstants
-from onnx_gtco.kernels.cutlass import CutlassConstants
-from onnx_gtco.kernels.elementwise import ElementwiseConstants
+from onnx_gtco.families.attention.kernel import AttentionConstants
+from onnx_gtco.families.conv.kernel import ConvConstants
+from onnx_gtco.families.elementwise.kernel import ElementwiseConstants
+from onnx_gtco.families.gemm.cutlass import CutlassConstants
+from onnx_gtco.families.gemm.kernel import MmaConstants
+from onnx_gtco.families.layernorm.kernel import RowwiseConstants
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.kernels.gemm import MmaConstants
-from onnx_gtco.kernels.layernorm import RowwiseConstants
 from onnx_gtco.tune.analytical import estimate_us
 
 GROUPS: tuple[type[Constants], ...] = (LaunchConstants, VendorGemmConstants, OrtConstants, MmaConstants,

@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 
 from onnx_gtco.errors import BuildError, KernelResourceError
-from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.families.elementwise.kernel import FAMILY as ELEMENTWISE
+from onnx_gtco.families.gemm import cublaslt, cutlass
+from onnx_gtco.families.gemm.cublas_headers import installed_library
 from onnx_gtco.kernels.compile import compile_instance
-from onnx_gtco.kernels.cublas_headers import installed_library
-from onnx_gtco.kernels.elementwise import FAMILY as ELEMENTWISE
 from onnx_gtco.kernels.family import (
     Instance,
     KernelFamily,

@@ -32,7 +32,7 @@ import optuna
 from onnx_gtco.calibration import Hardware, hardware_for_arch
 from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
-from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.families.gemm import cublaslt, cutlass
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root

@@ -23,7 +23,7 @@ Per task:
    core occupancy of a wave (busy blocks over the blocks that saturate it, at least one block per SM for the
    Tensor Core families): linear in occupancy, as DietCode has it. L is the launch overhead. Two departures
    follow the fitted estimates (onnx_gtco.calibration): a GEMM adds C * W * o * r, r the share of valid rows in
-   its tiles (its blocks load A's valid rows and write only those: kernels.gemm.mma_estimate_us), and is
+   its tiles (its blocks load A's valid rows and write only those: families.gemm.kernel.mma_estimate_us), and is
    measured at one row as well; the memory-bound row-wise kernels (LayerNorm, Softmax) take the rows' traffic,
    n over the rows of a full wave, instead of W * u (their estimate is bytes over bandwidth). The estimate's SM
    crowding and L2 sharing within a wave are not linear in o: against it the model errs by up to ~20%;
@@ -47,7 +47,7 @@ from onnx import helper
 
 from onnx_gtco.config import Ranges
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
-from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.kernels.select import ALL_FAMILIES, FAMILIES, extent_attr
 from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.dispatch import bucket_of
 from onnx_gtco.progress import stage
@@ -116,7 +116,7 @@ def _text(v: Any) -> str:
 
 def _extent_factors(node: onnx.NodeProto, family: str, shape_of: ShapeOf) -> list[Any] | None:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    key = {"gemm": "m", "qkv": "m", "attention": "seq_q", "bmm_softmax": "seq_q", "softmax": "rows"}.get(family)
+    key = extent_attr(family)
     if key is not None and key in attrs:
         v = attrs[key]
         return [v] if isinstance(v, int) else _text(v).split("*")
@@ -216,9 +216,10 @@ def micro_extents(dt: DynamicTask, config: Mapping[str, int]) -> list[int]:
     per_wave = max(1, t.slots // max(t.across, 1))
     pts = [t.tile, per_wave * t.tile, 2 * per_wave * t.tile]
     wanted = 3
-    if dt.task.problem.family == "gemm" and dt.lo < t.tile:  # one row: the share of a tile's rows (ROW_FAMILIES)
+    family = ALL_FAMILIES[dt.task.problem.family]
+    if family.row_term and dt.lo < t.tile:  # one row: the share of a tile's rows (KernelFamily.row_term)
         pts, wanted = [dt.lo, *pts], 4
-    if dt.extent == "seq_q":
+    if family.grows_with_extent:
         cap = math.ceil(max(dt.hi, 2 * t.tile) / t.tile) * t.tile
         pts = [min(p, cap) for p in pts] + [2 * t.tile, cap]
     else:
@@ -230,31 +231,22 @@ def micro_extents(dt: DynamicTask, config: Mapping[str, int]) -> list[int]:
     return sorted(out)
 
 
-ROW_FAMILIES = ("gemm",)
-"""Families whose blocks' time also follows the valid rows of their tiles (A's rows loaded, outputs written: the
-mma estimate, kernels.gemm.mma_estimate_us): their cost model has a third term, W * r with r the share of valid
-rows, and they are measured at one row as well."""
-
-
 def _features(dt: DynamicTask, t: Tiling, config: Mapping[str, int], n: np.ndarray) -> tuple[np.ndarray, ...]:
-    """W * u, W * u * o and, for ROW_FAMILIES, W * r at extents `n` (see the module docstring)."""
+    """W * u, W * u * o and, for a family with a row term (KernelFamily.row_term), W * r at extents `n` (see the
+    module docstring)."""
     tiles = np.ceil(n / t.tile)
     blocks = t.across * tiles
     waves = np.ceil(blocks / t.slots)
     occ = np.maximum(np.minimum(blocks, t.saturation), t.min_busy) / t.saturation
     occ = np.minimum(occ, 1.0)
-    family = dt.task.problem.family
-    if family in ("attention", "bmm_softmax"):
-        seq_k = n if dt.follows else np.full_like(n, dt.task.problem.size("seq_k"))
-        work = np.ceil(seq_k / config["BKV"]) * config["BKV"]
-    elif family in ("layernorm", "softmax"):
+    family = ALL_FAMILIES[dt.task.problem.family]
+    if family.rowwise:
         # memory-bound: the time follows the rows' traffic, not the waves (the fitted row-wise estimate,
-        # kernels.layernorm.rowwise_estimate_us, is a fixed cost plus bytes over bandwidth)
+        # families.layernorm.kernel.rowwise_estimate_us, is a fixed cost plus bytes over bandwidth)
         fill = n / (t.slots * t.tile)
         return fill, fill * occ
-    else:
-        work = np.ones_like(n)
-    if family in ROW_FAMILIES:
+    work = family.block_work(dt.task.problem, config, n, dt.follows)
+    if family.row_term:
         return waves * work, waves * work * occ, waves * occ * n / (tiles * t.tile)
     return waves * work, waves * work * occ
 
@@ -268,7 +260,7 @@ class MicroKernel:
         points: (extent, measured us) it was measured at; a failed measurement is absent.
         launch_us, wave_us, beta: L, f_microkernel and f_penalty's floor, fitted.
         failed: why a measurement failed, when one did (the configuration is then not dispatched to).
-        row_us: the time per wave of a tile's valid rows (ROW_FAMILIES; 0 for the others), fitted.
+        row_us: the time per wave of a tile's valid rows (KernelFamily.row_term; 0 for the others), fitted.
     """
 
     config: dict[str, int]
@@ -296,7 +288,7 @@ class MicroKernel:
 def fit(dt: DynamicTask, config: Mapping[str, int], points: Sequence[tuple[int, float]], failed: str = ""
         ) -> MicroKernel:
     """The micro-kernel cost model of `config` from its measurements: non-negative least squares of
-    t = L + A * W*u + B * W*u*o (+ C * W*r for ROW_FAMILIES) over its points (f_microkernel = A + B,
+    t = L + A * W*u + B * W*u*o (+ C * W*r where KernelFamily.row_term) over its points (f_microkernel = A + B,
     beta = A / (A + B), row_us = C). With so few variables the exact NNLS is the best of the least-squares fits on
     each subset of the terms whose coefficients are all non-negative; among those that use a wave term, the one
     with the least residual wins."""

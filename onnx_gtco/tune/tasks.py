@@ -8,7 +8,7 @@ Run-time sizes that the instance does not fix (GEMM rows, LayerNorm / softmax ro
 decide which configuration is fastest. They come from the node's shapes, a symbolic dim counting as 1.
 
 A conv node's attributes hold its kernel, strides and pads (or auto_pad) but not x's shape, so its Problem comes
-from its binder (plugin.bind_conv, through plugin.device.bound_problem): the Problem the library builds, from the
+from its binder (families.conv.bind, through plugin.device.bound_problem): the Problem the library builds, from the
 same shapes (a SAME conv's pads those of x's size), with the binder's refusals (a 3-D conv) as the reasons it has no
 task. ResNet-50's repeated bottlenecks are then tasks of their repeat counts, as ViT's layers are.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.kernels.select import model_dtypes, node_problem
+from onnx_gtco.kernels.select import ALL_FAMILIES, model_dtypes, node_problem, shaped
 from onnx_gtco.kernels.toolchain import headers_digest
 from onnx_gtco.opspec import split_op_type
 from onnx_gtco.plugin.binders import binder_for
@@ -97,11 +97,6 @@ def task_from_attrs(attrs: Mapping[str, Any]) -> Task:
     return Task(problem, a["arch"], a["version"], int(attrs.get("weight", 1)))
 
 
-SHAPED_FAMILIES = ("conv",)
-"""Families whose Problem needs the node's tensor shapes, which only their binder reads (kernels.select.problem_for
-says so for them)."""
-
-
 def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
               out_dtype: str | None = None, function: onnx.FunctionProto | None = None) -> Task | str:
     """The task of one fused node (weight 1), or why it has none. `shape_of` gives a tensor's shape (ints, or
@@ -110,13 +105,13 @@ def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
     `out_dtype`: the dtype of its output tensor where known (a half GEMM writing fp32 is another instance,
     kernels.select.with_out_dtype, so another task). `function`: the node's model-local function, whose Conv the
     conv binder checks the node's auto_pad attribute against (None: a body without one)."""
-    if split_op_type(node.op_type)[0] in SHAPED_FAMILIES:  # with_out_dtype changes GEMMs only
+    if shaped(split_op_type(node.op_type)[0]):  # with_out_dtype changes GEMMs only
         problem = shaped_problem(node, shape_of, function)
     else:
         problem = node_problem(node, out_dtype)
     if isinstance(problem, str):
         return problem
-    if problem.family in ("layernorm", "softmax"):
+    if ALL_FAMILIES[problem.family].rowwise:
         shape = shape_of(node.input[0]) if node.input else None
         dims = [d if isinstance(d, int) and d > 0 else 1 for d in (shape or ())]
         rows = max(1, math.prod(dims[:-1])) if dims else 1
@@ -127,10 +122,10 @@ def node_task(node: onnx.NodeProto, shape_of: ShapeOf, arch: str, version: str,
 
 def shaped_problem(node: onnx.NodeProto, shape_of: ShapeOf, function: onnx.FunctionProto | None = None
                    ) -> Problem | str:
-    """The Problem the library builds for a node of SHAPED_FAMILIES (plugin.device.bound_problem of its binding),
-    from the tensor shapes `shape_of` gives, or the binder's reason for refusing the node. Tensor dtypes are left
-    unknown: a node planned on fp32 tensors (pipeline.measured_time) is the task of the half node the precision
-    conversion makes of it, as node_problem's GEMM tasks are."""
+    """The Problem the library builds for a node whose Problem needs shapes (kernels.select.shaped)
+    (plugin.device.bound_problem of its binding), from the tensor shapes `shape_of` gives, or the binder's reason for
+    refusing the node. Tensor dtypes are left unknown: a node planned on fp32 tensors (pipeline.measured_time) is the
+    task of the half node the precision conversion makes of it, as node_problem's GEMM tasks are."""
     binder = binder_for(split_op_type(node.op_type)[0])
     if binder is None:
         return f"no binder for {node.op_type} (the node runs its function)"
@@ -211,6 +206,6 @@ def merge(tasks: Iterable[Task]) -> list[Task]:
     return sorted(out.values(), key=lambda t: (-t.weight, t.key))
 
 
-__all__ = ["SHAPED_FAMILIES", "ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks",
+__all__ = ["ShapeOf", "Task", "fused_node_tasks", "merge", "model_shapes", "model_tasks",
            "node_task", "shaped_problem", "task_attrs", "task_from_attrs", "template_version", "tensor_shapes",
            "view_shapes"]

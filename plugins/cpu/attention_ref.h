@@ -5,7 +5,7 @@
 //     O = P V                                      (Attention writes O)
 //
 // Operands are strided views (offset, batch, head, seq, dim element strides; the layouts of
-// onnx_gtco/kernels/attention.py layout_strides): bhsd [B,H,S,D], bshd [B,S,H,D], bshd_merged [B,S,H*D],
+// onnx_gtco/families/attention/kernel.py layout_strides): bhsd [B,H,S,D], bshd [B,S,H,D], bshd_merged [B,S,H*D],
 // qkv_packed one [B,S,3*H*D] array for q, k and v (slot 0, 1, 2), bhds [B,H,D,S] (k only: Kᵀ as MatMul reads it).
 // One batch dim: the glue only binds [B, H, Sq, Sk] score cores. mask / bias are additive [B',H',Sq',Sk'] arrays
 // (right-aligned, rank <= 4, each dim 1 = broadcast, or full), given here as element strides (0 = broadcast); a

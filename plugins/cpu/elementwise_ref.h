@@ -1,6 +1,6 @@
 // CPU reference of the Elementwise family (op types Elementwise_f32 / _f16 / _bf16): plain C++, no ORT, no CUDA.
 //
-// The program differs per node, so there is no one reference function: onnx_gtco/kernels/elementwise.py
+// The program differs per node, so there is no one reference function: onnx_gtco/families/elementwise/kernel.py
 // (ElementwiseFamily.host_function, from plugins/include/gtco/elementwise.cu.j2) writes one host function per
 // program into the generated glue: the program as a struct (its storage type, collapsed iteration shape and
 // operands as in gtco/broadcast.h, and its fp32 body) and a function running it over a range of elements with

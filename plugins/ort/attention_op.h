@@ -4,7 +4,7 @@
 //     Attention:   out   = softmax(scale * Q Kᵀ [+ mask] [+ bias]) V     in out_layout
 //     BmmSoftmax:  probs = softmax(scale * Q Kᵀ [+ mask] [+ bias])       [B, H, Sq, Sk]
 //
-// Node attributes (onnx_gtco/patterns/attention.py): heads, head_dim (ints; the binder refuses nodes where either
+// Node attributes (onnx_gtco/families/attention/rule.py): heads, head_dim (ints; the binder refuses nodes where either
 // is symbolic), seq_q, seq_k (int, or a string when symbolic: then only the inputs' consistency is checked),
 // scale (float; 1/sqrt(head_dim) when absent), mask_scale, bias_scale (floats, 1 when absent: the graph's scale
 // after adding the mask / bias, which multiplies that term), mask, bias, nan_guard, causal (ints; causal comes from an ONNX
@@ -13,7 +13,7 @@
 // qkv_packed, bhds (k only); out: bhsd, bshd, bshd_merged), precision (string; the CPU reference computes in fp32
 // whatever it says).
 //
-// Input roles (both families, the same numbering; onnx_gtco/plugin/bind_attention.py IN_ROLES): IN_Q, IN_K, IN_V
+// Input roles (both families, the same numbering; onnx_gtco/families/attention/bind.py IN_ROLES): IN_Q, IN_K, IN_V
 // (absent for BmmSoftmax), IN_MASK, IN_BIAS. With qkv_packed, IN_Q, IN_K and IN_V are the same node input. The
 // node's other inputs (the head split's shape constants, Gather indices, the scale constant) are constants the
 // binder checked at build time; the kernel does not read them. Output role: OUT_Y (out or probs).

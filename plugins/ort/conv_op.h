@@ -3,11 +3,11 @@
 //     y = post_act(act(affine(conv(x, w) + bias)) + residual)
 //
 // affine is v * scale + shift (either alone), or with batchnorm=1 (v - mean) * scale / sqrt(var + epsilon) + shift.
-// Node attributes (onnx_gtco/patterns/conv.py): kernel, stride, pads, dilations (ints, ONNX Conv's), auto_pad
+// Node attributes (onnx_gtco/families/conv/rule.py): kernel, stride, pads, dilations (ints, ONNX Conv's), auto_pad
 // (ONNX Conv's string: SAME_UPPER / SAME_LOWER pads come from x's shape on every run, for both EPs), groups,
 // bias, scale, shift, batchnorm, residual (ints: whether the node has that operand), epsilon (float), activation,
 // post_activation (strings, names of onnx_gtco/patterns/_act.py), precision. Roles come from the generated node
-// table (onnx_gtco/plugin/bind_conv.py). Inputs the group swallowed that are no role (the constants of a
+// table (onnx_gtco/families/conv/bind.py). Inputs the group swallowed that are no role (the constants of a
 // decomposed activation) are not read: the binder checked, at build time, that the chain computes the named one.
 //
 // CPU EP: plugins/cpu/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). Device:

@@ -1,14 +1,14 @@
 // The Elementwise family's ORT glue: op types Elementwise_f32 / Elementwise_f16 / Elementwise_bf16 (a chain or tree
 // of elementwise ops, one fp32 expression per element with numpy broadcasting of the inputs).
 //
-// Node attributes (onnx_gtco/patterns/elementwise.py): ops, precision; nothing the kernel needs. The program is
-// built per node at build time (onnx_gtco/plugin/bind_elementwise.py) for the static shapes of its inputs, so the
+// Node attributes (onnx_gtco/families/elementwise/rule.py): ops, precision; nothing the kernel needs. The program is
+// built per node at build time (onnx_gtco/families/elementwise/bind.py) for the static shapes of its inputs, so the
 // generated glue carries per node a gtco::ElementwiseNode (NodeSpec::node_data): the shapes and dtypes of every node
 // input and output as built, the element count, and the program's host function. Roles come from the generated
 // node table: kernel input i reads node input in[i], kernel output j writes node output out[j]; a scalar constant
 // input is folded into the program and read by no role (its shape and dtype are still checked).
 //
-// CPU EP: the node's host function (onnx_gtco/kernels/elementwise.py ElementwiseFamily.host_function over
+// CPU EP: the node's host function (onnx_gtco/families/elementwise/kernel.py ElementwiseFamily.host_function over
 // plugins/cpu/elementwise_ref.h). Device: the node's instance (gtco/elementwise.cuh), built for the same program.
 #pragma once
 

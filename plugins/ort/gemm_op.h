@@ -3,17 +3,17 @@
 // A Gemm_f16 / Gemm_bf16 node whose output the model declares float (a graph output the conversion folded into it,
 // onnx_gtco/precision.py) writes y, and reads its residual, in fp32: the reference stores fp32, the device path
 // launches the instance built with out_dtype f32 (the build chose it from the same output type).
-// Gemm node attributes (onnx_gtco/patterns/gemm.py): m, n, k (ints, or strings such as "N*197" when the optimizer
+// Gemm node attributes (onnx_gtco/families/gemm/rule.py): m, n, k (ints, or strings such as "N*197" when the optimizer
 // saw a symbolic size: then any size is accepted), batch (the output's batch dims of a batched GEMM; absent for a
 // weight GEMM), trans_b, trans_a (Gemm's transA, absent when 0), alpha, beta (Gemm's, absent when 1), bias,
 // residual, layer_scale (ints; layer_scale: LayerScale, a [N] factor per column after the activation, before the
 // residual), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string), layernorm (int) and
-// epsilon (float): the LayerNorm over each row of y in the node (patterns/gemm.py GemmLayerNormPattern), inputs
+// epsilon (float): the LayerNorm over each row of y in the node (families/gemm/rule.py GemmLayerNormPattern), inputs
 // gamma and beta [N], output norm = (y - mean) / sqrt(var + epsilon) * gamma + beta computed from y rounded to the
 // node's dtype (what the unfused LayerNorm reads); y is then an output only where the model reads it.
-// Qkv node attributes (onnx_gtco/patterns/qkv.py): k, m, n_out (ints or strings), ns (ints: N of each
+// Qkv node attributes (onnx_gtco/families/gemm/qkv_rule.py): k, m, n_out (ints or strings), ns (ints: N of each
 // projection, in output order), bias (int), precision.
-// The roles of the node's inputs and outputs come from the generated node table (onnx_gtco/plugin/bind_gemm.py
+// The roles of the node's inputs and outputs come from the generated node table (onnx_gtco/families/gemm/bind.py
 // works them out from the node's model-local function). Inputs the group swallowed that are no role (the scalar
 // constants of a decomposed activation, e.g. sqrt(2), 1, 0.5 of erf GELU) are not read: the binder checked, at
 // build time, that the chain computes the named activation.

@@ -1,6 +1,6 @@
 // The LayerNorm family's ORT glue: op types Layernorm_f32 / Layernorm_f16 / Layernorm_bf16.
 //
-// Node attributes (onnx_gtco/patterns/layernorm.py): epsilon (float), axis (negative int: the normalised trailing
+// Node attributes (onnx_gtco/families/layernorm/rule.py): epsilon (float), axis (negative int: the normalised trailing
 // axes start there), hidden (int, or the string "?" when the optimizer saw a symbolic size), residual, affine,
 // decomposed (ints), precision (string). The roles of the node's inputs and outputs come from the generated node
 // table (library.py works them out from the node's model-local function).

@@ -1,6 +1,6 @@
 // The Softmax family's ORT glue: op types Softmax_f32 / Softmax_f16 / Softmax_bf16 (one Softmax over the last axis).
 //
-// Node attributes (onnx_gtco/patterns/softmax.py): axis (-1), rows, cols (ints, or strings for symbolic sizes),
+// Node attributes (onnx_gtco/families/softmax/rule.py): axis (-1), rows, cols (ints, or strings for symbolic sizes),
 // precision. Roles come from the generated node table: input IN_X, output OUT_Y.
 //
 // CPU EP: plugins/cpu/softmax_ref.h. Device: the node's Softmax instance (gtco/softmax.cuh), built for its row

@@ -17,7 +17,7 @@ from onnx_gtco.bench.kernel_bench.candidates import listing
 from onnx_gtco.bench.kernel_bench.markdown import markdown
 from onnx_gtco.bench.kernel_bench.measure import ratios
 from onnx_gtco.bench.kernel_bench.shapes import CUTLASS_CONFIGS, SETS, cases
-from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.families.gemm import cublaslt, cutlass
 
 
 def _rows(arch: str) -> list[dict]:

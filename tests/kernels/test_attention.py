@@ -1,6 +1,6 @@
-"""plugins/include/gtco/attention.cuh through onnx_gtco/kernels/attention.py: numerics in the CPU emulation against
-the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 96 / 128 / 256 and padded ones such as 26 and
-40, with and without mask / bias), a deliberately broken online softmax that the comparison must catch in both
+"""plugins/include/gtco/attention.cuh through onnx_gtco/families/attention/kernel.py: numerics in the CPU emulation
+against the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 96 / 128 / 256 and padded ones such as 26
+and 40, with and without mask / bias), a deliberately broken online softmax that the comparison must catch in both
 families, check()'s rejections, and ptxas resources (no spills, no stack): every config configs() proposes for the
 zoo's attention shapes, and the configs check() accepts closest to its register budget."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from kernel_helpers import INCLUDE, nvcc_missing
 
-from onnx_gtco.kernels.attention import (
+from onnx_gtco.families.attention.kernel import (
     ACC_REG_BUDGET,
     FAMILIES,
     AttentionFamily,

@@ -1,7 +1,7 @@
-"""The conv family (plugins/include/gtco/conv.cuh, onnx_gtco/kernels/conv.py): implicit-GEMM convolutions through
-the CPU emulation against a float64 reference on ragged shapes (1x1, 3x3, 7x7, strides, asymmetric pads, dilation
-2, ViT's 16x16 / 16 patchify), every dtype and epilogue, deliberate faults that the comparison catches, `check`'s
-reasons, the launcher's argument checks, and nvcc/ptxas resources for sm_80 and sm_90; the same for the direct
+"""The conv family (plugins/include/gtco/conv.cuh, onnx_gtco/families/conv/kernel.py): implicit-GEMM convolutions
+through the CPU emulation against a float64 reference on ragged shapes (1x1, 3x3, 7x7, strides, asymmetric pads,
+dilation 2, ViT's 16x16 / 16 patchify), every dtype and epilogue, deliberate faults that the comparison catches,
+`check`'s reasons, the launcher's argument checks, and nvcc/ptxas resources for sm_80 and sm_90; the same for the direct
 kernel of grouped and depthwise convs (depthwise 3x3 stride 1 and 2, groups 2 and 4 with several channels a group,
 dilation 2, a channel multiplier, asymmetric pads)."""
 
@@ -15,7 +15,7 @@ import pytest
 from kernel_helpers import nvcc_missing, ptxas_of_cases
 
 from onnx_gtco.errors import EmulationError
-from onnx_gtco.kernels.conv import FAMILY, conv_problem, gemm_sizes
+from onnx_gtco.families.conv.kernel import FAMILY, conv_problem, gemm_sizes
 from onnx_gtco.kernels.emulate import build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
 

@@ -1,5 +1,5 @@
-"""Where the cuBLASLt header comes from (onnx_gtco.kernels.cublas_headers): the override is validated, the installed
-package is used as is, and a downloaded wheel leaves only its headers in the cache, complete or not at all."""
+"""Where the cuBLASLt header comes from (onnx_gtco.families.gemm.cublas_headers): the override is validated, the
+installed package is used as is, and a downloaded wheel leaves only its headers in the cache, complete or not at all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from onnx_gtco.errors import HeaderError
-from onnx_gtco.kernels import cublas_headers
+from onnx_gtco.families.gemm import cublas_headers
 
 
 def _wheel(path: Path, names: dict[str, bytes]) -> Path:

@@ -1,4 +1,4 @@
-"""The mapping of a GEMM group onto one cuBLASLt matmul (onnx_gtco.kernels.cublaslt): layouts, leading dimensions,
+"""The mapping of a GEMM group onto one cuBLASLt matmul (onnx_gtco.families.gemm.cublaslt): layouts, leading dimensions,
 batch strides, epilogue choice and what is refused, checked against the GEMM family's reference by emulating,
 on the CPU, what cuBLASLt computes from the descriptor."""
 
@@ -11,9 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.families.gemm import cublaslt
+from onnx_gtco.families.gemm.kernel import FAMILY, gemm_problem
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 
 # distinct, non-square sizes so that a swapped size or leading dimension shows
 BATCH, M, N, K = 3, 5, 12, 7

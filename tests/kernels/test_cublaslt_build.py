@@ -2,7 +2,7 @@
 of the nvidia-cublas package and link into a shared library with no link-time dependency on libcublasLt; that
 library loads without libcublasLt and a call says clearly that it is absent; with the package's libcublasLt loaded
 first (as ONNX Runtime's CUDA EP loads it) the dlsym table resolves every entry. The C++ mirror of the layout
-mapping (gtco/cublaslt_shape.h lt_shape) agrees with onnx_gtco.kernels.cublaslt.describe."""
+mapping (gtco/cublaslt_shape.h lt_shape) agrees with onnx_gtco.families.gemm.cublaslt.describe."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 from kernel_helpers import INCLUDE, nvcc_missing
 
 from onnx_gtco.errors import HeaderError
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.families.gemm import cublaslt
+from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir, installed_include_dir
+from onnx_gtco.families.gemm.kernel import FAMILY, gemm_problem
 from onnx_gtco.kernels.compile import compile_instance
-from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir, installed_include_dir
-from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 from onnx_gtco.kernels.toolchain import cxx_build, find_nvcc, nvcc_compile
 
 NEEDS_NVCC = pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")

@@ -1,4 +1,4 @@
-"""The CUTLASS Hopper GEMMs (onnx_gtco/kernels/cutlass.py, plugins/cuda/cutlass_gemm.cu.j2): which GEMM problems
+"""The CUTLASS Hopper GEMMs (onnx_gtco/families/gemm/cutlass.py, plugins/cuda/cutlass_gemm.cu.j2): which GEMM problems
 map onto which template parameters and the reasons for those that do not; nvcc builds of the instances the zoo
 models produce with the ptxas report checked; on a 9.0 GPU, their numerics against the fp64 reference."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from kernel_helpers import nvcc_missing
 
-from onnx_gtco.kernels import cutlass
+from onnx_gtco.families.gemm import cutlass
+from onnx_gtco.families.gemm.kernel import FAMILY, gemm_problem
 from onnx_gtco.kernels.compile import compile_instances
 from onnx_gtco.kernels.family import Problem, c_args, entry_point, from_storage, np_dtype, rel_error
-from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 
 needs_cutlass = pytest.mark.skipif(isinstance(cutlass.include_dirs(), str), reason=str(cutlass.include_dirs()))
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_gtco.kernels.attention import make_problem
+from onnx_gtco.families.attention.kernel import make_problem
+from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.emulate import build_emulated, run_emulated
 from onnx_gtco.kernels.family import Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.kernels.select import FAMILIES
 
 EXTENTS = (1, 7, 61, 131)  # 1, primes, 131 = three past a 128 tile

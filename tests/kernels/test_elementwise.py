@@ -1,4 +1,4 @@
-"""Elementwise family (onnx_gtco/kernels/elementwise.py, plugins/include/gtco/elementwise.cuh): ONNX chains as
+"""Elementwise family (onnx_gtco/families/elementwise/kernel.py, plugins/include/gtco/elementwise.cuh): ONNX chains as
 exporters emit them, built by program_from_onnx, run through the CPU emulation and compared with an fp64 numpy
 reference written here by hand (so the ONNX -> program translation is checked too, not only the kernel against
 the family's own reference); broken instances the test catches; check() and program_from_onnx reasons; ptxas."""
@@ -13,7 +13,7 @@ import pytest
 from kernel_helpers import INCLUDE, nvcc_missing, run_exe
 from onnx import TensorProto, helper
 
-from onnx_gtco.kernels.elementwise import (
+from onnx_gtco.families.elementwise.kernel import (
     ARITY,
     CAST_TARGETS,
     FAMILY,

@@ -1,5 +1,5 @@
-"""The GEMM family (plugins/include/gtco/gemm.cuh, onnx_gtco/kernels/gemm.py): numerics through the CPU emulation
-against an fp64 reference, `check`'s reasons, the launcher's argument checks, and nvcc/ptxas resources."""
+"""The GEMM family (plugins/include/gtco/gemm.cuh, onnx_gtco/families/gemm/kernel.py): numerics through the CPU
+emulation against an fp64 reference, `check`'s reasons, the launcher's argument checks, and nvcc/ptxas resources."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import pytest
 from kernel_helpers import nvcc_missing, ptxas_of_cases
 
 from onnx_gtco.config import TARGETS
-from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
-from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.gemm import (
+from onnx_gtco.families.gemm.kernel import (
     _FILL_TILE,
     ACTIVATIONS,
     FAMILY,
@@ -25,6 +23,9 @@ from onnx_gtco.kernels.gemm import (
     split_workspace_bytes,
     tf32_round,
 )
+from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
+from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
+from onnx_gtco.patterns import find_activation
 from onnx_gtco.tune.analytical import estimate_us
 
 TOL = 2e-3           # ||y - ref|| / ||ref||, ref in fp64 from the same rounded inputs, rounded to the output dtype
@@ -468,7 +469,7 @@ def test_instance_name_and_source():
     assert f32.name == "gemm_sm80_f32_128x128x32_w2x2_s3_bias_gelu_erf_res" and "launch_gemm<float, " in f32.source
     assert f32.smem_bytes == 3 * (128 * 36 + 32 * 136) * 4
     assert smem_bytes(cfg, True, "f32") == 3 * (128 * 36 + 128 * 36) * 4
-    assert set(ACTIVATIONS) == {"none", *__import__("onnx_gtco.patterns._act", fromlist=["REFERENCE"]).REFERENCE}
+    assert set(ACTIVATIONS) == {"none", *find_activation.REFERENCE}
 
 
 def test_random_inputs_are_seeded_and_nonzero():

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from kernel_helpers import nvcc_missing
 
-from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.families.gemm import cublaslt, cutlass
+from onnx_gtco.families.gemm.kernel import FAMILY, MAX_LN_N, gemm_problem
 from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
-from onnx_gtco.kernels.gemm import FAMILY, MAX_LN_N, gemm_problem
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
 from onnx_gtco.tune.analytical import estimate_us

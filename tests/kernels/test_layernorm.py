@@ -1,5 +1,5 @@
-"""LayerNorm family (onnx_gtco/kernels/layernorm.py, plugins/include/gtco/layernorm.cuh): emulated numerics against
-the fp64 reference, a deliberately broken variance that the test catches, check() reasons, ptxas resources."""
+"""LayerNorm family (onnx_gtco/families/layernorm/kernel.py, plugins/include/gtco/layernorm.cuh): emulated numerics
+against the fp64 reference, a deliberately broken variance that the test catches, check() reasons, ptxas resources."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from kernel_helpers import INCLUDE, nvcc_missing
 
+from onnx_gtco.families.layernorm.kernel import FAMILY
 from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Problem, from_storage, np_dtype, rel_error, to_storage
-from onnx_gtco.kernels.layernorm import FAMILY
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
 

@@ -10,10 +10,10 @@ import pytest
 from kernel_helpers import nvcc_missing
 
 from onnx_gtco.config import GtcoConfig
+from onnx_gtco.families.conv.kernel import NEEDS_SHAPES
 from onnx_gtco.kernels.compile import compile_instance, compile_instances
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.select import (
-    CONV_NEEDS_SHAPES,
     MMA_ONLY,
     model_instances,
     node_problem,
@@ -55,8 +55,8 @@ def test_fp16_models_select_a_kernel_for_every_tensor_core_group(name, families)
     assert {i.problem.family for i in instances} >= families
     assert {i.arch for i in instances} == set(ARCHS)
     # only elementwise chains (selected by their binder) and the patch-embedding conv (its Problem needs x's shape,
-    # which the binder reads: plugin.bind_conv) have no Problem from their attributes
-    assert all(r.startswith(("no elementwise", CONV_NEEDS_SHAPES)) for r in skipped.values()), skipped
+    # which the binder reads: families.conv.bind) have no Problem from their attributes
+    assert all(r.startswith(("no elementwise", NEEDS_SHAPES)) for r in skipped.values()), skipped
     fused = [n for n in model.graph.node if n.domain == "ai.gtco"]
     assert len(skipped) < len(fused)
     names = [(i.name, i.arch) for i in instances]
@@ -86,7 +86,7 @@ def _problem(family: str, dtype: str, attrs: dict) -> Problem | str:
 def test_problem_for_reasons_name_the_obstacle():
     assert "symbolic hidden" in _problem("layernorm", "f16", {"hidden": "?", "precision": "fp16"})
     assert "transposed A" in _problem("gemm", "f16", {"m": 4, "n": 8, "k": 8, "trans_a": 1})
-    assert _problem("conv", "f16", {}) == CONV_NEEDS_SHAPES
+    assert _problem("conv", "f16", {}) == NEEDS_SHAPES
     ok = _problem("gemm", "f32", {"m": 197, "n": 3072, "k": 768, "bias": 1, "activation": b"gelu_erf",
                                      "precision": b"bf16"})
     assert isinstance(ok, Problem) and ok.dtype == "bf16" and ok.flag("activation") == "gelu_erf"

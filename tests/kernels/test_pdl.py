@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from kernel_helpers import INCLUDE, nvcc_missing
 
-from onnx_gtco.kernels.attention import AttentionFamily, make_problem, output_dtype_array
+from onnx_gtco.families.attention.kernel import AttentionFamily, make_problem, output_dtype_array
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
+from onnx_gtco.families.gemm.kernel import gemm_problem
+from onnx_gtco.families.layernorm.kernel import FAMILY as LN
 from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Instance, Problem, np_dtype
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.gemm import gemm_problem
-from onnx_gtco.kernels.layernorm import FAMILY as LN
 from onnx_gtco.kernels.toolchain import find_nvcc, run_compile
 
 KERNEL_SOURCES = sorted([*INCLUDE.glob("gtco/*.cuh"), *INCLUDE.glob("gtco/*.cu.j2")])

@@ -102,7 +102,7 @@ def test_missing_cp_async_wait_is_caught(emu_build, tmp_path):
 
 def tf32_rna(x: np.ndarray) -> np.ndarray:
     """fp32 -> the nearest tf32 (10 mantissa bits), ties away from zero, chosen by comparing both neighbours
-    (independent of the bit trick in onnx_gtco.kernels.gemm.tf32_round)."""
+    (independent of the bit trick in onnx_gtco.families.gemm.kernel.tf32_round)."""
     x = np.asarray(x, np.float32)
     bits = x.view(np.uint32)
     lo = (bits & np.uint32(0xFFFFE000)).view(np.float32)  # truncated toward zero

@@ -1,5 +1,5 @@
-"""Softmax family (onnx_gtco/kernels/softmax.py, plugins/include/gtco/softmax.cuh): emulated numerics against the
-fp64 reference, overflow without the max subtraction, fully masked rows, check() reasons, ptxas resources."""
+"""Softmax family (onnx_gtco/families/softmax/kernel.py, plugins/include/gtco/softmax.cuh): emulated numerics against
+the fp64 reference, overflow without the max subtraction, fully masked rows, check() reasons, ptxas resources."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from kernel_helpers import INCLUDE, nvcc_missing
 
+from onnx_gtco.families.softmax.kernel import FAMILY, mask_rows
 from onnx_gtco.kernels.emulate import build_emulated, run_emulated
 from onnx_gtco.kernels.family import Problem, from_storage, np_dtype, rel_error, to_storage
 from onnx_gtco.kernels.ptxas import parse_ptxas
-from onnx_gtco.kernels.softmax import FAMILY, mask_rows
 from onnx_gtco.kernels.toolchain import nvcc_compile
 
 TOL = {"f16": 2e-3, "bf16": 2e-3, "f32": 1e-5}

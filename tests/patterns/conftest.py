@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.patterns import PATTERNS
+from onnx_gtco.patterns import rules
 from onnx_gtco.patterns.base import Match, Pattern
 from onnx_gtco.plan.candidates import collect
 from onnx_gtco.plan.types import Candidate, Reject
@@ -88,7 +88,7 @@ class Kit:
     @staticmethod
     def collect(view: GraphView, max_size: int = 48) -> tuple[list[Candidate], list[Reject]]:
         """All registered rules through the legality checks, as the pipeline runs them."""
-        return collect(view, PATTERNS, max_size)
+        return collect(view, rules(), max_size)
 
 
     @staticmethod

@@ -10,7 +10,7 @@ import pytest
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.models import build
-from onnx_gtco.patterns import PATTERNS
+from onnx_gtco.patterns import rules
 from onnx_gtco.patterns.pack import pack_qkv
 from onnx_gtco.plan.candidates import collect
 
@@ -48,7 +48,7 @@ def test_bert_projections_become_one_gemm_and_the_model_computes_the_same(ln: st
 def test_the_attention_then_reads_the_packed_tensor() -> None:
     packed, _ = pack_qkv(load_model(build("bert-tiny")))
     view = GraphView(packed)
-    cands, _ = collect(view, PATTERNS, 48)
+    cands, _ = collect(view, rules(), 48)
     att = [c for c in cands if c.family == "attention" and c.attr("q_layout") == "qkv_packed"]
     assert len(att) == 2
     roles = dict(att[0].roles)

@@ -19,11 +19,11 @@ from onnx import TensorProto, numpy_helper
 
 from onnx_gtco import models
 from onnx_gtco.config import GtcoConfig
+from onnx_gtco.families.gemm.rule import GemmPattern
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.patterns._act import find_activation
-from onnx_gtco.patterns._util import close, const_close, tolerance
-from onnx_gtco.patterns.gemm import GemmPattern
+from onnx_gtco.patterns.find_activation import find_activation
+from onnx_gtco.patterns.util import close, const_close, tolerance
 from onnx_gtco.pipeline import plan_model
 
 HALF = {"fp16": (TensorProto.FLOAT16, np.float16), "bf16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16)}

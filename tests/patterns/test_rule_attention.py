@@ -9,9 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto
 
+from onnx_gtco.families.attention.rule import AttentionPattern
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.patterns._util import const_scalar, static_value
-from onnx_gtco.patterns.attention import AttentionPattern
+from onnx_gtco.patterns.util import const_scalar, static_value
 
 RULE = AttentionPattern()
 CORE = {"qk", "scale", "mask_add", "softmax"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_gtco.patterns.conv import ConvPattern
+from onnx_gtco.families.conv.rule import ConvPattern
 
 RULE = ConvPattern()
 

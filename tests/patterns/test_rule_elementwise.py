@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from onnx_gtco.families.elementwise.rule import ElementwisePattern
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.patterns.elementwise import ElementwisePattern
 
 RULE = ElementwisePattern()
 
@@ -85,7 +85,7 @@ def test_int8_chain_is_rejected_with_the_reason(kit) -> None:
 def test_a_value_every_layer_reads_joins_none_of_their_groups(kit) -> None:
     """BERT's mask, computed once and read by every layer: each layer's group reads it as an input. Joined, one
     candidate would span every layer (and the plan's states grow with it); four readers still join."""
-    from onnx_gtco.patterns.elementwise import MAX_SHARED_READERS
+    from onnx_gtco.families.elementwise.rule import MAX_SHARED_READERS
 
     for readers, shared in ((MAX_SHARED_READERS + 2, False), (MAX_SHARED_READERS, True)):
         g = kit.graph()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_gtco.patterns._act import find_activation
-from onnx_gtco.patterns.gemm import GemmPattern
+from onnx_gtco.families.gemm.rule import GemmPattern
+from onnx_gtco.patterns.find_activation import find_activation
 
 RULE = GemmPattern()
 

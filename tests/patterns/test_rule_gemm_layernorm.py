@@ -1,10 +1,10 @@
-"""A weight GEMM and the LayerNorm over its rows as one group (patterns/gemm.py GemmLayerNormPattern)."""
+"""A weight GEMM and the LayerNorm over its rows as one group (families/gemm/rule.py GemmLayerNormPattern)."""
 
 from __future__ import annotations
 
 import pytest
 
-from onnx_gtco.patterns.gemm import MAX_LN_N, GemmLayerNormPattern
+from onnx_gtco.families.gemm.rule import MAX_LN_N, GemmLayerNormPattern
 
 RULE = GemmLayerNormPattern()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_gtco.patterns.layernorm import LayerNormPattern
+from onnx_gtco.families.layernorm.rule import LayerNormPattern
 
 RULE = LayerNormPattern()
 CHAIN = {"mean", "sub", "sq", "var", "eps_add", "sqrt", "div", "gamma", "beta"}

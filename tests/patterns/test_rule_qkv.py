@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from onnx_gtco.patterns.qkv import QkvPattern
+from onnx_gtco.families.gemm.qkv_rule import QkvPattern
 
 RULE = QkvPattern()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from onnx_gtco.patterns.softmax import SoftmaxPattern
+from onnx_gtco.families.softmax.rule import SoftmaxPattern
 
 RULE = SoftmaxPattern()
 

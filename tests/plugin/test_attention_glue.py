@@ -3,7 +3,7 @@
 (a) plugins/cpu/attention_ref.h (through tests/plugin/attention_ref_harness.cc, built with g++ and called with
     ctypes) against an fp64 numpy reference: ragged sequences, head dims 32/64/80, every layout, mask / bias,
     NaN semantics of fully masked rows (NaN, or zeros under the NaN guard), causal, bfloat16 storage.
-(b) onnx_gtco/plugin/bind_attention.py on every Attention_* / BmmSoftmax_* node of the built-in ViT and BERT models
+(b) onnx_gtco/families/attention/bind.py on every Attention_* / BmmSoftmax_* node of the built-in ViT and BERT models
     (and small hand-built models for the NaN guard, bias and BmmSoftmax): each binds, and the binding is right:
     the node's own function, run by onnxruntime as a one-node model, equals the numpy reference and the C++
     reference fed per the roles. Doctored nodes get the specific reason.
@@ -28,10 +28,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import GtcoConfig, optimize
-from onnx_gtco.kernels.attention import from_bhsd, layout_shape, to_bhsd
+from onnx_gtco.families.attention.bind import BINDERS, IN_ROLES, AttentionBinder
+from onnx_gtco.families.attention.kernel import from_bhsd, layout_shape, to_bhsd
 from onnx_gtco.kernels.toolchain import cxx_build
 from onnx_gtco.models import build
-from onnx_gtco.plugin.bind_attention import BINDERS, IN_ROLES, AttentionBinder
 from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes

@@ -19,14 +19,14 @@ from pins import CONV_KERNELS
 from plugin_helpers import Built, build_model
 
 from onnx_gtco import GtcoConfig, optimize
+from onnx_gtco.families.conv.bind import CONV
+from onnx_gtco.families.conv.rule import ConvPattern
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.models import build
-from onnx_gtco.patterns.conv import ConvPattern
 from onnx_gtco.plan.candidates import collect, singletons
 from onnx_gtco.plan.types import Candidate, Plan
-from onnx_gtco.plugin.bind_conv import CONV
 from onnx_gtco.plugin.binding import Binding
 from onnx_gtco.plugin.library import build_library, library_info
 from onnx_gtco.plugin.nodes import fused_nodes

@@ -115,8 +115,8 @@ def test_candidate_coverage_of_every_vit_group_matches(vit) -> None:
 def test_the_sm90a_slot_holds_an_instance_of_its_own_only_where_asked() -> None:
     """A 9.0 device runs the node's sm_90a instance (a CUTLASS GEMM) where a configuration for it is given and
     fits, else the node's sm_90 instance, which every build already compiles."""
-    from onnx_gtco.kernels.cutlass import include_dirs
-    from onnx_gtco.kernels.gemm import FAMILY as GEMM
+    from onnx_gtco.families.gemm.cutlass import include_dirs
+    from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
     from onnx_gtco.plugin.device import device_problem
 
     nodes = fused_nodes(optimize(mlp(), GtcoConfig(precision="fp16")).model)
@@ -148,7 +148,7 @@ def test_an_untuned_gemm_gets_a_cutlass_instance_on_sm90a_where_it_is_predicted_
     153 us against the mma kernel's 254, and the sm_90a slot builds a CUTLASS instance for it untuned; where the
     sm_90 slot's instance is predicted faster (cuBLASLt on a bias GEMM of 128 rows), the slot holds that one."""
     from onnx_gtco.calibration import hardware
-    from onnx_gtco.kernels.gemm import gemm_problem
+    from onnx_gtco.families.gemm.kernel import gemm_problem
     from onnx_gtco.kernels.select import select_instance
     from onnx_gtco.plugin.device import estimate_instance, own_config
 
@@ -173,8 +173,8 @@ def test_a_layer_scale_gemm_runs_the_mma_kernel_in_every_slot() -> None:
     """LayerScale (a per-column Mul before the residual) is in the mma kernels' epilogue only: a GEMM with it big
     enough for CUTLASS on sm_90a keeps the mma instance there (CUTLASS and cuBLASLt refuse the problem, saying why),
     and every slot's instance is built with the scale."""
-    from onnx_gtco.kernels.gemm import FAMILY as GEMM
-    from onnx_gtco.kernels.gemm import gemm_problem
+    from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
+    from onnx_gtco.families.gemm.kernel import gemm_problem
     from onnx_gtco.plugin.device import device_problem, own_config
 
     big = gemm_problem("f16", 1, 197 * 64, 768, 3072, bias=True, layer_scale=True, residual=True)

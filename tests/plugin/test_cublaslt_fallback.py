@@ -35,10 +35,10 @@ from plugin_helpers import relu_gemm_model
 from onnx_gtco import optimize
 from onnx_gtco.config import CUBLASLT_INCLUDE_ENV
 from onnx_gtco.errors import BuildError, HeaderError
-from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
+from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
+from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.kernels.family import Instance, rel_error
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.kernels.select import MMA_ONLY, candidates, fastest, select_instance
 from onnx_gtco.kernels.toolchain import find_cxx
 from onnx_gtco.plugin.device import device_problem, mma_fallbacks

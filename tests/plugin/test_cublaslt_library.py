@@ -17,7 +17,7 @@ from plugin_helpers import relu_gemm_model
 
 from onnx_gtco import optimize
 from onnx_gtco.errors import HeaderError
-from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
+from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.plugin.library import LibraryResult, build_library, library_info
 from onnx_gtco.runtime.session import METADATA_KEY, make_session

@@ -14,7 +14,7 @@ from onnx_gtco import optimize
 from onnx_gtco.config import DYNAMIC_METADATA_KEY as DYNAMIC_KEY
 from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
-from onnx_gtco.kernels.attention import make_problem
+from onnx_gtco.families.attention.kernel import make_problem
 from onnx_gtco.models import build
 from onnx_gtco.plugin.device import device_instances
 from onnx_gtco.plugin.dispatch import bucket_of, check_table, default_table
@@ -100,7 +100,7 @@ def test_a_given_dispatch_table_is_used(bert16) -> None:
 
 
 def test_the_sm90a_slot_takes_the_sm90_table_or_its_one_cutlass_instance(bert16) -> None:
-    from onnx_gtco.kernels.gemm import FAMILY as GEMM
+    from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
     from onnx_gtco.plugin.device import ARCH_SLOTS, device_problem
 
     nodes = fused_nodes(bert16)

@@ -21,8 +21,8 @@ from cpu_session import cpu_session
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import optimize
+from onnx_gtco.families.elementwise.bind import ElementwiseBinder
 from onnx_gtco.kernels.family import rel_error
-from onnx_gtco.plugin.bind_elementwise import ElementwiseBinder
 from onnx_gtco.plugin.binding import Binding
 from onnx_gtco.plugin.coverage import candidate_node
 from onnx_gtco.plugin.library import LibraryResult, bind_nodes, build_library, generate_glue, library_info

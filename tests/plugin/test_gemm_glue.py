@@ -17,12 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import GtcoConfig, optimize
-from onnx_gtco.ir.load import load_model
-from onnx_gtco.kernels.toolchain import cxx_build
-from onnx_gtco.models import build
-from onnx_gtco.patterns._act import REFERENCE
-from onnx_gtco.pipeline import plan_model
-from onnx_gtco.plugin.bind_gemm import (
+from onnx_gtco.families.gemm.bind import (
     ACTIVATIONS,
     GEMM,
     GEMM_IN,
@@ -33,6 +28,11 @@ from onnx_gtco.plugin.bind_gemm import (
     GemmBinder,
     QkvBinder,
 )
+from onnx_gtco.ir.load import load_model
+from onnx_gtco.kernels.toolchain import cxx_build
+from onnx_gtco.models import build
+from onnx_gtco.patterns.find_activation import REFERENCE
+from onnx_gtco.pipeline import plan_model
 from onnx_gtco.plugin.binding import Binding, FusedNode, Operand
 from onnx_gtco.plugin.coverage import candidate_node
 from onnx_gtco.plugin.headers import ort_include_dir

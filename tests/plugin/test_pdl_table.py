@@ -14,8 +14,8 @@ from onnx import TensorProto, helper
 from plugin_helpers import ln_softmax_model
 
 from onnx_gtco import optimize
-from onnx_gtco.kernels.cublaslt import IMPL as CUBLASLT
-from onnx_gtco.kernels.cutlass import IMPL as CUTLASS
+from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
+from onnx_gtco.families.gemm.cutlass import IMPL as CUTLASS
 from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.library import CUDA_ARCHS, CXX_FLAGS, bind_nodes, device_nodes, generate_glue, select_device

@@ -24,10 +24,10 @@ from plugin_helpers import (
 from onnx_gtco import optimize
 from onnx_gtco.cli import main
 from onnx_gtco.errors import GtcoError
+from onnx_gtco.families.layernorm.bind import LayerNormBinder
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.toolchain import BuildError
 from onnx_gtco.plugin import headers
-from onnx_gtco.plugin.bind_layernorm import LayerNormBinder
 from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.library import bind_nodes, build_library, function_only_nodes, library_info
 from onnx_gtco.plugin.nodes import fused_nodes

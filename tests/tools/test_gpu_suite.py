@@ -790,7 +790,7 @@ def test_the_calibration_cases_measure_what_the_estimate_was_never_fitted_to() -
     cut), GEMM + LayerNorm fused against the pair the build would pick, the patch embedding as conv and as patchify,
     the most-wanted cases first."""
     from onnx_gtco.calibration import hardware
-    from onnx_gtco.kernels import cutlass
+    from onnx_gtco.families.gemm import cutlass
     from onnx_gtco.kernels.select import select_instance
 
     cal = _calibrate()

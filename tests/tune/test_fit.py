@@ -12,7 +12,7 @@ import pytest
 from onnx_gtco.calibration import Hardware, LaunchConstants, hardware, load_calibration
 from onnx_gtco.cli import main
 from onnx_gtco.errors import GtcoError
-from onnx_gtco.kernels.gemm import MmaConstants
+from onnx_gtco.families.gemm.kernel import MmaConstants
 from onnx_gtco.tune import fit
 
 KERNEL_BOUND = 1.25  # every measured kernel row of ours within 25%, either way
@@ -97,7 +97,7 @@ def test_a_records_file_that_tells_an_unfitted_constant_gets_it_fitted_and_ends_
     """cutlass.extra_us has fit=False: the shipped records (5 to 18 waves) cannot tell it. A file of CUTLASS GEMMs at a
     few tiles that says it tells it (what the GPU suite's calibration row writes) gets it fitted, and its own
     cuBLASLt record ends the ORT cuBLAS proxy note; without "tells" the constant keeps its default."""
-    from onnx_gtco.kernels.gemm import gemm_problem
+    from onnx_gtco.families.gemm.kernel import gemm_problem
 
     truth = Hardware(hardware("h200").target).with_overrides({"gemm.cutlass": {"extra_us": 6.0}})
     doc = json.loads(next(iter(sorted(Path(fit.RECORDS_DIR).glob("*.json")))).read_text())

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnx_gtco.kernels.conv import conv_problem
+from onnx_gtco.families.conv.kernel import conv_problem
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
+from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.tune.gpu import GpuMeasurer, gpu_available, shared_library
 from onnx_gtco.tune.search import Measurement, analytical_guesses
 from onnx_gtco.tune.tasks import Task, template_version
@@ -50,7 +50,7 @@ def _patchify_copy(batch: int) -> Problem:
     """ViT-B/16's patch embedding as patterns.patchify's copy: x [N, 3, 224, 224] -> patches [N, 196, 768]."""
     from onnx import helper
 
-    from onnx_gtco.kernels.elementwise import program_from_onnx
+    from onnx_gtco.families.elementwise.kernel import program_from_onnx
 
     shapes = {"s1": [batch, 3, 14, 16, 14, 16], "s2": [batch, 196, 768]}
     nodes = [helper.make_node("Reshape", ["x", "s1"], ["a"]),
@@ -160,7 +160,7 @@ def test_cublaslt_candidates_compute_the_reference(problem: Problem) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
 def test_cutlass_candidates_compute_the_reference_and_a_faulty_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    from onnx_gtco.kernels import cutlass
+    from onnx_gtco.families.gemm import cutlass
     from onnx_gtco.tune import gpu as gpu_mod
 
     m = GpuMeasurer()

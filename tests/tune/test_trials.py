@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 import pytest
 
-from onnx_gtco.kernels.gemm import gemm_problem
+from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.tune.builder import Artifact, BuildResult, LocalBuilder, build_and_run
 from onnx_gtco.tune.driver import tune
 from onnx_gtco.tune.runner import LocalRunner, exit_reason

@@ -20,11 +20,11 @@ from onnx_gtco import optimize
 from onnx_gtco.calibration import LaunchConstants, hardware
 from onnx_gtco.cli import main
 from onnx_gtco.config import GtcoConfig, Ranges
-from onnx_gtco.kernels.conv import FAMILY, conv_problem
+from onnx_gtco.families.conv.bind import CONV
+from onnx_gtco.families.conv.kernel import FAMILY, conv_problem
+from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.kernels.family import rel_error
-from onnx_gtco.kernels.gemm import gemm_problem
 from onnx_gtco.kernels.select import candidates, fastest
-from onnx_gtco.plugin.bind_conv import CONV
 from onnx_gtco.plugin.device import device_problem
 from onnx_gtco.plugin.library import CUDA_ARCHS, bind_nodes, build_library, library_info, select_device
 from onnx_gtco.plugin.nodes import fused_nodes

@@ -1,7 +1,7 @@
 """CUTLASS as an implementation of GEMM tasks: offered on tasks for sm_90 (built for their sm_90a slot) where the
 mapping expresses the group and the headers are installed, its tunables as the study's parameters, priced by the
-estimate from its fitted constants (kernels.cutlass.CutlassConstants), built and timed by the GPU measurer like the
-others, and reported per GEMM node beside the cuBLASLt candidate."""
+estimate from its fitted constants (families.gemm.cutlass.CutlassConstants), built and timed by the GPU measurer like
+the others, and reported per GEMM node beside the cuBLASLt candidate."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import optuna
 import pytest
 
 from onnx_gtco.calibration import hardware
-from onnx_gtco.kernels import cutlass
+from onnx_gtco.families.gemm import cutlass
+from onnx_gtco.families.gemm.kernel import FAMILY, gemm_problem
 from onnx_gtco.kernels.family import Instance, to_storage
-from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 from onnx_gtco.report_md import _tuning
 from onnx_gtco.tune import gpu
 from onnx_gtco.tune.analytical import estimate_us

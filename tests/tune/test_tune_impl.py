@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from onnx_gtco.calibration import hardware_for_arch
-from onnx_gtco.kernels import cublaslt
+from onnx_gtco.families.gemm import cublaslt
+from onnx_gtco.families.gemm.kernel import FAMILY, gemm_problem
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.kernels.gemm import FAMILY, gemm_problem
 from onnx_gtco.kernels.select import select_instance
 from onnx_gtco.report_md import _tuning
 from onnx_gtco.tune.analytical import estimate_us

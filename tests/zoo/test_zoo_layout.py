@@ -1,6 +1,6 @@
 """Layout ops on real exports: Swin-T's window partition and reverse, rolls, head split and patch merging, and
-SegFormer-B0's token/map reshapes fold into elementwise groups (kernels.elementwise layouts), so few nodes stay for
-ONNX Runtime to run. test_zoo_optimize.py checks that the optimized models still match the originals."""
+SegFormer-B0's token/map reshapes fold into elementwise groups (families.elementwise.kernel layouts), so few nodes stay
+for ONNX Runtime to run. test_zoo_optimize.py checks that the optimized models still match the originals."""
 
 from __future__ import annotations
 

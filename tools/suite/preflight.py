@@ -102,13 +102,13 @@ if n["ort_headers"]:
         missing.append(f"ONNX Runtime headers: {e}")
 if n["cublaslt_header"]:
     try:
-        from onnx_gtco.kernels.cublas_headers import cublaslt_include_dir
+        from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir
         found["cublaslt_header"] = str(cublaslt_include_dir(download=False))
     except Exception as e:
         missing.append(f"cuBLASLt header: {e}")
 if n["cutlass_headers"]:
     try:
-        from onnx_gtco.kernels.cutlass import include_dirs
+        from onnx_gtco.families.gemm.cutlass import include_dirs
         dirs = include_dirs()
         if isinstance(dirs, str):
             missing.append(f"CUTLASS headers: {dirs}")

@@ -22,7 +22,7 @@ GEMM row times, on the same inputs (CUDA events, median of `reps` runs after a w
 so L2 holds what fits, for every candidate and baseline alike):
 
 * every implementation's configurations: "mma" the generated kernels (the family's offered configs), "cutlass" the
-  CUTLASS 3.x sm_90a instances (kernels.cutlass.configs; sm_90 target and a 9.0 GPU only), "cublaslt" cuBLASLt
+  CUTLASS 3.x sm_90a instances (families.gemm.cutlass.configs; sm_90 target and a 9.0 GPU only), "cublaslt" cuBLASLt
   through our glue (its heuristic's ranks), each capped by --max-configs, each instance built as the tuner's GPU
   measurer builds a trial (tune.gpu.shared_library) and checked against the fp64 reference (‖err‖/‖ref‖; a wrong
   answer, a failed build or launch is marked and never "best");

@@ -9,12 +9,12 @@ from typing import Any
 
 from onnx_gtco.bench.kernel_bench.shapes import CUTLASS_CONFIGS, IMPLS, Case
 from onnx_gtco.errors import GtcoError
-from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.families.gemm import cublaslt, cutlass
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
 from onnx_gtco.kernels.family import (
     Instance,
     Problem,
 )
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.tune.gpu import shared_library
 from onnx_gtco.tune.search import OFFERED, Measurement, config_arch, offered
 from onnx_gtco.tune.tasks import Task, template_version
@@ -30,7 +30,7 @@ def gemm_candidates(p: Problem, arch: str, max_configs: int | None, impls: Itera
                     ) -> dict[str, list[dict[str, Any]] | str]:
     """Each GEMM implementation -> the configurations the bench times on `p` for target `arch`, or why none
     (tune.search.offered's reason, the tuner's own): mma the family's offered configs, cutlass the first
-    CUTLASS_CONFIGS of kernels.cutlass.configs (sm_90 only), cublaslt the heuristic's ranks; each capped by
+    CUTLASS_CONFIGS of families.gemm.cutlass.configs (sm_90 only), cublaslt the heuristic's ranks; each capped by
     `max_configs`."""
     cap = max_configs
     why = offered(task_of(p, arch))

@@ -14,7 +14,7 @@ import numpy as np
 from onnx_gtco.bench.kernel_bench.candidates import case_instances
 from onnx_gtco.bench.kernel_bench.measure import Runner, median_us
 from onnx_gtco.bench.kernel_bench.shapes import TOL, Case, ConvShape
-from onnx_gtco.kernels.conv import FAMILY as CONV
+from onnx_gtco.families.conv.kernel import FAMILY as CONV
 from onnx_gtco.kernels.family import (
     rel_error,
 )

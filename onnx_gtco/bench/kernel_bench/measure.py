@@ -14,7 +14,8 @@ import numpy as np
 
 from onnx_gtco.bench.kernel_bench.candidates import case_instances, fused_cublaslt, gemm_candidates, task_of
 from onnx_gtco.bench.kernel_bench.shapes import ATTN, IMPLS, TOL, Case
-from onnx_gtco.kernels import cublaslt, cutlass
+from onnx_gtco.families.gemm import cublaslt, cutlass
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
 from onnx_gtco.kernels.family import (
     Instance,
     KernelFamily,
@@ -24,7 +25,6 @@ from onnx_gtco.kernels.family import (
     from_storage,
     rel_error,
 )
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
 from onnx_gtco.tune.gpu import load_cublaslt
 from onnx_gtco.tune.search import config_arch, predict_us
 

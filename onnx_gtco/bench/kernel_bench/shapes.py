@@ -6,18 +6,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnx_gtco.kernels import cublaslt, cutlass
-from onnx_gtco.kernels.attention import FAMILIES as ATTENTION_FAMILIES
-from onnx_gtco.kernels.attention import make_problem
-from onnx_gtco.kernels.conv import FAMILY as CONV
-from onnx_gtco.kernels.conv import conv_problem
+from onnx_gtco.families.attention.kernel import FAMILIES as ATTENTION_FAMILIES
+from onnx_gtco.families.attention.kernel import make_problem
+from onnx_gtco.families.conv.kernel import FAMILY as CONV
+from onnx_gtco.families.conv.kernel import conv_problem
+from onnx_gtco.families.gemm import cublaslt, cutlass
+from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
+from onnx_gtco.families.gemm.kernel import MAX_LN_N, gemm_problem
+from onnx_gtco.families.layernorm.kernel import FAMILY as LAYERNORM
 from onnx_gtco.kernels.family import (
     KernelFamily,
     Problem,
 )
-from onnx_gtco.kernels.gemm import FAMILY as GEMM
-from onnx_gtco.kernels.gemm import MAX_LN_N, gemm_problem
-from onnx_gtco.kernels.layernorm import FAMILY as LAYERNORM
 from onnx_gtco.tune.gpu import TOLERANCE
 
 ATTN = {f.name: f for f in ATTENTION_FAMILIES}
@@ -25,7 +25,7 @@ TOL = TOLERANCE
 IMPLS = ("mma", cutlass.IMPL, cublaslt.IMPL)
 SETS = ("vit-b16", "bert-base", "setr", "detr")
 CUTLASS_CONFIGS = 3
-"""CUTLASS configurations per GEMM row (the first of kernels.cutlass.configs; about a minute of nvcc each)."""
+"""CUTLASS configurations per GEMM row (the first of families.gemm.cutlass.configs; about a minute of nvcc each)."""
 
 
 # ------------------------------------------------------------------------------------------------------ shapes

@@ -56,7 +56,7 @@ struct ConvArgs {
     float epsilon;
 };
 
-// The C argument struct of both families (mirrored by onnx_gtco/kernels/attention.py field for field). All
+// The C argument struct of both families (mirrored by onnx_gtco/families/attention/kernel.py field for field). All
 // strides and offsets are in elements. For bmm_softmax, v* are unused and out is P with (o_sb, o_sh, o_ss, o_sd)
 // = strides of (batch, head, query, key); for attention o_sd must be 1.
 struct gtco_attention_args {

@@ -2,7 +2,7 @@
 // (gtco/elementwise.cuh) and the host functions of the ORT glue (plugins/cpu/elementwise_ref.h) share. Plain C++17,
 // no CUDA, so that the g++-built glue includes it as well as nvcc and the emulation.
 //
-// The generated program describes its iteration space and operands as types (onnx_gtco/kernels/elementwise.py
+// The generated program describes its iteration space and operands as types (onnx_gtco/families/elementwise/kernel.py
 // collapses the iteration shape first: dims of 1 dropped, neighbours every operand walks alike merged):
 //     Shape<D0, D1, ...>           the collapsed iteration dims, outermost first (none: one element)
 //     In<E, S0, S1, ...>           an operand of element type E with element strides S over those dims (0: the

@@ -1,5 +1,5 @@
 // The cuBLASLt implementation of the GEMM family: y = act(alpha * A @ B + bias) (+ residual through C, beta = 1)
-// as one cublasLtMatmul with its fused epilogue. onnx_gtco/kernels/cublaslt.py generates one entry point per
+// as one cublasLtMatmul with its fused epilogue. onnx_gtco/families/gemm/cublaslt.py generates one entry point per
 // (dtypes, epilogue, transposed B, residual, heuristic rank) with the GEMM instance ABI (gtco/args.h GemmArgs), so
 // the node table, the dispatch and the tuner call it as any GEMM instance.
 //
@@ -8,7 +8,7 @@
 // loads and a call returns GTCO_ELIBRARY with last_error() saying why; so do a heuristic without an algorithm of the
 // chosen rank and a plan that cannot be made. The glue then launches the node's generated mma fallback instead, where
 // the build gave it one (plugins/ort/gemm_op.h run_gemm), so a vendor failure does not fail the session. Only the
-// header comes from the nvidia-cublas package at build time (onnx_gtco/kernels/cublas_headers.py).
+// header comes from the nvidia-cublas package at build time (onnx_gtco/families/gemm/cublas_headers.py).
 //
 // An emulated build (g++ -DGTCO_EMULATE, plugins/emu/gtco_emu_runtime.h for the few CUDA runtime calls) runs this
 // path on the CPU up to the plan, with a libcublasLt already loaded into the process only (never one from the library
@@ -48,7 +48,7 @@
 namespace gtco {
 namespace lt {
 
-// What one generated entry point fixes (onnx_gtco/kernels/cublaslt.py instance()).
+// What one generated entry point fixes (onnx_gtco/families/gemm/cublaslt.py instance()).
 struct Spec {
     cudaDataType_t dtype;      // A and B
     cudaDataType_t out;        // C and D (y, residual)

@@ -1,5 +1,5 @@
 // The cuBLASLt GEMM path's pure parts, with no CUDA or cuBLAS dependency (the g++-built ORT glue includes this;
-// a CPU test checks lt_shape against onnx_gtco/kernels/cublaslt.py's describe, which it mirrors):
+// a CPU test checks lt_shape against onnx_gtco/families/gemm/cublaslt.py's describe, which it mirrors):
 //   * lt_shape: a GemmArgs problem (row-major, dense leading dimensions, gtco/args.h) as cuBLASLt's column-major
 //     matmul Yᵀ = Bᵀ Aᵀ: cuBLASLt's A is our B buffer, its B our A buffer, D our y;
 //   * the status an instance returns when the cuBLASLt path cannot run, and the reason, per thread.
@@ -49,7 +49,7 @@ inline std::string& last_error() {
     return why;
 }
 
-// An instance name the cuBLASLt generator made (onnx_gtco/kernels/cublaslt.py: "cublaslt_<arch>_...").
+// An instance name the cuBLASLt generator made (onnx_gtco/families/gemm/cublaslt.py: "cublaslt_<arch>_...").
 inline bool is_instance(const std::string& name) { return name.rfind("cublaslt_", 0) == 0; }
 
 }  // namespace lt

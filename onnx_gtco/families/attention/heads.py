@@ -1,0 +1,142 @@
+"""Head split and merge around an attention core: the layout ops a fused kernel folds into its indexing."""
+
+from __future__ import annotations
+
+from onnx_gtco.families.attention.scores import scalar_operand
+from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.patterns.base import is_op
+from onnx_gtco.patterns.util import absorb_up, dim, rank, sole_reader, static_value
+
+VIEW_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten")
+MAX_MERGE = 3
+Perm = tuple[int, ...] | None  # branch = transpose(source, P); None once a reshape or unbind is passed
+
+# permutations of the last three axes from a branch's source to the core operand, by what the source is
+_NAMES = {
+    "q": {(0, 1, 2): "bhsd", (1, 0, 2): "bshd"},  # core operand [.., H, S, D] (q, v, and PV's output)
+    "k": {(0, 2, 1): "bhsd", (1, 2, 0): "bshd", (0, 1, 2): "bhds"},  # core operand kᵀ [.., H, D, S]
+}
+
+
+def layout_step(view: GraphView, node: Node) -> tuple[str, ...] | None:
+    """Layout-only producers (reshape, permute, unbind of a packed qkv): keep walking from the data input."""
+    if is_op(node, *VIEW_OPS, "Split"):
+        return (node.inputs[0],)
+    if is_op(node, "Gather"):
+        idx = static_value(view, node.inputs[1])
+        return (node.inputs[0],) if idx is not None and idx.size == 1 else None
+    if is_op(node, "Slice") and all(static_value(view, t) is not None for t in node.inputs[1:] if t):
+        return (node.inputs[0],)
+    return None
+
+
+def scale_step(view: GraphView, node: Node) -> tuple[str, ...] | None:
+    """Layout ops, and on q and k also a Mul/Div by a scalar (it becomes part of the applied scale)."""
+    found = scalar_operand(view, node)
+    return (found[0],) if found is not None else layout_step(view, node)
+
+
+def _permute(perm: Perm, node: Node, up: bool) -> Perm:
+    if perm is None or node.op_type in ("Mul", "Div", "Identity"):
+        return perm
+    if node.op_type != "Transpose":
+        return None
+    p = [int(i) for i in node.attrs.get("perm") or range(len(perm) - 1, -1, -1)]
+    if len(p) != len(perm):
+        return None
+    return tuple(p[i] for i in perm) if up else tuple(perm[i] for i in p)
+
+
+def layout(view: GraphView, src: str, perm: Perm, core_rank: int, role: str, width: int | None = None) -> str:
+    """Name the layout a kernel reads a branch in (or writes the output in).
+
+    "bhsd", "bhds", "bshd", "bshd_merged" (heads folded into the last dim, `width` = H*D wide when known) or
+    "other". `role` is "q" (q, v and the output: core [.., H, S, D]) or "k" (core kᵀ [.., H, D, S]).
+    """
+    if perm is None:
+        r, last = rank(view, src), dim(view, src, -1)
+        narrow = isinstance(last, int) and width is not None and last != width
+        merged = r is not None and r == core_rank - 1 and not narrow
+        return "bshd_merged" if merged else "other"
+    lead = len(perm) - 3
+    if lead < 0 or any(perm[i] != i for i in range(lead)):
+        return "other"
+    return _NAMES[role].get(tuple(p - lead for p in perm[lead:]), "other")
+
+
+def _walk_up(
+    view: GraphView, group: set[int], base: frozenset[int], tensor: str
+) -> list[tuple[Node, str, Perm]]:
+    """The branch's nodes outside `base`, from the core upwards, each with the source and P once it is in."""
+    r = rank(view, tensor)
+    perm: Perm = tuple(range(r)) if r is not None else None
+    out: list[tuple[Node, str, Perm]] = []
+    node = view.producer_of(tensor)
+    while node is not None and node.id in group and node.id not in base:
+        nxt = scale_step(view, node)
+        if nxt is None:
+            break
+        perm = _permute(perm, node, up=True)
+        tensor = nxt[0]
+        out.append((node, tensor, perm))
+        node = view.producer_of(tensor)
+    return out
+
+
+def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dict[str, str], core_rank: int,
+                width: int | None, k_rows: bool = False) -> tuple[float, dict[str, str], dict[str, str]]:
+    """Pull the head split of q, k, v (keys of `ins`, values the core's operands) into `group`.
+
+    Each branch keeps the longest prefix whose source has a nameable layout; q, k and v read from one
+    tensor is "qkv_packed". `k_rows`: the core reads k as [.., S, D] (an Einsum), not as kᵀ. Returns the scale
+    factor absorbed on q and k, the layout per branch and the tensor each branch reads (its source).
+    """
+    for role in ("q", "k"):
+        absorb_up(view, group, [ins[role]], lambda n, _t: scale_step(view, n))
+    absorb_up(view, group, [ins["v"]], lambda n, _t: layout_step(view, n))
+    walks = {role: _walk_up(view, group, base, t) for role, t in ins.items()}
+    srcs = {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
+    if srcs["q"] == srcs["k"] == srcs["v"] and walks["q"]:
+        names = dict.fromkeys(ins, "qkv_packed")
+    else:
+        names = {}
+        for role, walk in walks.items():
+            kind = "k" if role == "k" and not k_rows else "q"
+            wide = width if role in ("q", "k") else None
+            names[role] = layout(view, ins[role], tuple(range(core_rank)), core_rank, kind)
+            keep = 0
+            for i, (_, src, perm) in enumerate(walk, 1):
+                name = layout(view, src, perm, core_rank, kind, wide)
+                if name != "other":
+                    keep, names[role] = i, name
+            group.difference_update(n.id for n, _, _ in walk[keep:])
+            walks[role] = walk[:keep]
+    factor = 1.0
+    for role in ("q", "k"):
+        for node, _, _ in walks[role]:
+            found = scalar_operand(view, node)
+            factor *= found[1] if found is not None else 1.0
+    return factor, names, {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
+
+
+def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> tuple[str, str]:
+    """Pull the head merge after PV (Transpose[0,2,1,3] -> Reshape[B,S,H*D]) into `group`; returns its layout
+    and the tensor it writes.
+
+    Stops at the longest prefix whose output layout has a name.
+    """
+    perm: Perm = tuple(range(core_rank))
+    taken: list[int] = []
+    best, name, written = 0, "bhsd", out
+    for _ in range(MAX_MERGE):
+        node = sole_reader(view, out)
+        if not is_op(node, "Transpose", "Reshape") or node is None:
+            break
+        perm = _permute(perm, node, up=False)
+        out = node.outputs[0]
+        taken.append(node.id)
+        kind = layout(view, out, perm, core_rank, "q")
+        if kind != "other":
+            best, name, written = len(taken), kind, out
+    group.update(taken[:best])
+    return name, written

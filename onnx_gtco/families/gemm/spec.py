@@ -1,0 +1,21 @@
+"""The GEMM family's fused ops: gemm (one GEMM with its epilogue, or with the LayerNorm over its rows) and qkv (the
+projections of one input, one launch each on a shared A)."""
+
+from __future__ import annotations
+
+from onnx_gtco.opspec import BOOL, DIM, DIMS, EPILOGUE, FLOAT, Attr, OpSpec
+
+QKV_PROJECTIONS = 3  # the projections a qkv op names roles for (C++ gtco::Qkv::kMaxProj)
+
+SPECS = (
+    # y_p = a @ w_p (+ bias_p), p < len(ns) <= QKV_PROJECTIONS
+    OpSpec("qkv", ("a", *(f"w{p}" for p in range(QKV_PROJECTIONS)), *(f"bias{p}" for p in range(QKV_PROJECTIONS))),
+           tuple(f"y{p}" for p in range(QKV_PROJECTIONS)),
+           (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False))),
+    # y = act(alpha * a @ op(b) + beta * bias) * layer_scale + residual (layer_scale: one factor per column of y);
+    # layernorm: norm = LayerNorm(y) * gamma + beta over each row of N (y then an output only when read outside)
+    OpSpec("gemm", ("a", "b", "bias", "residual", "layer_scale", "gamma", "beta"), ("y", "norm"),
+           (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
+            Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *EPILOGUE,
+            Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5))),
+)

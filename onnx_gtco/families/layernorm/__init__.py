@@ -1,0 +1,1 @@
+"""The layernorm kernel family (onnx_gtco.families: what each module holds)."""
