@@ -16,10 +16,9 @@ from cpu_session import run
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.config import GtcoConfig
-from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.kernels.ptxas import parse_ptxas
-from onnx_gtco.kernels.toolchain import nvcc_compile
+from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS, nvcc_compile
 from onnx_gtco.models import build
 from onnx_gtco.opspec import DOMAIN, split_op_type
 from onnx_gtco.pipeline import optimize
@@ -175,7 +174,7 @@ def test_gemm_head_fp32_instance_compiles(tmp_path):
     assert "TOut=*/float" in inst.source
     src = tmp_path / f"{inst.name}.cu"
     src.write_text(inst.source)
-    report = nvcc_compile(src, tmp_path / f"{inst.name}.o", inst.arch, include_dirs=[INCLUDE_DIR], timeout_s=300)
+    report = nvcc_compile(src, tmp_path / f"{inst.name}.o", inst.arch, include_dirs=DEVICE_INCLUDE_DIRS, timeout_s=300)
     (k,) = [k for k in parse_ptxas(report.stderr) if "gemm_kernel" in k.name]
     assert k.arch == "sm_90" and 0 < k.registers <= 255, k
     assert not k.spills and k.stack_frame_bytes == 0, k

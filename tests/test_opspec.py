@@ -12,12 +12,12 @@ from onnx_gtco.families.attention.bind import CPP_IN
 from onnx_gtco.families.gemm.spec import QKV_PROJECTIONS
 from onnx_gtco.opspec import SPECS, decode
 
-ORT = Path(__file__).resolve().parents[1] / "plugins" / "ort"
+FAMILIES = Path(__file__).resolve().parents[1] / "plugins" / "families"
 
 
 def _enum(header: str, struct: str, enum: str) -> list[str]:
-    """The enumerators of `enum` inside `struct` of plugins/ort/<header>, lower-cased without IN_ / OUT_."""
-    text = (ORT / header).read_text()
+    """The enumerators of `enum` inside `struct` of plugins/families/<header>, lower-cased without IN_ / OUT_."""
+    text = (FAMILIES / header).read_text()
     body = text[text.index(f"struct {struct}"):]
     found = re.search(rf"enum {enum} \{{([^}}]*)\}}", body)
     assert found is not None, f"{header}: no enum {enum} in {struct}"
@@ -26,8 +26,8 @@ def _enum(header: str, struct: str, enum: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("family", "header", "struct"), [
-    ("gemm", "gemm_op.h", "Gemm"), ("qkv", "gemm_op.h", "Qkv"), ("layernorm", "layernorm_op.h", "LayerNorm"),
-    ("softmax", "softmax_op.h", "Softmax"), ("conv", "conv_op.h", "Conv"),
+    ("gemm", "gemm/gemm_op.h", "Gemm"), ("qkv", "gemm/gemm_op.h", "Qkv"), ("layernorm", "layernorm/layernorm_op.h",
+    "LayerNorm"), ("softmax", "softmax/softmax_op.h", "Softmax"), ("conv", "conv/conv_op.h", "Conv"),
 ])
 def test_cpp_role_enums_follow_the_spec(family: str, header: str, struct: str) -> None:
     spec = SPECS[family]
@@ -36,12 +36,12 @@ def test_cpp_role_enums_follow_the_spec(family: str, header: str, struct: str) -
 
 
 def test_qkv_projection_count_is_the_kernels() -> None:
-    found = re.search(r"static constexpr int kMaxProj = (\d+);", (ORT / "gemm_op.h").read_text())
+    found = re.search(r"static constexpr int kMaxProj = (\d+);", (FAMILIES / "gemm/gemm_op.h").read_text())
     assert found is not None and int(found.group(1)) == QKV_PROJECTIONS
 
 
 def test_attention_enum_covers_both_families() -> None:
-    assert tuple(_enum("attention_op.h", "AttentionGlue", "InRole")) == CPP_IN
+    assert tuple(_enum("attention/attention_op.h", "AttentionGlue", "InRole")) == CPP_IN
     assert set(SPECS["attention"].roles) == set(CPP_IN) and set(SPECS["bmm_softmax"].roles) < set(CPP_IN)
 
 

@@ -21,10 +21,9 @@ from onnx_gtco import progress
 from onnx_gtco.errors import BuildError, HeaderError, KernelResourceError
 from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir
 from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
-from onnx_gtco.kernels.emulate import INCLUDE_DIR
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
-from onnx_gtco.kernels.toolchain import cache_root, headers_digest, nvcc_compile
+from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS, cache_root, headers_digest, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 TIMEOUT_S = 1200.0  # a CUTLASS instance takes about 60 s of one core, several times that on a busy machine
@@ -74,9 +73,9 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
 
 
 def include_dirs(instance: Instance) -> list[Path]:
-    """plugins/include, the instance's own include folders (a library's headers, e.g. CUTLASS's), and for a cuBLASLt
-    instance the folder of cublasLt.h (fetched on first use)."""
-    own = [INCLUDE_DIR, *map(Path, instance.include_dirs)]
+    """The device include folders (plugins/include, plugins/families), the instance's own include folders (a library's
+    headers, e.g. CUTLASS's), and for a cuBLASLt instance the folder of cublasLt.h (fetched on first use)."""
+    own = [*DEVICE_INCLUDE_DIRS, *map(Path, instance.include_dirs)]
     if instance.config.get("impl") == CUBLASLT:
         return [*own, cublaslt_include_dir()]
     return own

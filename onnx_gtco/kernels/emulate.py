@@ -16,15 +16,14 @@ import numpy as np
 
 from onnx_gtco.errors import EmulationError
 from onnx_gtco.kernels.family import Field, Instance
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx, headers_digest, run_compile
+from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS, find_cxx, headers_digest, run_compile
 
-INCLUDE_DIR = PLUGINS_DIR / "include"
 RUN_TIMEOUT_S = 300.0
 
 
 def build_emulated(instance: Instance, out_dir: str | os.PathLike[str], extra: Sequence[str] = ("-O2",)) -> Path:
     """Compile `instance.source` for the emulation; cached in `out_dir` by a hash of the source, the flags and the
-    headers it includes (plugins/include and plugins/emu: an emulation change rebuilds)."""
+    headers it includes (plugins/include, plugins/families and plugins/emu: an emulation change rebuilds)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256("\0".join([instance.source, *extra, headers_digest()]).encode()).hexdigest()[:16]
@@ -34,8 +33,8 @@ def build_emulated(instance: Instance, out_dir: str | os.PathLike[str], extra: S
     src = out / f"{instance.name}.{key}.cu"
     src.write_text(instance.source)
     tmp = lib.with_name(lib.name + f".{os.getpid()}.tmp")
-    cmd = [find_cxx(), "-std=c++17", "-pthread", "-shared", "-fPIC", "-DGTCO_EMULATE", f"-I{INCLUDE_DIR}", *extra,
-           "-x", "c++", str(src), "-o", str(tmp)]
+    cmd = [find_cxx(), "-std=c++17", "-pthread", "-shared", "-fPIC", "-DGTCO_EMULATE", *(f"-I{d}" for d in
+    DEVICE_INCLUDE_DIRS), *extra,        "-x", "c++", str(src), "-o", str(tmp)]
     try:
         run_compile(cmd, src)
         tmp.replace(lib)

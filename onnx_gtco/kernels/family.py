@@ -1,7 +1,7 @@
 """What every kernel family provides: its tunable space, a validity check with a reason, one instantiation's
 source, and an fp64 numpy reference of what the instance computes.
 
-A family's device code is a thick header, `plugins/include/gtco/<family>.cuh`, holding the kernel templates, the
+A family's device code is a thick header, `plugins/families/<family>/<family>.cuh`, holding the kernel templates, the
 C argument struct and a host launcher template. `instantiate` writes the thin part: one `.cu` text that includes
 that header and exports one C entry point (`gtco/launch.cuh`):
 

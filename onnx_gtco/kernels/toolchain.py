@@ -28,13 +28,20 @@ def _plugins_dir() -> Path:
 
 
 PLUGINS_DIR = _plugins_dir()
+DEVICE_INCLUDE_DIRS = (PLUGINS_DIR / "include", PLUGINS_DIR / "families")
+"""Where a kernel instance's includes are found: the shared device headers (`gtco/primitives.cuh`, ...) and the
+families' folders (`<family>/<family>.cuh`)."""
+GLUE_INCLUDE_DIRS = (PLUGINS_DIR / "ort", PLUGINS_DIR / "cpu", *DEVICE_INCLUDE_DIRS)
+"""Where the ORT glue's includes are found: the shared glue (`gtco_ort.h`), the CPU kernels' shared helpers
+(`parallel.h`) and the device include folders (a family's `<family>/<family>_op.h` and `_ref.h` beside its header)."""
 
 
 @lru_cache(maxsize=1)
 def headers_digest() -> str:
-    """Hash of every file under plugins/include and plugins/emu (a header change rebuilds every kernel)."""
+    """Hash of every file under plugins/include, plugins/families and plugins/emu (a header change rebuilds every
+    kernel)."""
     h = hashlib.sha256()
-    for root in (PLUGINS_DIR / "include", PLUGINS_DIR / "emu"):
+    for root in (*DEVICE_INCLUDE_DIRS, PLUGINS_DIR / "emu"):
         for path in sorted(root.rglob("*")):
             if path.is_file():
                 h.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")

@@ -1,9 +1,9 @@
 """How a fused `ai.gtco` node meets its kernel: the roles of its inputs and outputs.
 
-A family's glue in C++ (plugins/ort/<family>_op.h) reads its inputs by *role* (x, residual, gamma, ...). Which node
-input plays which role the rule decided and the rewrite wrote down (onnx_gtco.opspec: role i is node input i); a
-binder reads it back through the spec, checks what only it knows (the dtypes, layouts and variants its C++ kernel
-takes), and maps the roles onto the C++ role enums for the generated node table (gtco::NodeSpec). A binder that
+A family's glue in C++ (plugins/families/<family>/<family>_op.h) reads its inputs by *role* (x, residual, gamma,
+...). Which node input plays which role the rule decided and the rewrite wrote down (onnx_gtco.opspec: role i is node
+input i); a binder reads it back through the spec, checks what only it knows (the dtypes, layouts and variants its C++
+kernel takes), and maps the roles onto the C++ role enums for the generated node table (gtco::NodeSpec). A binder that
 cannot bind a node says why (a string); the node then keeps running its function, and the report says so.
 """
 
@@ -151,7 +151,7 @@ class Binder(Protocol):
     """
 
     family: str         # the pattern family, e.g. "layernorm"
-    header: str         # its glue header under plugins/ort/, e.g. "layernorm_op.h"
+    header: str         # its glue header under plugins/families/, e.g. "layernorm/layernorm_op.h"
     cpp_struct: str     # the family struct in that header, e.g. "gtco::LayerNorm"
 
     def bind(self, node: FusedNode) -> Binding | str: ...

@@ -214,9 +214,9 @@ def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = (), hw: Hardware
 
     Why: a cuBLASLt instance can fail where a generated kernel cannot: libcublasLt absent from the machine, its
     heuristic offering no algorithm of the chosen rank for the run-time alignment, a plan that cannot be made
-    (GTCO_ELIBRARY). The glue then launches the fallback on the same arguments (plugins/ort/gemm_op.h run_gemm),
-    so a vendor failure never fails the session. The fallback computes the cuBLASLt instance's own Problem (the
-    node's epilogue, output dtype) on that instance's arch: the mma configuration the estimate predicts fastest on
+    (GTCO_ELIBRARY). The glue then launches the fallback on the same arguments (plugins/families/gemm/gemm_op.h
+    run_gemm), so a vendor failure never fails the session. The fallback computes the cuBLASLt instance's own Problem
+    (the node's epilogue, output dtype) on that instance's arch: the mma configuration the estimate predicts fastest on
     `hw` (the planning target where it runs the arch), whose instance ptxas did not reject (`avoid`)."""
     out: list[Instance | str | None] = []
     for inst in instances:

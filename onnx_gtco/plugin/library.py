@@ -17,7 +17,7 @@
    table per arch (the caller's `dispatch`, else the analytical default), every distinct instance of which is built.
    A node whose instance in some arch slot is a cuBLASLt one (a tuned {"impl": "cublaslt"} configuration) gets an
    mma fallback instance for that slot (plugin.device.mma_fallbacks), built with the others, which the glue launches
-   when cuBLASLt cannot run (plugins/ort/gemm_op.h run_gemm); nodes with a dispatch table get none.
+   when cuBLASLt cannot run (plugins/families/gemm/gemm_op.h run_gemm); nodes with a dispatch table get none.
 3. One glue `.cc`, plugins/ort/glue.cc.j2 filled with plain data (generate_glue): includes plugins/ort/gtco_ort.h
    and the used families' headers, the per-node code or data of binders with a `glue` hook (the Elementwise
    family's host functions and node descriptors), the NodeSpec table `kNodes` (roles, the instances' entry points
@@ -37,7 +37,7 @@
    g++ -DGTCO_EMULATE and their ops registered for the CPU EP instead of the reference ones, so a CPU session runs
    the whole device path (argument structs, strides, arch dispatch, the instances' checks) on the emulation. A
    cuBLASLt instance builds there too (against cublasLt.h and CUDA's runtime headers: cublas_headers); it goes as
-   far as cuBLASLt's plan and never runs its kernels (gtco/cublaslt.h), so its node runs its mma fallback.
+   far as cuBLASLt's plan and never runs its kernels (gemm/cublaslt.h), so its node runs its mma fallback.
 5. The file is `libgtco-<hash12>.so`, the hash covering the generated source, every file under plugins/, the
    flags and the compilers; it is built once into a per-user cache ($XDG_CACHE_HOME/onnx-gtco/libs) and copied
    atomically into out_dir. Nothing is left behind when a build fails.
@@ -72,6 +72,8 @@ from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.render import render
 from onnx_gtco.kernels.select import MMA_ONLY, Avoid
 from onnx_gtco.kernels.toolchain import (
+    DEVICE_INCLUDE_DIRS,
+    GLUE_INCLUDE_DIRS,
     PLUGINS_DIR,
     BuildError,
     cache_root,
@@ -446,7 +448,7 @@ def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str],
         src = tmp / f"{inst.name}.emu.cc"
         lt = [f"-I{d}" for d in lt_include] if inst.config.get("impl") == CUBLASLT else []
         flags = ["-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
-                 f"-I{PLUGINS / 'include'}", *lt]
+                 *(f"-I{d}" for d in DEVICE_INCLUDE_DIRS), *lt]
         key = hashlib.sha256("\0".join([inst.source, cxx, *flags, headers_digest()]).encode()).hexdigest()[:16]
         cached = cache / f"{inst.name}.{key}.o"
         if cached.exists():
@@ -630,7 +632,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         emulated: instead, link them built for the CPU emulation and register them for the CPU EP (tests of the
             device path without a GPU; slow, small shapes only). Exclusive with `cuda`. A tuned cuBLASLt
             configuration is kept: its instance builds for the emulation and always gives way to the node's mma
-            fallback there (gtco/cublaslt.h), which is how the fallback is tested without a GPU.
+            fallback there (gemm/cublaslt.h), which is how the fallback is tested without a GPU.
         tuned: node name -> arch -> the tuner's best configuration (onnx_gtco.tune); other nodes and archs get
             the family's default. A tuned instance that spills is a BuildError like any other; a cuBLASLt one
             brings the node's mma fallback into the build (LibraryResult.fallbacks).
@@ -785,7 +787,7 @@ def _select_and_compile(nodes: Sequence[FusedNode], results: Sequence[NodeResult
     """Select, compile; an instance ptxas rejects (a spill, a stack frame) is avoided and its nodes select again,
     until every node has instances that compile clean or has none left (it then runs its function)."""
     # the emulation runs the generated kernels, and a tuned cuBLASLt configuration's plan (then its node's mma
-    # fallback, gtco/cublaslt.h): another library's configuration (CUTLASS) gives way, and its default selections
+    # fallback, gemm/cublaslt.h): another library's configuration (CUTLASS) gives way, and its default selections
     # are among the generated kernels only
     impls = MMA_ONLY if emulated else None
     if emulated and tuned:
@@ -844,7 +846,7 @@ def _link(cached: Path, source: str, op_types: Sequence[str], inc: Path, cxx: st
         glue = tmp / "glue.cc"
         glue.write_text(source)
         obj = tmp / "glue.o"
-        inc_flags = [f"-I{PLUGINS / 'ort'}", f"-I{PLUGINS / 'cpu'}", f"-I{PLUGINS / 'include'}", f"-I{inc}"]
+        inc_flags = [*(f"-I{d}" for d in GLUE_INCLUDE_DIRS), f"-I{inc}"]
         cmd = [cxx, *CXX_FLAGS, *inc_flags, "-c", str(glue), "-o", str(obj)]
         try:
             res = run_compile(cmd, glue, timeout_s=600)

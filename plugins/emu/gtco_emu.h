@@ -45,7 +45,7 @@
 #define GTCO_SHARED(type, name, count) type* const name = ::gtco::emu::shared_alloc<type>(count)
 // Dynamic shared memory: `count` elements the launch provides (GTCO_LAUNCH_SMEM); carved from the same arena here.
 #define GTCO_DYNAMIC_SHARED(type, name, count) type* const name = ::gtco::emu::shared_alloc<type>(count)
-// A global-memory access by a helper that both builds share (gtco/elementwise.cuh): for the PDL check.
+// A global-memory access by a helper that both builds share (elementwise/elementwise.cuh): for the PDL check.
 #define GTCO_EMU_NOTE_GLOBAL(p, what) ::gtco::emu::note_global((p), (what))
 
 struct uint3 {
@@ -370,7 +370,7 @@ inline void finish_thread(ThreadCtx& t);
 // The PDL check. Launches run one after another here, so griddepcontrol.wait is always satisfied; what can be
 // checked is the order a kernel keeps: with the check on, a thread of a launched kernel that reads or writes global
 // memory through an emulated primitive (cp.async, ld_cg / st_cg, atomic_add_u32, the vector loads and stores of
-// gtco/elementwise.cuh: GTCO_EMU_NOTE_GLOBAL) before it called grid_dep_wait() in its block fails. On: every launch
+// elementwise/elementwise.cuh: GTCO_EMU_NOTE_GLOBAL) before it called grid_dep_wait() in its block fails. On: every launch
 // while set_pdl_check(true) or the environment variable GTCO_EMU_PDL_CHECK=1 (read once), as if each were a PDL
 // launch, and any launch inside a gtco::PdlScope(true). Plain pointer dereferences are not seen: the source test
 // (tests/kernels/test_pdl.py) checks that the wait is each kernel's first statement.

@@ -160,7 +160,7 @@ struct NodeSpec {
     bool pdl[kArchSlots] = {};
     // The generated mma instance per arch slot that the slot's cuBLASLt instance (cuda_fn) falls back to when it
     // returns GTCO_ELIBRARY: libcublasLt absent, no algorithm of the chosen rank, a plan that cannot be made
-    // (gtco/cublaslt.h; onnx_gtco/plugin/device.py mma_fallbacks). Left out, or nullptr: none, and such a failure is
+    // (gemm/cublaslt.h; onnx_gtco/plugin/device.py mma_fallbacks). Left out, or nullptr: none, and such a failure is
     // the node's error. Dispatch entries keep no fallback: a node with a dispatch table has none.
     InstanceFn fallback_fn[kArchSlots] = {};
     const char* fallback_name[kArchSlots] = {};
@@ -261,7 +261,7 @@ inline Input get_input(Ort::KernelContext& ctx, int index) {
 }
 
 // The node's instance (ref.fn, not null) on `args` on the session's compute stream (no stream in an emulated build):
-// its return code, GTCO_OK or a GTCO_E* (gtco/args.h, gtco/cublaslt_shape.h).
+// its return code, GTCO_OK or a GTCO_E* (gtco/args.h, gemm/cublaslt_shape.h).
 template <class Args>
 int launch_instance(Ort::KernelContext& ctx, const NodeRef& ref, const Args& args) {
 #if defined(GTCO_EMULATED_DEVICE)

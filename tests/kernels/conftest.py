@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kernel_helpers import INCLUDE, KERNELS
+from kernel_helpers import INCLUDES, KERNELS
 
 from onnx_gtco.kernels.toolchain import cxx_build
 
@@ -20,7 +20,7 @@ def emu_build(tmp_path_factory):
         key = (source, *defines)
         if key not in cache:
             exe = out_dir / "_".join(k.replace("=", "") for k in (Path(source).stem, *defines))
-            cxx_build(KERNELS / source, exe, include_dirs=[INCLUDE], defines=["GTCO_EMULATE", *defines])
+            cxx_build(KERNELS / source, exe, include_dirs=INCLUDES, defines=["GTCO_EMULATE", *defines])
             cache[key] = exe
         return cache[key]
 

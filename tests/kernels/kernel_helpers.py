@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS
+
 ROOT = Path(__file__).resolve().parents[2]
-INCLUDE = ROOT / "plugins" / "include"
+INCLUDES = DEVICE_INCLUDE_DIRS  # plugins/include and plugins/families
 KERNELS = Path(__file__).resolve().parent
 RUN_TIMEOUT_S = 60
 
@@ -44,7 +46,7 @@ def ptxas_of_cases(family: Any, problems: Mapping[str, Any], cases: Sequence[tup
         inst = family.instantiate(problems[key], config, arch)
         src = out / f"{inst.name}.cu"
         src.write_text(inst.source)
-        result = nvcc_compile(src, out / f"{inst.name}.o", arch, include_dirs=[INCLUDE], timeout_s=300)
+        result = nvcc_compile(src, out / f"{inst.name}.o", arch, include_dirs=INCLUDES, timeout_s=300)
         return inst, parse_ptxas(result.stderr)
 
     with ThreadPoolExecutor(jobs) as pool:

@@ -1,8 +1,8 @@
-"""plugins/include/gtco/attention.cuh through onnx_gtco/families/attention/kernel.py: numerics in the CPU emulation
-against the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 96 / 128 / 256 and padded ones such as 26
-and 40, with and without mask / bias), a deliberately broken online softmax that the comparison must catch in both
-families, check()'s rejections, and ptxas resources (no spills, no stack): every config configs() proposes for the
-zoo's attention shapes, and the configs check() accepts closest to its register budget."""
+"""plugins/families/attention/attention.cuh through onnx_gtco/families/attention/kernel.py: numerics in the CPU
+emulation against the fp64 reference (key rows of 49 .. 1050, head dims 32 / 64 / 80 / 96 / 128 / 256 and padded ones
+such as 26 and 40, with and without mask / bias), a deliberately broken online softmax that the comparison must catch
+in both families, check()'s rejections, and ptxas resources (no spills, no stack): every config configs() proposes for
+the zoo's attention shapes, and the configs check() accepts closest to its register budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_helpers import INCLUDE, nvcc_missing
+from kernel_helpers import INCLUDES, nvcc_missing
 
 from onnx_gtco.families.attention.kernel import (
     ACC_REG_BUDGET,
@@ -296,7 +296,7 @@ def test_configs_are_valid_and_named():
     assert all(ATTN.check(problem, c, "sm_90") is None for c in configs)
     inst = ATTN.instantiate(problem, cfg(128, 64, 8, 2), "sm_90")
     assert inst.name == "attention_sm90_f16_d64_q128_kv64_w8_s2_mask"
-    assert inst.symbol in inst.source and '#include "gtco/attention.cuh"' in inst.source
+    assert inst.symbol in inst.source and '#include "attention/attention.cuh"' in inst.source
     assert inst.smem_bytes == 2 * (128 * 72 + 2 * 2 * 64 * 72)
     bmm = make_problem("bmm_softmax", "bf16", **{**VIT, "k_layout": "bhds"})
     assert BMM.instantiate(bmm, cfg(64, 32, 4, 2), "sm_80").name == "bmm_softmax_sm80_bf16_d64_q64_kv32_w4_s2_kt"
@@ -322,7 +322,7 @@ def _compile_all(tmp_path, family, shape: str, arch: str, **flags):
         return problem, configs, []
     src = tmp_path / f"{family.name}_{shape}_{arch}.cu"
     src.write_text("\n".join(i.source for i in insts))
-    result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE], timeout_s=600)
+    result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=INCLUDES, timeout_s=600)
     return problem, configs, parse_ptxas(result.stderr)
 
 
@@ -358,7 +358,7 @@ def ptxas_clean(insts: list[Instance], src: Path, arch: str, timeout_s: float = 
     """Compile `insts` as one source `src` for `arch` and return ptxas's report of their kernels, one per instance,
     each asserted free of spills and of a stack frame."""
     src.write_text("\n".join(i.source for i in insts))
-    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE],
+    kernels = parse_ptxas(nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=INCLUDES,
                                        timeout_s=timeout_s).stderr)
     assert len(kernels) == len(insts)
     for k in kernels:

@@ -1,4 +1,4 @@
-"""The conv family (plugins/include/gtco/conv.cuh, onnx_gtco/families/conv/kernel.py): implicit-GEMM convolutions
+"""The conv family (plugins/families/conv/conv.cuh, onnx_gtco/families/conv/kernel.py): implicit-GEMM convolutions
 through the CPU emulation against a float64 reference on ragged shapes (1x1, 3x3, 7x7, strides, asymmetric pads,
 dilation 2, ViT's 16x16 / 16 patchify), every dtype and epilogue, deliberate faults that the comparison catches,
 `check`'s reasons, the launcher's argument checks, and nvcc/ptxas resources for sm_80 and sm_90; the same for the direct
@@ -298,7 +298,7 @@ def test_configs_are_valid_for_the_target_shapes(arch):
 def test_instance_name_and_source():
     inst = FAMILY.instantiate(problem("bf16", "3x3_p1", BLOCK_END), {**C2, "VEC": 1}, "sm_90")
     assert inst.name == "conv_sm90_bf16_64x64x32_w2x2_s3_bn_res_post_relu"
-    assert inst.symbol == "gtco_" + inst.name and '#include "gtco/conv.cuh"' in inst.source
+    assert inst.symbol == "gtco_" + inst.name and '#include "conv/conv.cuh"' in inst.source
     assert "gtco::launch_conv<__nv_bfloat16, 64, 64, 32, 2, 2, 3, /*EPI=*/30" in inst.source
     dw = FAMILY.instantiate(direct_problem("f16", "dw3x3_p1", DW_GELU), {"DIRECT": 1, "THREADS": 256}, "sm_80")
     assert dw.name == "conv_sm80_f16_direct_t256_bias_gelu_erf" and dw.smem_bytes == 0

@@ -2,7 +2,7 @@
 of the nvidia-cublas package and link into a shared library with no link-time dependency on libcublasLt; that
 library loads without libcublasLt and a call says clearly that it is absent; with the package's libcublasLt loaded
 first (as ONNX Runtime's CUDA EP loads it) the dlsym table resolves every entry. The C++ mirror of the layout
-mapping (gtco/cublaslt_shape.h lt_shape) agrees with onnx_gtco.families.gemm.cublaslt.describe."""
+mapping (gemm/cublaslt_shape.h lt_shape) agrees with onnx_gtco.families.gemm.cublaslt.describe."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from kernel_helpers import INCLUDE, nvcc_missing
+from kernel_helpers import INCLUDES, nvcc_missing
 
 from onnx_gtco.errors import HeaderError
 from onnx_gtco.families.gemm import cublaslt
@@ -33,7 +33,7 @@ PROBLEMS = [
 
 # what the test library exports beside the instances (and their gtco_cublaslt_error): the dlsym table's error
 _PROBE = """
-#include "gtco/cublaslt.h"
+#include "gemm/cublaslt.h"
 GTCO_EXPORT const char* gtco_test_api_error() { return gtco::lt::api().error.c_str(); }
 """
 
@@ -79,7 +79,7 @@ def lt_library(tmp_path_factory: pytest.TempPathFactory, lt_include: Path) -> di
                 for p in PROBLEMS]
         probe = out / f"probe_{arch}.cu"
         probe.write_text(_PROBE)
-        nvcc_compile(probe, out / f"probe_{arch}.o", arch, include_dirs=[INCLUDE, lt_include],
+        nvcc_compile(probe, out / f"probe_{arch}.o", arch, include_dirs=[*INCLUDES, lt_include],
                      extra=["-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden"])
         lib = out / f"libgtco_lt_{arch}.so"
         subprocess.run([find_nvcc(), "-shared", "-cudart", "static", "-o", str(lib), str(out / f"probe_{arch}.o"),
@@ -133,7 +133,7 @@ def test_dlsym_table_resolves_from_the_loaded_library(lt_library: dict[str, Path
 
 _SHAPE_MAIN = """
 #include <cstdio>
-#include "gtco/cublaslt_shape.h"
+#include "gemm/cublaslt_shape.h"
 int main(int argc, char** argv) {
     GemmArgs a{};
     int tb = 0;
@@ -155,7 +155,7 @@ def test_cpp_shape_mirrors_describe(tmp_path: Path) -> None:
     src = tmp_path / "shape.cc"
     src.write_text(_SHAPE_MAIN)
     exe = tmp_path / "shape"
-    cxx_build(src, exe, include_dirs=[INCLUDE])
+    cxx_build(src, exe, include_dirs=INCLUDES)
     problems = [gemm_problem("f16", batch, 5, 12, 7, b_batched=bb, trans_b=tb)
                 for batch, bb in ((1, False), (3, False), (3, True), (1, True)) for tb in (False, True)]
     lines = []

@@ -1,5 +1,5 @@
-"""The CUTLASS Hopper GEMMs (onnx_gtco/families/gemm/cutlass.py, plugins/cuda/cutlass_gemm.cu.j2): which GEMM problems
-map onto which template parameters and the reasons for those that do not; nvcc builds of the instances the zoo
+"""The CUTLASS Hopper GEMMs (onnx_gtco/families/gemm/cutlass.py, plugins/families/gemm/cutlass_gemm.cu.j2): which GEMM
+problems map onto which template parameters and the reasons for those that do not; nvcc builds of the instances the zoo
 models produce with the ptxas report checked; on a 9.0 GPU, their numerics against the fp64 reference."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Elementwise family (onnx_gtco/families/elementwise/kernel.py, plugins/include/gtco/elementwise.cuh): ONNX chains as
-exporters emit them, built by program_from_onnx, run through the CPU emulation and compared with an fp64 numpy
+"""Elementwise family (onnx_gtco/families/elementwise/kernel.py, plugins/families/elementwise/elementwise.cuh): ONNX
+chains as exporters emit them, built by program_from_onnx, run through the CPU emulation and compared with an fp64 numpy
 reference written here by hand (so the ONNX -> program translation is checked too, not only the kernel against
 the family's own reference); broken instances the test catches; check() and program_from_onnx reasons; ptxas."""
 
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from kernel_helpers import INCLUDE, nvcc_missing, run_exe
+from kernel_helpers import INCLUDES, nvcc_missing, run_exe
 from onnx import TensorProto, helper
 
 from onnx_gtco.families.elementwise.kernel import (
@@ -336,20 +336,21 @@ def run(emu, prob, cfg, ins, header_edit=None):
 
     `emu` is the emu fixture: the instances the tests below name are built together in one library (one g++ run
     instead of one per instance). `header_edit` (header, old, new) builds the instance on its own against copies of
-    gtco/elementwise.cuh and gtco/broadcast.h (the loop and the indexing every instance shares), one of them edited.
+    elementwise/elementwise.cuh and gtco/broadcast.h (the loop and the indexing every instance shares), one of them
+    edited.
     """
     tmp, batch_lib, batched = emu
     inst = FAMILY.instantiate(prob, cfg, "sm_80")
     if header_edit is not None:
         header, old, new = header_edit
         edited = tmp / f"edited_{len(list(tmp.glob('edited_*')))}"
-        (edited / "gtco").mkdir(parents=True)
-        for name in ("elementwise.cuh", "broadcast.h"):
-            text = (INCLUDE / "gtco" / name).read_text()
-            if name == header:
+        for name in ("elementwise/elementwise.cuh", "gtco/broadcast.h"):
+            text = next(d / name for d in INCLUDES if (d / name).is_file()).read_text()
+            if name.endswith(header):
                 assert old in text, "the edit did not apply"
                 text = text.replace(old, new)
-            (edited / "gtco" / name).write_text(text)
+            (edited / name).parent.mkdir(parents=True, exist_ok=True)
+            (edited / name).write_text(text)
         # quoted includes look in -iquote folders before -I ones: the instance includes the edited copies
         lib = build_emulated(inst, tmp, ("-O1", f"-iquote{edited}"))
     else:
@@ -459,7 +460,7 @@ def test_broadcast_access_paths(emu, shape, cfg, access):
     src.write_text(inst.source + (
         f"static_assert(({kernel}::access_of<3> == gtco::ew::Access::vec) == {str(access == 'vec').lower()});\n"
         f"static_assert(({kernel}::access_of<1> == gtco::ew::Access::one) == {str(access == 'vec').lower()});\n"))
-    cxx_build(src, src.with_suffix(".o"), include_dirs=[INCLUDE], defines=["GTCO_EMULATE"], extra=("-c",))
+    cxx_build(src, src.with_suffix(".o"), include_dirs=INCLUDES, defines=["GTCO_EMULATE"], extra=("-c",))
     ins = make_inputs(prog, prob, 11, ranges)
     got = run(emu, prob, cfg, ins)["y0"]
     assert_close(got, ref(onnx_values(prog, prob, ins))["y"], "f16", str(shape))
@@ -567,7 +568,7 @@ def test_misaligned_pointers_fall_back_to_scalar(tmp_path):
     src.write_text(inst.source + f"#define NX {37 * 100}\n#define NB 100\n#define SYMBOL {inst.symbol}\n"
                    + f"static_assert({kernel}::access_of<0> == gtco::ew::Access::vec && {kernel}::vector_path);\n"
                    + MISALIGNED_DRIVER)
-    cxx_build(src, tmp_path / "misaligned", include_dirs=[INCLUDE], defines=["GTCO_EMULATE"])
+    cxx_build(src, tmp_path / "misaligned", include_dirs=INCLUDES, defines=["GTCO_EMULATE"])
     assert run_exe(tmp_path / "misaligned").stdout.strip() == "ok"
 
 
@@ -703,7 +704,7 @@ def test_ptxas_no_spills(tmp_path, arch):
     insts = _ptxas_instances(arch)
     src = tmp_path / f"elementwise_{arch}.cu"
     src.write_text("\n".join(i.source for i in insts))
-    result = nvcc_compile(src, tmp_path / "ew.o", arch, include_dirs=[INCLUDE], timeout_s=300)
+    result = nvcc_compile(src, tmp_path / "ew.o", arch, include_dirs=INCLUDES, timeout_s=300)
     kernels = [k for k in parse_ptxas(result.stderr) if "_kernelE19GtcoElementwiseArgs" in k.name]
     assert len(kernels) == len(insts)
     for k in kernels:

@@ -1,4 +1,4 @@
-"""The GEMM family (plugins/include/gtco/gemm.cuh, onnx_gtco/families/gemm/kernel.py): numerics through the CPU
+"""The GEMM family (plugins/families/gemm/gemm.cuh, onnx_gtco/families/gemm/kernel.py): numerics through the CPU
 emulation against an fp64 reference, `check`'s reasons, the launcher's argument checks, and nvcc/ptxas resources."""
 
 from __future__ import annotations
@@ -461,7 +461,7 @@ def test_instance_name_and_source():
     inst = FAMILY.instantiate(prob, {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3}, "sm_80")
     assert inst.name == "gemm_sm80_f16_128x128x32_w2x2_s3_bias_gelu_erf_res"
     assert inst.symbol == "gtco_" + inst.name
-    assert '#include "gtco/gemm.cuh"' in inst.source and f"int {inst.symbol}(const GemmArgs* args" in inst.source
+    assert '#include "gemm/gemm.cuh"' in inst.source and f"int {inst.symbol}(const GemmArgs* args" in inst.source
     assert inst.smem_bytes == 3 * (128 * 40 + 32 * 136) * 2
     # fp32: A rows padded by 4 floats, [K, N] B rows by 8, [N, K] B rows by 4 (GemmTile::kAPad / kBPad)
     cfg = {"BM": 128, "BN": 128, "BK": 32, "WM": 2, "WN": 2, "STAGES": 3}

@@ -14,10 +14,10 @@ from kernel_helpers import nvcc_missing
 
 from onnx_gtco.families.gemm import cublaslt, cutlass
 from onnx_gtco.families.gemm.kernel import FAMILY, MAX_LN_N, gemm_problem
-from onnx_gtco.kernels.emulate import INCLUDE_DIR, EmulationError, build_emulated, run_emulated
+from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
 from onnx_gtco.kernels.family import Field, Instance, Problem, from_storage, rel_error, to_storage
 from onnx_gtco.kernels.ptxas import parse_ptxas
-from onnx_gtco.kernels.toolchain import nvcc_compile
+from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS, nvcc_compile
 from onnx_gtco.tune.analytical import estimate_us
 
 # max |ln_y - ref| with ref the fp64 LayerNorm of the fp64 reference y rounded to the dtype (ln_y is O(1), up to
@@ -316,7 +316,7 @@ def ptxas_reports(tmp_path_factory):
             insts = _group_instances(dtype, arch)
             src = out / f"ln_{dtype}_{arch}.cu"
             src.write_text("\n".join(inst.source for inst in insts))
-            result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=[INCLUDE_DIR], timeout_s=600)
+            result = nvcc_compile(src, src.with_suffix(".o"), arch, include_dirs=DEVICE_INCLUDE_DIRS, timeout_s=600)
             cache[(dtype, arch)] = insts, parse_ptxas(result.stderr)
         return cache[(dtype, arch)]
 

@@ -1,11 +1,12 @@
-"""LayerNorm family (onnx_gtco/families/layernorm/kernel.py, plugins/include/gtco/layernorm.cuh): emulated numerics
-against the fp64 reference, a deliberately broken variance that the test catches, check() reasons, ptxas resources."""
+"""LayerNorm family (onnx_gtco/families/layernorm/kernel.py, plugins/families/layernorm/layernorm.cuh): emulated
+numerics against the fp64 reference, a deliberately broken variance that the test catches, check() reasons, ptxas
+resources."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_helpers import INCLUDE, nvcc_missing
+from kernel_helpers import INCLUDES, nvcc_missing
 
 from onnx_gtco.families.layernorm.kernel import FAMILY
 from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
@@ -145,7 +146,7 @@ def test_ptxas_no_spills(tmp_path, arch):
     insts = [FAMILY.instantiate(problem(dt, h, 4, **fl), cfg, arch) for dt, h, cfg, fl in PTXAS_CASES]
     src = tmp_path / f"layernorm_{arch}.cu"
     src.write_text("\n".join(i.source for i in insts))
-    result = nvcc_compile(src, tmp_path / "ln.o", arch, include_dirs=[INCLUDE], timeout_s=120)
+    result = nvcc_compile(src, tmp_path / "ln.o", arch, include_dirs=INCLUDES, timeout_s=120)
     kernels = [k for k in parse_ptxas(result.stderr) if "layernorm_kernel" in k.name]
     assert len(kernels) == len(PTXAS_CASES)
     for k in kernels:

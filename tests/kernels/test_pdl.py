@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_helpers import INCLUDE, nvcc_missing
+from kernel_helpers import INCLUDES, nvcc_missing
 
 from onnx_gtco.families.attention.kernel import AttentionFamily, make_problem, output_dtype_array
 from onnx_gtco.families.gemm.kernel import FAMILY as GEMM
@@ -23,7 +23,7 @@ from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulat
 from onnx_gtco.kernels.family import Instance, Problem, np_dtype
 from onnx_gtco.kernels.toolchain import find_nvcc, run_compile
 
-KERNEL_SOURCES = sorted([*INCLUDE.glob("gtco/*.cuh"), *INCLUDE.glob("gtco/*.cu.j2")])
+KERNEL_SOURCES = sorted(path for d in INCLUDES for pattern in ("*/*.cuh", "*/*.cu.j2") for path in d.glob(pattern))
 WAIT = re.compile(r"(gtco::)?grid_dep_wait\(\)")
 
 
@@ -152,8 +152,8 @@ def test_ptx_has_griddepcontrol_wait_on_sm90_only(tmp_path: Path, arch: str) -> 
     src = tmp_path / "ln.cu"
     src.write_text(inst.source)
     ptx = tmp_path / "ln.ptx"
-    run_compile([find_nvcc(), f"-arch={arch}", "-std=c++17", f"-I{INCLUDE}", "-ptx", str(src), "-o", str(ptx)], src,
-                120)
+    run_compile([find_nvcc(), f"-arch={arch}", "-std=c++17", *(f"-I{d}" for d in INCLUDES), "-ptx", str(src), "-o",
+                 str(ptx)], src, 120)
     text = ptx.read_text()
     assert ("griddepcontrol.wait" in text) == (arch == "sm_90")
     assert "griddepcontrol.launch_dependents" not in text  # no kernel triggers early (primitives.cuh says why)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_helpers import INCLUDE, KERNELS, nvcc_missing, run_exe
+from kernel_helpers import INCLUDES, KERNELS, nvcc_missing, run_exe
 
 from onnx_gtco.kernels.ptxas import parse_ptxas
 from onnx_gtco.kernels.toolchain import nvcc_compile
@@ -228,7 +228,7 @@ def test_conversions_round_to_nearest_even(exe, tmp_path):
 @pytest.mark.skipif(nvcc_missing(), reason="nvcc not found on PATH (set NVCC or install the CUDA toolkit)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_ptxas_reports_no_spills(tmp_path, arch):
-    result = nvcc_compile(KERNELS / SOURCE, tmp_path / f"mma_tile_{arch}.o", arch, include_dirs=[INCLUDE],
+    result = nvcc_compile(KERNELS / SOURCE, tmp_path / f"mma_tile_{arch}.o", arch, include_dirs=INCLUDES,
                           timeout_s=60)
     kernels = parse_ptxas(result.stderr)
     gemms = [k for k in kernels if "gemm_tile" in k.name]

@@ -1,11 +1,12 @@
-"""Softmax family (onnx_gtco/families/softmax/kernel.py, plugins/include/gtco/softmax.cuh): emulated numerics against
-the fp64 reference, overflow without the max subtraction, fully masked rows, check() reasons, ptxas resources."""
+"""Softmax family (onnx_gtco/families/softmax/kernel.py, plugins/families/softmax/softmax.cuh): emulated numerics
+against the fp64 reference, overflow without the max subtraction, fully masked rows, check() reasons, ptxas
+resources."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_helpers import INCLUDE, nvcc_missing
+from kernel_helpers import INCLUDES, nvcc_missing
 
 from onnx_gtco.families.softmax.kernel import FAMILY, mask_rows
 from onnx_gtco.kernels.emulate import build_emulated, run_emulated
@@ -136,7 +137,7 @@ def test_ptxas_no_spills(tmp_path, arch):
     insts = [FAMILY.instantiate(problem(dt, c, 4, **fl), cfg, arch) for dt, c, cfg, fl in PTXAS_CASES]
     src = tmp_path / f"softmax_{arch}.cu"
     src.write_text("\n".join(i.source for i in insts))
-    result = nvcc_compile(src, tmp_path / "softmax.o", arch, include_dirs=[INCLUDE], timeout_s=120)
+    result = nvcc_compile(src, tmp_path / "softmax.o", arch, include_dirs=INCLUDES, timeout_s=120)
     kernels = [k for k in parse_ptxas(result.stderr) if "softmax_kernel" in k.name]
     assert len(kernels) == len(PTXAS_CASES)
     for k in kernels:

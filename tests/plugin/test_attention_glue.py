@@ -1,13 +1,14 @@
 """The attention families' ORT glue: the C++ reference, the binders, and the glue header compiling.
 
-(a) plugins/cpu/attention_ref.h (through tests/plugin/attention_ref_harness.cc, built with g++ and called with
-    ctypes) against an fp64 numpy reference: ragged sequences, head dims 32/64/80, every layout, mask / bias,
-    NaN semantics of fully masked rows (NaN, or zeros under the NaN guard), causal, bfloat16 storage.
+(a) plugins/families/attention/attention_ref.h (through tests/plugin/attention_ref_harness.cc, built with g++ and
+called with     ctypes) against an fp64 numpy reference: ragged sequences, head dims 32/64/80, every layout, mask /
+bias,     NaN semantics of fully masked rows (NaN, or zeros under the NaN guard), causal, bfloat16 storage.
 (b) onnx_gtco/families/attention/bind.py on every Attention_* / BmmSoftmax_* node of the built-in ViT and BERT models
     (and small hand-built models for the NaN guard, bias and BmmSoftmax): each binds, and the binding is right:
     the node's own function, run by onnxruntime as a one-node model, equals the numpy reference and the C++
     reference fed per the roles. Doctored nodes get the specific reason.
-(c) plugins/ort/attention_op.h compiles (g++ -fsyntax-only -Wall -Wextra -Werror) against the ORT C++ headers.
+(c) plugins/families/attention/attention_op.h compiles (g++ -fsyntax-only -Wall -Wextra -Werror) against the ORT C++
+headers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.families.attention.bind import BINDERS, IN_ROLES, AttentionBinder
 from onnx_gtco.families.attention.kernel import from_bhsd, layout_shape, to_bhsd
-from onnx_gtco.kernels.toolchain import cxx_build
+from onnx_gtco.kernels.toolchain import GLUE_INCLUDE_DIRS, cxx_build
 from onnx_gtco.models import build
 from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.headers import ort_include_dir
@@ -77,7 +78,7 @@ def np_attention(q, k, v, scale, mask=None, bias=None, causal=False, nan_guard=F
 @pytest.fixture(scope="module")
 def ref_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     out = tmp_path_factory.mktemp("attn_ref") / "libattn_ref.so"
-    cxx_build(HARNESS, out, include_dirs=[ROOT / "plugins" / "cpu"],
+    cxx_build(HARNESS, out, include_dirs=GLUE_INCLUDE_DIRS,
               extra=("-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror"))
     lib = ctypes.CDLL(str(out))
     lib.gtco_attention_ref.restype = ctypes.c_int
@@ -628,10 +629,10 @@ def test_binder_refuses_wrong_mask_shape_and_dtype(bert_node: FusedNode) -> None
 
 def test_binder_protocol_fields() -> None:
     att, bmm = BINDER["attention"], BINDER["bmm_softmax"]
-    assert (att.header, att.cpp_struct) == ("attention_op.h", "gtco::Attention")
-    assert (bmm.header, bmm.cpp_struct) == ("attention_op.h", "gtco::BmmSoftmax")
+    assert (att.header, att.cpp_struct) == ("attention/attention_op.h", "gtco::Attention")
+    assert (bmm.header, bmm.cpp_struct) == ("attention/attention_op.h", "gtco::BmmSoftmax")
     assert IN_ROLES == ("q", "k", "v", "mask", "bias")
-    text = (ROOT / "plugins" / "ort" / "attention_op.h").read_text()
+    text = (ROOT / "plugins" / "families" / "attention" / "attention_op.h").read_text()
     assert "enum InRole { IN_Q = 0, IN_K = 1, IN_V = 2, IN_MASK = 3, IN_BIAS = 4 };" in text
     assert "using Attention = AttentionGlue<true>;" in text and "using BmmSoftmax = AttentionGlue<false>;" in text
     with pytest.raises(ValueError):
@@ -656,7 +657,7 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
                      f"template struct FusedKernel<{f}, DType::{d}, {c}>;"
                      for f in ("Attention", "BmmSoftmax") for d in ("f32", "f16", "bf16") for c in ("false", "true"))
     src.write_text(
-        '#include "attention_op.h"\nnamespace gtco {\n'
+        '#include "attention/attention_op.h"\nnamespace gtco {\n'
         'const NodeSpec kNodes[] = {{"Attention_f32", "n", 1, 1, {0, 0, 0, -1, -1, -1, -1, -1}, '
         '{0, -1, -1, -1, -1, -1, -1, -1}, {nullptr, nullptr}, {nullptr, nullptr}, nullptr}};\n'
         'const size_t kNodeCount = 1;\n' + inst +
@@ -664,8 +665,7 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
         '    static FusedOp<Attention, DType::f32, false> a("Attention_f32");\n    d.Add(&a);\n}'
         '\nconst char* const kLibraryInfo = "{}";\n}  // namespace gtco\n#include "register.inc"\n')
     proc = subprocess.run([cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                           f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
-                           f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(src)],
+                           *(f"-I{d}" for d in GLUE_INCLUDE_DIRS), f"-I{inc}", str(src)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -704,7 +704,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory):
                     '{nullptr, nullptr}, {nullptr, nullptr}, nullptr}')
     src = tmp_path_factory.mktemp("attn_e2e") / "lib.cc"
     src.write_text(
-        '#include "attention_op.h"\nnamespace gtco {\nconst NodeSpec kNodes[] = {\n' + ",\n".join(rows) +
+        '#include "attention/attention_op.h"\nnamespace gtco {\nconst NodeSpec kNodes[] = {\n' + ",\n".join(rows) +
         f"}};\nconst size_t kNodeCount = {len(rows)};\n"
         "void add_ops(Ort::CustomOpDomain& d, bool) {\n"
         '    static FusedOp<Attention, DType::f32, false> a("Attention_f32");\n'
@@ -713,7 +713,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory):
         "    d.Add(&a);\n    d.Add(&b);\n    d.Add(&c);\n}\n"
         'const char* const kLibraryInfo = "{}";\n}  // namespace gtco\n#include "register.inc"\n')
     lib = src.with_name("libgtco_attn_test.so")
-    cxx_build(src, lib, include_dirs=[ROOT / "plugins" / d for d in ("ort", "cpu", "include")] + [inc],
+    cxx_build(src, lib, include_dirs=[*GLUE_INCLUDE_DIRS, inc],
               extra=("-O1", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror"),
               timeout_s=300)
     return lib, cases

@@ -1,9 +1,9 @@
-"""Conv glue: the conv binder and the CPU kernel (plugins/cpu/conv_ref.h through plugins/ort/conv_op.h) on the
-shapes real models use (ViT's 16x16 / 16 patch embedding, a ResNet bottleneck with BatchNormalization and a strided
-one with DETR's FrozenBatchNorm Mul / Add, depthwise and dilated convs, a 1-D conv), every node of each checked
-against onnx's float64 reference evaluator of the same model on seeded inputs, in fp32 and fp16. The device path
-too: an emulated build runs every conv on its instance (gtco/conv.cuh: the implicit GEMM for groups == 1, the
-direct kernel for the depthwise conv) against the same reference."""
+"""Conv glue: the conv binder and the CPU kernel (plugins/families/conv/conv_ref.h through
+plugins/families/conv/conv_op.h) on the shapes real models use (ViT's 16x16 / 16 patch embedding, a ResNet bottleneck
+with BatchNormalization and a strided one with DETR's FrozenBatchNorm Mul / Add, depthwise and dilated convs, a 1-D
+conv), every node of each checked against onnx's float64 reference evaluator of the same model on seeded inputs, in
+fp32 and fp16. The device path too: an emulated build runs every conv on its instance (conv/conv.cuh: the implicit GEMM
+for groups == 1, the direct kernel for the depthwise conv) against the same reference."""
 
 from __future__ import annotations
 

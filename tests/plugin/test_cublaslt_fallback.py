@@ -115,7 +115,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, lt_include: list[Path]) -> t
 
 
 _STANDIN = r"""
-// A stand-in libcublasLt whose heuristic finds no algorithm: the nine functions gtco/cublaslt.h resolves, each
+// A stand-in libcublasLt whose heuristic finds no algorithm: the nine functions gemm/cublaslt.h resolves, each
 // succeeding, except that cublasLtMatmulAlgoGetHeuristic returns no result. Its calls are counted.
 #include <cublasLt.h>
 
@@ -180,7 +180,7 @@ __attribute__((visibility("default"))) int gtco_test_matmul_calls() { return mat
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory: pytest.TempPathFactory, lt_include: list[Path]) -> Path:
     """The stand-in libcublasLt, named and with the soname libcublasLt.so.<major> of the header's cuBLAS, so that
-    gtco/cublaslt.h's dlopen(RTLD_NOLOAD) of that name finds it once it is loaded."""
+    gemm/cublaslt.h's dlopen(RTLD_NOLOAD) of that name finds it once it is loaded."""
     major = re.search(r"#define CUBLAS_VER_MAJOR (\d+)", (lt_include[0] / "cublas_api.h").read_text())
     assert major is not None, "cublas_api.h defines no CUBLAS_VER_MAJOR"
     out = tmp_path_factory.mktemp("standin")

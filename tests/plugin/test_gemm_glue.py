@@ -1,6 +1,6 @@
-"""GEMM / QKV glue: the C++ reference (plugins/cpu/gemm_ref.h) against fp64 numpy, the binders against the built-in
-models' fused nodes (roles checked by evaluating them against the node's own function in onnxruntime), and the ORT
-glue header (plugins/ort/gemm_op.h) compiling with g++ -Wall -Wextra."""
+"""GEMM / QKV glue: the C++ reference (plugins/families/gemm/gemm_ref.h) against fp64 numpy, the binders against the
+built-in models' fused nodes (roles checked by evaluating them against the node's own function in onnxruntime), and the
+ORT glue header (plugins/families/gemm/gemm_op.h) compiling with g++ -Wall -Wextra."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from onnx_gtco.families.gemm.bind import (
     QkvBinder,
 )
 from onnx_gtco.ir.load import load_model
-from onnx_gtco.kernels.toolchain import cxx_build
+from onnx_gtco.kernels.toolchain import GLUE_INCLUDE_DIRS, cxx_build
 from onnx_gtco.models import build
 from onnx_gtco.patterns.find_activation import REFERENCE
 from onnx_gtco.pipeline import plan_model
@@ -56,7 +56,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler")
     out = tmp_path_factory.mktemp("gemm_ref") / "libgemm_ref.so"
-    cxx_build(HARNESS, out, include_dirs=[ROOT / "plugins" / "cpu"],
+    cxx_build(HARNESS, out, include_dirs=GLUE_INCLUDE_DIRS,
               extra=("-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror"))
     return ctypes.CDLL(str(out))
 
@@ -553,7 +553,7 @@ def test_qkv_reasons() -> None:
 # --- the ORT glue header compiles --------------------------------------------------------------------------------
 
 GLUE_TU = """
-#include "gemm_op.h"
+#include "gemm/gemm_op.h"
 namespace gtco {
 const NodeSpec kNodes[] = {
     {"Gemm_f32", "g", 4, 1, {0, 1, 2, 3, -1, -1, -1, -1}, {0, -1, -1, -1, -1, -1, -1, -1},
@@ -583,8 +583,7 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
     src = tmp_path / "gemm_glue.cc"
     src.write_text(GLUE_TU)
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-           f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
-                           f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(src)]
+           *(f"-I{d}" for d in GLUE_INCLUDE_DIRS), f"-I{inc}", str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -592,7 +591,7 @@ def test_glue_header_compiles(tmp_path: Path) -> None:
 # --- the glue run by onnxruntime: a one-family library for the built-in models' GEMM / QKV nodes ----------------
 
 LIB_TU = """
-#include "gemm_op.h"
+#include "gemm/gemm_op.h"
 namespace gtco {
 const NodeSpec kNodes[] = {
 %(rows)s
@@ -639,8 +638,7 @@ def glue_models(tmp_path_factory: pytest.TempPathFactory):
     cc.write_text(LIB_TU % {"rows": "\n".join(rows)})
     so = tmp / "libgtco_gemm.so"
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O1", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall",
-           "-Wextra", f"-I{ROOT / 'plugins' / 'ort'}", f"-I{ROOT / 'plugins' / 'cpu'}",
-                           f"-I{ROOT / 'plugins' / 'include'}", f"-I{inc}", str(cc),
+           "-Wextra", *(f"-I{d}" for d in GLUE_INCLUDE_DIRS), f"-I{inc}", str(cc),
            "-o", str(so)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

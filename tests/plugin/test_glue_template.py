@@ -13,7 +13,7 @@ from plugin_helpers import ln_softmax_model
 
 from onnx_gtco import optimize
 from onnx_gtco.kernels.render import macro, render
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx
+from onnx_gtco.kernels.toolchain import GLUE_INCLUDE_DIRS, PLUGINS_DIR, find_cxx
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.library import CXX_FLAGS, bind_nodes, generate_glue
 from onnx_gtco.plugin.nodes import fused_nodes
@@ -23,12 +23,12 @@ def test_a_missing_variable_is_an_error() -> None:
     with pytest.raises(jinja2.UndefinedError, match="'headers' is undefined"):
         render("ort/glue.cc.j2", emulated=False)
     with pytest.raises(jinja2.UndefinedError, match="'outputs' was not provided"):
-        macro("include/gtco/elementwise.cu.j2", "program", storage="float", qualifier="", dims=[4],
+        macro("families/elementwise/elementwise.cu.j2", "program", storage="float", qualifier="", dims=[4],
               inputs=[{"type": "T", "strides": [1], "base": 0, "rolls": []}], body=["x[0]"])
 
 
 def _compile(source: Path, ort_dir: Path) -> subprocess.CompletedProcess[str]:
-    inc = [f"-I{ort_dir}", f"-I{PLUGINS_DIR / 'cpu'}", f"-I{PLUGINS_DIR / 'include'}", f"-I{ort_include_dir()}"]
+    inc = [f"-I{ort_dir}", *(f"-I{d}" for d in GLUE_INCLUDE_DIRS), f"-I{ort_include_dir()}"]
     return subprocess.run([find_cxx(), *CXX_FLAGS, "-O0", *inc, "-c", str(source), "-o", str(source.with_suffix(".o"))],
                           capture_output=True, text=True, timeout=300, check=False)
 

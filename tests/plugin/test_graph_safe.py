@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from onnx_gtco.kernels.toolchain import find_cxx
+from onnx_gtco.kernels.toolchain import GLUE_INCLUDE_DIRS, find_cxx
 from onnx_gtco.plugin.headers import ort_include_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,13 +95,15 @@ FORBIDDEN = re.compile(r"\b(cudaMalloc\w*|cudaFree\w*|cudaMemcpy|cudaMemset|cuda
 
 
 def test_the_launch_path_makes_no_call_a_captured_run_must_not_make() -> None:
-    """The ORT glue (plugins/ort), the launch macros and the families' host launchers call no allocator, no
-    synchronizing copy or wait and no cudaFuncSetAttribute; the opt-in header alone sets the attribute, and the
-    launch macro goes through it."""
+    """The ORT glue (plugins/ort, each family's op struct), the launch macros and the families' host launchers call no
+    allocator, no synchronizing copy or wait and no cudaFuncSetAttribute; the opt-in header alone sets the attribute,
+    and the launch macro goes through it."""
     macro = _launch_macro((PLUGINS / "include" / "gtco" / "launch.cuh").read_text())
     assert "smem_opt_in(" in macro and "cudaFuncSetAttribute" not in macro, macro
     sources = [*sorted((PLUGINS / "ort").glob("*.h")), PLUGINS / "ort" / "register.inc",
-               *sorted((PLUGINS / "include" / "gtco").glob("*.cuh"))]
+               *sorted((PLUGINS / "families").glob("*/*_op.h")), *sorted((PLUGINS / "include" / "gtco").glob("*.cuh")),
+               *sorted((PLUGINS / "families").glob("*/*.cuh"))]
+    assert len(sources) >= 16, sources  # the shared glue and headers, and each family's op struct and header
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sources
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if FORBIDDEN.search(line.split("//")[0])]
@@ -111,10 +113,10 @@ def test_the_launch_path_makes_no_call_a_captured_run_must_not_make() -> None:
 
 
 def test_the_cutlass_instance_path_leaves_allocation_and_attributes_to_the_graph_safe_helpers() -> None:
-    """A CUTLASS instance's entry point (plugins/cuda/cutlass_gemm.cu.j2) neither allocates its workspace per call
-    nor lets GemmUniversalAdapter::initialize set the shared memory attribute per call: it takes the workspace from
+    """A CUTLASS instance's entry point (plugins/families/gemm/cutlass_gemm.cu.j2) neither allocates its workspace per
+    call nor lets GemmUniversalAdapter::initialize set the shared memory attribute per call: it takes the workspace from
     gtco/scratch.h and the opt-in from gtco/smem_opt_in.h."""
-    text = (PLUGINS / "cuda" / "cutlass_gemm.cu.j2").read_text()
+    text = (PLUGINS / "families" / "gemm" / "cutlass_gemm.cu.j2").read_text()
     code = "\n".join(line.split("//")[0] for line in text.splitlines())
     assert not FORBIDDEN.search(code), FORBIDDEN.search(code)
     assert not re.search(r"\.(initialize|run)\(", code), "the adapter object's initialize/run set attributes per call"
@@ -231,9 +233,8 @@ def test_run_instance_takes_a_description_built_on_failure_only(tmp_path: Path, 
                                                                 compiles: bool) -> None:
     tu = tmp_path / "tu.cc"
     tu.write_text(RUN_INSTANCE_TU % describe)
-    proc = subprocess.run([find_cxx(), "-std=c++17", "-fsyntax-only", f"-I{PLUGINS / 'ort'}",
-                           f"-I{PLUGINS / 'include'}", f"-I{ort_include_dir()}", str(tu)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([find_cxx(), "-std=c++17", "-fsyntax-only", *(f"-I{d}" for d in GLUE_INCLUDE_DIRS),
+    f"-I{ort_include_dir()}", str(tu)],                       capture_output=True, text=True, timeout=120, check=False)
     assert (proc.returncode == 0) == compiles, proc.stderr[-2000:]
     if not compiles:
         assert "describe the operands with a callable" in proc.stderr

@@ -16,7 +16,7 @@ from plugin_helpers import ln_softmax_model
 from onnx_gtco import optimize
 from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.families.gemm.cutlass import IMPL as CUTLASS
-from onnx_gtco.kernels.toolchain import PLUGINS_DIR, find_cxx
+from onnx_gtco.kernels.toolchain import GLUE_INCLUDE_DIRS, find_cxx
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.library import CUDA_ARCHS, CXX_FLAGS, bind_nodes, device_nodes, generate_glue, select_device
 from onnx_gtco.plugin.nodes import fused_nodes
@@ -83,7 +83,7 @@ def test_the_glue_with_pdl_compiles(rewritten, tmp_path: Path) -> None:
     _, source = table(rewritten)
     glue = tmp_path / "glue.cc"
     glue.write_text(source)
-    inc = [f"-I{PLUGINS_DIR / 'ort'}", f"-I{PLUGINS_DIR / 'cpu'}", f"-I{PLUGINS_DIR / 'include'}",
+    inc = [*(f"-I{d}" for d in GLUE_INCLUDE_DIRS),
            f"-I{ort_include_dir()}"]
     proc = subprocess.run([find_cxx(), *CXX_FLAGS, "-O0", *inc, "-c", str(glue), "-o", str(tmp_path / "glue.o")],
                           capture_output=True, text=True, timeout=300, check=False)

@@ -1,4 +1,4 @@
-"""Binders of the attention families ("attention", "bmm_softmax") for plugins/ort/attention_op.h.
+"""Binders of the attention families ("attention", "bmm_softmax") for plugins/families/attention/attention_op.h.
 
 The rule (families/attention/rule.py with _heads.py and _scores.py) found q, k, v (the tensors before the head split),
 the additive mask and bias, the scale and the layouts, and the rewrite wrote them in role order (opspec). What only
@@ -88,7 +88,7 @@ class AttentionBinder:
     """Binder for one of the two families (see the module docstring)."""
 
     family: str
-    header: str = "attention_op.h"
+    header: str = "attention/attention_op.h"
 
     def __post_init__(self) -> None:
         if self.family not in CPP_OUT:

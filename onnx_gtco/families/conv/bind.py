@@ -1,4 +1,4 @@
-"""Binder of the Conv family for plugins/ort/conv_op.h (C++ roles: the InRole / OutRole enums of gtco::Conv).
+"""Binder of the Conv family for plugins/families/conv/conv_op.h (C++ roles: the InRole / OutRole enums of gtco::Conv).
 
     gtco::Conv  in:  X, W, BIAS, SCALE, SHIFT, MEAN, VAR, RESIDUAL        out: Y
 
@@ -26,7 +26,7 @@ from onnx_gtco.kernels.select import kernel_dtype
 from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, present, read
 
-HEADER = "conv_op.h"
+HEADER = "conv/conv_op.h"
 CONV_IN, CONV_OUT = SPECS["conv"].roles, SPECS["conv"].outputs       # gtco::Conv::InRole / OutRole
 SPATIAL_RANKS = (1, 2)
 """Spatial ranks gtco::ref::plan_conv takes (x [N, C, W] or [N, C, H, W])."""

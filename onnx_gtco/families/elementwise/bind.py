@@ -1,4 +1,4 @@
-"""Binder of the Elementwise family (op types Elementwise_*) for plugins/ort/elementwise_op.h.
+"""Binder of the Elementwise family (op types Elementwise_*) for plugins/families/elementwise/elementwise_op.h.
 
 The node's function is a chain or tree of elementwise ops (onnx_gtco/families/elementwise/rule.py); its program
 (families.elementwise.kernel.program_from_onnx) is built per node from the function body and the static shapes of the
@@ -8,8 +8,8 @@ Scalar constant inputs (initializers and Constant outputs of one element) are fo
 constants are ordinary operands.
 
 Unlike the other families the program is not a fixed kernel with attributes, so the glue carries per node what
-`glue` writes from plugins/include/gtco/elementwise.cu.j2: the program's host function (the CPU-EP kernel, shared
-by the nodes of one program) and the node's `gtco::ElementwiseNode` (NodeSpec::node_data: the shapes and dtypes
+`glue` writes from plugins/families/elementwise/elementwise.cu.j2: the program's host function (the CPU-EP kernel,
+shared by the nodes of one program) and the node's `gtco::ElementwiseNode` (NodeSpec::node_data: the shapes and dtypes
 of every node input and output as built, the element count, the host function).
 """
 
@@ -115,7 +115,7 @@ class ElementwiseBinder:
     """Roles of an Elementwise_* node from its program; the per-node glue (descriptor and host function)."""
 
     family: str = "elementwise"
-    header: str = "elementwise_op.h"
+    header: str = "elementwise/elementwise_op.h"
     cpp_struct: str = "gtco::Elementwise"
 
     def bind(self, node: FusedNode) -> Binding | str:

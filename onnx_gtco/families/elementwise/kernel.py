@@ -1,7 +1,7 @@
-"""Elementwise kernel family (plugins/include/gtco/elementwise.cuh): a chain or tree of elementwise ONNX ops,
+"""Elementwise kernel family (plugins/families/elementwise/elementwise.cuh): a chain or tree of elementwise ONNX ops,
 computed as one fp32 expression per element, with numpy broadcasting of the inputs over a flattened index.
 
-Only the program is generated (plugins/include/gtco/elementwise.cu.j2): its storage type, its iteration shape
+Only the program is generated (plugins/families/elementwise/elementwise.cu.j2): its storage type, its iteration shape
 collapsed (`collapse`) and each operand's strides over it, and its body, one C expression per instruction. The loop,
 the broadcast indexing, the vector and scalar paths and the launch are the header's (gtco::ew::Elementwise, and
 gtco::ref::ew::run for the host function of the ORT glue).
@@ -80,7 +80,7 @@ from onnx_gtco.kernels.render import macro
 MAX_IN, MAX_OUT, MAX_RANK = 8, 4, 6
 KINDS = {"float": None, "bool": "uint8_t", "i32": "int32_t", "i64": "int64_t"}
 KIND_NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64}
-TEMPLATE = "include/gtco/elementwise.cu.j2"  # under plugins/
+TEMPLATE = "families/elementwise/elementwise.cu.j2"  # under plugins/
 _COMPARE = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
 
 class Program(ProgramSpec):
@@ -474,7 +474,8 @@ class ElementwiseFamily(KernelFamily):
         return Instance(name, f"gtco_{name}", source, problem, dict(config), arch, 0)
 
     def host_function(self, problem: Problem) -> tuple[str, str]:
-        """The symbol and C++ source of `problem` as a plain host function (plugins/cpu/elementwise_ref.h).
+        """The symbol and C++ source of `problem` as a plain host function
+        (plugins/families/elementwise/elementwise_ref.h).
 
         The custom-op library's CPU-EP kernel of an Elementwise node: the program differs per node, so the glue
         carries one of these per distinct program. Same fp32 expression and numpy-broadcast index arithmetic

@@ -1,4 +1,5 @@
-"""Binders of the GEMM and QKV families for plugins/ort/gemm_op.h (C++ roles: the InRole / OutRole enums there).
+"""Binders of the GEMM and QKV families for plugins/families/gemm/gemm_op.h (C++ roles: the InRole / OutRole enums
+there).
 
     gtco::Gemm  in:  A, B, BIAS, RESIDUAL, LAYER_SCALE, GAMMA, BETA      out: Y, NORM
     gtco::Qkv   in:  A, W0, W1, W2, BIAS0, BIAS1, BIAS2         out: Y0, Y1, Y2
@@ -17,9 +18,9 @@ from onnx_gtco.kernels.family import Problem
 from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, one_row, present, read
 
-HEADER = "gemm_op.h"
+HEADER = "gemm/gemm_op.h"
 ACTIVATIONS = ("none", "relu", "gelu_erf", "gelu_tanh", "silu", "quick_gelu", "sigmoid", "tanh", "relu6")
-"""Activations gtco::ref::parse_act knows (plugins/cpu/gemm_ref.h)."""
+"""Activations gtco::ref::parse_act knows (plugins/families/gemm/gemm_ref.h)."""
 
 GEMM_IN, GEMM_OUT = SPECS["gemm"].roles, SPECS["gemm"].outputs       # gtco::Gemm::InRole / OutRole
 QKV_IN, QKV_OUT = SPECS["qkv"].roles, SPECS["qkv"].outputs          # gtco::Qkv::InRole / OutRole

@@ -1,5 +1,5 @@
 """The cuBLASLt header the cuBLASLt GEMM instances compile against (never committed to the repo; nothing links
-against libcublasLt: plugins/include/gtco/cublaslt.h resolves its functions at run time).
+against libcublasLt: plugins/families/gemm/cublaslt.h resolves its functions at run time).
 
 `cublaslt_include_dir()` returns a directory holding `cublasLt.h` (and the `cublas_api.h` it includes):
 

@@ -1,10 +1,10 @@
 """Hopper GEMMs built from CUTLASS 3.x (the GEMM family's `impl` "cutlass"): thin instantiations over the headers of
 the pinned `nvidia-cutlass` package (the `cutlass` extra), for the sm_90a arch slot only.
 
-Each instance is one translation unit rendered from plugins/cuda/cutlass_gemm.cu.j2: TMA loads and wgmma from the
-collective builders, a warp-specialized cooperative or ping-pong mainloop, a persistent tile scheduler (data-parallel
-or stream-K), and the GEMM family's epilogue ``y = act(alpha * A @ B + bias) + residual`` with the output cast as an
-epilogue visitor tree (`epilogue_tree`). It exports the same entry point as the "mma" instances,
+Each instance is one translation unit rendered from plugins/families/gemm/cutlass_gemm.cu.j2: TMA loads and wgmma from
+the collective builders, a warp-specialized cooperative or ping-pong mainloop, a persistent tile scheduler
+(data-parallel or stream-K), and the GEMM family's epilogue ``y = act(alpha * A @ B + bias) + residual`` with the
+output cast as an epilogue visitor tree (`epilogue_tree`). It exports the same entry point as the "mma" instances,
 ``int gtco_<name>(const GemmArgs*, void* stream)``, so the glue and the tuner call either alike; the GEMM family's
 reference, inputs and argument struct are shared.
 
@@ -51,7 +51,7 @@ the CUTLASS implementation, built for its sm_90a slot (plugin.device.FALLBACK_SL
 SMs, peaks and bandwidth."""
 IMPL = "cutlass"
 PACKAGE = "nvidia-cutlass"
-TEMPLATE = "cuda/cutlass_gemm.cu.j2"
+TEMPLATE = "families/gemm/cutlass_gemm.cu.j2"
 NVCC_FLAGS = ("--expt-relaxed-constexpr",)
 MAX_ACC_PER_THREAD = 128  # fp32 accumulators per consumer thread beyond which the tile cannot stay in registers
 EPILOGUE_SMEM_BOUND = 32 * 1024  # shared memory the TMA epilogue keeps beside the mainloop's stages (an upper bound)

@@ -1,5 +1,5 @@
 """The GEMM / batched-GEMM family: ``y = act(alpha * A @ B + bias) * layer_scale + residual`` on Tensor Cores
-(plugins/include/gtco/gemm.cuh).
+(plugins/families/gemm/gemm.cuh).
 
 dtype "f16" / "bf16": mma.m16n8k16 on 16-bit operands. dtype "f32": TF32, mma.m16n8k8 on operands rounded from fp32
 by cvt.rna (10 mantissa bits), fp32 I/O and accumulation; `reference` is then the fp64 product of the
@@ -527,7 +527,7 @@ class GemmFamily(KernelFamily):
             f"{'; ln_y = LayerNorm(y) * gamma + beta' if ln else ''}"
             f"; tile {c['BM']}x{c['BN']}x{c['BK']}, warps {c['WM']}x{c['WN']}, {c['STAGES']} stages"
             f"{f', split-K {splits}' if splits > 1 else ''}{', staged epilogue' if epi else ''}, {arch}\n"
-            f"#include \"gtco/gemm.cuh\"\n"
+            f"#include \"gemm/gemm.cuh\"\n"
             f"\n"
             f"GTCO_EXPORT int {symbol}(const GemmArgs* args, void* stream) {{\n"
             f"    return gtco::launch_gemm<{targs}>(args, stream);\n"

@@ -1,4 +1,4 @@
-"""Binder of the LayerNorm family (op types Layernorm_*) for plugins/ort/layernorm_op.h.
+"""Binder of the LayerNorm family (op types Layernorm_*) for plugins/families/layernorm/layernorm_op.h.
 
 Roles (C++ `gtco::LayerNorm::InRole` / `OutRole`, in opspec's order): inputs a (x, or the residual Add's first
 addend), b (its second addend), gamma, beta; outputs y and sum (the residual sum, when the node outputs it). The
@@ -28,7 +28,7 @@ def _numel(shape: tuple[int | str, ...] | None) -> int | None:
 @dataclass(frozen=True)
 class LayerNormBinder:
     family: str = "layernorm"
-    header: str = "layernorm_op.h"
+    header: str = "layernorm/layernorm_op.h"
     cpp_struct: str = "gtco::LayerNorm"
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""Binder of the Softmax family (op types Softmax_*) for plugins/ort/softmax_op.h: input x, output y, the last axis
-(families/softmax/rule.py found it; opspec wrote the roles)."""
+"""Binder of the Softmax family (op types Softmax_*) for plugins/families/softmax/softmax_op.h: input x, output y, the
+last axis (families/softmax/rule.py found it; opspec wrote the roles)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ IN_ROLES, OUT_ROLES = SPECS["softmax"].roles, SPECS["softmax"].outputs   # gtco:
 @dataclass(frozen=True)
 class SoftmaxBinder:
     family: str = "softmax"
-    header: str = "softmax_op.h"
+    header: str = "softmax/softmax_op.h"
     cpp_struct: str = "gtco::Softmax"
 
     def bind(self, node: FusedNode) -> Binding | str:

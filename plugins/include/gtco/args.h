@@ -11,7 +11,7 @@
 #define GTCO_EBADSHAPE 1    // a size differs from the one the instance was built for, or breaks its divisibility
 #define GTCO_ELAUNCH 2      // the launch itself failed (cudaGetLastError after the launch)
 
-// GEMM (gtco/gemm.cuh), y = act(alpha * A @ B + bias) * layer_scale + residual; mirrored by GemmFamily.args_fields.
+// GEMM (gemm/gemm.cuh), y = act(alpha * A @ B + bias) * layer_scale + residual; mirrored by GemmFamily.args_fields.
 // With a fused LayerNorm (gemm.cuh's LN instances) also ln_y = LayerNorm(y) over each row of N, from y as stored.
 // Sizes and strides count elements. Batch strides: A[b] = a + b * stride_a, B[b] = b + b * stride_b (0: one B
 // shared by the batch), y[b] and residual[b] = ... + b * stride_y. Leading dimensions are dense: K for A, N (or K
@@ -34,7 +34,7 @@ struct GemmArgs {
     float ln_eps;
 };
 
-// Convolution (gtco/conv.cuh: implicit GEMM or direct), y = post_act(act((conv(x, w) + bias) * a + b) + residual), a
+// Convolution (conv/conv.cuh: implicit GEMM or direct), y = post_act(act((conv(x, w) + bias) * a + b) + residual), a
 // and b folded per output channel from scale / shift (or BatchNormalization's scale, shift, mean, var and epsilon);
 // mirrored by ConvFamily.args_fields. x [n, c, in_h, in_w] and y, residual [n, oc, oh, ow] NCHW, dense; w [oc,
 // c / groups, kh, kw] (groups == 1: the implicit GEMM; otherwise the direct kernel). Per-channel operands hold one
@@ -79,7 +79,7 @@ struct gtco_attention_args {
     float mask_scale, bias_scale;  // multiply the mask and the bias (1, unless the graph scales after adding them)
 };
 
-// LayerNorm (gtco/layernorm.cuh).
+// LayerNorm (layernorm/layernorm.cuh).
 struct GtcoLayerNormArgs {
     const void* x;         // a: [rows][hidden]
     const void* residual;  // b: [rows][hidden] when RES, else null
@@ -92,7 +92,7 @@ struct GtcoLayerNormArgs {
     float eps;
 };
 
-// Softmax (gtco/softmax.cuh).
+// Softmax (softmax/softmax.cuh).
 struct GtcoSoftmaxArgs {
     const void* x;     // [rows][cols]
     const void* mask;  // [mask_rows][cols] (T) when MASK, else null

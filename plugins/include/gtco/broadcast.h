@@ -1,5 +1,5 @@
 // Numpy broadcasting over a flattened index, at compile time: what the Elementwise family's device instances
-// (gtco/elementwise.cuh) and the host functions of the ORT glue (plugins/cpu/elementwise_ref.h) share. Plain C++17,
+// (elementwise/elementwise.cuh) and the host functions of the ORT glue (plugins/families/elementwise/elementwise_ref.h) share. Plain C++17,
 // no CUDA, so that the g++-built glue includes it as well as nvcc and the emulation.
 //
 // The generated program describes its iteration space and operands as types (onnx_gtco/families/elementwise/kernel.py

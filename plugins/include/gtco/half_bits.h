@@ -1,6 +1,6 @@
 // fp16 / bf16 storage bits <-> fp32, round to nearest even: plain C++ shared by the CPU emulation's __half and
 // __nv_bfloat16 stand-ins (plugins/emu/gtco_emu.h) and the CPU references' fp16 / bf16 storage
-// (plugins/cpu/elementwise_ref.h), so both round exactly as __float2half_rn / __float2bfloat16_rn do.
+// (plugins/families/elementwise/elementwise_ref.h), so both round exactly as __float2half_rn / __float2bfloat16_rn do.
 #pragma once
 
 #include <cstdint>

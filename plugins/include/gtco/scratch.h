@@ -1,5 +1,5 @@
 // Device scratch for kernels that need a workspace (CUTLASS's stream-K partials and tile flags, the split-K GEMMs'
-// partial sums and tile counters of gtco/gemm.cuh): one buffer per device, stream and kind, made on an uncaptured
+// partial sums and tile counters of gemm/gemm.cuh): one buffer per device, stream and kind, made on an uncaptured
 // call and kept. A call under CUDA graph capture (ORT's enable_cuda_graph) may use the buffer an earlier call
 // made, but cannot make or grow one: cudaMalloc is not capturable, and a stream-ordered cudaMallocAsync inside the
 // captured graph would be an allocation on every replay. ORT runs a model once before it captures, so a captured

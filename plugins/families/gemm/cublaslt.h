@@ -7,7 +7,7 @@
 // Runtime's CUDA EP already loaded (dlopen RTLD_NOLOAD), else from the library path. Without it the library still
 // loads and a call returns GTCO_ELIBRARY with last_error() saying why; so do a heuristic without an algorithm of the
 // chosen rank and a plan that cannot be made. The glue then launches the node's generated mma fallback instead, where
-// the build gave it one (plugins/ort/gemm_op.h run_gemm), so a vendor failure does not fail the session. Only the
+// the build gave it one (plugins/families/gemm/gemm_op.h run_gemm), so a vendor failure does not fail the session. Only the
 // header comes from the nvidia-cublas package at build time (onnx_gtco/families/gemm/cublas_headers.py).
 //
 // An emulated build (g++ -DGTCO_EMULATE, plugins/emu/gtco_emu_runtime.h for the few CUDA runtime calls) runs this
@@ -39,7 +39,7 @@
 #include <type_traits>
 
 #include "gtco/args.h"
-#include "gtco/cublaslt_shape.h"
+#include "gemm/cublaslt_shape.h"
 
 #ifndef GTCO_EXPORT
 #define GTCO_EXPORT extern "C" __attribute__((visibility("default")))

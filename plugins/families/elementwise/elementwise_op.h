@@ -9,14 +9,14 @@
 // input is folded into the program and read by no role (its shape and dtype are still checked).
 //
 // CPU EP: the node's host function (onnx_gtco/families/elementwise/kernel.py ElementwiseFamily.host_function over
-// plugins/cpu/elementwise_ref.h). Device: the node's instance (gtco/elementwise.cuh), built for the same program.
+// plugins/families/elementwise/elementwise_ref.h). Device: the node's instance (elementwise/elementwise.cuh), built for the same program.
 #pragma once
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
-#include "elementwise_ref.h"
+#include "elementwise/elementwise_ref.h"
 #include "gtco_ort.h"
 #include "parallel.h"
 

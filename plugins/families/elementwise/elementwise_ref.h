@@ -1,12 +1,12 @@
 // CPU reference of the Elementwise family (op types Elementwise_f32 / _f16 / _bf16): plain C++, no ORT, no CUDA.
 //
 // The program differs per node, so there is no one reference function: onnx_gtco/families/elementwise/kernel.py
-// (ElementwiseFamily.host_function, from plugins/include/gtco/elementwise.cu.j2) writes one host function per
+// (ElementwiseFamily.host_function, from plugins/families/elementwise/elementwise.cu.j2) writes one host function per
 // program into the generated glue: the program as a struct (its storage type, collapsed iteration shape and
 // operands as in gtco/broadcast.h, and its fp32 body) and a function running it over a range of elements with
 // gtco::ref::ew::run. This header holds what those functions share: that loop, with the same numpy-broadcast
 // index arithmetic as the device instance (gtco/broadcast.h), the storage types and their fp32 conversions, and the
-// math of the supported ONNX ops, the same formulas as gtco::ew in gtco/elementwise.cuh (host libm instead of
+// math of the supported ONNX ops, the same formulas as gtco::ew in elementwise/elementwise.cuh (host libm instead of
 // CUDA's, so results agree to rounding).
 #pragma once
 
@@ -54,7 +54,7 @@ inline f16 from_f32<f16>(float x) { return f16{f32_to_f16_bits(x)}; }
 template <>
 inline bf16 from_f32<bf16>(float x) { return bf16{f32_to_bf16_bits(x)}; }
 
-// ---- the math of the elementwise ONNX ops (fp32), as gtco::ew in gtco/elementwise.cuh -------------------------
+// ---- the math of the elementwise ONNX ops (fp32), as gtco::ew in elementwise/elementwise.cuh -------------------------
 inline float relu(float x) { return x > 0.0f ? x : 0.0f; }
 inline float leaky_relu(float x, float alpha) { return x >= 0.0f ? x : alpha * x; }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
@@ -81,7 +81,7 @@ inline float lxor(float a, float b) { return ((a != 0.0f) != (b != 0.0f)) ? 1.0f
 inline float round_f16(float x) { return f16_bits_to_f32(f32_to_f16_bits(x)); }
 inline float round_bf16(float x) { return to_f32(bf16{f32_to_bf16_bits(x)}); }
 
-// Program's body (gtco::ew::Elementwise in gtco/elementwise.cuh describes Program) over elements [begin, end) of
+// Program's body (gtco::ew::Elementwise in elementwise/elementwise.cuh describes Program) over elements [begin, end) of
 // its iteration shape, one at a time: the generated host function of a program calls this.
 template <class Program>
 void run(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {

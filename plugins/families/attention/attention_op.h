@@ -23,13 +23,13 @@
 // windows): the mask, of rank <= 5, broadcasts to [B / P, P, H, Sq, Sk] with a leading dim of 1, and batch row b
 // reads its row b % P.
 //
-// CPU EP: plugins/cpu/attention_ref.h. Device: the node's attention / bmm_softmax instance
-// (gtco/attention.cuh), its gtco_attention_args filled with the same layout and addend strides the reference uses.
+// CPU EP: plugins/families/attention/attention_ref.h. Device: the node's attention / bmm_softmax instance
+// (attention/attention.cuh), its gtco_attention_args filled with the same layout and addend strides the reference uses.
 // The device kernels have no causal mask (the build gives causal nodes no instance), and a row whose every key is
 // masked with -inf gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
 #pragma once
 
-#include "attention_ref.h"
+#include "attention/attention_ref.h"
 #include "gtco_ort.h"
 
 #include <cmath>

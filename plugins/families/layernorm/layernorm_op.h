@@ -5,13 +5,13 @@
 // decomposed (ints), precision (string). The roles of the node's inputs and outputs come from the generated node
 // table (library.py works them out from the node's model-local function).
 //
-// CPU EP: plugins/cpu/layernorm_ref.h. Device: the node's LayerNorm instance (gtco/layernorm.cuh), built for the
+// CPU EP: plugins/families/layernorm/layernorm_ref.h. Device: the node's LayerNorm instance (layernorm/layernorm.cuh), built for the
 // node's hidden size with its residual / residual-sum / gamma / beta operands; gamma and beta must have hidden
 // elements (the reference also takes a scalar).
 #pragma once
 
 #include "gtco_ort.h"
-#include "layernorm_ref.h"
+#include "layernorm/layernorm_ref.h"
 
 namespace gtco {
 

@@ -10,13 +10,13 @@
 // table (onnx_gtco/families/conv/bind.py). Inputs the group swallowed that are no role (the constants of a
 // decomposed activation) are not read: the binder checked, at build time, that the chain computes the named one.
 //
-// CPU EP: plugins/cpu/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). Device:
-// the node's instance (gtco/conv.cuh: the implicit GEMM for groups == 1, the direct kernel for grouped and depthwise
+// CPU EP: plugins/families/conv/conv_ref.h (the per-channel constants are folded into fp32 per-channel a, b here). Device:
+// the node's instance (conv/conv.cuh: the implicit GEMM for groups == 1, the direct kernel for grouped and depthwise
 // convs) with ConvArgs filled from the same plan; it folds the constants itself, in its epilogue, reading them from
 // device memory (one value or one per channel: a step of 0 or 1). It takes what the reference takes.
 #pragma once
 
-#include "conv_ref.h"
+#include "conv/conv_ref.h"
 #include "gtco_ort.h"
 
 namespace gtco {

@@ -3,12 +3,12 @@
 // Node attributes (onnx_gtco/families/softmax/rule.py): axis (-1), rows, cols (ints, or strings for symbolic sizes),
 // precision. Roles come from the generated node table: input IN_X, output OUT_Y.
 //
-// CPU EP: plugins/cpu/softmax_ref.h. Device: the node's Softmax instance (gtco/softmax.cuh), built for its row
+// CPU EP: plugins/families/softmax/softmax_ref.h. Device: the node's Softmax instance (softmax/softmax.cuh), built for its row
 // length, without scale or mask (a fused node's softmax has neither).
 #pragma once
 
 #include "gtco_ort.h"
-#include "softmax_ref.h"
+#include "softmax/softmax_ref.h"
 
 namespace gtco {
 

@@ -5,7 +5,7 @@
 //
 // a and b are folded per output channel in the epilogue from the node's constants: a = scale, b = shift (either
 // alone), or with BN (an inference BatchNormalization) a = scale / sqrt(var + epsilon), b = shift - mean * a, as
-// plugins/cpu/conv_ref.h's fold_affine does. The implicit GEMM runs groups == 1; grouped and depthwise convs run
+// plugins/families/conv/conv_ref.h's fold_affine does. The implicit GEMM runs groups == 1; grouped and depthwise convs run
 // conv_direct_kernel (at the end of this file).
 //
 // The GEMM (gemm.cuh's tile machinery: GemmTile, gemm_detail::mma_ktile, the same STAGES ring of shared stages):
@@ -32,7 +32,7 @@
 // the dilation of the kernel rows. They exist only so that tests can show they catch such bugs.
 #pragma once
 
-#include "gtco/gemm.cuh"
+#include "gemm/gemm.cuh"
 
 #ifndef GTCO_CONV_TEST_FAULT
 #define GTCO_CONV_TEST_FAULT 0

@@ -4,7 +4,7 @@
 //
 // conv is ONNX Conv over NCHW (a 1-D conv, x [N, C, W], runs as H = 1) with groups, strides, pads (explicit, or
 // by auto_pad from x's shape) and dilations; w is [OC, C / groups, KH, KW]. bias, a and b are per output channel,
-// in fp32: the glue (plugins/ort/conv_op.h) folds the node's per-channel constants into them (fold_affine: a Mul /
+// in fp32: the glue (plugins/families/conv/conv_op.h) folds the node's per-channel constants into them (fold_affine: a Mul /
 // Add pair, or a BatchNormalization's scale / sqrt(var + epsilon) and shift - mean * that). residual has y's shape.
 //
 // Math is fp32: x and w are loaded from their storage type, the products accumulate in float over the
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "gemm_ref.h"
+#include "gemm/gemm_ref.h"
 #include "parallel.h"
 
 namespace gtco {

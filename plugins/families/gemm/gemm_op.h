@@ -18,12 +18,12 @@
 // constants of a decomposed activation, e.g. sqrt(2), 1, 0.5 of erf GELU) are not read: the binder checked, at
 // build time, that the chain computes the named activation.
 //
-// CPU EP: plugins/cpu/gemm_ref.h. Device: the node's GEMM instance (gtco/gemm.cuh) with GemmArgs filled from the
+// CPU EP: plugins/families/gemm/gemm_ref.h. Device: the node's GEMM instance (gemm/gemm.cuh) with GemmArgs filled from the
 // plan below. It takes what the reference takes except: a transposed A, a beta other than 1, a bias other
 // than a row of N, and batch dims that do not step A and B by one stride each (a broadcast inner batch dim); those
 // are run-time errors naming the shapes (the build gives such nodes no instance where it can tell). A Qkv node
 // launches the one instance once per projection, with that projection's N. The instance may be a cuBLASLt one
-// (gtco/cublaslt.h, the same entry-point ABI): where cuBLASLt cannot run, gemm_glue::run_gemm launches the node's mma
+// (gemm/cublaslt.h, the same entry-point ABI): where cuBLASLt cannot run, gemm_glue::run_gemm launches the node's mma
 // fallback instead (NodeSpec::fallback_fn) and notes why once, or, without one, reports cuBLASLt's reason.
 #pragma once
 
@@ -32,9 +32,9 @@
 #include <exception>
 #include <string>
 
-#include "gemm_ref.h"
-#include "layernorm_ref.h"
-#include "gtco/cublaslt_shape.h"
+#include "gemm/gemm_ref.h"
+#include "layernorm/layernorm_ref.h"
+#include "gemm/cublaslt_shape.h"
 #include "gtco_ort.h"
 
 namespace gtco {
@@ -119,7 +119,7 @@ inline void note_fallback(Ort::KernelContext& ctx, const NodeRef& ref, const std
     std::fprintf(stderr, "gtco: %s\n", msg.c_str());
 }
 
-// run_instance, and where the node's chosen implementation is cuBLASLt (gtco/cublaslt.h), what happens when it
+// run_instance, and where the node's chosen implementation is cuBLASLt (gemm/cublaslt.h), what happens when it
 // cannot run. GTCO_ELIBRARY (libcublasLt absent, no algorithm of the chosen rank, a plan that cannot be made, a first
 // call under graph capture) on a node with an mma fallback in this slot (NodeRef::fallback): the fallback on the same
 // arguments and stream, the reason noted once per node (note_fallback), and from then on the fallback directly, with

@@ -50,7 +50,7 @@
 //     gamma + beta from y as stored, as an unfused GEMM then LayerNorm would: with BN >= N the block itself, else
 //     the last of the panel's blocks to arrive at the panel's counter (the stream's zeroed workspace, like
 //     split-K's; reset by that block), reading the other blocks' y through L2. fp32 statistics, the mean first,
-//     then the centered sum of squares (gtco/layernorm.cuh); one warp per row, the row in registers (N <= 1024),
+//     then the centered sum of squares (layernorm/layernorm.cuh); one warp per row, the row in registers (N <= 1024),
 //     read whole before ln_y is written, so ln_y may be y. VEC, SPLITK = 1 and TOut = T only.
 // Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
 //

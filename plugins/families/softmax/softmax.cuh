@@ -13,9 +13,9 @@
 // GTCO_TEST_SOFTMAX_NO_MAX (tests only): skip the max subtraction, so exp overflows to inf on large inputs.
 #pragma once
 
-#include "gtco/elementwise.cuh"
+#include "elementwise/elementwise.cuh"
 #include "gtco/launch.cuh"
-#include "gtco/layernorm.cuh"  // row_reduce_sum / row_reduce_max
+#include "layernorm/layernorm.cuh"  // row_reduce_sum / row_reduce_max
 #include "gtco/primitives.cuh"
 
 namespace gtco {

@@ -11,7 +11,7 @@
 // large mean; the tests use it to prove they can fail.
 #pragma once
 
-#include "gtco/elementwise.cuh"
+#include "elementwise/elementwise.cuh"
 #include "gtco/launch.cuh"
 #include "gtco/primitives.cuh"
 

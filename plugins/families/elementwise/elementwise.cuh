@@ -1,6 +1,6 @@
 // Elementwise family: one thread computes VEC consecutive elements of a generated fp32 expression program.
 //
-// The instance (.cu written by onnx_gtco/families/elementwise/kernel.py from plugins/include/gtco/elementwise.cu.j2) holds
+// The instance (.cu written by onnx_gtco/families/elementwise/kernel.py from plugins/families/elementwise/elementwise.cu.j2) holds
 // only what differs per program: a struct with the storage type T, the collapsed iteration shape and the operands
 // as types (gtco/broadcast.h) and the program body, `body(const float (&x)[NIN], float (&y)[NOUT])`; a
 // __global__ wrapper calling Elementwise<Program, THREADS, VEC>::thread; and the entry point calling its launch.

@@ -10,7 +10,7 @@
 // values, a column of M, or a full [M, N]); layer_scale (LayerScale: one factor per column, after the activation) is
 // one value per column of y, [N] or [1, .., 1, N] (plan_layer_scale); residual has y's shape. plan_gemm / plan_bias
 // check the shapes and
-// say what is wrong (an empty string when nothing is); the glue (plugins/ort/gemm_op.h) and the test harness
+// say what is wrong (an empty string when nothing is); the glue (plugins/families/gemm/gemm_op.h) and the test harness
 // both use them.
 //
 // Math is fp32 (products accumulate in float, as ONNX Runtime's CPU GEMM does; the epilogue runs in float);
@@ -32,7 +32,7 @@
 namespace gtco {
 namespace ref {
 
-// Epilogue activations, named as in onnx_gtco/patterns/_act.py; same order as gtco::Act in gtco/gemm.cuh.
+// Epilogue activations, named as in onnx_gtco/patterns/_act.py; same order as gtco::Act in gemm/gemm.cuh.
 enum class Act : int { kNone = 0, kRelu, kGeluErf, kGeluTanh, kSilu, kQuickGelu, kSigmoid, kTanh, kRelu6 };
 
 inline bool parse_act(const std::string& name, Act& out) {
