@@ -7,6 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from pins import CONV_KERNELS, FUSED_FORMS, pinned_calibration, write_calibration
+from rule_kit import Kit
 
 
 def mlp_model(rows: int | str = 4, width: int = 8, seed: int = 0) -> onnx.ModelProto:
@@ -94,3 +95,9 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
 
     yield apply
     hardware.cache_clear()
+
+
+@pytest.fixture
+def kit() -> Kit:
+    """The rule tests' graph builder and rule runners (tests/rule_kit.py)."""
+    return Kit()

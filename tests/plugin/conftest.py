@@ -3,20 +3,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from pins import CONV_KERNELS, pinned_calibration
-from plugin_helpers import Built, build_model, ln_softmax_model
+from plugin_helpers import Built, _need_cxx, build_model, ln_softmax_model  # noqa: F401 (_need_cxx: autouse)
 
 from onnx_gtco import GtcoConfig
 from onnx_gtco.models import build
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _need_cxx() -> None:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed to build the custom-op library")
 
 
 @pytest.fixture(scope="module")

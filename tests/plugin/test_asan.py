@@ -28,8 +28,8 @@ from onnx_gtco.plugin.headers import ort_include_dir
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBSET = ["tests/plugin/test_plugin_library.py", "tests/plugin/test_gemm_glue.py",
-          "tests/plugin/test_attention_glue.py", "tests/plugin/test_conv_glue.py"]
+SUBSET = ["tests/plugin/test_plugin_library.py", "tests/families/gemm/test_gemm_glue.py",
+          "tests/families/attention/test_attention_glue.py", "tests/families/conv/test_conv_glue.py"]
 SELECT = ("(test_plugin_library and (small_model or float16 or decomposed or wrong_shape or register_modes))"
           " or (test_gemm_glue and not header_compiles) or (test_attention_glue and reference)"
           " or (test_conv_glue and (float64_reference or bad_operands))")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,6 @@ from cpu_session import run
 from onnx import TensorProto
 from onnxruntime.transformers.float16 import convert_float_to_float16
 from plugin_helpers import ln_softmax_model
-from test_attention_glue import small_model, swin_model
-from test_gemm_glue import layer_scale_model
 
 from onnx_gtco import optimize
 from onnx_gtco.config import GtcoConfig
@@ -39,9 +38,14 @@ from onnx_gtco.models import build
 from onnx_gtco.plugin.library import LibraryResult, build_library, library_info
 from onnx_gtco.runtime.session import METADATA_KEY, make_session
 
+sys.path[:0] = [str(Path(__file__).parents[1] / "families" / f) for f in ("attention", "gemm")]
+from test_attention_glue import small_model, swin_model  # noqa: E402 (the attention family's test models)
+from test_gemm_glue import layer_scale_model  # noqa: E402
+
 MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels)
     # the patch-embedding Conv stays fp32 (fp16() blocks it) and runs, as the estimate predicts it faster, as a
-    # patchify copy and a TF32 GEMM (patterns/patchify.py; the conv kernel's device path: tests/plugin/test_conv_glue)
+    # patchify copy and a TF32 GEMM (patterns/patchify.py; the conv kernel's device path:
+    # tests/families/conv/test_conv_glue)
     "vit": (lambda: build("vit-tiny", depth=1, image=64, seed=0),
             {"Layernorm_f16", "Gemm_f16", "Attention_f16", "Gemm_f32", "Elementwise_f32"}),
     # BERT's Q, K and V as one GEMM read packed by the attention (patterns/pack.py); "bert_qkv": planned without

@@ -1,4 +1,5 @@
-"""Fixtures for the fusion-rule tests: a tiny graph builder, and running rules by node name."""
+"""What the fusion-rule tests share: a tiny graph builder, and running rules by node name (the `kit` fixture,
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco.ir.load import load_model
@@ -103,8 +103,3 @@ class Kit:
         heavy = [n for n in view.nodes if n.op_type in ("MatMul", "Gemm", "Conv")]
         out["matmul"] = [n.name for n in heavy if n.id not in fused]
         return out
-
-
-@pytest.fixture
-def kit() -> Kit:
-    return Kit()

@@ -37,7 +37,7 @@ from onnx_gtco.plugin.binding import Binding, FusedNode
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HARNESS = Path(__file__).with_name("attention_ref_harness.cc")
 BINDER = {b.family: b for b in BINDERS}
 

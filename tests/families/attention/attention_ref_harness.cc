@@ -1,4 +1,4 @@
-// Test-only C entry point over plugins/families/attention/attention_ref.h (no ORT): tests/plugin/test_attention_glue.py builds
+// Test-only C entry point over plugins/families/attention/attention_ref.h (no ORT): tests/families/attention/test_attention_glue.py builds
 // this as a shared library with g++ and calls it through ctypes. It does what gtco::AttentionGlue::compute does
 // on the CPU EP, minus ORT: parse the layouts, read batch / seq from the operands' shapes, compute the strides and
 // run the reference. dtype 0: float storage; 1: bfloat16 stored as uint16 (round to nearest even).

@@ -14,9 +14,9 @@ import pytest
 
 from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 INCLUDES = DEVICE_INCLUDE_DIRS  # plugins/include and plugins/families
-KERNELS = Path(__file__).resolve().parent
+KERNELS = Path(__file__).resolve().parent / "kernels"  # the emulated test kernels (.cu)
 RUN_TIMEOUT_S = 60
 
 

@@ -1,4 +1,4 @@
-// Test-only C entry points over plugins/families/gemm/gemm_ref.h (no ORT): tests/plugin/test_gemm_glue.py builds this as a
+// Test-only C entry points over plugins/families/gemm/gemm_ref.h (no ORT): tests/families/gemm/test_gemm_glue.py builds this as a
 // shared library with g++ and calls it through ctypes. dtype 0: float storage, 1: bfloat16 stored as uint16
 // (round to nearest even), to show the reference is generic over its storage.
 #include <cstdint>

@@ -38,7 +38,7 @@ from onnx_gtco.plugin.coverage import candidate_node
 from onnx_gtco.plugin.headers import ort_include_dir
 from onnx_gtco.plugin.nodes import fused_nodes as plugin_fused_nodes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module", autouse=True)

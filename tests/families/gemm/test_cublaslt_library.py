@@ -1,6 +1,6 @@
 """A model's custom-op library with a GEMM node whose tuned configuration is cuBLASLt: it builds for sm_80 and sm_90
 with the node's cuBLASLt instances and their mma fallbacks, links without libcublasLt, and (on a GPU with the CUDA
-EP) computes the model through cuBLASLt, without falling back. tests/plugin/test_cublaslt_fallback.py runs the
+EP) computes the model through cuBLASLt, without falling back. tests/families/gemm/test_cublaslt_fallback.py runs the
 fallback itself, on the CPU."""
 
 from __future__ import annotations
