@@ -270,3 +270,28 @@ def absorb_up(
             changed = True
             break
     return added
+
+
+def chain_break(view: GraphView, tensor: str, what: str, reason: str) -> str:
+    """Why a rule's chain of nodes (a `what`, e.g. "decomposed LayerNorm") broke at `tensor`: `reason`, unless the
+    chain broke because `tensor` is also read outside it (or no reason is given)."""
+    if tensor in view.graph_outputs or len(view.consumers_of(tensor)) > 1 or not reason:
+        return f"intermediate {tensor!r} of the {what} is also read outside it"
+    return reason
+
+
+def reduced_axes(view: GraphView, node: Node) -> tuple[int, ...] | None:
+    """The axes a Reduce* node reduces (attribute before opset 18, input after; no axes reduce them all), or None
+    where they are not known before run time."""
+    axes: tuple[int, ...] = ()
+    if "axes" in node.attrs:
+        axes = tuple(int(a) for a in node.attrs["axes"])
+    elif len(node.inputs) > 1 and node.inputs[1]:
+        val = static_value(view, node.inputs[1])
+        if val is None:
+            return None
+        axes = tuple(int(a) for a in val.reshape(-1))
+    if axes or node.attrs.get("noop_with_empty_axes", 0):
+        return axes or None
+    r = len(view.shape(node.inputs[0]) or ())
+    return tuple(range(r)) if r else None

@@ -7,7 +7,18 @@ from typing import Any
 
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
-from onnx_gtco.patterns.util import const_close, const_scalar, dims, prod, read_only_by, sole_reader, static_value
+from onnx_gtco.patterns.util import (
+    chain_break,
+    const_close,
+    const_scalar,
+    dims,
+    prod,
+    read_only_by,
+    reduced_axes,
+    sole_reader,
+)
+
+WHAT = "decomposed LayerNorm"
 
 
 class LayerNormPattern:
@@ -70,7 +81,7 @@ class LayerNormPattern:
                 operands[role] = other_input(nxt, out) or ""
                 out = nxt.outputs[0]
         shape = dims(view, x) or ()
-        axes = _axes(view, rm) or (-1,)
+        axes = reduced_axes(view, rm) or (-1,)
         attrs = {"epsilon": eps, "axis": -len(axes), "hidden": prod(shape[-len(axes):]) if shape else "?",
                  "decomposed": True, "affine": bool(operands)}
         yield from self._with_residual(view, ids, x, out, attrs, operands)
@@ -78,7 +89,7 @@ class LayerNormPattern:
     @staticmethod
     def _chain(view: GraphView, rm: Node, subs: list[Node]) -> tuple[set[int], float, str] | str:
         r = len(view.shape(rm.inputs[0]) or ())
-        axes = _axes(view, rm)
+        axes = reduced_axes(view, rm)
         if not r or axes is None or sorted(a % r for a in axes) != list(range(r - len(axes), r)):
             return f"ReduceMean {rm.name!r} over axes {axes} is not over the trailing axes"
         devs = {s.outputs[0] for s in subs}
@@ -86,16 +97,16 @@ class LayerNormPattern:
         if sq is None:
             return "x - mean is not squared (no Pow 2 or Mul by itself)"
         rm2 = sole_reader(view, sq.outputs[0])
-        axes2 = _axes(view, rm2) if is_op(rm2, "ReduceMean") and rm2 is not None else None
+        axes2 = reduced_axes(view, rm2) if is_op(rm2, "ReduceMean") and rm2 is not None else None
         if rm2 is None or axes2 is None or sorted(a % r for a in axes2) != sorted(a % r for a in axes):
-            return _why(view, sq.outputs[0], "the squared deviation is not averaged over the same axes")
+            return chain_break(view, sq.outputs[0], WHAT, "the squared deviation is not averaged over the same axes")
         var = rm2.outputs[0]
         add = sole_reader(view, var)
         eps = const_scalar(view, other_input(add, var) or "") if is_op(add, "Add") and add else None
         sqrt = sole_reader(view, add.outputs[0]) if add is not None and eps is not None else None
         if add is None or eps is None or not is_op(sqrt, "Sqrt") or sqrt is None:
             leak = add.outputs[0] if add is not None and eps is not None else var
-            return _why(view, leak, "the variance is not followed by Add eps (scalar constant) -> Sqrt")
+            return chain_break(view, leak, WHAT, "the variance is not followed by Add eps (scalar constant) -> Sqrt")
         ids = {rm.id, sq.id, rm2.id, add.id, sqrt.id} | {s.id for s in subs}
         std = sqrt.outputs[0]
         div = sole_reader(view, std)
@@ -107,19 +118,12 @@ class LayerNormPattern:
         else:
             ok = is_op(div, "Div") and div is not None and div.inputs[1] == std
         if not ok or div is None or not any(t in devs for t in div.inputs):
-            return _why(view, std, "x - mean is not divided by the standard deviation")
+            return chain_break(view, std, WHAT, "x - mean is not divided by the standard deviation")
         ids.add(div.id)
         leaks = [view.nodes[i] for i in sorted(ids - {div.id}) if not read_only_by(view, view.nodes[i], ids)]
         if leaks:
-            return _why(view, leaks[0].outputs[0], "")
+            return chain_break(view, leaks[0].outputs[0], WHAT, "")
         return ids, float(eps), div.outputs[0]
-
-
-def _why(view: GraphView, tensor: str, reason: str) -> str:
-    """`reason`, unless the chain broke because `tensor` is read outside it."""
-    if tensor in view.graph_outputs or len(view.consumers_of(tensor)) > 1 or not reason:
-        return f"intermediate {tensor!r} of the decomposed LayerNorm is also read outside it"
-    return reason
 
 
 def _squares(view: GraphView, node: Node, d: str) -> bool:
@@ -127,22 +131,6 @@ def _squares(view: GraphView, node: Node, d: str) -> bool:
     if is_op(node, "Pow") and node.inputs[0] == d:
         return const_close(view, node.inputs[1], 2.0)
     return is_op(node, "Mul") and node.inputs == (d, d)
-
-
-def _axes(view: GraphView, node: Node) -> tuple[int, ...] | None:
-    """The reduced axes (attribute before opset 18, input after); no axes reduce them all."""
-    axes: tuple[int, ...] = ()
-    if "axes" in node.attrs:
-        axes = tuple(int(a) for a in node.attrs["axes"])
-    elif len(node.inputs) > 1 and node.inputs[1]:
-        val = static_value(view, node.inputs[1])
-        if val is None:
-            return None
-        axes = tuple(int(a) for a in val.reshape(-1))
-    if axes or node.attrs.get("noop_with_empty_axes", 0):
-        return axes or None
-    r = len(view.shape(node.inputs[0]) or ())
-    return tuple(range(r)) if r else None
 
 
 RULES = (LayerNormPattern(),)
