@@ -19,6 +19,8 @@ def _enum(header: str, struct: str, enum: str) -> list[str]:
     """The enumerators of `enum` inside `struct` of plugins/families/<header>, lower-cased without IN_ / OUT_."""
     text = (FAMILIES / header).read_text()
     body = text[text.index(f"struct {struct}"):]
+    if (base := re.match(rf"struct {struct} : (\w+)<", body)) is not None:  # the enums are its base template's
+        body = text[text.index(f"struct {base.group(1)} {{"):]
     found = re.search(rf"enum {enum} \{{([^}}]*)\}}", body)
     assert found is not None, f"{header}: no enum {enum} in {struct}"
     names = [e.split("=")[0].strip() for e in found.group(1).split(",") if e.strip()]

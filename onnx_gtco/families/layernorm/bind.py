@@ -16,8 +16,6 @@ from onnx_gtco.kernels.family import Problem
 from onnx_gtco.opspec import SPECS, FusedOp
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, present, read
 
-IN_ROLES, OUT_ROLES = SPECS["layernorm"].roles, SPECS["layernorm"].outputs
-
 
 def _numel(shape: tuple[int | str, ...] | None) -> int | None:
     if shape is None or any(not isinstance(d, int) for d in shape):
@@ -45,7 +43,8 @@ class LayerNormBinder:
         need = {"a": True, "b": op["residual"]}
         if not op["affine"]:
             need |= {"gamma": False, "beta": False}
-        bound = bind_roles(node, op, need, IN_ROLES, OUT_ROLES,  # type: ignore[arg-type]
+        spec = SPECS[self.family]
+        bound = bind_roles(node, op, need, spec.roles, spec.outputs,  # type: ignore[arg-type]
                            outputs=1 + ("sum" in op.outputs))
         return bound if isinstance(bound, str) else self._check_operands(node, op) or bound
 

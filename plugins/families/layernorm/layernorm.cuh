@@ -1,5 +1,6 @@
 // LayerNorm family: y = (x - mean) / sqrt(var + eps) * gamma + beta over rows of HIDDEN elements, x = a + b when
-// RES (the residual Add fused in; with RES_OUT the sum is written too, rounded to T).
+// RES (the residual Add fused in; with RES_OUT the sum is written too, rounded to T). Without CENTER the same kernel
+// is RMSNorm's (the rmsnorm family): no mean, y = x / sqrt(mean(x^2) + eps) * gamma.
 //
 // THREADS threads (one warp, or up to 8 warps) own one row; a block holds ROWS rows (blockDim = (THREADS, ROWS)).
 // One pass over global memory: each thread loads its ITEMS vectors of VEC elements (16 bytes at most) into
@@ -47,7 +48,8 @@ GTCO_DEVICE float row_reduce_max(float s, float* red) {
     return s;
 }
 
-template <typename T, int HIDDEN, int THREADS, int VEC, int ROWS, bool RES, bool RES_OUT, bool GAMMA, bool BETA>
+template <typename T, int HIDDEN, int THREADS, int VEC, int ROWS, bool RES, bool RES_OUT, bool GAMMA, bool BETA,
+          bool CENTER>
 __global__ void __launch_bounds__(THREADS* ROWS)
     layernorm_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ gamma,
                      const T* __restrict__ beta, T* __restrict__ y, T* __restrict__ sum_out, int64_t rows,
@@ -93,7 +95,8 @@ __global__ void __launch_bounds__(THREADS* ROWS)
         for (int k = 0; k < VEC; ++k) s += vi[k];
     }
     float* red_row = red + threadIdx.y * WARPS;
-    const float mean = row_reduce_sum<THREADS>(s, red_row) * (1.0f / HIDDEN);
+    float mean = 0.0f;
+    if constexpr (CENTER) mean = row_reduce_sum<THREADS>(s, red_row) * (1.0f / HIDDEN);
 
 #if defined(GTCO_TEST_LN_UNCENTERED)
     float q = 0.0f;
@@ -138,7 +141,8 @@ __global__ void __launch_bounds__(THREADS* ROWS)
 }
 
 // The host side of one instance: checks the arguments against what it was built for and launches.
-template <typename T, int HIDDEN, int THREADS, int VEC, int ROWS, bool RES, bool RES_OUT, bool GAMMA, bool BETA>
+template <typename T, int HIDDEN, int THREADS, int VEC, int ROWS, bool RES, bool RES_OUT, bool GAMMA, bool BETA,
+          bool CENTER = true>
 int layernorm_launch(const GtcoLayerNormArgs* a, void* stream) {
     if (a == nullptr || a->hidden != HIDDEN || a->rows < 0) return GTCO_EBADSHAPE;
     const void* need[] = {a->x, a->y, RES ? a->residual : a->x, RES_OUT ? a->sum : a->x, GAMMA ? a->gamma : a->x,
@@ -148,7 +152,7 @@ int layernorm_launch(const GtcoLayerNormArgs* a, void* stream) {
     if (a->rows == 0) return GTCO_OK;
     const int64_t blocks = (a->rows + ROWS - 1) / ROWS;
     if (blocks > 0x7fffffff) return GTCO_EBADSHAPE;
-    auto kernel = &layernorm_kernel<T, HIDDEN, THREADS, VEC, ROWS, RES, RES_OUT, GAMMA, BETA>;
+    auto kernel = &layernorm_kernel<T, HIDDEN, THREADS, VEC, ROWS, RES, RES_OUT, GAMMA, BETA, CENTER>;
     return GTCO_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(THREADS, ROWS), stream,
                        static_cast<const T*>(a->x), static_cast<const T*>(a->residual),
                        static_cast<const T*>(a->gamma), static_cast<const T*>(a->beta), static_cast<T*>(a->y),

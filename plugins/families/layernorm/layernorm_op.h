@@ -15,7 +15,10 @@
 
 namespace gtco {
 
-struct LayerNorm {
+// The op of both normalisations: LayerNorm (CENTER) and, without the mean, RMSNorm (rmsnorm/rmsnorm_op.h: its
+// roles are the first three of these; a node without beta leaves IN_BETA at -1).
+template <bool CENTER>
+struct NormGlue {
     enum InRole { IN_A = 0, IN_B = 1, IN_GAMMA = 2, IN_BETA = 3 };   // IN_A: x, or the residual Add's first addend
     enum OutRole { OUT_Y = 0, OUT_SUM = 1 };                          // OUT_SUM: the residual sum, when read outside
 
@@ -97,9 +100,11 @@ struct LayerNorm {
         }
         ref::layernorm<T>(static_cast<const T*>(a.data), static_cast<const T*>(b.data),
                           static_cast<const T*>(gamma.data), gamma.numel(), static_cast<const T*>(beta.data),
-                          beta.numel(), y, sum, rows, hidden, at.epsilon, S::load, S::store);
+                          beta.numel(), y, sum, rows, hidden, at.epsilon, S::load, S::store, CENTER);
         return nullptr;
     }
 };
+
+struct LayerNorm : NormGlue<true> {};
 
 }  // namespace gtco
