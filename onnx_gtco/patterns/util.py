@@ -3,13 +3,14 @@ tolerance a constant is compared with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_gtco.ir.view import GraphView, Node
-from onnx_gtco.patterns.base import is_op
+from onnx_gtco.patterns.base import Match, is_op
 
 AttrDim = int | str
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -295,3 +296,17 @@ def reduced_axes(view: GraphView, node: Node) -> tuple[int, ...] | None:
         return axes or None
     r = len(view.shape(node.inputs[0]) or ())
     return tuple(range(r)) if r else None
+
+
+def with_residual(view: GraphView, family: str, ids: set[int], x: str, y: str, attrs: dict[str, Any],
+                  roles: dict[str, str]) -> Iterator[Match]:
+    """A normalisation's matches: the group `ids` on x (role a, the other `roles` beside it) writing y, and where x
+    is an Add of two tensors of x's shape, the one with that Add (roles a and b its addends, x a second output, "sum",
+    where it is read outside)."""
+    yield Match(frozenset(ids), family, attrs | {"residual": False}, {"a": x, **roles}, {"y": y})
+    add = view.producer_of(x)
+    shape = view.shape(x)
+    if is_op(add, "Add") and add is not None and shape is not None \
+            and all(view.shape(t) == shape for t in add.inputs):
+        yield Match(frozenset(ids | {add.id}), family, attrs | {"residual": True},
+                    {"a": add.inputs[0], "b": add.inputs[1], **roles}, {"y": y, "sum": x})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
@@ -16,6 +15,7 @@ from onnx_gtco.patterns.util import (
     read_only_by,
     reduced_axes,
     sole_reader,
+    with_residual,
 )
 
 WHAT = "decomposed LayerNorm"
@@ -47,21 +47,10 @@ class LayerNormPattern:
                 attrs = {"epsilon": float(node.attrs.get("epsilon", 1e-5)), "axis": axis,
                          "hidden": prod(shape[axis:]) if shape else "?", "decomposed": False, "affine": True}
                 affine = dict(zip(("gamma", "beta"), node.inputs[1:3], strict=False))
-                yield from self._with_residual(view, {node.id}, node.inputs[0], node.outputs[0], attrs, affine)
+                yield from with_residual(view, "layernorm", {node.id}, node.inputs[0], node.outputs[0], attrs,
+                                         {k: v for k, v in affine.items() if v})
             elif is_op(node, "ReduceMean"):
                 yield from self._decomposed(view, node)
-
-    def _with_residual(
-        self, view: GraphView, ids: set[int], x: str, y: str, attrs: dict[str, Any], affine: dict[str, str]
-    ) -> Iterator[Match]:
-        affine = {k: v for k, v in affine.items() if v}
-        yield Match(frozenset(ids), "layernorm", attrs | {"residual": False}, {"a": x, **affine}, {"y": y})
-        add = view.producer_of(x)
-        shape = view.shape(x)
-        if is_op(add, "Add") and add is not None and shape is not None \
-                and all(view.shape(t) == shape for t in add.inputs):
-            roles = {"a": add.inputs[0], "b": add.inputs[1], **affine}
-            yield Match(frozenset(ids | {add.id}), "layernorm", attrs | {"residual": True}, roles, {"y": y, "sum": x})
 
     def _decomposed(self, view: GraphView, rm: Node) -> Iterator[Match | Reject]:
         x, mean = rm.inputs[0], rm.outputs[0]
@@ -84,7 +73,7 @@ class LayerNormPattern:
         axes = reduced_axes(view, rm) or (-1,)
         attrs = {"epsilon": eps, "axis": -len(axes), "hidden": prod(shape[-len(axes):]) if shape else "?",
                  "decomposed": True, "affine": bool(operands)}
-        yield from self._with_residual(view, ids, x, out, attrs, operands)
+        yield from with_residual(view, "layernorm", ids, x, out, attrs, operands)
 
     @staticmethod
     def _chain(view: GraphView, rm: Node, subs: list[Node]) -> tuple[set[int], float, str] | str:
