@@ -22,7 +22,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-ORDER = ("attention", "gemm", "conv", "layernorm", "softmax", "elementwise")
+ORDER = ("attention", "gemm", "conv", "layernorm", "rmsnorm", "softmax", "elementwise")
 """The families, in the order their rules run (for identical node sets the first rule wins)."""
 
 STAGES = ("spec", "rule", "kernel", "bind")

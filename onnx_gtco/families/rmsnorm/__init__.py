@@ -1,0 +1,1 @@
+"""The rmsnorm kernel family (onnx_gtco.families: what each module holds)."""
