@@ -14,7 +14,7 @@ A fused node's op type names its kernel family and I/O dtype: `Attention_f16`, `
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ class OpSpec:
         outputs: output roles in node-output order, None: no roles.
         attrs: the attributes a rule may set, with their kinds and defaults.
         dtypes: the I/O dtypes a kernel of the family takes.
+        launches: the kernel launches of one node, from its attributes (a QKV node: one per projection); None: one.
+        fp32_output: whether a half node, from its attributes, writes a float graph output in fp32 itself (its
+            kernel's fp32-output epilogue: a GEMM without a residual); None: never.
     """
 
     family: str
@@ -72,6 +75,8 @@ class OpSpec:
     outputs: tuple[str, ...] | None
     attrs: tuple[Attr, ...]
     dtypes: tuple[str, ...] = FLOAT_DTYPES
+    launches: Callable[[Mapping[str, Any]], int] | None = None
+    fp32_output: Callable[[Mapping[str, Any]], bool] | None = None
     _by_name: dict[str, Attr] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

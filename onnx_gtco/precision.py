@@ -248,12 +248,13 @@ class _Converter:
         return TensorProto.FLOAT if self.unholdable(n.input[i]) else self.half
 
     def folds(self, n: onnx.NodeProto, is_low: bool, o: str) -> bool:
-        """Whether the fused node `n` writes its float graph output `o` in fp32 itself: a GEMM without a
-        residual (its kernel has an fp32-output form; with a residual the residual would have to be fp32 too)."""
+        """Whether the fused node `n` writes its float graph output `o` in fp32 itself: its op says it can
+        (OpSpec.fp32_output: a GEMM without a residual, whose kernel has an fp32-output form; with a residual the
+        residual would have to be fp32 too)."""
         if not (is_low and n.domain == DOMAIN and o in self.outputs and self.is_float(o)):
             return False
         op = decode_node(n)
-        return not isinstance(op, str) and op.family == "gemm" and not op["residual"]
+        return not isinstance(op, str) and op.spec.fp32_output is not None and op.spec.fp32_output(op.attrs)
 
     # 2. Each float tensor's dtype as produced ("home"); weights read only in the half type convert in place.
     def place_tensors(self) -> None:

@@ -34,6 +34,7 @@ from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, hardware
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.ir.einsum import batched_matmul
 from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.opspec import SPECS
 from onnx_gtco.plan.types import Candidate
 
 # Ops that never launch a kernel in ORT (they alias or reinterpret their input).
@@ -202,10 +203,10 @@ def estimate(view: GraphView, cand: Candidate) -> Estimate:
 
 
 def launches(cand: Candidate) -> int:
-    """Kernel launches of a fused group (a QKV group: one per projection) or of an unfused node that runs."""
-    if cand.family == "qkv":
-        return max(1, len(cand.attr("ns") or ()))
-    return 1
+    """Kernel launches of a fused group (its op's OpSpec.launches: a QKV group one per projection) or of an unfused
+    node that runs."""
+    spec = SPECS.get(cand.family)
+    return spec.launches(dict(cand.attrs)) if spec is not None and spec.launches is not None else 1
 
 
 def _compiled_in(view: GraphView, t: str, nodes: list[Node]) -> bool:

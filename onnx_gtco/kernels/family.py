@@ -165,6 +165,9 @@ class KernelFamily(ABC):
     arch_specific: bool = False
     """Whether it offers configurations of its own for an arch-specific slot (sm_90a: CUTLASS's wgmma GEMMs), which
     the library builds where the estimate predicts them faster than the slot's fallback (plugin.device.own_config)."""
+    fp32_output: bool = False
+    """Whether its half instances can write an fp32 output, cast in their epilogue (the Problem flag out_dtype="f32":
+    a graph output the precision conversion folds into the node, onnx_gtco.precision)."""
     per_group: bool = False
     """Whether its kernel is generated per fused group (the elementwise programs): the group's binder builds the
     Problem and the first valid configuration runs, with no estimate to choose and nothing to tune

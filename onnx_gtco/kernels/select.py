@@ -159,8 +159,10 @@ def node_problem(node: onnx.NodeProto, out_dtype: str | None = None) -> Problem 
 def with_out_dtype(problem: Problem, io_dtype: str, out_dtype: str) -> Problem:
     """`problem` of a node of I/O dtype `io_dtype` (its op type's) whose output tensor is `out_dtype`: a half GEMM
     on half tensors writing fp32 (a graph output the conversion folded into it, onnx_gtco.precision) gets the
-    GEMM flag out_dtype="f32", the output cast in its epilogue; every other problem is unchanged."""
-    if problem.family == "gemm" and problem.dtype == io_dtype != "f32" and out_dtype == "f32":
+    flag out_dtype="f32", the output cast in its epilogue, where its family has that form (KernelFamily.fp32_output:
+    the GEMM); every other problem is unchanged."""
+    family = ALL_FAMILIES.get(problem.family)
+    if family is not None and family.fp32_output and problem.dtype == io_dtype != "f32" and out_dtype == "f32":
         return Problem.make(problem.family, problem.dtype, dict(problem.sizes),
                             {**dict(problem.flags), "out_dtype": "f32"})
     return problem

@@ -267,6 +267,7 @@ class GemmFamily(KernelFamily):
     extent = "M"
     row_term = True
     arch_specific = True
+    fp32_output = True
 
     name = "gemm"
     space: Mapping[str, tuple[int, ...]] = {
