@@ -71,6 +71,9 @@ def test_every_norm_is_fused_with_a_kernel_and_the_functions_compute_the_origina
 
 LIBRARY_CASES = [("forms", "fp32"), ("forms", "fp16"), ("forms", "bf16"), ("simplified", "fp32"), ("llama", "fp16"),
                  ("t5", "bf16")]
+"""The source forms at each precision (forms: RMSNormalization, SkipSimplifiedLayerNormalization and the decomposed
+one, whose instances onnxruntime's SimplifiedLayerNormalization, written out by the loader, shares), and the two
+encoders at one each: the kernels' numerics at every dtype are test_rmsnorm_kernel's."""
 
 
 @pytest.mark.slow
