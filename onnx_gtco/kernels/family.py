@@ -95,6 +95,32 @@ class OpKernel:
     shaped: bool = False
 
 
+@dataclass(frozen=True)
+class Implementation:
+    """A way to compute a family's Problem other than its own generated kernels ("mma"): a library's kernels behind
+    the same instance ABI (the GEMM family's cuBLASLt and CUTLASS). What the tuner asks of one: a family lists its
+    own in `KernelFamily.implementations`.
+
+    Attributes:
+        name: the configurations' "impl".
+        space: its tunable parameters and their values.
+        offered: (problem, the task's arch) -> why a tuning trial may not pick it, or None where it may.
+        ranked: (problem, the planning hardware or None) -> its valid configurations, best first by the estimate;
+            None: every point of `space`, ranked by the tuner.
+        arch_for: the task's arch -> the arch its instances are built for, where that differs (CUTLASS's sm_90
+            tasks build sm_90a code).
+        version: its library's version, which the name of a study that offers it carries (a new version's trials
+            time other kernels); None: no version.
+    """
+
+    name: str
+    space: Mapping[str, tuple[Any, ...]]
+    offered: Callable[[Problem, str], str | None]
+    ranked: Callable[[Problem, Any], Sequence[Mapping[str, Any]]] | None = None
+    arch_for: Mapping[str, str] = field(default_factory=dict)
+    version: Callable[[], str] | None = None
+
+
 def static_product(dims: Sequence[Any]) -> int | None:
     """The product of `dims`; None when one is symbolic (not an int)."""
     if any(not isinstance(d, int) for d in dims):
@@ -162,6 +188,8 @@ class KernelFamily(ABC):
     grows_with_extent: bool = False
     """Whether a block's work grows with the run-time extent (attention's keys follow its queries): the
     shape-generic tuner caps its micro-kernel extents near the range's top."""
+    implementations: tuple[Implementation, ...] = ()
+    """The library implementations a tuning trial may pick beside its own kernels (Implementation), in order."""
     arch_specific: bool = False
     """Whether it offers configurations of its own for an arch-specific slot (sm_90a: CUTLASS's wgmma GEMMs), which
     the library builds where the estimate predicts them faster than the slot's fallback (plugin.device.own_config)."""

@@ -22,12 +22,12 @@ from collections.abc import Collection, Mapping, Sequence
 
 import onnx
 
-from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
-from onnx_gtco.families.gemm.cutlass import IMPL as CUTLASS
 from onnx_gtco.kernels.family import Instance
+from onnx_gtco.kernels.select import FAMILIES
 
-FOREIGN_IMPLS = (CUTLASS, CUBLASLT)
-"""Implementations whose kernels are not gtco's own: never launched with PDL, and no PDL launch after them."""
+FOREIGN_IMPLS = tuple(i.name for family in FAMILIES.values() for i in family.implementations)
+"""Implementations whose kernels are not gtco's own (every family's library implementations: the GEMM's cuBLASLt
+and CUTLASS): never launched with PDL, and no PDL launch after them."""
 MIN_ARCH = 90
 
 

@@ -17,7 +17,6 @@ one for experiments and tests.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import time
@@ -32,8 +31,7 @@ import optuna
 from onnx_gtco.calibration import Hardware, hardware_for_arch
 from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
-from onnx_gtco.families.gemm import cublaslt, cutlass
-from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.family import Implementation
 from onnx_gtco.kernels.select import FAMILIES
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
@@ -195,51 +193,30 @@ def with_defaults(task: Task, config: Mapping[str, Any]) -> dict[str, Any]:
             if k in config or k in optional}
 
 
-IMPL_SPACES: dict[str, dict[str, list[Any]]] = {
-    cublaslt.IMPL: {"RANK": list(cublaslt.RANKS)},
-    cutlass.IMPL: {k: list(v) for k, v in cutlass.SPACE.items()},
-}
+IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for f in FAMILIES.values() for i in f.implementations}
+"""Every family's library implementations (KernelFamily.implementations) by the name a configuration's "impl"
+gives."""
+IMPL_SPACES: dict[str, dict[str, list[Any]]] = {n: {k: list(v) for k, v in i.space.items()}
+                                               for n, i in IMPLEMENTATIONS.items()}
 """The parameters of each implementation other than the family's own kernels ("mma")."""
 OFFERED = "offered"
 
 
 def config_arch(task: Task, config: Mapping[str, Any]) -> str:
-    """The arch a configuration of `task` is checked and built for: a CUTLASS configuration of a task for
-    cutlass.TARGET (sm_90) is built for cutlass.ARCH (sm_90a), the slot the library picks on 9.0 devices (the H100 and
-    H200 that TARGET models); everything else for the task's arch."""
-    if config.get("impl") == cutlass.IMPL and task.arch == cutlass.TARGET:
-        return cutlass.ARCH
-    return task.arch
+    """The arch a configuration of `task` is checked and built for: its implementation's (Implementation.arch_for: a
+    CUTLASS configuration of a task for sm_90 is built for sm_90a, the slot the library picks on 9.0 devices, the H100
+    and H200 that sm_90 models), else the task's."""
+    impl = IMPLEMENTATIONS.get(str(config.get("impl", "mma")))
+    return impl.arch_for.get(task.arch, task.arch) if impl is not None else task.arch
 
 
 def offered(task: Task) -> dict[str, str]:
-    """Each library implementation of the task's family (GemmFamily.impls and cutlass) -> "offered", or why a trial
-    may not pick it: cuBLASLt where its mapping cannot express the group; CUTLASS on a task for another target than
-    cutlass.TARGET (its instances are sm_90a code, which runs on 9.0 GPUs only), without the nvidia-cutlass headers,
-    or where its mapping cannot express the group. Empty for a family with its own kernels only."""
-    family = FAMILIES[task.problem.family]
-    out: dict[str, str] = {}
-    for impl in (i for i in getattr(family, "impls", ()) if i in IMPL_SPACES and i != cutlass.IMPL):
-        first = {"impl": impl, **{k: v[0] for k, v in IMPL_SPACES[impl].items()}}
-        out[impl] = family.check(task.problem, first, task.arch) or OFFERED
-    if task.problem.family == "gemm":
-        out[cutlass.IMPL] = _cutlass_offered(task)
-    return out
-
-
-def _cutlass_offered(task: Task) -> str:
-    if task.arch != cutlass.TARGET:
-        return (f"the CUTLASS GEMMs are {cutlass.ARCH} code, run on 9.0 GPUs only: tasks for {cutlass.TARGET} offer "
-                f"them, this one is for {task.arch}")
-    headers = cutlass.include_dirs()
-    if isinstance(headers, str):
-        return headers
-    why = cutlass.unsupported(task.problem)
-    if why is not None:
-        return why
-    if not cutlass.configs(task.problem, cutlass.ARCH):
-        return "no CUTLASS configuration passes its check for this problem"
-    return OFFERED
+    """Each library implementation of the task's family (KernelFamily.implementations) -> "offered", or why a trial
+    may not pick it (Implementation.offered: cuBLASLt where its mapping cannot express the group; CUTLASS on a task
+    for another target than sm_90, without the nvidia-cutlass headers, or where its mapping cannot express the
+    group). Empty for a family with its own kernels only."""
+    return {i.name: i.offered(task.problem, task.arch) or OFFERED
+            for i in FAMILIES[task.problem.family].implementations}
 
 
 def impls(task: Task) -> list[str]:
@@ -298,30 +275,20 @@ def predict_us(task: Task, config: Mapping[str, Any], hw: Hardware | None = None
     return estimate_us(task.problem, config, config_arch(task, config), hardware_for_arch(task.arch, hw))
 
 
-@functools.cache
-def _cutlass_ranked(problem: Problem, hw: Hardware | None = None) -> tuple[dict[str, Any], ...]:
-    """Every valid CUTLASS configuration of `problem` with the heuristic raster order, best first by the analytical
-    model (a few thousand combinations; the model and the check take microseconds each). The model does not see
-    the raster order, so the others would only repeat each time; the study's sampler tries them."""
-    space = {**cutlass.SPACE, "RASTER": ("heuristic",)}
-    valid = (c for c in (dict(zip(space, v, strict=True)) for v in itertools.product(*space.values()))
-             if cutlass.check(problem, c, cutlass.ARCH) is None)
-    hw = hardware_for_arch(cutlass.TARGET, hw)
-    return tuple(sorted(valid, key=lambda c: estimate_us(problem, {"impl": cutlass.IMPL, **c}, cutlass.ARCH, hw)))
-
-
 def analytical_guesses(task: Task, n: int = SEEDS, hw: Hardware | None = None) -> list[dict[str, Any]]:
     """Valid configurations ranked by the analytical model, best first: the best of each implementation (so every
     implementation is measured), then the next best of any up to `n`. The family's kernels offer their rule-of-thumb
-    configurations (family.configs); cuBLASLt every rank; CUTLASS its whole valid space, ranked."""
+    configurations (family.configs); a library implementation its ranked ones (Implementation.ranked: CUTLASS its
+    whole valid space), else every point of its space (cuBLASLt every rank)."""
     family = FAMILIES[task.problem.family]
     choices = impls(task)
     per_impl: list[list[dict[str, Any]]] = []
     for impl in choices:
-        if impl == "mma":
+        lib = IMPLEMENTATIONS.get(impl)
+        if lib is None:
             configs: list[dict[str, Any]] = [with_defaults(task, c) for c in family.configs(task.problem, task.arch)]
-        elif impl == cutlass.IMPL:
-            configs = [dict(c) for c in _cutlass_ranked(task.problem, hw)[:n]]
+        elif lib.ranked is not None:
+            configs = [dict(c) for c in lib.ranked(task.problem, hw)[:n]]
         else:
             configs = [{k: v for k, v in zip(IMPL_SPACES[impl], values, strict=True)}
                        for values in itertools.product(*IMPL_SPACES[impl].values())]
@@ -336,10 +303,13 @@ def analytical_guesses(task: Task, n: int = SEEDS, hw: Hardware | None = None) -
 
 def study_name(task: Task, device: str) -> str:
     """A study per task and device: times measured on one GPU (or by the analytical model) never mix with
-    another's. A task that offers CUTLASS has a study per nvidia-cutlass version: its trials time that version's
-    instances, and a study's "impl" choices cannot change once it has trials (Optuna's categorical space is fixed),
-    so installing the package, or another version, starts a new study."""
-    tag = f"+cutlass-{cutlass.version()}" if cutlass.IMPL in impls(task) else ""
+    another's. A task that offers a versioned library implementation (Implementation.version: CUTLASS, the
+    nvidia-cutlass package's) has a study per version: its trials time that version's instances, and a study's
+    "impl" choices cannot change once it has trials (Optuna's categorical space is fixed), so installing the
+    package, or another version, starts a new study."""
+    offers = impls(task)
+    tag = "".join(f"+{i.name}-{i.version()}" for i in FAMILIES[task.problem.family].implementations
+                  if i.version is not None and i.name in offers)
     return f"{task.key}{tag}@{device}"
 
 

@@ -41,7 +41,9 @@ take them).
 
 from __future__ import annotations
 
+import functools
 import importlib
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,15 +52,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, param
+from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, hardware_for_arch, param
 from onnx_gtco.config import TARGETS, Target
-from onnx_gtco.families.gemm import cublaslt
+from onnx_gtco.families.gemm import cublaslt, cutlass
 from onnx_gtco.families.gemm.rule import MAX_LN_N  # the rule proposes what the kernel takes: one bound
 from onnx_gtco.families.layernorm.kernel import normalize_rows
 from onnx_gtco.kernels.family import (
     ARCHS,
     Config,
     Field,
+    Implementation,
     Instance,
     KernelFamily,
     OpKernel,
@@ -261,6 +264,51 @@ def mma_estimate_us(problem: Problem, config: Config, hw: Hardware) -> float:
 _BYTES_OF = {"f16": 2, "bf16": 2, "f32": 4}
 
 
+def _cublaslt_offered(problem: Problem, arch: str) -> str | None:
+    """Why a trial may not pick cuBLASLt for `problem` (its mapping cannot express the group), or None."""
+    return FAMILY.check(problem, {"impl": cublaslt.IMPL, "RANK": cublaslt.RANKS[0]}, arch)
+
+
+def _cutlass_offered(problem: Problem, arch: str) -> str | None:
+    """Why a trial may not pick CUTLASS: a task for another target than cutlass.TARGET (its instances are sm_90a
+    code, which runs on 9.0 GPUs only), the nvidia-cutlass headers missing, a group its mapping cannot express, or
+    no configuration passing its check; None where it may."""
+    if arch != cutlass.TARGET:
+        return (f"the CUTLASS GEMMs are {cutlass.ARCH} code, run on 9.0 GPUs only: tasks for {cutlass.TARGET} offer "
+                f"them, this one is for {arch}")
+    headers = cutlass.include_dirs()
+    if isinstance(headers, str):
+        return headers
+    why = cutlass.unsupported(problem)
+    if why is not None:
+        return why
+    if not cutlass.configs(problem, cutlass.ARCH):
+        return "no CUTLASS configuration passes its check for this problem"
+    return None
+
+
+@functools.cache
+def _cutlass_ranked(problem: Problem, hw: Hardware | None = None) -> tuple[dict[str, Any], ...]:
+    """Every valid CUTLASS configuration of `problem` with the heuristic raster order, best first by the estimate on
+    `hw` where it runs cutlass.TARGET (a few thousand combinations; the estimate and the check take microseconds
+    each). The estimate does not see the raster order, so the others would only repeat each time; a study's sampler
+    tries them."""
+    space = {**cutlass.SPACE, "RASTER": ("heuristic",)}
+    valid = (c for c in (dict(zip(space, v, strict=True)) for v in itertools.product(*space.values()))
+             if cutlass.check(problem, c, cutlass.ARCH) is None)
+    hw = hardware_for_arch(cutlass.TARGET, hw)
+    return tuple(sorted(valid, key=lambda c: FAMILY.estimate_us(problem, {"impl": cutlass.IMPL, **c}, hw)))
+
+
+IMPLEMENTATIONS = (
+    Implementation(cublaslt.IMPL, {"RANK": cublaslt.RANKS}, _cublaslt_offered),
+    Implementation(cutlass.IMPL, cutlass.SPACE, _cutlass_offered, _cutlass_ranked, {cutlass.TARGET: cutlass.ARCH},
+                   cutlass.version),
+)
+"""The GEMM's library implementations, in the order a tuning study offers them: cuBLASLt's matmul with its fused
+epilogue (sm_80 / sm_90) and CUTLASS's Hopper GEMMs (sm_90a)."""
+
+
 class GemmFamily(KernelFamily):
     """Tiled Tensor Core GEMM with a STAGES-deep cp.async pipeline and a fused bias / activation / LayerScale /
     residual epilogue."""
@@ -284,6 +332,7 @@ class GemmFamily(KernelFamily):
     optional: Mapping[str, int] = {"VEC": 1, "SPLITK": 1, "EPI": 0}
     """Parameters a config may leave out, with their defaults."""
 
+    implementations = IMPLEMENTATIONS
     impls: tuple[str, ...] = ("mma", cublaslt.IMPL)
     """Implementations a configuration's "impl" names (absent: "mma", these generated kernels); another one's
     configuration carries its own parameters and is checked and instantiated by its module."""
