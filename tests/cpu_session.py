@@ -32,10 +32,10 @@ def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | Non
     return cpu_session(model, lib).run(None, x)
 
 
-def assert_close_through_library(original: onnx.ModelProto, rewritten: onnx.ModelProto, lib: Path, tmp_path: Path,
-                                 bound: float, label: str) -> None:
-    """The rewritten model run through `lib` gives each output of the original within ‖err‖/‖ref‖ < bound, on one
-    seeded input set, with the original's dtype and shape."""
+def assert_close_through_library(original: onnx.ModelProto, rewritten: onnx.ModelProto, lib: Path | None,
+                                 tmp_path: Path, bound: float, label: str) -> None:
+    """The rewritten model run through `lib` (None: through its functions, no library) gives each output of the
+    original within ‖err‖/‖ref‖ < bound, on one seeded input set, with the original's dtype and shape."""
     path = tmp_path / "model.gtco.onnx"
     onnx.save(rewritten, str(path))
     x = make_inputs(original, 1)

@@ -310,3 +310,12 @@ def with_residual(view: GraphView, family: str, ids: set[int], x: str, y: str, a
             and all(view.shape(t) == shape for t in add.inputs):
         yield Match(frozenset(ids | {add.id}), family, attrs | {"residual": True},
                     {"a": add.inputs[0], "b": add.inputs[1], **roles}, {"y": y, "sum": x})
+
+
+def squared(view: GraphView, node: Node | None) -> str | None:
+    """x where `node` computes x ** 2 (Pow by 2, or Mul of x by itself), else None."""
+    if is_op(node, "Pow") and node is not None and const_close(view, node.inputs[1], 2.0):
+        return node.inputs[0]
+    if is_op(node, "Mul") and node is not None and node.inputs[0] == node.inputs[1]:
+        return node.inputs[0]
+    return None

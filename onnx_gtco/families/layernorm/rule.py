@@ -8,13 +8,13 @@ from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import Match, Reject, is_op, other_input
 from onnx_gtco.patterns.util import (
     chain_break,
-    const_close,
     const_scalar,
     dims,
     prod,
     read_only_by,
     reduced_axes,
     sole_reader,
+    squared,
     with_residual,
 )
 
@@ -82,7 +82,7 @@ class LayerNormPattern:
         if not r or axes is None or sorted(a % r for a in axes) != list(range(r - len(axes), r)):
             return f"ReduceMean {rm.name!r} over axes {axes} is not over the trailing axes"
         devs = {s.outputs[0] for s in subs}
-        sq = next((c for d in devs for c in view.consumers_of(d) if _squares(view, c, d)), None)
+        sq = next((c for d in devs for c in view.consumers_of(d) if squared(view, c) == d), None)
         if sq is None:
             return "x - mean is not squared (no Pow 2 or Mul by itself)"
         rm2 = sole_reader(view, sq.outputs[0])
@@ -113,13 +113,6 @@ class LayerNormPattern:
         if leaks:
             return chain_break(view, leaks[0].outputs[0], WHAT, "")
         return ids, float(eps), div.outputs[0]
-
-
-def _squares(view: GraphView, node: Node, d: str) -> bool:
-    """`node` computes d ** 2 (Pow by 2 or Mul by itself)."""
-    if is_op(node, "Pow") and node.inputs[0] == d:
-        return const_close(view, node.inputs[1], 2.0)
-    return is_op(node, "Mul") and node.inputs == (d, d)
 
 
 RULES = (LayerNormPattern(),)

@@ -28,6 +28,7 @@ from onnx_gtco.patterns.util import (
     read_only_by,
     reduced_axes,
     sole_reader,
+    squared,
     with_residual,
 )
 
@@ -87,7 +88,7 @@ class RmsNormPattern:
 
     def _decomposed(self, view: GraphView, rm: Node) -> Iterator[Match | Reject]:
         sq = view.producer_of(rm.inputs[0])
-        x = _squared(view, sq)
+        x = squared(view, sq)
         if x is None or sq is None:
             return  # a plain mean (pooling, LayerNorm's mean), not a near miss
         if _is_deviation(view, x):
@@ -108,15 +109,6 @@ class RmsNormPattern:
         attrs = {"epsilon": eps, "axis": -len(axes), "hidden": prod(shape[-len(axes):]) if shape else "?",
                  "form": DECOMPOSED, "affine": bool(operands)}
         yield from with_residual(view, self.name, ids, x, out, attrs, operands)
-
-
-def _squared(view: GraphView, node: Node | None) -> str | None:
-    """x where `node` computes x ** 2 (Pow by 2 or Mul by itself), else None."""
-    if is_op(node, "Pow") and node is not None and const_close(view, node.inputs[1], 2.0):
-        return node.inputs[0]
-    if is_op(node, "Mul") and node is not None and node.inputs[0] == node.inputs[1]:
-        return node.inputs[0]
-    return None
 
 
 def _is_deviation(view: GraphView, x: str) -> bool:

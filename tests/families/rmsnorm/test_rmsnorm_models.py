@@ -8,18 +8,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-from cpu_session import run
+from cpu_session import assert_close_through_library
 from rms_models import forms_model, llama_block, simplified_model, t5_block
 
 from onnx_gtco import GtcoConfig, optimize
-from onnx_gtco.kernels.family import rel_error
 from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.coverage import model_coverage
 from onnx_gtco.plugin.library import build_library
-from onnx_gtco.runtime.check import make_inputs
 
 BOUND = {"fp32": 2e-3, "fp16": 5e-3, "bf16": 3e-2}
 """‖err‖/‖ref‖ against the fp32 original: fp32 is TF32 on the GEMMs and attention; bf16 keeps 8 mantissa bits."""
@@ -44,18 +41,10 @@ def _optimized(name: str, precision: str) -> tuple[onnx.ModelProto, onnx.ModelPr
     return original, result.model, result.report
 
 
-def _assert_close(original: onnx.ModelProto, rewritten: onnx.ModelProto, lib: Path | None, bound: float,
-                  label: str) -> None:
-    x = make_inputs(original, 1)
-    for ref, got in zip(run(original, x), run(rewritten, x, lib), strict=True):
-        assert got.dtype == ref.dtype and got.shape == ref.shape, label
-        err = rel_error(got.astype(np.float64), ref.astype(np.float64))
-        assert err < bound, f"{label}: ‖err‖/‖ref‖ = {err:.3g}"
-
-
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_every_norm_is_fused_with_a_kernel_and_the_functions_compute_the_original(name: str, precision: str) -> None:
+def test_every_norm_is_fused_with_a_kernel_and_the_functions_compute_the_original(tmp_path: Path, name: str,
+                                                                                  precision: str) -> None:
     original, rewritten, report = _optimized(name, precision)
     norms = [n for n in rewritten.graph.node if n.domain == "ai.gtco" and n.op_type.startswith("Rmsnorm_")]
     left = [n.name for n in rewritten.graph.node if n.op_type == ORT_OWN]
@@ -66,7 +55,7 @@ def test_every_norm_is_fused_with_a_kernel_and_the_functions_compute_the_origina
     coverage = model_coverage(rewritten)
     assert coverage.error is None
     assert {n: c.reason for n, c in coverage.nodes.items() if not c.archs} == {}
-    _assert_close(original, rewritten, None, BOUND[precision], f"{name} {precision} functions")
+    assert_close_through_library(original, rewritten, None, tmp_path, BOUND[precision], f"{name} {precision} functions")
 
 
 LIBRARY_CASES = [("forms", "fp32"), ("forms", "fp16"), ("forms", "bf16"), ("simplified", "fp32"), ("llama", "fp16"),
@@ -88,8 +77,8 @@ def test_the_cpu_library_and_the_emulated_kernels_compute_the_original(tmp_path:
         assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
         if emulated:
             assert lib.kernel_skips == {} and any(t.startswith("Rmsnorm_") for t in lib.cuda_op_types), lib
-        _assert_close(original, rewritten, lib.path, BOUND[precision],
-                      f"{name} {precision} {'emulated kernels' if emulated else 'CPU library'}")
+        assert_close_through_library(original, rewritten, lib.path, out, BOUND[precision],
+                                     f"{name} {precision} {'emulated kernels' if emulated else 'CPU library'}")
 
 
 def test_the_cpp_op_takes_the_specs_roles() -> None:
