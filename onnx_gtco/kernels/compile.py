@@ -19,10 +19,9 @@ from pathlib import Path
 
 from onnx_gtco import progress
 from onnx_gtco.errors import BuildError, HeaderError, KernelResourceError
-from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir
-from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.family import Instance
 from onnx_gtco.kernels.ptxas import KernelResources, parse_ptxas
+from onnx_gtco.kernels.select import impl_include_dirs, implementation
 from onnx_gtco.kernels.toolchain import DEVICE_INCLUDE_DIRS, cache_root, headers_digest, nvcc_compile
 
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden")
@@ -58,9 +57,10 @@ def describe(instance: Instance) -> str:
 
 
 def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> None:
-    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance` (a cuBLASLt instance
-    is host code calling the library's kernels: it has none of its own)."""
-    if not kernels and instance.config.get("impl") != CUBLASLT:
+    """Raise BuildError when ptxas reported no kernel, a spill or a stack frame for `instance` (an instance of an
+    implementation without kernels of its own, Implementation.own_kernels: host code calling cuBLASLt, has none)."""
+    impl = implementation(instance.config)
+    if not kernels and (impl is None or impl.own_kernels):
         raise KernelResourceError(f"{describe(instance)} for {instance.arch}: ptxas reported no kernel",
                                   instance.name, instance.arch)
     for k in kernels:
@@ -74,11 +74,9 @@ def check_resources(instance: Instance, kernels: Sequence[KernelResources]) -> N
 
 def include_dirs(instance: Instance) -> list[Path]:
     """The device include folders (plugins/include, plugins/families), the instance's own include folders (a library's
-    headers, e.g. CUTLASS's), and for a cuBLASLt instance the folder of cublasLt.h (fetched on first use)."""
-    own = [*DEVICE_INCLUDE_DIRS, *map(Path, instance.include_dirs)]
-    if instance.config.get("impl") == CUBLASLT:
-        return [*own, cublaslt_include_dir()]
-    return own
+    headers, e.g. CUTLASS's), and its implementation's (select.impl_include_dirs: cuBLASLt's header, fetched on first
+    use)."""
+    return [*DEVICE_INCLUDE_DIRS, *map(Path, instance.include_dirs), *impl_include_dirs(instance, False)]
 
 
 def compile_instance(instance: Instance, cache_dir: str | os.PathLike[str] | None = None,

@@ -19,6 +19,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,6 +112,21 @@ class Implementation:
             tasks build sm_90a code).
         version: its library's version, which the name of a study that offers it carries (a new version's trials
             time other kernels); None: no version.
+        fallible: its instance can fail at run time where a generated kernel cannot (its library absent from the
+            machine, no algorithm for the run-time alignment), so the library build gives its node the mma
+            instance the glue falls back to, and a dispatch table entry (which keeps no fallback) takes it only
+            where the tuner named it (cuBLASLt).
+        own_kernels: whether ptxas reports kernels of its instance's own (False: host code calling the library's
+            kernels, which has none to check).
+        emulated: whether its instance builds in the CPU emulation (cuBLASLt's goes as far as its plan there, and
+            its node then runs its fallback; CUTLASS's wgmma code does not build there).
+        include_dirs: (emulated) -> the folders its instances compile against beyond the instance's own (fetched on
+            first use: cuBLASLt's header, and for the emulation's g++ CUDA's runtime headers); raises
+            errors.BuildError naming what is missing. None: none.
+        prepare: what a process does before it runs one of its instances (cuBLASLt: load libcublasLt globally, as
+            ONNX Runtime's CUDA EP does). None: nothing.
+        last_error: (the shared library holding the instance) -> what the library said of its last failure, "" if
+            nothing. None: it says nothing.
     """
 
     name: str
@@ -119,6 +135,12 @@ class Implementation:
     ranked: Callable[[Problem, Any], Sequence[Mapping[str, Any]]] | None = None
     arch_for: Mapping[str, str] = field(default_factory=dict)
     version: Callable[[], str] | None = None
+    fallible: bool = False
+    own_kernels: bool = True
+    emulated: bool = False
+    include_dirs: Callable[[bool], Sequence[Path]] | None = None
+    prepare: Callable[[], None] | None = None
+    last_error: Callable[[str], str] | None = None
 
 
 def static_product(dims: Sequence[Any]) -> int | None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Container, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import onnx
 
 from onnx_gtco import families
 from onnx_gtco.calibration import Hardware, hardware_for_arch
-from onnx_gtco.kernels.family import Instance, KernelFamily, OpKernel, Problem
+from onnx_gtco.kernels.family import Implementation, Instance, KernelFamily, OpKernel, Problem
 from onnx_gtco.opspec import FusedOp, decode_node
 
 ALL_FAMILIES: dict[str, KernelFamily] = {k.name: k for part in families.parts("kernel") for k in part.KERNELS}
@@ -38,6 +39,30 @@ families.conv.bind)."""
 
 OPS: dict[str, OpKernel] = {o.op: o for part in families.parts("kernel") for o in part.OPS}
 """Fused op family -> how its nodes reach their kernel family (each family kernel module's OPS)."""
+
+IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for f in ALL_FAMILIES.values() for i in f.implementations}
+"""Every family's library implementations (KernelFamily.implementations) by the name a configuration's "impl"
+gives; the family's own generated kernels ("mma") are none of them."""
+
+
+def implementation(config: Mapping[str, Any]) -> Implementation | None:
+    """The library implementation a configuration names (its "impl"), or None for the family's own kernels."""
+    return IMPLEMENTATIONS.get(str(config.get("impl", "mma")))
+
+
+def fallible(instance: Instance) -> bool:
+    """Whether `instance` can fail at run time where a generated kernel cannot, so its node keeps an mma fallback
+    (Implementation.fallible: cuBLASLt's)."""
+    impl = implementation(instance.config)
+    return impl is not None and impl.fallible
+
+
+def impl_include_dirs(instance: Instance, emulated: bool) -> list[Path]:
+    """The folders `instance` compiles against beyond the device headers and its own include folders: its
+    implementation's (Implementation.include_dirs: cuBLASLt's header, fetched on first use); BuildError naming what
+    is missing."""
+    impl = implementation(instance.config)
+    return [] if impl is None or impl.include_dirs is None else list(impl.include_dirs(emulated))
 
 _PRECISION_DTYPE = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 

@@ -30,7 +30,6 @@ import math
 from collections.abc import Container, Mapping, Sequence
 
 from onnx_gtco.calibration import Hardware, hardware_for_arch
-from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.select import (
     ALL_FAMILIES,
@@ -38,6 +37,7 @@ from onnx_gtco.kernels.select import (
     MMA_ONLY,
     Avoid,
     candidates,
+    fallible,
     fastest,
     node_problem,
     select_instance,
@@ -208,9 +208,9 @@ def device_instances(node: FusedNode, binding: Binding, archs: Sequence[str],
 
 def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = (), hw: Hardware | None = None
                   ) -> tuple[Instance | str | None, ...]:
-    """Per arch slot of a node's chosen `instances` (device_instances' answer), the generated mma GEMM instance that
-    slot's cuBLASLt instance falls back to at run time, or why it has none; None where the slot's instance is not a
-    cuBLASLt one (it needs no fallback).
+    """Per arch slot of a node's chosen `instances` (device_instances' answer), the family's generated (mma) instance
+    that slot's library instance falls back to at run time, or why it has none; None where the slot's instance
+    cannot fail (it needs no fallback: select.fallible, Implementation.fallible).
 
     Why: a cuBLASLt instance can fail where a generated kernel cannot: libcublasLt absent from the machine, its
     heuristic offering no algorithm of the chosen rank for the run-time alignment, a plan that cannot be made
@@ -220,7 +220,7 @@ def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = (), hw: Hardware
     `hw` (the planning target where it runs the arch), whose instance ptxas did not reject (`avoid`)."""
     out: list[Instance | str | None] = []
     for inst in instances:
-        if inst.config.get("impl") != CUBLASLT:
+        if not fallible(inst):
             out.append(None)
             continue
         problem, arch = inst.problem, inst.arch
@@ -229,10 +229,11 @@ def mma_fallbacks(instances: Sequence[Instance], avoid: Avoid = (), hw: Hardware
         if pick is not None:
             out.append(FAMILIES[problem.family].instantiate(problem, pick[0], arch))
         elif offered:
-            out.append(f"each of the {len(offered)} valid mma GEMM configurations for {arch} spills or needs a stack "
-                       "frame (ptxas)")
+            out.append(f"each of the {len(offered)} valid mma {problem.family.upper()} configurations for {arch} "
+                       "spills or needs a stack frame (ptxas)")
         else:
-            out.append(f"no valid mma GEMM configuration for {arch} computes {inst.name}'s problem")
+            out.append(f"no valid mma {problem.family.upper()} configuration for {arch} computes {inst.name}'s "
+                       "problem")
     return tuple(out)
 
 

@@ -27,15 +27,16 @@ from onnx_gtco.calibration import Hardware
 from onnx_gtco.errors import GtcoError
 from onnx_gtco.kernels.dynamic import extent_name, with_extent
 from onnx_gtco.kernels.family import Config, Instance, Problem
-from onnx_gtco.kernels.select import candidates, fastest
+from onnx_gtco.kernels.select import IMPLEMENTATIONS, candidates, fastest
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
 BUCKETS = (16, 64, 256, 1024, 4096, 16384)
-TABLE_IMPLS = frozenset({"mma", "cutlass"})
-"""The implementations a default dispatch entry may be: a dispatch entry has no mma fallback for a failing cuBLASLt
-(plugin.library.node_fallbacks), so none is cuBLASLt unless the tuner names it."""
 """Default dispatch bucket tops (below the extent's top, which closes the table)."""
+TABLE_IMPLS = frozenset({"mma", *(name for name, i in IMPLEMENTATIONS.items() if not i.fallible)})
+"""The implementations a default dispatch entry may be: a dispatch entry keeps no mma fallback for an instance that
+can fail (plugin.library.node_fallbacks), so none is of a fallible implementation (cuBLASLt) unless the tuner names
+it."""
 
 Entry = tuple[int | None, Instance]
 """One dispatch entry: (max_extent, instance); None as max_extent: no upper bound (the extent's top is unknown)."""

@@ -63,14 +63,12 @@ from onnx_gtco import progress
 from onnx_gtco.calibration import Hardware, hardware
 from onnx_gtco.config import model_ranges
 from onnx_gtco.errors import GtcoError
-from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir
-from onnx_gtco.families.gemm.cublaslt import IMPL as CUBLASLT
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.compile import CompiledInstance, compile_instances
 from onnx_gtco.kernels.dynamic import with_extent
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.kernels.render import render
-from onnx_gtco.kernels.select import MMA_ONLY, Avoid
+from onnx_gtco.kernels.select import MMA_ONLY, Avoid, fallible, implementation
 from onnx_gtco.kernels.toolchain import (
     DEVICE_INCLUDE_DIRS,
     GLUE_INCLUDE_DIRS,
@@ -405,10 +403,10 @@ def node_fallbacks(device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[
     slot, with no fallback (left for when the tuner gives dispatch entries cuBLASLt configurations)."""
     out: dict[str, tuple[Instance | str | None, ...]] = {}
     for node, insts in device.items():
-        if not any(i.config.get("impl") == CUBLASLT for i in insts):
+        if not any(map(fallible, insts)):
             continue
         if dynamic.get(node, NodeDynamic()).tables:
-            out[node] = tuple(NO_DISPATCH_FALLBACK if i.config.get("impl") == CUBLASLT else None for i in insts)
+            out[node] = tuple(NO_DISPATCH_FALLBACK if fallible(i) else None for i in insts)
         else:
             out[node] = mma_fallbacks(insts, avoid, hw)
     return out
@@ -436,19 +434,20 @@ def _probe_object(tmp: Path, log: list[str]) -> Path:
 
 
 def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str],
-                      lt_include: Sequence[Path] = ()) -> list[Path]:
+                      impl_include: Mapping[str, Sequence[Path]] | None = None) -> list[Path]:
     """g++ -DGTCO_EMULATE each instance into an object of the library (plugins/emu runs its grid on fibers), cached
     under cache_root()/emu by a hash of the source, the command and the headers, as nvcc's objects are: models
     share most instances, and a full-size model's emulated library is built once per precision and tested more.
-    A cuBLASLt instance also takes `lt_include` (_cublaslt_includes)."""
+    An instance of a library implementation also takes its folders in `impl_include` (impl name -> folders:
+    _impl_includes)."""
     cxx = find_cxx()
     cache = cache_root() / "emu"
 
     def one(inst: Instance) -> Path:
         src = tmp / f"{inst.name}.emu.cc"
-        lt = [f"-I{d}" for d in lt_include] if inst.config.get("impl") == CUBLASLT else []
+        lib = [f"-I{d}" for d in (impl_include or {}).get(str(inst.config.get("impl", "mma")), ())]
         flags = ["-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
-                 *(f"-I{d}" for d in DEVICE_INCLUDE_DIRS), *lt]
+                 *(f"-I{d}" for d in DEVICE_INCLUDE_DIRS), *lib]
         key = hashlib.sha256("\0".join([inst.source, cxx, *flags, headers_digest()]).encode()).hexdigest()[:16]
         cached = cache / f"{inst.name}.{key}.o"
         if cached.exists():
@@ -469,17 +468,6 @@ def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str],
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(instances), os.cpu_count() or 1))) as pool:
         return list(pool.map(one, instances))
-
-
-def _cublaslt_includes(emulated: bool) -> list[Path]:
-    """The folders a cuBLASLt instance compiles against: cublasLt.h's (nvcc brings CUDA's own headers) and, for the
-    emulation's g++, CUDA's runtime headers' that cublasLt.h includes; a BuildError saying what is missing."""
-    try:
-        lt = cublaslt_include_dir()
-        runtime = cuda_runtime_include_dir(lt) if emulated else lt
-    except HeaderError as e:
-        raise BuildError(str(e)) from None
-    return [lt] if runtime == lt else [lt, runtime]
 
 
 def select_device(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str],
@@ -714,7 +702,7 @@ def build_library(model: onnx.ModelProto, out_dir: str | os.PathLike[str], *, cu
         fresh = not cached.is_file()
         if fresh:
             log_text = _link(cached, source, op_types, inc, cxx, cuda, emulated, instances, compiled,
-                             sel.lt_include, st)
+                             sel.impl_include, st)
         if cached != dest:
             _install(cached, dest)
         return result(fresh, True, log_text, fresh)
@@ -777,7 +765,28 @@ class _Selection:
     compiled: list[CompiledInstance]  # their objects (a CUDA build)
     rejected: dict[tuple[str, str], str]  # (instance, arch) -> why it is avoided
     fresh: bool  # an instance was compiled, not taken from the cache, in some round
-    lt_include: list[Path]  # cublasLt.h's folder, and CUDA's runtime headers' for the emulation's g++
+    impl_include: dict[str, list[Path]]  # a library implementation -> its folders (cuBLASLt: cublasLt.h's, and CUDA's
+    #                                      runtime headers' for the emulation's g++)
+
+
+def _impl_includes(instances: Sequence[Instance], known: Mapping[str, Sequence[Path]], emulated: bool,
+                   asked: Container[str]) -> tuple[dict[str, list[Path]], dict[tuple[str, str], str]]:
+    """The include folders of each library implementation of `instances` not in `known` (Implementation.
+    include_dirs), and the instances to avoid because their implementation's headers are missing ((name, arch) ->
+    why), where it was chosen by default; a BuildError where the caller (the tuner) named that implementation."""
+    found: dict[str, list[Path]] = {}
+    missing: dict[tuple[str, str], str] = {}
+    for name in sorted({str(i.config.get("impl")) for i in instances} - set(known)):
+        impl = implementation({"impl": name})
+        if impl is None or impl.include_dirs is None:
+            continue
+        try:
+            found[name] = list(impl.include_dirs(emulated))
+        except BuildError as e:
+            if name in asked:  # a configuration the caller named: say what is missing
+                raise
+            missing.update({(i.name, i.arch): f"{i.name}: {e}" for i in instances if i.config.get("impl") == name})
+    return found, missing
 
 
 def _select_and_compile(nodes: Sequence[FusedNode], results: Sequence[NodeResult], archs: Sequence[str], cuda: bool,
@@ -786,18 +795,18 @@ def _select_and_compile(nodes: Sequence[FusedNode], results: Sequence[NodeResult
                         hw: Hardware | None) -> _Selection:
     """Select, compile; an instance ptxas rejects (a spill, a stack frame) is avoided and its nodes select again,
     until every node has instances that compile clean or has none left (it then runs its function)."""
-    # the emulation runs the generated kernels, and a tuned cuBLASLt configuration's plan (then its node's mma
-    # fallback, gemm/cublaslt.h): another library's configuration (CUTLASS) gives way, and its default selections
-    # are among the generated kernels only
+    # the emulation runs the generated kernels, and a tuned configuration of a library that builds there
+    # (Implementation.emulated: cuBLASLt's plan, then its node's mma fallback, gemm/cublaslt.h): another library's
+    # configuration (CUTLASS) gives way, and its default selections are among the generated kernels only
     impls = MMA_ONLY if emulated else None
     if emulated and tuned:
-        tuned = {n: {a: c for a, c in per.items() if c.get("impl", "mma") in ("mma", CUBLASLT)}
+        tuned = {n: {a: c for a, c in per.items() if (i := implementation(c)) is None or i.emulated}
                  for n, per in tuned.items()}
-    asked_lt = any(c.get("impl") == CUBLASLT for per in (tuned or {}).values() for c in per.values())
+    asked = {str(c.get("impl")) for per in (tuned or {}).values() for c in per.values()}
     rejected: dict[tuple[str, str], str] = {}
     compiled: list[CompiledInstance] = []
     fresh = False
-    lt_include: list[Path] = []
+    impl_include: dict[str, list[Path]] = {}
     while True:
         device, kernel_skips = select_device(nodes, results, archs, tuned, rejected, hw, impls) if archs else ({}, {})
         dynamic = dynamic_nodes(nodes, results, archs, device, ranges, dispatch, rejected, hw, impls)
@@ -806,16 +815,11 @@ def _select_and_compile(nodes: Sequence[FusedNode], results: Sequence[NodeResult
                   for i in (*device[node], *(i for t in dynamic.get(node, NodeDynamic()).tables for _, i in t),
                             *(f for f in fallbacks.get(node, ()) if isinstance(f, Instance)))}
         instances = [unique[k] for k in sorted(unique)]  # nodes of the same problem share an instance
-        lt = [i for i in instances if i.config.get("impl") == CUBLASLT]
-        if not lt_include and lt:
-            try:
-                lt_include = _cublaslt_includes(emulated)
-            except BuildError as e:
-                if asked_lt:  # a cuBLASLt configuration the caller (the tuner) named: say what is missing
-                    raise
-                # chosen by default: without its header no cuBLASLt, and its nodes select again among the rest
-                rejected.update({(i.name, i.arch): f"{i.name}: {e}" for i in lt})
-                continue
+        found, missing = _impl_includes(instances, impl_include, emulated, asked)
+        impl_include.update(found)
+        if missing:  # chosen by default: without its headers no such instance, and its nodes select again
+            rejected.update(missing)
+            continue
         if not cuda:
             break
         new: dict[tuple[str, str], str] = {}
@@ -828,12 +832,12 @@ def _select_and_compile(nodes: Sequence[FusedNode], results: Sequence[NodeResult
         if again:  # a selection that returns what it was told to avoid would loop forever
             raise BuildError(f"{new[again[0]]} (selected again after ptxas rejected it)")
         rejected.update(new)
-    return _Selection(device, kernel_skips, dynamic, fallbacks, instances, compiled, rejected, fresh, lt_include)
+    return _Selection(device, kernel_skips, dynamic, fallbacks, instances, compiled, rejected, fresh, impl_include)
 
 
 def _link(cached: Path, source: str, op_types: Sequence[str], inc: Path, cxx: str, cuda: bool, emulated: bool,
-          instances: Sequence[Instance], compiled: Sequence[CompiledInstance], lt_include: Sequence[Path],
-          st: Any) -> str:
+          instances: Sequence[Instance], compiled: Sequence[CompiledInstance],
+          impl_include: Mapping[str, Sequence[Path]], st: Any) -> str:
     """Compile the glue and link the library as `cached` (renamed there whole, built in a temporary folder beside
     it); the build log."""
     try:
@@ -859,7 +863,7 @@ def _link(cached: Path, source: str, op_types: Sequence[str], inc: Path, cxx: st
             objs += [_probe_object(tmp, log), *(c.object_path for c in compiled)]
             link = [find_nvcc(), "-shared", "-cudart", "static", "-o", str(tmp / name), *map(str, objs)]
         else:
-            objs += _emulated_objects(tmp, instances, log, list(lt_include)) if emulated else []
+            objs += _emulated_objects(tmp, instances, log, impl_include) if emulated else []
             link = [cxx, "-shared", "-pthread", "-o", str(tmp / name), *map(str, objs)]
         res = run_compile(link, tmp / name, timeout_s=600)
         log.append(" ".join(link) + "\n" + res.stderr)

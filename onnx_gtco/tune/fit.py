@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onnx_gtco import families
 from onnx_gtco.calibration import (
     FORMAT,
     RECORDS_DIR,
@@ -45,19 +46,15 @@ from onnx_gtco.calibration import (
 )
 from onnx_gtco.cost.model import OrtConstants, VendorGemmConstants, memory_us
 from onnx_gtco.errors import GtcoError, missing_package
-from onnx_gtco.families.attention.kernel import AttentionConstants
-from onnx_gtco.families.conv.kernel import ConvConstants
-from onnx_gtco.families.elementwise.kernel import ElementwiseConstants
-from onnx_gtco.families.gemm.cutlass import CutlassConstants
-from onnx_gtco.families.gemm.kernel import MmaConstants
-from onnx_gtco.families.layernorm.kernel import RowwiseConstants
 from onnx_gtco.kernels.family import Problem
+from onnx_gtco.kernels.select import implementation
 from onnx_gtco.tune.analytical import estimate_us
 
-GROUPS: tuple[type[Constants], ...] = (LaunchConstants, VendorGemmConstants, OrtConstants, MmaConstants,
-                                       CutlassConstants, AttentionConstants, RowwiseConstants, ElementwiseConstants,
-                                       ConvConstants)
-"""Every group of constants of the estimate, in the order the fit and the files list them."""
+GROUPS: tuple[type[Constants], ...] = tuple(dict.fromkeys((
+    LaunchConstants, VendorGemmConstants, OrtConstants,
+    *(g for part in families.parts("kernel") for g in getattr(part, "CONSTANTS", ())))))
+"""Every group of constants of the estimate, in the order the fit and the files list them: the launch, ONNX
+Runtime's and the vendor GEMM's, then each family's (its kernel module's CONSTANTS) in the registry's order."""
 OUR_SIDES = ("gtco", "gtco-ort")
 """The sides of a kernel record that ran inside our rewritten model (its model record adds them)."""
 
@@ -181,7 +178,8 @@ def predict_kernel(record: KernelRecord, hw: Hardware) -> float:
         if record.family == "ort":
             us = memory_us(float(problem.size("bytes")), 0.0, hw)
         else:
-            arch = "sm_90a" if record.config.get("impl") == "cutlass" else hw.arch
+            impl = implementation(record.config)  # a CUTLASS record: its sm_90a code on an sm_90 GPU
+            arch = hw.arch if impl is None else impl.arch_for.get(hw.arch, hw.arch)
             us = estimate_us(problem, record.config, arch, hw)
         total += count * us
     return total

@@ -39,9 +39,6 @@ from typing import Any
 import numpy as np
 
 from onnx_gtco.errors import BuildError, KernelResourceError
-from onnx_gtco.families.elementwise.kernel import FAMILY as ELEMENTWISE
-from onnx_gtco.families.gemm import cublaslt, cutlass
-from onnx_gtco.families.gemm.cublas_headers import installed_library
 from onnx_gtco.kernels.compile import compile_instance
 from onnx_gtco.kernels.family import (
     Instance,
@@ -53,7 +50,7 @@ from onnx_gtco.kernels.family import (
     np_dtype,
     rel_error,
 )
-from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.kernels.select import ALL_FAMILIES, implementation
 from onnx_gtco.kernels.toolchain import cache_root, find_nvcc
 from onnx_gtco.tune.builder import Artifact, BuildResult, build_and_run
 from onnx_gtco.tune.runner import RUN_TIMEOUT_S, LocalRunner
@@ -74,11 +71,9 @@ extern "C" __global__ void gtco_queue_spin(long long cycles) {
 
 
 def family_of(problem: Problem) -> KernelFamily:
-    """The kernel family that builds and checks `problem`: kernels.select.FAMILIES, and the elementwise family
-    (selected by its binder, not there)."""
-    if problem.family == ELEMENTWISE.name:
-        return ELEMENTWISE
-    return FAMILIES[problem.family]
+    """The kernel family that builds and checks `problem` (kernels.select.ALL_FAMILIES: the per-group elementwise
+    family too, which its binder selects)."""
+    return ALL_FAMILIES[problem.family]
 
 
 def shared_library(instance: Instance) -> Path | Measurement:
@@ -160,13 +155,15 @@ class GpuMeasurer:
 
     def build(self, task: Task, config: Mapping[str, Any]) -> BuildResult:
         """The trial's shared library (build_candidate), or why it is not built: a compile or resource error, or
-        this GPU cannot run its code (error kind "runtime": a task for another arch, a CUTLASS configuration on a
-        GPU other than 9.0)."""
+        this GPU cannot run its code (error kind "runtime": a task for another arch, a configuration built for an
+        arch-specific target, a CUTLASS one's sm_90a, on a GPU other than that one)."""
         if task.arch != self.arch:
             return BuildResult(None, "runtime", f"the task is built for {task.arch}; this GPU runs {self.arch} code")
-        if config_arch(task, config) == cutlass.ARCH and self.cc != 90:
-            return BuildResult(None, "runtime",
-                               f"{self.device}: {cutlass.ARCH} code (the CUTLASS GEMMs) runs on 9.0 GPUs only")
+        arch = config_arch(task, config)
+        if arch.endswith("a") and self.cc != int(arch[3:-1]):
+            cc = int(arch[3:-1])
+            return BuildResult(None, "runtime", f"{self.device}: {arch} code (the {config.get('impl')} "
+                               f"configurations) runs on {cc // 10}.{cc % 10} GPUs only")
         return build_candidate(task, config)
 
     def run(self, task: Task, config: Mapping[str, Any], artifact: Artifact) -> Measurement:
@@ -183,8 +180,9 @@ class GpuMeasurer:
     def launch(self, task: Task, config: Mapping[str, Any], artifact: Artifact) -> Measurement:
         """Launch the built candidate in this process on seeded inputs, check its first answer against the fp64
         reference (a wrong one fails the trial), then time it."""
-        if config.get("impl") == cublaslt.IMPL:
-            load_cublaslt()
+        impl = implementation(config)
+        if impl is not None and impl.prepare is not None:
+            impl.prepare()  # cuBLASLt: its library loaded as ONNX Runtime's CUDA EP loads it
         cp = self.cp
         family = family_of(task.problem)
         p = task.problem
@@ -205,7 +203,7 @@ class GpuMeasurer:
             code = fn(ctypes.byref(sets[0][2]), stream.ptr)
             stream.synchronize()
             if code != 0:
-                why = _cublaslt_error(artifact.library) if config.get("impl") == cublaslt.IMPL else ""
+                why = impl.last_error(artifact.library) if impl is not None and impl.last_error else ""
                 return Measurement(None, error_kind="runtime", detail=f"{artifact.symbol} returned {code}{why}")
             wrong = wrong_answer(task, sets[0][0], {k: cp.asnumpy(v) for k, v in sets[0][1].items()})
             if wrong is not None:
@@ -241,21 +239,6 @@ def wrong_answer(task: Task, inputs: Mapping[str, np.ndarray], outputs: Mapping[
             return Measurement(None, error_kind="wrong_answer",
                                detail=f"{name}: relative error {err:.3g} against the fp64 reference")
     return None
-
-
-def load_cublaslt() -> None:
-    """Load libcublasLt globally, as ONNX Runtime's CUDA EP does, from the nvidia-cublas package where installed (a
-    cuBLASLt instance finds it loaded; without it the instance reports that it is absent)."""
-    lib = installed_library()
-    if lib is not None:
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-
-
-def _cublaslt_error(lib: str) -> str:
-    fn = ctypes.CDLL(lib).gtco_cublaslt_error
-    fn.restype = ctypes.c_char_p
-    why = fn().decode()
-    return f": {why}" if why else ""
 
 
 def _nvcc_version() -> str:

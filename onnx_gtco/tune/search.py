@@ -31,8 +31,7 @@ import optuna
 from onnx_gtco.calibration import Hardware, hardware_for_arch
 from onnx_gtco.config import TUNE_DELAY_ENV, TUNE_STORAGE_ENV, tune_storage_env, tune_test_delay_s
 from onnx_gtco.errors import GtcoError, first_line, missing_package
-from onnx_gtco.kernels.family import Implementation
-from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.kernels.select import FAMILIES, IMPLEMENTATIONS
 from onnx_gtco.kernels.toolchain import cache_root
 from onnx_gtco.tune.analytical import estimate_us
 from onnx_gtco.tune.tasks import Task, task_attrs
@@ -193,9 +192,6 @@ def with_defaults(task: Task, config: Mapping[str, Any]) -> dict[str, Any]:
             if k in config or k in optional}
 
 
-IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for f in FAMILIES.values() for i in f.implementations}
-"""Every family's library implementations (KernelFamily.implementations) by the name a configuration's "impl"
-gives."""
 IMPL_SPACES: dict[str, dict[str, list[Any]]] = {n: {k: list(v) for k, v in i.space.items()}
                                                for n, i in IMPLEMENTATIONS.items()}
 """The parameters of each implementation other than the family's own kernels ("mma")."""

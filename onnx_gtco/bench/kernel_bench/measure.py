@@ -25,7 +25,7 @@ from onnx_gtco.kernels.family import (
     from_storage,
     rel_error,
 )
-from onnx_gtco.tune.gpu import load_cublaslt
+from onnx_gtco.kernels.select import implementation
 from onnx_gtco.tune.search import config_arch, predict_us
 
 
@@ -88,8 +88,9 @@ class Runner:
         if isinstance(lib, str):
             row["error"] = f"build: {lib}"
             return row
-        if inst.config.get("impl") == cublaslt.IMPL:
-            load_cublaslt()
+        impl = implementation(inst.config)
+        if impl is not None and impl.prepare is not None:
+            impl.prepare()
         arrays = dict(self.inputs) | {k: np.empty(tuple(v.shape), np.float16) for k, v in self.outs.items()}
         def address(name: str) -> int | None:
             t = self.outs.get(name, self.dev.get(name))

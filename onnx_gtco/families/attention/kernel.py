@@ -642,3 +642,7 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
 KERNELS = FAMILIES
 OPS = (OpKernel("attention", "attention", op_problem, extent_attr="seq_q"),
        OpKernel("bmm_softmax", "bmm_softmax", op_problem, extent_attr="seq_q"))
+
+
+CONSTANTS = (AttentionConstants,)
+"""The groups of constants of this family's estimates, which `onnx-gtco calibration fit` fits per GPU (tune/fit.py)."""

@@ -548,3 +548,7 @@ def op_problem(op: FusedOp, dtype: str) -> str:
 
 KERNELS = (FAMILY,)
 OPS = (OpKernel("conv", "conv", op_problem, shaped=True),)
+
+
+CONSTANTS = (ConvConstants,)
+"""The groups of constants of this family's estimates, which `onnx-gtco calibration fit` fits per GPU (tune/fit.py)."""

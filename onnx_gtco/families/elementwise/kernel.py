@@ -629,3 +629,7 @@ FAMILY = ElementwiseFamily()
 KERNELS = (FAMILY,)
 OPS = ()
 """None: an elementwise node's Problem is its program, which its binder reads (families.elementwise.bind)."""
+
+
+CONSTANTS = (ElementwiseConstants,)
+"""The groups of constants of this family's estimates, which `onnx-gtco calibration fit` fits per GPU (tune/fit.py)."""

@@ -29,13 +29,17 @@ session.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from onnx_gtco.calibration import Hardware
 from onnx_gtco.cost.model import vendor_gemm_us
+from onnx_gtco.errors import BuildError, HeaderError
+from onnx_gtco.families.gemm.cublas_headers import cublaslt_include_dir, cuda_runtime_include_dir, installed_library
 from onnx_gtco.kernels.family import ARCHS, Instance, Problem, from_storage, tf32_round
 from onnx_gtco.patterns.activation import REFERENCE
 
@@ -271,5 +275,37 @@ def estimate_us(problem: Problem, hw: Hardware) -> float:
     return vendor_gemm_us(2.0 * batch * m * n * k, moved, problem.dtype == "f32", hw)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Building and running an instance
+
+def include_dirs(emulated: bool) -> list[Path]:
+    """The folders an instance compiles against beyond the device headers: cublasLt.h's (fetched on first use; nvcc
+    brings CUDA's own headers) and, for the emulation's g++, CUDA's runtime headers that cublasLt.h includes; a
+    BuildError saying what is missing."""
+    try:
+        lt = cublaslt_include_dir()
+        runtime = cuda_runtime_include_dir(lt) if emulated else lt
+    except HeaderError as e:
+        raise BuildError(str(e)) from None
+    return [lt] if runtime == lt else [lt, runtime]
+
+
+def load() -> None:
+    """Load libcublasLt globally, as ONNX Runtime's CUDA EP does, from the nvidia-cublas package where installed (an
+    instance finds it loaded; without it the instance reports that it is absent)."""
+    lib = installed_library()
+    if lib is not None:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def last_error(library: str) -> str:
+    """What the instances of the shared library `library` said of their last failure (gemm/cublaslt.h's
+    gtco_cublaslt_error): ": why", or "" when nothing."""
+    fn = ctypes.CDLL(library).gtco_cublaslt_error
+    fn.restype = ctypes.c_char_p
+    why = fn().decode()
+    return f": {why}" if why else ""
+
+
 __all__ = ["IMPL", "RANKS", "LtMatmul", "check", "describe", "emulate", "emulate_problem", "estimate_us",
-           "instance", "unsupported"]
+           "include_dirs", "instance", "last_error", "load", "unsupported"]

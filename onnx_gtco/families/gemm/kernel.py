@@ -301,7 +301,9 @@ def _cutlass_ranked(problem: Problem, hw: Hardware | None = None) -> tuple[dict[
 
 
 IMPLEMENTATIONS = (
-    Implementation(cublaslt.IMPL, {"RANK": cublaslt.RANKS}, _cublaslt_offered),
+    Implementation(cublaslt.IMPL, {"RANK": cublaslt.RANKS}, _cublaslt_offered, fallible=True, own_kernels=False,
+                   emulated=True, include_dirs=cublaslt.include_dirs, prepare=cublaslt.load,
+                   last_error=cublaslt.last_error),
     Implementation(cutlass.IMPL, cutlass.SPACE, _cutlass_offered, _cutlass_ranked, {cutlass.TARGET: cutlass.ARCH},
                    cutlass.version),
 )
@@ -760,3 +762,7 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
 
 KERNELS = (FAMILY,)
 OPS = (OpKernel("gemm", "gemm", op_problem, extent_attr="m"), OpKernel("qkv", "gemm", op_problem, extent_attr="m"))
+
+
+CONSTANTS = (MmaConstants, cutlass.CutlassConstants)
+"""The groups of constants of this family's estimates, which `onnx-gtco calibration fit` fits per GPU (tune/fit.py)."""

@@ -271,3 +271,7 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
 
 KERNELS = (FAMILY,)
 OPS = (OpKernel("layernorm", "layernorm", op_problem),)
+
+
+CONSTANTS = (RowwiseConstants,)
+"""The groups of constants of this family's estimates, which `onnx-gtco calibration fit` fits per GPU (tune/fit.py)."""
