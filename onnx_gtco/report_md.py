@@ -13,6 +13,8 @@ from typing import Any
 
 from onnx_gtco.errors import ReportError
 from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
+from onnx_gtco.kernels.family import KernelFamily
+from onnx_gtco.kernels.select import ALL_FAMILIES
 from onnx_gtco.report import estimate_words, speedup
 
 REQUIRED_KEYS = ("model", "target", "precision", "nodes_before", "nodes_after", "groups", "rejected", "not_chosen",
@@ -377,32 +379,47 @@ def _tuning(r: dict[str, Any]) -> list[str]:
     unused = [[x.get("describe", x.get("task")), x["record_unused"]] for x in tasks if x.get("record_unused")]
     if unused:
         lines += ["", "Shipped tuning records not used:", "", *_table(["task", "why"], unused, "ll")]
-    gemms = [x for x in tasks if "cublaslt" in x]  # every GEMM entry says whether cuBLASLt was offered
-    if gemms:
-        kind = ("predicted by the estimate (no GPU measured them here; its cuBLASLt prices rest on ONNX Runtime's "
-                "cuBLAS kernels as a proxy until a record measures ours)" if gemms[0].get("timing") == "analytical"
-                else "measured on the GPU")
-        rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x.get("impl") or "-",
-                 _config(x.get("best_config")), _us(x.get("best_us")), _candidate(x, "cublaslt"),
-                 _candidate(x, "cutlass")] for x in gemms]
-        lines += ["", f"GEMM implementations, times {kind}:", "",
-                  *_table(["nodes", "implementation", "configuration", "best µs", "cuBLASLt µs", "CUTLASS µs"],
-                          rows)]
-    convs = [x for x in tasks if "conv" in x]
-    if convs:
-        kind = ("predicted by the estimate (no GPU measured them here)" if convs[0].get("timing") == "analytical"
-                else "measured on the GPU")
-        rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x["conv"], _CONV_IMPLS.get(x.get("impl"), "-"),
-                 _config(x.get("best_config")), _us(x.get("best_us"))] for x in convs]
-        lines += ["", f"Conv kernels, times {kind}:", "",
-                  *_table(["nodes", "conv", "kernel", "configuration", "best µs"], rows, "llllr")]
+    for family in ALL_FAMILIES.values():
+        lines += _implementations_table(family, tasks) + _summary_table(family, tasks)
     if t.get("untuned"):
         lines += ["", "Fused nodes without a tuning task:", "", *_reasons(t["untuned"])]
     return lines
 
 
-_CONV_IMPLS = {"implicit_gemm": "implicit GEMM (Tensor Cores)", "direct": "direct (CUDA cores)"}
-"""A conv task entry's "impl" (tune.apply.implementations) as the report names it."""
+def _times_kind(entries: list[dict[str, Any]], proxies: str = "") -> str:
+    if entries[0].get("timing") == "analytical":
+        return f"predicted by the estimate (no GPU measured them here{proxies})"
+    return "measured on the GPU"
+
+
+def _implementations_table(family: KernelFamily, tasks: list[dict[str, Any]]) -> list[str]:
+    """The tasks of a family with library implementations (KernelFamily.implementations: the GEMM's, whose every
+    entry says whether each was offered): the winner, its configuration and time, each library's best time."""
+    impls = family.implementations
+    entries = [x for x in tasks if impls and all(i.name in x for i in impls)]
+    if not entries:
+        return []
+    proxies = "".join(f"; its {i.label or i.name} prices rest on {i.proxy} as a proxy until a record measures ours"
+                      for i in impls if i.proxy)
+    rows = [[", ".join(x.get("nodes") or []) or x.get("task"), x.get("impl") or "-", _config(x.get("best_config")),
+             _us(x.get("best_us")), *(_candidate(x, i.name) for i in impls)] for x in entries]
+    return ["", f"{family.title or family.name} implementations, times {_times_kind(entries, proxies)}:", "",
+            *_table(["nodes", "implementation", "configuration", "best µs",
+                     *(f"{i.label or i.name} µs" for i in impls)], rows)]
+
+
+def _summary_table(family: KernelFamily, tasks: list[dict[str, Any]]) -> list[str]:
+    """The tasks of a family that says more of them (KernelFamily.task_summary, task_columns: the conv's shape and
+    winning kernel), with their configuration and time."""
+    cols = family.task_columns
+    entries = [x for x in tasks if cols and all(key in x for _, key, _ in cols) and not family.implementations]
+    if not entries:
+        return []
+    rows = [[", ".join(x.get("nodes") or []) or x.get("task"),
+             *(names.get(x[key], "-") if names else x[key] for _, key, names in cols),
+             _config(x.get("best_config")), _us(x.get("best_us"))] for x in entries]
+    return ["", f"{family.title or family.name} kernels, times {_times_kind(entries)}:", "",
+            *_table(["nodes", *(h for h, _, _ in cols), "configuration", "best µs"], rows, "l" * (len(cols) + 2) + "r")]
 
 
 def _config(config: dict[str, Any] | None) -> str:

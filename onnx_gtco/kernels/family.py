@@ -112,6 +112,9 @@ class Implementation:
             tasks build sm_90a code).
         version: its library's version, which the name of a study that offers it carries (a new version's trials
             time other kernels); None: no version.
+        label: its name in reports ("cuBLASLt"); "": `name`.
+        proxy: what stands in for its instances in the estimate until a record measures them ("ONNX Runtime's
+            cuBLAS kernels"), which a report of predicted times says; None: they are measured.
         fallible: its instance can fail at run time where a generated kernel cannot (its library absent from the
             machine, no algorithm for the run-time alignment), so the library build gives its node the mma
             instance the glue falls back to, and a dispatch table entry (which keeps no fallback) takes it only
@@ -135,6 +138,8 @@ class Implementation:
     ranked: Callable[[Problem, Any], Sequence[Mapping[str, Any]]] | None = None
     arch_for: Mapping[str, str] = field(default_factory=dict)
     version: Callable[[], str] | None = None
+    label: str = ""
+    proxy: str | None = None
     fallible: bool = False
     own_kernels: bool = True
     emulated: bool = False
@@ -212,6 +217,11 @@ class KernelFamily(ABC):
     shape-generic tuner caps its micro-kernel extents near the range's top."""
     implementations: tuple[Implementation, ...] = ()
     """The library implementations a tuning trial may pick beside its own kernels (Implementation), in order."""
+    title: str = ""
+    """Its name in reports ("GEMM"); "": `name`."""
+    task_columns: tuple[tuple[str, str, Mapping[str, str]], ...] = ()
+    """The report's columns for what `task_summary` says of a task: (header, the entry's key, its values as the
+    report names them, where it renames them); empty where it says nothing."""
     arch_specific: bool = False
     """Whether it offers configurations of its own for an arch-specific slot (sm_90a: CUTLASS's wgmma GEMMs), which
     the library builds where the estimate predicts them faster than the slot's fallback (plugin.device.own_config)."""
@@ -241,6 +251,13 @@ class KernelFamily(ABC):
         `configs` (kernels.select.candidates); none by default."""
         del problem, arch
         return []
+
+    def task_summary(self, problem: Problem, best: Config | None) -> dict[str, Any]:
+        """What a tuning report entry says of a task of this family beyond its implementations' times (tune.apply.
+        implementations), given its best configuration (None: no trial succeeded): e.g. which of the conv's
+        kernels won and the conv's shape. Empty by default."""
+        del problem, best
+        return {}
 
     def tiling(self, problem: Problem, config: Config, target: Target) -> Tiling:
         """How `config`'s blocks cover `problem` along its run-time extent on `target` (tune.shape_generic's

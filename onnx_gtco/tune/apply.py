@@ -19,8 +19,7 @@ import onnx
 
 from onnx_gtco.calibration import Hardware
 from onnx_gtco.config import tune_storage_env
-from onnx_gtco.families.conv.kernel import summary as conv_summary
-from onnx_gtco.families.gemm import cublaslt, cutlass
+from onnx_gtco.kernels.select import ALL_FAMILIES
 from onnx_gtco.progress import detail, stage
 from onnx_gtco.tune import records
 from onnx_gtco.tune.driver import TaskResult, best_configs, impl_bests, tune
@@ -203,24 +202,24 @@ def slots(task: Task, best: dict[str, Any], bests: Mapping[str, tuple[dict[str, 
 
 def implementations(task: Task, best: tuple[dict[str, Any], float] | None, times: Mapping[str, float],
                     timing: str) -> dict[str, Any]:
-    """What a report entry says of a GEMM task's implementations: which one won ("impl": "mma", "cublaslt",
-    "cutlass") with its configuration and time (the entry's best_config and best_us), the library candidates' best
-    times beside it ("cublaslt_us", "cutlass_us"; None where none ran: not offered, or every trial failed) and
-    whether each was offered ("cublaslt", "cutlass": "offered" or why not), whether the times were "measured" or
-    "analytical" (the model's ranking, no GPU), and the nodes it serves. A conv task's: which of its kernels won
-    ("impl": "implicit_gemm", the Tensor Core tile, or "direct", the CUDA-core kernel of grouped convs; None
-    without a successful trial), its shape ("conv", families.conv.kernel.summary), the timing and its nodes. Empty for
-    the other families."""
-    if task.problem.family == "conv":
-        impl = None if best is None else "direct" if best[0].get("DIRECT") else "implicit_gemm"
-        return {"impl": impl, "conv": conv_summary(task.problem), "timing": timing, "nodes": list(task.nodes)}
-    if task.problem.family != "gemm":
+    """What a report entry says of a task's implementations, for a family with library implementations
+    (KernelFamily.implementations: the GEMM's): which one won ("impl": "mma", "cublaslt", "cutlass") with its
+    configuration and time (the entry's best_config and best_us), each library's best time beside it ("cublaslt_us",
+    "cutlass_us"; None where none ran: not offered, or every trial failed) and whether it was offered ("cublaslt",
+    "cutlass": "offered" or why not); for a family that says more of its tasks (KernelFamily.task_summary: the conv's
+    winning kernel and shape), that; then whether the times were "measured" or "analytical" (the model's ranking, no
+    GPU) and the nodes it serves. Empty for a family with neither."""
+    family = ALL_FAMILIES[task.problem.family]
+    entry = family.task_summary(task.problem, best[0] if best else None)
+    if family.implementations:
+        why = offered(task)
+        entry = {"impl": str(best[0].get("impl", "mma")) if best else None, **entry}
+        for impl in family.implementations:
+            entry[f"{impl.name}_us"] = times.get(impl.name)
+            entry[impl.name] = why.get(impl.name, "not offered")
+    if not entry:
         return {}
-    why = offered(task)
-    return {"impl": str(best[0].get("impl", "mma")) if best else None,
-            "cublaslt_us": times.get(cublaslt.IMPL), "cublaslt": why.get(cublaslt.IMPL, "not a GEMM implementation"),
-            "cutlass_us": times.get(cutlass.IMPL), "cutlass": why.get(cutlass.IMPL, "not a GEMM implementation"),
-            "timing": timing, "nodes": list(task.nodes)}
+    return {**entry, "timing": timing, "nodes": list(task.nodes)}
 
 
 def _tune_shown(tasks: list[Task], trials: int, measurer: Measurer, url: str, patience: int, workers: int,

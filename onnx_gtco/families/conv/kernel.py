@@ -140,6 +140,10 @@ class ConvFamily(KernelFamily):
     (grouped and depthwise), with the conv group's epilogue fused."""
 
     name = "conv"
+    title = "Conv"
+    task_columns = (("conv", "conv", {}),
+                    ("kernel", "impl", {"implicit_gemm": "implicit GEMM (Tensor Cores)",
+                                        "direct": "direct (CUDA cores)"}))
     space: Mapping[str, tuple[int, ...]] = {
         "BM": (64, 128, 256),
         "BN": (32, 64, 128),
@@ -154,6 +158,12 @@ class ConvFamily(KernelFamily):
     optional: Mapping[str, int] = {"VEC": 1, "DIRECT": 0, "THREADS": 128}
     DIRECT_KEYS = ("DIRECT", "THREADS")
     """The direct kernel's parameters; the others are the implicit GEMM's."""
+
+    def task_summary(self, problem: Problem, best: Config | None) -> dict[str, Any]:
+        """Which kernel won ("impl": "implicit_gemm", the Tensor Core tile, or "direct", the CUDA-core kernel of
+        grouped convs; None without a successful trial) and the conv's shape ("conv": summary)."""
+        impl = None if best is None else "direct" if best.get("DIRECT") else "implicit_gemm"
+        return {"impl": impl, "conv": summary(problem)}
 
     def space_for(self, problem: Problem) -> dict[str, tuple[int, ...]]:
         """The parameters a tuning trial of `problem` suggests (tune.search.search_space): the direct kernel's,

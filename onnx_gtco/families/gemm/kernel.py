@@ -301,11 +301,12 @@ def _cutlass_ranked(problem: Problem, hw: Hardware | None = None) -> tuple[dict[
 
 
 IMPLEMENTATIONS = (
-    Implementation(cublaslt.IMPL, {"RANK": cublaslt.RANKS}, _cublaslt_offered, fallible=True, own_kernels=False,
+    Implementation(cublaslt.IMPL, {"RANK": cublaslt.RANKS}, _cublaslt_offered, label="cuBLASLt",
+                   proxy="ONNX Runtime's cuBLAS kernels", fallible=True, own_kernels=False,
                    emulated=True, include_dirs=cublaslt.include_dirs, prepare=cublaslt.load,
                    last_error=cublaslt.last_error),
     Implementation(cutlass.IMPL, cutlass.SPACE, _cutlass_offered, _cutlass_ranked, {cutlass.TARGET: cutlass.ARCH},
-                   cutlass.version),
+                   cutlass.version, label="CUTLASS"),
 )
 """The GEMM's library implementations, in the order a tuning study offers them: cuBLASLt's matmul with its fused
 epilogue (sm_80 / sm_90) and CUTLASS's Hopper GEMMs (sm_90a)."""
@@ -320,6 +321,7 @@ class GemmFamily(KernelFamily):
     fp32_output = True
 
     name = "gemm"
+    title = "GEMM"
     space: Mapping[str, tuple[int, ...]] = {
         "BM": (64, 128, 256),
         "BN": (64, 128, 256),
