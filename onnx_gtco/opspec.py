@@ -68,6 +68,11 @@ class OpSpec:
         launches: the kernel launches of one node, from its attributes (a QKV node: one per projection); None: one.
         fp32_output: whether a half node, from its attributes, writes a float graph output in fp32 itself (its
             kernel's fp32-output epilogue: a GEMM without a residual); None: never.
+        parts: the families of the groups a node of this op, from its attributes, replaces as one kernel (a GEMM
+            with the LayerNorm over its rows: ("gemm", "layernorm")), whose two kernels the report prices beside
+            it; None: it is no such composite.
+        per_layer: whether a transformer layer holds one node of this op (attention), so the report counts
+            launches per layer between two of them.
     """
 
     family: str
@@ -77,6 +82,8 @@ class OpSpec:
     dtypes: tuple[str, ...] = FLOAT_DTYPES
     launches: Callable[[Mapping[str, Any]], int] | None = None
     fp32_output: Callable[[Mapping[str, Any]], bool] | None = None
+    parts: Callable[[Mapping[str, Any]], tuple[str, ...] | None] | None = None
+    per_layer: bool = False
     _by_name: dict[str, Attr] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from onnx_gtco.config import GtcoConfig
 from onnx_gtco.cost.model import cost_fn, estimate, launches, node_flops, unfused_cost
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView
+from onnx_gtco.opspec import SPECS
 from onnx_gtco.plan.types import Candidate, Plan, Reject
 
 if TYPE_CHECKING:
@@ -185,19 +186,31 @@ def _pdl_entries(dependent: int, after: float, config: GtcoConfig, hw: Hardware)
     return out
 
 
+def _parts(cand: Candidate) -> tuple[str, ...] | None:
+    spec = SPECS.get(cand.family)
+    return None if spec is None or spec.parts is None else spec.parts(dict(cand.attrs))
+
+
 def _pair(cand: Candidate, candidates: list[Candidate], cost: Any) -> dict[str, Any]:
-    """For a GEMM + LayerNorm group, what the DP chose it over: the GEMM and the LayerNorm as two kernels, and
-    their cost (`instead_of`); {} for other groups."""
-    if cand.family != "gemm" or not cand.attr("layernorm"):
+    """For a composite group (OpSpec.parts: a GEMM with the LayerNorm over its rows), what the DP chose it over: its
+    two parts as two kernels, and their cost (`instead_of`); {} for other groups."""
+    parts = _parts(cand) if cand.fused else None
+    if not parts or len(parts) != 2:
         return {}
-    gemms = [c for c in candidates if c.family == "gemm" and not c.attr("layernorm") and c.nodes < cand.nodes]
-    lns = {c.nodes: c for c in candidates if c.family == "layernorm" and c.nodes < cand.nodes}
-    pairs = [(g, lns[cand.nodes - g.nodes]) for g in gemms if cand.nodes - g.nodes in lns]
+    first, second = parts
+    heads = [c for c in candidates if c.family == first and not _parts(c) and c.nodes < cand.nodes]
+    tails = {c.nodes: c for c in candidates if c.family == second and c.nodes < cand.nodes}
+    pairs = [(g, tails[cand.nodes - g.nodes]) for g in heads if cand.nodes - g.nodes in tails]
     if not pairs:
         return {}
     best = min(pairs, key=lambda p: cost(p[0]) + cost(p[1]))
-    return {"instead_of": {"groups": ["gemm", "layernorm"],
-                           "predicted_us": round(cost(best[0]) + cost(best[1]), 4)}}
+    return {"instead_of": {"groups": list(parts), "predicted_us": round(cost(best[0]) + cost(best[1]), 4)}}
+
+
+def per_layer(family: str) -> bool:
+    """Whether a transformer layer holds one node of `family` (OpSpec.per_layer: attention)."""
+    spec = SPECS.get(family)
+    return spec is not None and spec.per_layer
 
 
 def _runs(view: GraphView, cand: Candidate) -> bool:
@@ -245,7 +258,7 @@ def launch_counts(view: GraphView, plan: Plan, kernelless: Collection[Candidate]
     repeated = [k for k in dict.fromkeys(keys) if k is not None and counts[k] >= 2]
     if not repeated:
         return out
-    key = max(repeated, key=lambda k: (k[0] == "attention", counts[k]))  # one attention per transformer layer
+    key = max(repeated, key=lambda k: (per_layer(k[0]), counts[k]))  # one attention per transformer layer
     at = [i for i, k in enumerate(keys) if k == key]
     blocks = len(at) - 1
     # the original's span: from the last node of the first occurrence to that of the last, by name
@@ -361,7 +374,7 @@ def launch_lines(report: dict[str, Any]) -> list[str]:
             f"{la['original_launching_nodes']} of them launch)")
     blk = la.get("per_block")
     if blk:
-        what = "layer" if blk["anchor"] == "attention" else f"repeated block ({blk['anchor']})"
+        what = "layer" if per_layer(blk["anchor"]) else f"repeated block ({blk['anchor']})"
         line += f"; per {what} {blk['ours']:g}"
         if "original_nodes" in blk:
             line += f" (the original: {blk['original_nodes']:g} nodes)"

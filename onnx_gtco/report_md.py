@@ -15,7 +15,7 @@ from onnx_gtco.errors import ReportError
 from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
 from onnx_gtco.kernels.family import KernelFamily
 from onnx_gtco.kernels.select import ALL_FAMILIES
-from onnx_gtco.report import estimate_words, speedup
+from onnx_gtco.report import estimate_words, per_layer, speedup
 
 REQUIRED_KEYS = ("model", "target", "precision", "nodes_before", "nodes_after", "groups", "rejected", "not_chosen",
                  "unfused_ops", "fused_flop_share", "predicted_us_before", "predicted_us_after")
@@ -157,7 +157,7 @@ def _header(r: dict[str, Any]) -> list[str]:
                      la["ours"], "-"])
         blk = la.get("per_block")
         if blk and "original_launching_nodes" in blk:
-            what = "layer" if blk["anchor"] == "attention" else f"repeated block ({blk['anchor']})"
+            what = "layer" if per_layer(blk["anchor"]) else f"repeated block ({blk['anchor']})"
             rows.append([f"kernel launches per {what}", f"{blk['original_launching_nodes']:g}", f"{blk['ours']:g}",
                          "-"])
     if r.get("predicted_us_after_pdl") is not None:

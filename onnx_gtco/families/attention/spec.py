@@ -16,6 +16,6 @@ SPECS = (
     # scores cannot take; mask_period: the mask is read at batch row b % mask_period (Swin's window mask
     # [1, nW, 1|H, N, N]; 0: row b); mask_scale / bias_scale: the scales the graph applies after adding the term
     OpSpec("attention", ("q", "k", "v", "mask", "bias"), ("out",),
-           (*_ATTENTION, Attr("v_layout", STR, "bhsd"), Attr("out_layout", STR, "bhsd"))),
+           (*_ATTENTION, Attr("v_layout", STR, "bhsd"), Attr("out_layout", STR, "bhsd")), per_layer=True),
     OpSpec("bmm_softmax", ("q", "k", "mask", "bias"), ("probs",), _ATTENTION),
 )

@@ -20,5 +20,6 @@ SPECS = (
             Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *EPILOGUE,
             Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5)),
            # the epilogue casts to fp32 (kernels.select.with_out_dtype); with a residual it would read an fp32 one
-           fp32_output=lambda a: not a.get("residual")),
+           fp32_output=lambda a: not a.get("residual"),
+           parts=lambda a: ("gemm", "layernorm") if a.get("layernorm") else None),
 )
