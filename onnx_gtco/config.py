@@ -388,9 +388,9 @@ class GtcoConfig:
         dynamic: declared ranges of the model's symbolic dims, (dim name, lo, hi) sorted by name; the model is
             optimized for every shape inside them (see parse_dynamic for the `--dynamic` text form).
         pack_qkv: pack a block's Q, K and V projections into one GEMM that the attention reads packed
-            (patterns/pack.py); False keeps them three GEMMs of one QKV node.
+            (families/gemm/pack.py); False keeps them three GEMMs of one QKV node.
         patchify: run a conv whose stride equals its kernel (a ViT's patch embedding) as a patchify copy and a GEMM
-            where the estimate predicts that faster (patterns/patchify.py); False keeps every conv a conv.
+            where the estimate predicts that faster (families/conv/patchify.py); False keeps every conv a conv.
     """
 
     target: str = DEFAULT_TARGET

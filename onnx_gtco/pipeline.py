@@ -24,11 +24,10 @@ from onnx_gtco.errors import OpsetNotConvertedError, OutputError
 from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_parent, write_text_atomic
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
-from onnx_gtco.patterns.pack import pack_qkv
-from onnx_gtco.patterns.patchify import PatchConv, patchify_convs
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
 from onnx_gtco.plan.types import Candidate, Plan, Reject
+from onnx_gtco.plugin.passes import graph_passes
 from onnx_gtco.precision import HALF_TYPES, Conversion, convert
 from onnx_gtco.rewrite import rewrite
 
@@ -137,7 +136,8 @@ class Planned:
         cost: the DP's cost callable (cost.model.cost_fn over the kernels' estimates): the report's "predicted".
         measured: the measured-time lookup of tuned groups (None without measurements).
         coverage: candidate -> its device kernel on the target, as the build selects it, with its estimate.
-        patchify: the estimates of each stride = kernel conv's two forms (plugin.coverage.PatchifyChoice).
+        passes: each planner pass's decisions by its name, where it made any (GraphPass: the conv family's
+            patchify pass prices each stride = kernel conv's two forms, families.conv.passes.PatchifyChoice).
     """
 
     view: GraphView
@@ -147,7 +147,7 @@ class Planned:
     cost: Callable[[Candidate], float]
     measured: Callable[[Candidate], float | None] | None
     coverage: Any
-    patchify: list[Any] = field(default_factory=list)
+    passes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def plan_model(
@@ -155,30 +155,23 @@ def plan_model(
     unfused: str = "", matched: tuple[list[Candidate], list[Reject]] | None = None,
 ) -> Planned:
     """Rewrite what the planner rewrites first, match the rules, cost the candidates and run the DP on a loaded model
-    (or the view of one, which is planned as it is). The planner's rewrites: a stride = kernel conv becomes a
-    patchify copy and a GEMM where the estimate predicts that faster (patterns/patchify.py; GtcoConfig.patchify),
-    then a block's Q, K and V projections one GEMM (patterns/pack.py; GtcoConfig.pack_qkv). With `measured_us`
+    (or the view of one, which is planned as it is). The planner's rewrites are the families' passes (graph_passes:
+    a stride = kernel conv becomes a patchify copy and a GEMM where the estimate predicts that faster,
+    GtcoConfig.patchify; then a block's Q, K and V projections one GEMM, GtcoConfig.pack_qkv). With `measured_us`
     (tuning task key -> measured kernel time), the DP costs those groups by their measurements. `unfused`: why no
     rule may run on the model (it is planned node by node, and the reason is its one reject). `matched`: the
     candidates and rejects an earlier plan of the same view found (the rules are not matched again)."""
-    from onnx_gtco.plugin.coverage import candidate_coverage, patchify_choice
+    from onnx_gtco.plugin.coverage import candidate_coverage
 
     hw = hardware(config.target)
-    choices: list[Any] = []
+    passes: dict[str, list[dict[str, Any]]] = {}
     with progress.stage("plan", total=3) as st:
         if not isinstance(model, GraphView) and not unfused and matched is None:
-            if config.patchify:
-
-                def pays(pc: PatchConv) -> bool:
-                    choice = patchify_choice(pc, config.precision, hw)
-                    choices.append(choice)
-                    return choice.patchify
-
-                model, _ = patchify_convs(model, pays)  # the patch embedding as a copy and a GEMM where it pays
-                by_conv = {c.conv: c for c in choices}  # the decisions of the last pass, one per conv
-                choices = list(by_conv.values())
-            if config.pack_qkv:
-                model, _ = pack_qkv(model)  # one GEMM for a block's Q, K and V (patterns/pack.py)
+            for graph_pass in graph_passes():  # the patch embedding as a copy and a GEMM where it pays, then
+                if graph_pass.enabled(config):  # one GEMM for a block's Q, K and V
+                    model, decisions = graph_pass.run(model, config, hw)
+                    if decisions:
+                        passes[graph_pass.name] = decisions
         view = model if isinstance(model, GraphView) else GraphView(model)
         if matched is not None:
             candidates, rejects = matched
@@ -210,7 +203,7 @@ def plan_model(
         st.step("DP")
         st.note = (f"{len(view)} nodes, {len(candidates)} candidates, {len(plan.fused_groups)} fused groups, "
                    f"{plan.states} DP states")
-    return Planned(view, candidates, rejects, plan, cost, measured, coverage, choices)
+    return Planned(view, candidates, rejects, plan, cost, measured, coverage, passes)
 
 
 def load(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoConfig) -> LoadedModel:
@@ -276,7 +269,7 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
     else:  # plan_model put the DP's rejects after the rules' ones
         matched = earlier.rejects[:len(earlier.rejects) - len(earlier.plan.rejects)]
         planned = plan_model(earlier.view, config, measured_us, matched=(earlier.candidates, matched))
-        planned.patchify = list(earlier.report.get("patchify", ()))
+        planned.passes = {p.name: list(earlier.report[p.name]) for p in graph_passes() if earlier.report.get(p.name)}
     view, candidates, rejects, plan = planned.view, planned.candidates, planned.rejects, planned.plan
     cost, measured, coverage = planned.cost, planned.measured, planned.coverage
     t2 = time.perf_counter()
@@ -325,8 +318,7 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
                 measured_groups += 1
         rep["plan_costs"] = f"measured kernel times for {measured_groups} groups, the analytical model elsewhere"
         rep["planned_us_after"] = round(plan.cost_us, 3)
-    if planned.patchify:
-        rep["patchify"] = [c if isinstance(c, dict) else c.to_json() for c in planned.patchify]
+    rep.update(planned.passes)  # each planner pass's decisions (the patch embeddings' prices), under its name
     if conversion is not None:
         rep["conversion"] = conversion.to_json()
     if ranges:

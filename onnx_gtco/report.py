@@ -53,7 +53,7 @@ def build_report(
     group gets `device_kernels` (the arch slots it has one for) and `device_reason` (why it has none), and the
     report a `device` entry (device_summary). A group without a device kernel on the config's target runs its
     function: its predicted time, and its share of the predicted time after fusion, are its nodes' unfused cost.
-    `original`: the model before any rewrite of the planner's own (the QKV packing, patterns/pack.py), whose node
+    `original`: the model before any rewrite of the planner's own (the QKV packing, families/gemm/pack.py), whose node
     count `launches` gives beside ours; default `view`. `coverage`: the planner's answer per candidate (the
     instance the target's slot would run, plugin.coverage.candidate_coverage): each group with a kernel gets
     `kernel`, its instance, configuration and estimated time per launch.

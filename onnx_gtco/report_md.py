@@ -15,6 +15,8 @@ from onnx_gtco.errors import ReportError
 from onnx_gtco.ir.export import write_bytes_atomic, write_text_atomic
 from onnx_gtco.kernels.family import KernelFamily
 from onnx_gtco.kernels.select import ALL_FAMILIES
+from onnx_gtco.plan.types import GraphPass
+from onnx_gtco.plugin.passes import graph_passes
 from onnx_gtco.report import estimate_words, per_layer, speedup
 
 REQUIRED_KEYS = ("model", "target", "precision", "nodes_before", "nodes_after", "groups", "rejected", "not_chosen",
@@ -183,10 +185,8 @@ def _header(r: dict[str, Any]) -> list[str]:
                   + (" (proxies: " + "; ".join(est["proxies"]) + ")" if est.get("proxies") else "") + "."]
     elif est:
         lines += ["", est["note"] + "."]
-    if r.get("patchify"):
-        rows = [[p["conv"], _us(p["conv_us"]), _us(p["patchify_us"]), p["chosen"]] for p in r["patchify"]]
-        lines += ["", "Convs whose stride is their kernel (patch embeddings), priced both ways:", "",
-                  *_table(["conv", "conv µs", "patchify + GEMM µs", "runs as"], rows, "lrrl")]
+    for graph_pass in graph_passes():  # each planner pass's decisions (the patch embeddings, priced both ways)
+        lines += _pass_table(graph_pass, r.get(graph_pass.name) or [])
     return lines
 
 
@@ -214,8 +214,7 @@ def _families(r: dict[str, Any]) -> list[str]:
     lines += ["", f"{UNFUSED_ROW}: nodes outside every fused group, costed alone (the same before and after)."
               if rows[-1]["family"] == UNFUSED_ROW else ""]
     if r.get("predicted_us_before_planned") is not None:
-        lines += ["", "The planner rewrote the graph first (a patch embedding as a patchify copy and a GEMM, "
-                  "patterns/patchify.py; each block's Q, K and V projections as one GEMM, patterns/pack.py): the "
+        lines += ["", f"The planner rewrote the graph first ({'; '.join(p.describe for p in graph_passes())}): the "
                   f"rows cost the {r.get('nodes_planned', r['nodes_before'])} nodes of that graph, "
                   f"{_us(r['predicted_us_before_planned'])} µs unfused, against {_us(r['predicted_us_before'])} µs "
                   f"for the model as given ({r['nodes_before']} nodes)."]
@@ -384,6 +383,16 @@ def _tuning(r: dict[str, Any]) -> list[str]:
     if t.get("untuned"):
         lines += ["", "Fused nodes without a tuning task:", "", *_reasons(t["untuned"])]
     return lines
+
+
+def _pass_table(graph_pass: GraphPass, decisions: list[dict[str, Any]]) -> list[str]:
+    """A planner pass's decisions as its table (GraphPass.title, columns; a key ending in "_us" is a time)."""
+    if not decisions or not graph_pass.columns:
+        return []
+    keys = [k for _, k in graph_pass.columns]
+    rows = [[_us(d.get(k)) if k.endswith("_us") else d.get(k, "-") for k in keys] for d in decisions]
+    return ["", f"{graph_pass.title}:", "",
+            *_table([h for h, _ in graph_pass.columns], rows, "".join("r" if k.endswith("_us") else "l" for k in keys))]
 
 
 def _times_kind(entries: list[dict[str, Any]], proxies: str = "") -> str:

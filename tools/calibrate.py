@@ -23,7 +23,7 @@ c. a CUDA-graph chain of 64 LayerNorm nodes over [197, 768], optimized by onnx-g
    records (launches, pdl_launches) beside the kernel record of the same LayerNorm measured standalone, from which
    the fit gets launch.graph_gap_us and launch.pdl_overlap_us;
 d. ViT-B/16's patch embedding (16x16 stride 16, 3 -> 768 channels, 224 px) at batch 1 and 64: our conv instance
-   (the one the build selects) against patterns.patchify's copy (the elementwise program of its rewrite) and the
+   (the one the build selects) against families.conv.patchify's copy (the elementwise program of its rewrite) and the
    GEMM [N*196, 768] x [768, 768] with its bias (our cuBLASLt instance and the mma instance the estimate prefers);
 e. not a record: the SM clock (pynvml, else nvidia-smi) before, during and after about 2 s of back-to-back batch-64
    GEMMs (cuBLAS through CuPy, ViT-B/16's fc1 at batch 64), and that GEMM's median time cold against sustained, to
@@ -83,6 +83,7 @@ from onnx_gtco.calibration import SHIPPED_DIR, Hardware, hardware, load_calibrat
 from onnx_gtco.config import TARGETS  # noqa: E402
 from onnx_gtco.errors import GtcoError  # noqa: E402
 from onnx_gtco.families.conv.kernel import conv_problem  # noqa: E402
+from onnx_gtco.families.conv.patchify import patchify_convs  # noqa: E402
 from onnx_gtco.families.elementwise.kernel import FAMILY as ELEMENTWISE  # noqa: E402
 from onnx_gtco.families.elementwise.kernel import program_from_onnx  # noqa: E402
 from onnx_gtco.families.gemm import cublaslt, cutlass  # noqa: E402
@@ -90,7 +91,6 @@ from onnx_gtco.families.gemm.kernel import FAMILY as GEMM  # noqa: E402
 from onnx_gtco.families.gemm.kernel import gemm_problem  # noqa: E402
 from onnx_gtco.kernels.family import Instance, Problem  # noqa: E402
 from onnx_gtco.kernels.select import candidates, fastest  # noqa: E402
-from onnx_gtco.patterns.patchify import patchify_convs  # noqa: E402
 from onnx_gtco.tune import fit  # noqa: E402
 from onnx_gtco.tune.analytical import estimate_us  # noqa: E402
 from onnx_gtco.tune.gpu import family_of  # noqa: E402
@@ -339,8 +339,8 @@ def _fastest_elementwise(problem: Problem, arch: str, hw: Hardware) -> dict[str,
 
 
 def patchify_copy(batch: int) -> Problem:
-    """The elementwise Problem of ViT-B/16's patch embedding at `batch` as patterns.patchify rewrites it: a one-conv
-    model (16x16 stride 16, 3 -> 768 channels, 224 px) through patchify_convs, and the program (the elementwise
+    """The elementwise Problem of ViT-B/16's patch embedding at `batch` as patchify_convs rewrites it: a one-conv
+    model (16x16 stride 16, 3 -> 768 channels, 224 px) through the rewrite, and the program (the elementwise
     binder's program_from_onnx) of the layout ops the rewrite puts before the GEMM, x -> patches [N, 196, 768]."""
     n = batch
     w = numpy_helper.from_array(np.zeros((HIDDEN, 3, 16, 16), np.float32), "w")
@@ -353,7 +353,7 @@ def patchify_copy(batch: int) -> Problem:
     model.ir_version = 8
     rewritten, convs = patchify_convs(model)
     if len(convs) != 1:
-        raise GtcoError("patterns.patchify did not rewrite the 16x16 stride-16 conv")
+        raise GtcoError("families.conv.patchify did not rewrite the 16x16 stride-16 conv")
     layout_ops = []
     for node in rewritten.graph.node:
         if node.op_type == "MatMul":

@@ -25,7 +25,7 @@ from types import ModuleType
 ORDER = ("attention", "gemm", "conv", "layernorm", "rmsnorm", "softmax", "elementwise")
 """The families, in the order their rules run (for identical node sets the first rule wins)."""
 
-STAGES = ("spec", "rule", "kernel", "bind")
+STAGES = ("spec", "rule", "kernel", "bind", "passes")
 """The modules a family folder may have, lowest stage first."""
 
 

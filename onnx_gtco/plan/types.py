@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,4 +64,31 @@ class Plan:
         return tuple(g for g in self.groups if g.fused)
 
 
-__all__ = ["Candidate", "Plan", "Reject", "freeze_attrs"]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """A rewrite of the planner's own, run on the loaded model before the rules match (a family's `passes.py`
+    PASSES: the patch embedding as a copy and a GEMM, a block's Q, K and V projections as one GEMM).
+
+    Attributes:
+        name: its name, and the report's key for its decisions where it has any.
+        order: passes run in ascending order (ties in the registry's order).
+        enabled: (the run's GtcoConfig) -> whether it runs.
+        run: (model, config, hardware) -> the model it leaves (the one passed in where it rewrote nothing; never
+            changed in place) and its decisions, one JSON-able dict each, for the report.
+        describe: what it rewrites, for the report ("a patch embedding as a patchify copy and a GEMM").
+        title: the report's heading for its decisions' table.
+        columns: the table's (header, key) pairs; a key ending in "_us" is a time.
+    """
+
+    name: str
+    order: int
+    enabled: Callable[[Any], bool]
+    run: Callable[[Any, Any, Any], tuple[Any, list[dict[str, Any]]]]
+    describe: str
+    title: str = ""
+    columns: tuple[tuple[str, str], ...] = ()
+
+
+__all__ = ["Candidate", "GraphPass", "Plan", "Reject", "freeze_attrs"]

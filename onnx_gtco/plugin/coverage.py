@@ -23,20 +23,15 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
-from onnx_gtco.calibration import Hardware, LaunchConstants, hardware
+from onnx_gtco.calibration import Hardware, hardware
 from onnx_gtco.errors import GtcoError
-from onnx_gtco.families.conv.kernel import conv_problem
-from onnx_gtco.families.elementwise.kernel import FAMILY as ELEMENTWISE
-from onnx_gtco.families.elementwise.kernel import elementwise_problem
-from onnx_gtco.families.gemm.kernel import gemm_problem
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.ir.view import TensorInfo as PlanTensor
 from onnx_gtco.kernels.family import Instance, Problem
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
-from onnx_gtco.patterns.patchify import PatchConv
 from onnx_gtco.plan.types import Candidate
 from onnx_gtco.plugin.binding import Binding, FusedNode, Operand
-from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances, device_problem, estimate_instance, slot_estimate
+from onnx_gtco.plugin.device import ARCH_SLOTS, device_instances, device_problem, estimate_instance
 from onnx_gtco.plugin.library import bind_node, bind_nodes, select_device
 from onnx_gtco.plugin.nodes import DTYPE_NAMES, fused_nodes, make_fused_node
 from onnx_gtco.precision import DTYPE_TAG, HALF_TYPES, to_half
@@ -193,59 +188,5 @@ def candidate_coverage(view: GraphView, precision: str, archs: Sequence[str] = A
     return coverage
 
 
-@dataclass(frozen=True)
-class PatchifyChoice:
-    """Whether a stride = kernel conv runs as its conv kernel or as a patchify copy and a GEMM (patterns.patchify),
-    with both estimates on the planning target: the conv (and the token transpose its readers add) against the copy,
-    the GEMM (its fastest implementation) and the NCHW restore where a reader keeps it, each with its graph gap."""
-
-    conv: str
-    conv_us: float | None
-    patchify_us: float | None
-    why: str = ""
-
-    @property
-    def patchify(self) -> bool:
-        return self.patchify_us is not None and (self.conv_us is None or self.patchify_us < self.conv_us)
-
-    def to_json(self) -> dict[str, object]:
-        return {"conv": self.conv, "conv_us": None if self.conv_us is None else round(self.conv_us, 3),
-                "patchify_us": None if self.patchify_us is None else round(self.patchify_us, 3),
-                "chosen": "patchify + GEMM" if self.patchify else "conv", **({"why": self.why} if self.why else {})}
-
-
-ONE_BY_ONE = ("a 1x1 conv reads each pixel's channels as one GEMM row already: the rewrite would add a copy on each "
-              "side and take the conv's fused epilogue (BatchNorm, activation, residual) apart")
-
-
-def patchify_choice(pc: PatchConv, precision: str, hw: Hardware) -> PatchifyChoice:
-    """The estimates of one conv's two forms (PatchifyChoice) in the kernel dtype `precision` gives (the tensors'
-    own for fp32); a 1x1 conv is not a patch embedding and stays a conv (ONE_BY_ONE). The conv's form is our conv
-    kernel: ONNX Runtime's conv of a patch embedding measured 82.8 us at batch 1 and 472.6 at batch 64 on the H200
-    (docs/benchmarks.md), which the vendor GEMM estimate of an unfused conv does not describe."""
-    if pc.kh * pc.kw == 1:
-        return PatchifyChoice(pc.name, None, None, ONE_BY_ONE)
-    dtype = {"fp16": "f16", "bf16": "bf16"}.get(precision, DTYPE_NAMES.get(pc.dtype, "f32"))
-    gap = hw.constants(LaunchConstants).graph_gap_us
-
-    def copy_us(elems: int, gathered: bool) -> float:
-        if not elems:
-            return 0.0
-        inp = (((elems,), "float"),)
-        layout = ((((elems,), (2,), 0),) if gathered else (None,))  # innermost stride != 1: read one per access
-        problem = elementwise_problem(dtype, (elems,), (), inp, (("x", 0),), layout)
-        return ELEMENTWISE.estimate_us(problem, {"THREADS": 256, "VEC": 8}, hw) + gap
-
-    conv = conv_problem(dtype, pc.batch, pc.c, pc.h, pc.w, pc.oc, pc.kh, pc.kw, stride=(pc.kh, pc.kw), bias=pc.bias)
-    conv_pick = slot_estimate(conv, hw)
-    gemm = gemm_problem(dtype, 1, pc.gemm_m, pc.gemm_n, pc.gemm_k, bias=pc.bias)
-    gemm_pick = slot_estimate(gemm, hw)
-    tokens = pc.gemm_m * pc.oc
-    conv_us = None if conv_pick is None else conv_pick[1] + gap + (0.0 if pc.nchw_copy else copy_us(tokens, True))
-    patch_us = None if gemm_pick is None else (copy_us(pc.patchify_elems, False) + gemm_pick[1] + gap
-                                               + copy_us(pc.nchw_elems, True))
-    return PatchifyChoice(pc.name, conv_us, patch_us)
-
-
-__all__ = ["Coverage", "ModelCoverage", "PatchifyChoice", "candidate_coverage", "candidate_node", "model_coverage",
-           "patchify_choice", "target_slot"]
+__all__ = ["Coverage", "ModelCoverage", "candidate_coverage", "candidate_node", "model_coverage",
+           "target_slot"]

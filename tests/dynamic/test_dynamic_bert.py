@@ -79,7 +79,7 @@ def test_rewrite_keeps_the_symbolic_dims_and_the_ranges(built) -> None:
         assert {"Attention_f16" if kind == "emu" else "Attention_f32", "Layernorm_f16" if kind == "emu"
                 else "Layernorm_f32"} <= set(lib.op_types), lib.skipped()
     emu: LibraryResult = built["emu"][1]
-    # Q, K and V: one Gemm (patterns/pack.py)
+    # Q, K and V: one Gemm (families/gemm/pack.py)
     assert {"Attention_f16", "Gemm_f16", "Layernorm_f16"} <= set(emu.cuda_op_types), emu.kernel_skips
 
 

@@ -44,11 +44,11 @@ from test_gemm_glue import layer_scale_model  # noqa: E402
 
 MODELS = {  # name -> (fp32 original, fp16 op types that must get device kernels)
     # the patch-embedding Conv stays fp32 (fp16() blocks it) and runs, as the estimate predicts it faster, as a
-    # patchify copy and a TF32 GEMM (patterns/patchify.py; the conv kernel's device path:
+    # patchify copy and a TF32 GEMM (families/conv/patchify.py; the conv kernel's device path:
     # tests/families/conv/test_conv_glue)
     "vit": (lambda: build("vit-tiny", depth=1, image=64, seed=0),
             {"Layernorm_f16", "Gemm_f16", "Attention_f16", "Gemm_f32", "Elementwise_f32"}),
-    # BERT's Q, K and V as one GEMM read packed by the attention (patterns/pack.py); "bert_qkv": planned without
+    # BERT's Q, K and V as one GEMM read packed by the attention (families/gemm/pack.py); "bert_qkv": planned without
     # that packing, its QKV node (gtco::Qkv) and the attention's three bshd_merged inputs
     "bert": (lambda: build("bert-tiny", depth=1, seq=24, batch="N", seed=0),
              {"Layernorm_f16", "Gemm_f16", "Attention_f16"}),

@@ -127,7 +127,7 @@ def test_bert_tiny_decomposed_layernorm_with_library(tmp_path: Path) -> None:
 
     built = build_model(build("bert-tiny", seed=0), tmp_path)
     # Elementwise_f32: the attention mask's int64 -> float preparation (static shapes here)
-    # no Qkv_f32: a block's Q, K and V projections are one Gemm_f32 (patterns/pack.py)
+    # no Qkv_f32: a block's Q, K and V projections are one Gemm_f32 (families/gemm/pack.py)
     assert built.lib.op_types == ["Attention_f32", "Elementwise_f32", "Gemm_f32", "Layernorm_f32"]
     assert all(d.ok for d in compare(built.original, built.rewritten, library=True, samples=2))
     feeds = make_inputs(onnx.load(str(built.original)), 0)

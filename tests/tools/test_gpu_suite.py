@@ -833,7 +833,7 @@ def test_the_calibration_cases_measure_what_the_estimate_was_never_fitted_to() -
     assert {(c.batch, c.role) for c in patch} == {(b, r) for b in (1, 64) for r in ("conv", "copy", "gemm")}
     for conv in (c for c in patch if c.role == "conv"):
         assert conv.instance.name == select_instance(conv.problem, "sm_90", hw=hw).name
-    for copy in (c for c in patch if c.role == "copy"):  # patterns.patchify's copy: x [N, 3, 224, 224] as patches
+    for copy in (c for c in patch if c.role == "copy"):  # families.conv.patchify's copy: x [N, 3, 224, 224] as patches
         layout = copy.problem.flag("layouts")[0]
         assert copy.problem.flag("inputs")[0][0] == (copy.batch, 196, 768) and not copy.problem.flag("program")
         assert math.prod(layout[0]) == copy.batch * 3 * 224 * 224

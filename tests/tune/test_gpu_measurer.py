@@ -47,7 +47,7 @@ def test_compile_step_gives_a_library_or_the_error_kind(tmp_path: Path, monkeypa
 
 
 def _patchify_copy(batch: int) -> Problem:
-    """ViT-B/16's patch embedding as patterns.patchify's copy: x [N, 3, 224, 224] -> patches [N, 196, 768]."""
+    """ViT-B/16's patch embedding as families.conv.patchify's copy: x [N, 3, 224, 224] -> patches [N, 196, 768]."""
     from onnx import helper
 
     from onnx_gtco.families.elementwise.kernel import program_from_onnx

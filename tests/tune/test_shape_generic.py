@@ -151,7 +151,7 @@ def test_optimize_tunes_dynamic_models_shape_generically(tmp_path: Path, capsys:
             "seq=1:128,batch=1:16", "--tune-trials", "6", "--storage", f"memory:{tmp_path}"]
     assert main(args) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("dynamic"))
-    # 6 tasks: Q, K and V packed into one GEMM of N = 384 (patterns/pack.py), attention, the output projection,
+    # 6 tasks: Q, K and V packed into one GEMM of N = 384 (families/gemm/pack.py), attention, the output projection,
     # fc1 and fc2, and the two LayerNorms as one task (the estimate keeps them apart from their GEMMs)
     assert "batch=1:16 (declared), seq=1:128 (declared); 6 tuned dispatch tables" in line
     rep = json.loads((tmp_path / "b.gtco.onnx.report.json").read_text())

@@ -39,7 +39,7 @@ def vit_b() -> onnx.ModelProto:
 def test_identical_groups_are_one_task_weighted_by_occurrences(vit_b: onnx.ModelProto) -> None:
     tasks, skipped = model_tasks(vit_b, "sm_90")
     # elementwise nodes are no task (they are untuned): the patch embedding's patchify copy among them; its GEMM
-    # (the conv as the estimate prefers it, patterns/patchify.py) is one
+    # (the conv as the estimate prefers it, families/conv/patchify.py) is one
     assert {n.split("/")[1] for n in skipped} == {"elementwise"}, skipped
     assert not [t for t in tasks if t.problem.family == "conv"]
     (patch,) = [t for t in tasks if t.problem.family == "gemm" and t.problem.size("M") == 14 * 14]

@@ -313,7 +313,7 @@ MODELS = [
 # what each model's attention nodes bind to, by node input name (suffix) per role
 EXPECT = {
     "vit-tiny": {"q": "attn.qkv.add", "k": "attn.qkv.add", "v": "attn.qkv.add", "mask": None},
-    # separate Q, K, V projections are packed into one GEMM whose output the attention reads (patterns/pack.py)
+    # separate Q, K, V projections are packed into one GEMM whose output the attention reads (families/gemm/pack.py)
     "vit-tiny/split": {"q": "attn.q.matmul.qkv_packed.add", "k": "attn.q.matmul.qkv_packed.add",
                        "v": "attn.q.matmul.qkv_packed.add", "mask": None},
     "deit-b": {"q": "attn.qkv.add", "k": "attn.qkv.add", "v": "attn.qkv.add", "mask": None},

@@ -1,4 +1,4 @@
-"""Q, K and V projections packed into one GEMM before planning (patterns/pack.py)."""
+"""Q, K and V projections packed into one GEMM before planning (families/gemm/pack.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from onnx_gtco.families.gemm.pack import pack_qkv
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.models import build
 from onnx_gtco.patterns import rules
-from onnx_gtco.patterns.pack import pack_qkv
 from onnx_gtco.plan.candidates import collect
 
 

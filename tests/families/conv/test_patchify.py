@@ -1,4 +1,4 @@
-"""Patch-embedding convs rewritten as a patchify copy and a GEMM before planning (patterns/patchify.py)."""
+"""Patch-embedding convs rewritten as a patchify copy and a GEMM before planning (families/conv/patchify.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 from pins import CONV_KERNELS
 
 from onnx_gtco.config import GtcoConfig
+from onnx_gtco.families.conv.patchify import PatchConv, patchify_convs
 from onnx_gtco.ir import load as load_mod
 from onnx_gtco.ir.export import save_atomic
 from onnx_gtco.ir.load import infer_shapes, load_model
 from onnx_gtco.models import build
-from onnx_gtco.patterns.patchify import PatchConv, patchify_convs
 from onnx_gtco.pipeline import Planned, plan_model
 
 RTOL = ATOL = 1e-5

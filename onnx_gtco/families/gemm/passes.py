@@ -1,0 +1,28 @@
+"""The GEMM family's pass: a block's Q, K and V projections packed into one GEMM that the attention reads packed
+(families/gemm/pack.py does the rewrite; GtcoConfig.pack_qkv)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+
+from onnx_gtco.calibration import Hardware
+from onnx_gtco.config import GtcoConfig
+from onnx_gtco.families.gemm.pack import pack_qkv
+from onnx_gtco.plan.types import GraphPass
+
+
+def pack(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """`model` with every packable Q/K/V projection group one MatMul (+ Add) and a Split; nothing to report."""
+    del config, hw
+    model, _ = pack_qkv(model)
+    return model, []
+
+
+PASSES = (GraphPass("pack_qkv", 1, lambda config: bool(config.pack_qkv), pack,
+                    "each block's Q, K and V projections as one GEMM, families/gemm/pack.py"),)
+"""The GEMM family's passes (GraphPass): the QKV packing, after the patchify rewrite (its GEMMs are no projections)."""
+
+
+__all__ = ["PASSES", "pack"]
