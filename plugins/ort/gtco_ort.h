@@ -12,7 +12,7 @@
 // checks every call's shapes and dtypes, returning an ORT error that names the op, the node and the shapes.
 //
 // Two kernels per op type: Cuda = false is the plain C++ reference (plugins/cpu/, registered for the CPU EP);
-// Cuda = true fills the family's C argument struct (gtco/args.h) and calls the node's generated instance
+// Cuda = true fills the family's C argument struct (families/<f>/<f>_args.h) and calls the node's generated instance
 // (NodeSpec::cuda_fn, the entry point for the GPU's generation, chosen when the kernel is created) on the
 // session's compute stream (KernelContext::GetGPUComputeStream), registered for the CUDA EP. A glue built with
 // GTCO_EMULATED_DEVICE links the same instances compiled for the CPU emulation (g++ -DGTCO_EMULATE) and registers

@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention/attention_args.h"
 #include "gtco/launch.cuh"
 #include "gtco/primitives.cuh"
 

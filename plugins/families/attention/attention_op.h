@@ -29,6 +29,7 @@
 // masked with -inf gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
 #pragma once
 
+#include "attention/attention_args.h"
 #include "attention/attention_ref.h"
 #include "gtco_ort.h"
 

@@ -32,6 +32,7 @@
 // the dilation of the kernel rows. They exist only so that tests can show they catch such bugs.
 #pragma once
 
+#include "conv/conv_args.h"
 #include "gemm/gemm.cuh"
 
 #ifndef GTCO_CONV_TEST_FAULT

@@ -16,6 +16,7 @@
 // device memory (one value or one per channel: a step of 0 or 1). It takes what the reference takes.
 #pragma once
 
+#include "conv/conv_args.h"
 #include "conv/conv_ref.h"
 #include "gtco_ort.h"
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "elementwise/elementwise_args.h"
 #include "gtco/broadcast.h"
 #include "gtco/launch.cuh"
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "elementwise/elementwise_args.h"
 #include "elementwise/elementwise_ref.h"
 #include "gtco_ort.h"
 #include "parallel.h"

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "elementwise/elementwise_args.h"
 #include "gtco/args.h"
 #include "gtco/broadcast.h"
 #include "gtco/half_bits.h"

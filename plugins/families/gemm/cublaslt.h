@@ -1,6 +1,6 @@
 // The cuBLASLt implementation of the GEMM family: y = act(alpha * A @ B + bias) (+ residual through C, beta = 1)
 // as one cublasLtMatmul with its fused epilogue. onnx_gtco/families/gemm/cublaslt.py generates one entry point per
-// (dtypes, epilogue, transposed B, residual, heuristic rank) with the GEMM instance ABI (gtco/args.h GemmArgs), so
+// (dtypes, epilogue, transposed B, residual, heuristic rank) with the GEMM instance ABI (gemm/gemm_args.h GemmArgs), so
 // the node table, the dispatch and the tuner call it as any GEMM instance.
 //
 // libcublasLt is not linked: its functions are resolved with dlsym into `Api` on first use, from the copy ONNX
@@ -39,6 +39,7 @@
 #include <type_traits>
 
 #include "gtco/args.h"
+#include "gemm/gemm_args.h"
 #include "gemm/cublaslt_shape.h"
 
 #ifndef GTCO_EXPORT

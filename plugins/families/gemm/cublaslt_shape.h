@@ -1,6 +1,6 @@
 // The cuBLASLt GEMM path's pure parts, with no CUDA or cuBLAS dependency (the g++-built ORT glue includes this;
 // a CPU test checks lt_shape against onnx_gtco/families/gemm/cublaslt.py's describe, which it mirrors):
-//   * lt_shape: a GemmArgs problem (row-major, dense leading dimensions, gtco/args.h) as cuBLASLt's column-major
+//   * lt_shape: a GemmArgs problem (row-major, dense leading dimensions, gemm/gemm_args.h) as cuBLASLt's column-major
 //     matmul Yᵀ = Bᵀ Aᵀ: cuBLASLt's A is our B buffer, its B our A buffer, D our y;
 //   * the status an instance returns when the cuBLASLt path cannot run, and the reason, per thread.
 #pragma once
@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "gemm/gemm_args.h"
 #include "gtco/args.h"
 
 // An instance's return code (beside GTCO_OK / GTCO_EBADSHAPE / GTCO_ELAUNCH of gtco/args.h): the library it calls

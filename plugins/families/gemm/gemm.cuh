@@ -63,6 +63,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "gemm/gemm_args.h"
 #include "gtco/launch.cuh"
 #if !defined(GTCO_EMULATE)
 #include "gtco/scratch.h"

@@ -32,6 +32,7 @@
 #include <exception>
 #include <string>
 
+#include "gemm/gemm_args.h"
 #include "gemm/gemm_ref.h"
 #include "layernorm/layernorm_ref.h"
 #include "gemm/cublaslt_shape.h"

@@ -12,6 +12,7 @@
 // large mean; the tests use it to prove they can fail.
 #pragma once
 
+#include "layernorm/layernorm_args.h"
 #include "elementwise/elementwise.cuh"
 #include "gtco/launch.cuh"
 #include "gtco/primitives.cuh"

@@ -10,6 +10,7 @@
 // elements (the reference also takes a scalar).
 #pragma once
 
+#include "layernorm/layernorm_args.h"
 #include "gtco_ort.h"
 #include "layernorm/layernorm_ref.h"
 

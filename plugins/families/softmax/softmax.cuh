@@ -13,6 +13,7 @@
 // GTCO_TEST_SOFTMAX_NO_MAX (tests only): skip the max subtraction, so exp overflows to inf on large inputs.
 #pragma once
 
+#include "softmax/softmax_args.h"
 #include "elementwise/elementwise.cuh"
 #include "gtco/launch.cuh"
 #include "layernorm/layernorm.cuh"  // row_reduce_sum / row_reduce_max

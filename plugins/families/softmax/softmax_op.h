@@ -7,6 +7,7 @@
 // length, without scale or mask (a fused node's softmax has neither).
 #pragma once
 
+#include "softmax/softmax_args.h"
 #include "gtco_ort.h"
 #include "softmax/softmax_ref.h"
 

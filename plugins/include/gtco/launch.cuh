@@ -5,7 +5,7 @@
 //     extern "C" int <symbol>(const <Args>* args, void* stream);
 // returning 0 on success, or a GTCO_E* code when the arguments do not fit what the instance was built for (the
 // caller turns it into an error naming the op and the shapes). <Args> is a plain C struct of pointers and
-// integer/float scalars declared in gtco/args.h, mirrored field for field by the family's Python side.
+// integer/float scalars declared in the family's <family>_args.h, mirrored field for field by the family's Python side.
 //
 // Programmatic dependent launch (sm_90+): the instance launches with PDL when its caller asks through a
 // gtco::PdlScope (gtco/pdl.h); the entry point's signature is the same either way.
