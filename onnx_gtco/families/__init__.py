@@ -8,6 +8,7 @@ stages at or below its own (the families contracts in pyproject.toml):
     kernel.py   kernels    KERNELS: its KernelFamily objects, each saying how a node becomes its Problem, the
                            size it dispatches on at run time, its tiling and its estimate
     bind.py     plugin     BINDERS: the Binder of each fused op, mapping its roles onto the C++ op struct
+    passes.py   plugin     PASSES: its rewrites of the graph before the rules match (plan.types.GraphPass)
 
 with the device code beside them in plugins/ (its header, its ORT op struct, its CPU kernel) and its tests in
 tests/families/<family>/. The engines (planning, rewrite, kernel selection, tuning, the library, the report) read

@@ -390,9 +390,9 @@ def device_nodes(results: Sequence[NodeResult], binders: Mapping[str, Binder],
     return out
 
 
-NO_DISPATCH_FALLBACK = ("the node has a dispatch table (dynamic shapes), whose entries keep no fallback: a cuBLASLt "
-                        "failure is the node's error")
-"""node_fallbacks' reason for a dynamic node's cuBLASLt slot."""
+NO_DISPATCH_FALLBACK = ("the node has a dispatch table (dynamic shapes), whose entries keep no fallback: a failure of "
+                        "its library instance is the node's error")
+"""node_fallbacks' reason for a dynamic node's slot whose instance can fail (select.fallible: a cuBLASLt one)."""
 
 
 def node_fallbacks(device: Mapping[str, tuple[Instance, ...]], dynamic: Mapping[str, NodeDynamic],
