@@ -118,6 +118,9 @@ def unsupported(problem: Problem) -> str | None:
     if problem.flag("layernorm", False):
         return ("layernorm: cuBLASLt's epilogues have no row reduction (a LayerNorm of y's rows over N); the mma "
                 "kernels fuse it")
+    if problem.flag("gated", False):
+        return ("gated: cuBLASLt's epilogues act on each column alone, not on the (gate, up) pairs of a gated MLP; "
+                "the mma kernels fuse it")
     act = str(problem.flag("activation", "none") or "none")
     if act not in {a for _, a in _EPILOGUES}:
         why = " (cuBLASLt's GELU is the tanh form)" if act == "gelu_erf" else ""

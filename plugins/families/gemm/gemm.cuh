@@ -52,6 +52,11 @@
 //     split-K's; reset by that block), reading the other blocks' y through L2. fp32 statistics, the mean first,
 //     then the centered sum of squares (layernorm/layernorm.cuh); one warp per row, the row in registers (N <= 1024),
 //     read whole before ln_y is written, so ln_y may be y. VEC, SPLITK = 1 and TOut = T only.
+//   - GATED = true: a gated MLP's two projections in one GEMM (SwiGLU, GeGLU: y = act(x @ Wg) * (x @ Wu)). B holds
+//     the gate's and the up projection's columns interleaved ([K, 2N']: gate j at column 2j, up j at 2j + 1, the
+//     weight packed so before planning, families/gemm/gated.py), so each lane's pair of adjacent columns is one
+//     output's (gate, up): the direct epilogue writes y[row, col / 2] = act(gate + bias) * (up + bias), y [M, N / 2]
+//     (stride_y counts its elements). Without a residual, LayerScale, LayerNorm or the staged epilogue.
 // Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
 //
 // Test hook: GTCO_GEMM_TEST_FAULT=1 adds the bias twice, =2 waits for one cp.async group too few (reads a stage
@@ -406,7 +411,7 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
-          bool LN = false>
+          bool LN = false, bool GATED = false>
 __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, const GemmSplit split_ws) {
     grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
@@ -414,6 +419,8 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
     static_assert(VEC || !EPI_SMEM, "the staged epilogue moves 16-byte chunks: VEC instances only");
     static_assert(!LN || (VEC && SPLITK == 1 && std::is_same<TOut, T>::value),
                   "LN: VEC instances without split-K whose y is T");
+    static_assert(!GATED || (!EPI_SMEM && !LN && !HAS_RES && !HAS_SCALE),
+                  "GATED: the direct epilogue, without a residual, LayerScale or LayerNorm");
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
@@ -682,6 +689,12 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
             for (int h = 0; h < 2; ++h) {
                 const int row = m0 + wm * TM + mi * 16 + g + 8 * h;
                 if (row >= M) continue;
+                if constexpr (GATED) {  // the lane's pair is (gate, up) of y's column col / 2
+                    const float v = gemm_detail::activate<ACT>(acc[mi][ni][2 * h] * p.alpha + b0) *
+                                    (acc[mi][ni][2 * h + 1] * p.alpha + b1);
+                    Y[static_cast<int64_t>(row) * (N / 2) + col / 2] = from_f32<TOut>(v);
+                    continue;
+                }
                 float v0 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h] * p.alpha + b0);
                 float v1 = gemm_detail::activate<ACT>(acc[mi][ni][2 * h + 1] * p.alpha + b1);
                 if constexpr (HAS_SCALE) {
@@ -731,7 +744,7 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 // entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
-          bool LN = false>
+          bool LN = false, bool GATED = false>
 int launch_gemm(const GemmArgs* args, void* stream) {
     using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
@@ -754,17 +767,19 @@ int launch_gemm(const GemmArgs* args, void* stream) {
     if (VEC) {  // 16-byte cp.async chunks from A and B, pairs of y and residual in one access
         if (p.k % CH != 0 || p.n % CH != 0) return GTCO_EBADSHAPE;
         if (!gemm_detail::aligned(p.a, 16) || !gemm_detail::aligned(p.b, 16) ||
-            !gemm_detail::aligned(p.y, 2 * sizeof(TOut)) || !gemm_detail::aligned(p.residual, 2 * sizeof(TOut)))
+            !gemm_detail::aligned(p.y, (GATED ? 1 : 2) * sizeof(TOut)) ||
+            !gemm_detail::aligned(p.residual, 2 * sizeof(TOut)))
             return GTCO_EBADSHAPE;
-        if (p.stride_a % CH != 0 || p.stride_b % CH != 0 || p.stride_y % 2 != 0) return GTCO_EBADSHAPE;
+        if (p.stride_a % CH != 0 || p.stride_b % CH != 0 || (!GATED && p.stride_y % 2 != 0)) return GTCO_EBADSHAPE;
     }
+    if (GATED && p.n % 2 != 0) return GTCO_EBADSHAPE;  // (gate, up) column pairs
     if (EPI_SMEM) {  // 16-byte chunks of y and the residual
         constexpr int OE = 16 / static_cast<int>(sizeof(TOut));
         if (p.n % OE != 0 || p.stride_y % OE != 0 || !gemm_detail::aligned(p.y, 16) ||
             !gemm_detail::aligned(p.residual, 16))
             return GTCO_EBADSHAPE;
     }
-    if (p.batch > 1 && (p.stride_a < p.m * p.k || p.stride_y < p.m * p.n ||
+    if (p.batch > 1 && (p.stride_a < p.m * p.k || p.stride_y < p.m * (GATED ? p.n / 2 : p.n) ||
                         (p.stride_b != 0 && p.stride_b < p.k * p.n)))
         return GTCO_EBADSHAPE;  // batch entries of A, y (and a per-batch B) must not overlap
     const dim3 grid(static_cast<unsigned>((p.n + BN - 1) / BN), static_cast<unsigned>((p.m + BM - 1) / BM),
@@ -808,7 +823,7 @@ int launch_gemm(const GemmArgs* args, void* stream) {
         return GTCO_EBADSHAPE;  // a LayerNorm asked of an instance without one
     }
     auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut, SPLITK,
-                                EPI_SMEM, HAS_SCALE, LN>;
+                                EPI_SMEM, HAS_SCALE, LN, GATED>;
     (void)stream;
     if constexpr (Smem::kDynamic) {
         return GTCO_LAUNCH_SMEM(kernel, grid, block, Smem::kBytes, stream, p, split_ws);
