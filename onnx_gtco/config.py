@@ -391,6 +391,8 @@ class GtcoConfig:
             (families/gemm/pack.py); False keeps them three GEMMs of one QKV node.
         patchify: run a conv whose stride equals its kernel (a ViT's patch embedding) as a patchify copy and a GEMM
             where the estimate predicts that faster (families/conv/patchify.py); False keeps every conv a conv.
+        pack_gated: pack a gated MLP's gate and up projections into one GEMM whose epilogue multiplies the
+            activated gate by the up half (families/gemm/gated.py); False keeps them two GEMMs.
     """
 
     target: str = DEFAULT_TARGET
@@ -401,6 +403,7 @@ class GtcoConfig:
     dynamic: DynamicRanges = ()
     pack_qkv: bool = True
     patchify: bool = True
+    pack_gated: bool = True
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -9,6 +9,7 @@ import onnx
 
 from onnx_gtco.calibration import Hardware
 from onnx_gtco.config import GtcoConfig
+from onnx_gtco.families.gemm.gated import pack_gated
 from onnx_gtco.families.gemm.pack import pack_qkv
 from onnx_gtco.plan.types import GraphPass
 
@@ -20,9 +21,20 @@ def pack(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx
     return model, []
 
 
+def gate(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """`model` with every gated MLP's gate and up projections one GEMM over their interleaved weights and two step-2
+    Slices; nothing to report (the fused node says it: gated)."""
+    del config, hw
+    model, _ = pack_gated(model)
+    return model, []
+
+
 PASSES = (GraphPass("pack_qkv", 1, lambda config: bool(config.pack_qkv), pack,
-                    "each block's Q, K and V projections as one GEMM, families/gemm/pack.py"),)
-"""The GEMM family's passes (GraphPass): the QKV packing, after the patchify rewrite (its GEMMs are no projections)."""
+                    "each block's Q, K and V projections as one GEMM, families/gemm/pack.py"),
+          GraphPass("pack_gated", 2, lambda config: bool(config.pack_gated), gate,
+                    "a gated MLP's gate and up projections as one GEMM, families/gemm/gated.py"))
+"""The GEMM family's passes (GraphPass): the QKV packing, after the patchify rewrite (its GEMMs are no projections),
+then the gated MLPs' packing."""
 
 
-__all__ = ["PASSES", "pack"]
+__all__ = ["PASSES", "gate", "pack"]

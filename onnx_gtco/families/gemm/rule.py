@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from onnx_gtco.families.gemm.gated import gated_tail
 from onnx_gtco.families.gemm.qkv_rule import QkvPattern
 from onnx_gtco.families.layernorm.rule import LayerNormPattern
 from onnx_gtco.ir.view import GraphView, Node
@@ -27,8 +28,10 @@ class GemmPattern:
         MatMul/Gemm -> [Add bias] -> [act: Relu | GELU (erf, tanh) | SiLU | ...] -> [Mul gamma] -> [Add residual] -> y
 
     Each prefix (matmul alone, +bias, +act, +gamma, +residual) is proposed; the planner keeps the cheapest cover.
+    A weight MatMul whose columns a gated MLP's packing interleaved (families/gemm/gated.py: two step-2 Slices, an
+    activation of the gate and its product with the up half) is proposed with that whole tail instead, gated.
     attrs: m, n, k, batch (batch dims of a batched GEMM, () for a weight GEMM), trans_b, bias, activation,
-    layer_scale (only when true), residual.
+    layer_scale (only when true), residual, gated (only when true: N counts the gate's and the up columns).
     """
 
     name = "gemm"
@@ -55,6 +58,11 @@ class GemmPattern:
 
         yield match()
         weight = attrs["batch"] == ()  # near misses of a batched GEMM (QKᵀ + mask) are not worth a report
+        gated = gated_tail(view, out) if weight and "bias" not in roles else None
+        if gated is not None:  # a gated MLP packed by families/gemm/gated.py: act(gate) * up of column pairs
+            yield Match(frozenset(group | gated[1]), "gemm", {**attrs, "activation": gated[0], "gated": True},
+                        dict(roles), {"y": gated[2]})
+            return
         add, why = const_add(view, out, -1)
         if why and weight:
             yield Reject(self.name, mm.name, why)

@@ -14,11 +14,13 @@ SPECS = (
            (Attr("m", DIM), Attr("k", DIM), Attr("ns", DIMS), Attr("n_out", DIM), Attr("bias", BOOL, False)),
            launches=lambda a: max(1, len(a.get("ns") or ()))),  # the C++ op launches its GEMM once per projection
     # y = act(alpha * a @ op(b) + beta * bias) * layer_scale + residual (layer_scale: one factor per column of y);
-    # layernorm: norm = LayerNorm(y) * gamma + beta over each row of N (y then an output only when read outside)
+    # layernorm: norm = LayerNorm(y) * gamma + beta over each row of N (y then an output only when read outside);
+    # gated: b interleaves a gated MLP's gate and up columns, y = act(gate) * up has N / 2 columns
     OpSpec("gemm", ("a", "b", "bias", "residual", "layer_scale", "gamma", "beta"), ("y", "norm"),
            (Attr("m", DIM), Attr("n", DIM), Attr("k", DIM), Attr("batch", DIMS, ()), Attr("trans_a", BOOL, False),
             Attr("trans_b", BOOL, False), Attr("alpha", FLOAT, 1.0), Attr("beta", FLOAT, 1.0), *EPILOGUE,
-            Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5)),
+            Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5),
+            Attr("gated", BOOL, False)),
            # the epilogue casts to fp32 (kernels.select.with_out_dtype); with a residual it would read an fp32 one
            fp32_output=lambda a: not a.get("residual"),
            parts=lambda a: ("gemm", "layernorm") if a.get("layernorm") else None),

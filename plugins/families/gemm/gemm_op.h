@@ -8,7 +8,9 @@
 // weight GEMM), trans_b, trans_a (Gemm's transA, absent when 0), alpha, beta (Gemm's, absent when 1), bias,
 // residual, layer_scale (ints; layer_scale: LayerScale, a [N] factor per column after the activation, before the
 // residual), activation (string, a name of onnx_gtco/patterns/_act.py), precision (string), layernorm (int) and
-// epsilon (float): the LayerNorm over each row of y in the node (families/gemm/rule.py GemmLayerNormPattern), inputs
+// gated (int: B interleaves a gated MLP's gate and up columns, y has N / 2 columns, act(gate) * up of each pair;
+// families/gemm/rule.py GatedGemmPattern), epsilon (float): the LayerNorm over each row of y in the node
+// (families/gemm/rule.py GemmLayerNormPattern), inputs
 // gamma and beta [N], output norm = (y - mean) / sqrt(var + epsilon) * gamma + beta computed from y rounded to the
 // node's dtype (what the unfused LayerNorm reads); y is then an output only where the model reads it.
 // Qkv node attributes (onnx_gtco/families/gemm/qkv_rule.py): k, m, n_out (ints or strings), ns (ints: N of each
@@ -155,7 +157,7 @@ struct Gemm {
         int64_t m = -1, n = -1, k = -1;  // -1: not known when the library was built (symbolic)
         bool batch_known = false;         // batch holds the output's batch dims (empty: a weight GEMM)
         std::vector<int64_t> batch;
-        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0, layer_scale = 0, layernorm = 0;
+        int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0, layer_scale = 0, layernorm = 0, gated = 0;
         float alpha = 1.0f, beta = 1.0f, epsilon = 1e-5f;
         std::string activation;
         bool act_known = false;
@@ -184,6 +186,7 @@ struct Gemm {
         attr_int(info, "residual", a.residual);
         attr_int(info, "layer_scale", a.layer_scale);
         attr_int(info, "layernorm", a.layernorm);
+        attr_int(info, "gated", a.gated);
         attr_float(info, "epsilon", a.epsilon);
         attr_float(info, "alpha", a.alpha);
         attr_float(info, "beta", a.beta);
@@ -206,6 +209,7 @@ struct Gemm {
         io.alpha = at.alpha;
         io.beta = at.beta;
         io.act = at.act;
+        io.gated = at.gated != 0;
     }
 
     // y of the op's dtype, or fp32 where the node's output is float on a half op type (the fused output cast)
@@ -251,6 +255,17 @@ struct Gemm {
         std::string why = ref::plan_gemm(a.shape, b.shape, at.trans_a != 0, at.trans_b != 0, p);
         if (!why.empty()) return ref.fail(why);
         auto operands = [&] { return "A " + shape_str(a.shape) + " and B " + shape_str(b.shape); };
+        std::vector<int64_t> y_shape = p.out_shape;  // a gated GEMM: N / 2 columns, act(gate) * up of each pair
+        if (at.gated != 0) {
+            if (p.n % 2 != 0) {
+                return ref.fail(operands() + " give N=" + std::to_string(p.n) + "; a gated GEMM's B interleaves "
+                                "(gate, up) column pairs, so N is even");
+            }
+            if (res.present || scale.present || at.layernorm != 0) {
+                return ref.fail("a gated GEMM takes no residual, layer_scale or LayerNorm");
+            }
+            y_shape.back() = p.n / 2;
+        }
         if (OrtStatus* st = gemm_glue::check_size(ref, "m", p.m, at.m, operands)) return st;
         if (OrtStatus* st = gemm_glue::check_size(ref, "n", p.n, at.n, operands)) return st;
         if (OrtStatus* st = gemm_glue::check_size(ref, "k", p.k, at.k, operands)) return st;
@@ -294,13 +309,14 @@ struct Gemm {
         }
         if (gamma.present || beta.present) return ref.fail("gamma / beta inputs on a node without layernorm=1");
         if (spec.out[OUT_Y] < 0) return ref.fail("the node table binds no output y");
-        TO* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), p.out_shape).template GetTensorMutableData<TO>();
+        TO* y = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), y_shape).template GetTensorMutableData<TO>();
         if (Cuda) {
             GemmArgs args{};
             if (OrtStatus* st = gemm_glue::device_args(ref, p, at.trans_a != 0, at.alpha, bias.present ? at.beta : 1.0f,
                                                        bias.present, io.bias_m, io.bias_n, operands, args)) {
                 return st;
             }
+            if (at.gated != 0) args.stride_y = p.m * (p.n / 2);
             args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data, args.y = y;
             args.layer_scale = scale.data;
             return gemm_glue::run_gemm(ctx, ref, args, operands);

@@ -217,6 +217,7 @@ struct GemmIO {
     int64_t bias_m = 1, bias_n = 1;
     float alpha = 1.0f, beta = 1.0f;
     Act act = Act::kNone;
+    bool gated = false;  // B's columns interleave a gated MLP's gate and up: y [.., N / 2] = act(gate) * up
 };
 
 // Rows [i0, i1) of one batch entry: fp32 accumulation like ONNX Runtime's own CPU GEMM, in loops the compiler
@@ -230,7 +231,8 @@ void gemm_rows(const GemmPlan& p, const GemmIO<T, TOut>& io, int64_t e, int64_t 
     const int64_t m = p.m, n = p.n, k = p.k;
     const T* a = io.a + p.a_off[static_cast<size_t>(e)];
     const T* b = io.b + p.b_off[static_cast<size_t>(e)];
-    TOut* y = io.y + e * m * n;
+    const int64_t ny = io.gated ? n / 2 : n;  // y's columns
+    TOut* y = io.y + e * m * ny;
     const TOut* res = io.residual != nullptr ? io.residual + e * m * n : nullptr;
     std::vector<float> acc(static_cast<size_t>(R * n)), arow(static_cast<size_t>(R * k));
     for (int64_t i = i0; i < i1; i += R) {
@@ -279,13 +281,22 @@ void gemm_rows(const GemmPlan& p, const GemmIO<T, TOut>& io, int64_t e, int64_t 
         }
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = i + r;
-            for (int64_t j = 0; j < n; ++j) {
+            auto value = [&](int64_t j) {
                 float v = io.alpha * acc[static_cast<size_t>(r * n + j)];
                 if (io.bias != nullptr) {
                     const int64_t bi = (io.bias_m == 1 ? 0 : row) * io.bias_n + (io.bias_n == 1 ? 0 : j);
                     v += io.beta * load(io.bias[bi]);
                 }
-                v = activate(io.act, v);
+                return v;
+            };
+            if (io.gated) {
+                for (int64_t j = 0; j < ny; ++j) {
+                    y[row * ny + j] = store(activate(io.act, value(2 * j)) * value(2 * j + 1));
+                }
+                continue;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                float v = activate(io.act, value(j));
                 if (io.layer_scale != nullptr) v *= load(io.layer_scale[j]);
                 if (res != nullptr) v += load_out(res[row * n + j]);
                 y[row * n + j] = store(v);
