@@ -89,11 +89,23 @@ class ElementwisePattern:
         yield self._match(view, part)
         if len(part) == 2:
             return
+        yield from self._without_a_sink(view, part)
         for i in sorted(part):
             for j in sorted(view.succs[i] & part):  # j reads i
                 pair = frozenset([i, j])
                 if self._ew(view.nodes[i]) and self._ew(view.nodes[j]) and convex(view, pair):
                     yield self._match(view, pair)
+
+    def _without_a_sink(self, view: GraphView, part: frozenset[int]) -> Iterator[Match]:
+        """The group less one elementwise node that ends it, for each such node, where more than a pair is left: a
+        rotary embedding's group whose last Mul (the attention's query scale) the attention takes keeps its loads
+        and layout ops in one kernel, where only its pairs would be left otherwise."""
+        for i in sorted(part):
+            if not self._ew(view.nodes[i]) or view.succs[i] & part:
+                continue
+            rest = self._ends_computing(view, part - {i})
+            if len(rest) > 2 and convex(view, rest) and any(self._ew(view.nodes[j]) for j in rest):
+                yield self._match(view, rest)
 
     @staticmethod
     def _ew(node: Node) -> bool:

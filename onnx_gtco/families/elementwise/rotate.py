@@ -1,0 +1,124 @@
+"""Rotate-half (rotary embeddings' `rotate_half` in LLaMA, Qwen, Mistral, GPT-NeoX) rewritten before planning as a
+roll of the tensor times a constant sign, which the elementwise family folds into one load.
+
+The exporters write ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` along the last axis (h = d / 2): two Slices
+of one tensor, a Neg of the second and a Concat. A Concat of two slices of one tensor is a torch.roll, an index map
+the elementwise kernels fold into the tensor's load (ir/elementwise.py); the Neg between them is what keeps it
+apart. Negation commutes with the copy, so the same values are
+
+    Concat(x[..., h:], x[..., :h]) * s,   s = [-1] * (d - h) + [1] * h   (one value per index of the last axis)
+
+exactly (a sign flip rounds nothing), and the rotary embedding ``x * cos + rotate_half(x) * sin`` becomes one
+elementwise group over x, cos and sin instead of five launches per tensor. The Concat's output keeps its name, so its
+readers are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnx_gtco.ir.view import GraphView, Node
+from onnx_gtco.patterns.base import is_op
+from onnx_gtco.patterns.util import sole_reader
+
+
+@dataclass(frozen=True)
+class RotateHalf:
+    """One rotate-half: the Concat, the Neg and the two Slices of `source` along its last axis, split at `half`."""
+
+    concat: Node
+    neg: Node
+    source: str
+    half: int
+    width: int
+
+
+def _slice_of(view: GraphView, node: Node | None) -> tuple[str, int, int] | None:
+    """(source, start, end) of a step-1 Slice of its source's last axis, the end clipped to the axis; or None."""
+    if node is None or not is_op(node, "Slice") or len(node.inputs) < 4:
+        return None
+    shape = view.shape(node.inputs[0])
+    values = [view.const_value(t) for t in node.inputs[1:]]
+    if shape is None or not isinstance(shape[-1], int) or any(v is None or v.size != 1 for v in values):
+        return None
+    start, end, axis, *step = (int(np.asarray(v).reshape(-1)[0]) for v in values)  # type: ignore[union-attr]
+    if axis not in (-1, len(shape) - 1) or (step and step[0] != 1) or start < 0 or end < 0:
+        return None
+    return node.inputs[0], start, min(end, shape[-1])
+
+
+def _rotate_half_at(view: GraphView, concat: Node) -> RotateHalf | None:
+    if not is_op(concat, "Concat") or len(concat.inputs) != 2:
+        return None
+    shape = view.shape(concat.outputs[0])
+    axis = int(concat.attrs.get("axis", 0))
+    if shape is None or axis not in (-1, len(shape) - 1):
+        return None
+    neg = view.producer_of(concat.inputs[0])
+    if neg is None or not is_op(neg, "Neg") or sole_reader(view, neg.outputs[0]) is not concat:
+        return None
+    high, low = _slice_of(view, view.producer_of(neg.inputs[0])), _slice_of(view, view.producer_of(concat.inputs[1]))
+    if high is None or low is None or high[0] != low[0]:
+        return None
+    source, h, end = high
+    width = view.shape(source)[-1]  # type: ignore[index]
+    if low[1:] != (0, h) or end != width or not 0 < h < width:
+        return None
+    return RotateHalf(concat, neg, source, h, width)
+
+
+def rotate_halves(view: GraphView) -> list[RotateHalf]:
+    """Every rotate-half of the graph, in node order."""
+    return [r for node in view.nodes if (r := _rotate_half_at(view, node)) is not None]
+
+
+def signed_rolls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[RotateHalf]]:
+    """`model` with each rotate-half a Concat of its two Slices (a roll) times a constant sign vector (a copy; the
+    model passed in is unchanged), and what was rewritten. A model without one is returned as it is."""
+    view = GraphView(model)
+    found = rotate_halves(view)
+    if not found:
+        return model, []
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    removed: set[int] = set()
+    signs: dict[tuple[int, int, int], str] = {}
+    new_inits: list[onnx.TensorProto] = []
+    new_infos: list[onnx.ValueInfoProto] = []
+    for r in found:
+        info = view.info(r.concat.outputs[0])
+        dtype = info.dtype if info is not None else onnx.TensorProto.FLOAT
+        key = (r.width, r.half, dtype)
+        if key not in signs:
+            sign = np.concatenate([-np.ones(r.width - r.half), np.ones(r.half)]).astype(
+                helper.tensor_dtype_to_np_dtype(dtype))
+            signs[key] = f"{r.concat.name or r.concat.outputs[0]}.rotate_half_sign"
+            new_inits.append(numpy_helper.from_array(sign, signs[key]))
+        rolled = f"{r.concat.outputs[0]}.rolled"
+        nodes = [helper.make_node("Concat", [r.neg.inputs[0], r.concat.inputs[1]], [rolled],
+                                  name=f"{r.concat.name}.roll", axis=-1),
+                 helper.make_node("Mul", [rolled, signs[key]], [r.concat.outputs[0]], name=f"{r.concat.name}.sign")]
+        if info is not None and info.shape is not None:
+            new_infos.append(helper.make_tensor_value_info(rolled, dtype, list(info.shape)))
+        removed.update((r.neg.id, r.concat.id))
+        replace[r.concat.id] = nodes
+    kept: list[onnx.NodeProto] = []
+    for i, node in enumerate(model.graph.node):
+        if i in replace:
+            kept.extend(replace[i])
+        elif i not in removed:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(new_inits)
+    graph.value_info.extend(new_infos)
+    return out, found
+
+
+__all__ = ["RotateHalf", "rotate_halves", "signed_rolls"]

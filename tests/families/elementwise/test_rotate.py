@@ -1,0 +1,125 @@
+"""Rotary embeddings' rotate-half as a signed roll (families/elementwise/rotate.py): the rewrite is exact, leaves
+other Concats alone, and lets the whole rotary embedding (x * cos + rotate_half(x) * sin) run as one elementwise
+kernel, also where the attention after it takes the query's scale; equal to the original through the function, the
+CPU library and the emulated kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from cpu_session import assert_close_through_library
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_gtco import GtcoConfig, optimize
+from onnx_gtco.families.elementwise.rotate import rotate_halves, signed_rolls
+from onnx_gtco.ir.load import load_model
+from onnx_gtco.ir.view import GraphView
+from onnx_gtco.plugin.coverage import model_coverage
+from onnx_gtco.plugin.library import build_library
+
+B, H, S, D = 2, 4, 16, 32
+
+
+def _i64(name: str, v: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array([v], np.int64), name)
+
+
+def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: bool = False,
+                 attention: bool = False) -> onnx.ModelProto:
+    """q [B, H, S, D] (and k): q * cos + Concat(-q[..., D/2:], q[..., :D/2]) * sin with cos, sin [1, 1, S, D]
+    computed from positions; with `attention`, the scaled scores softmax(q_rot * scale @ k_rot^T) @ v after it."""
+    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+    freqs = np.outer(np.arange(S), inv)
+    emb = np.concatenate([freqs, freqs], axis=-1)[None, None].astype(np.float32)
+    inits = [numpy_helper.from_array(emb, "angles"), _i64("zero", 0), _i64("half", D // 2), _i64("end", 2**62),
+             _i64("last", 3 if axis == -1 else 2), numpy_helper.from_array(np.float32(D ** -0.5), "scale")]
+    nodes = [helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"])]
+
+    def rope(x: str) -> str:
+        src2 = "other" if other_source else x
+        nodes.extend([
+            helper.make_node("Slice", [x, "zero", "half", "last"], [f"{x}1"]),
+            helper.make_node("Slice", [src2, "half", "end", "last"], [f"{x}2"]),
+            helper.make_node("Neg", [f"{x}2"], [f"{x}n"]),
+            helper.make_node("Concat", [f"{x}n", f"{x}1"], [f"{x}r"], axis=axis),
+            helper.make_node("Mul", [x, "cos"], [f"{x}c"]),
+            helper.make_node("Mul", [f"{x}r", "sin"], [f"{x}s"]),
+            helper.make_node("Add", [f"{x}c", f"{x}s"], [f"{x}_rot"]),
+        ])
+        return f"{x}_rot"
+
+    q = rope("q")
+    outputs = [q]
+    if neg_read_twice:
+        outputs.append("qn")
+    if attention:
+        k = rope("k")
+        nodes += [helper.make_node("Mul", [q, "scale"], ["q_scaled"]),
+                  helper.make_node("Transpose", [k], ["kt"], perm=[0, 1, 3, 2]),
+                  helper.make_node("MatMul", ["q_scaled", "kt"], ["scores"]),
+                  helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+                  helper.make_node("MatMul", ["probs", "v"], ["out"])]
+        outputs = ["out"]
+    shape = [B, H, S, D]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+              for n in ("q", *(("k", "v") if attention else ()), *(("other",) if other_source else ()))]
+    half = [B, H, S, D // 2]
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, half if o == "qn" else shape) for o in outputs]
+    graph = helper.make_graph(nodes, "rope", inputs, outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_rotate_half_becomes_a_roll_times_a_sign_with_the_same_bits() -> None:
+    model = load_model(rotary_model())
+    rewritten, found = signed_rolls(model)
+    assert [(r.half, r.width) for r in found] == [(D // 2, D)]
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Neg" not in ops and ops.count("Concat") == 1
+    sign = next(numpy_helper.to_array(t) for t in rewritten.graph.initializer if t.name.endswith("rotate_half_sign"))
+    np.testing.assert_array_equal(sign, np.r_[-np.ones(D // 2), np.ones(D // 2)].astype(np.float32))
+    onnx.checker.check_model(rewritten, full_check=True)
+    q = np.random.default_rng(2).standard_normal((B, H, S, D)).astype(np.float32)
+    np.testing.assert_array_equal(_run(rewritten, {"q": q})[0], _run(model, {"q": q})[0])
+
+
+@pytest.mark.parametrize("kwargs", [{"other_source": True}, {"axis": 2}, {"neg_read_twice": True}],
+                         ids=["halves-of-two-tensors", "another-axis", "negated-half-read-elsewhere"])
+def test_other_concats_are_left_alone(kwargs: dict) -> None:
+    model = load_model(rotary_model(**kwargs))
+    assert rotate_halves(GraphView(model)) == []
+    assert signed_rolls(model) == (model, [])
+
+
+def _fused_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
+    funcs = {f.name: [n.op_type for n in f.node] for f in model.functions}
+    return {n.name: funcs[n.op_type] for n in model.graph.node if n.domain == "ai.gtco"}
+
+
+def test_a_rotary_embedding_before_an_attention_is_one_elementwise_kernel_per_tensor() -> None:
+    result = optimize(rotary_model(attention=True), GtcoConfig(precision="fp16"))
+    fused = _fused_ops(result.model)
+    ropes = [ops for ops in fused.values() if "Concat" in ops]
+    assert len(ropes) == 2 and all(ops.count("Slice") == 2 and "Sin" not in ops for ops in ropes), fused
+    assert not [n.op_type for n in result.model.graph.node if n.op_type in ("Slice", "Concat", "Neg")]
+    coverage = model_coverage(result.model)
+    assert {n: c.reason for n, c in coverage.nodes.items() if not c.archs} == {}
+
+
+@pytest.mark.slow
+def test_the_cpu_library_and_the_emulated_kernels_compute_the_original(tmp_path: Path) -> None:
+    original = rotary_model(attention=True)
+    rewritten = optimize(original, GtcoConfig(precision="fp16")).model
+    for emulated in (False, True):
+        out = tmp_path / f"emu{int(emulated)}"
+        out.mkdir()
+        lib = build_library(rewritten, out, cuda=False, emulated=emulated)
+        assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
+        assert_close_through_library(original, rewritten, lib.path, out, 5e-3, f"rotary {'emulated' * emulated}")
