@@ -44,3 +44,22 @@ def assert_close_through_library(original: onnx.ModelProto, rewritten: onnx.Mode
         err = rel_error(got.astype(np.float64), ref.astype(np.float64))
         print(f"{label} {out.name}: ‖err‖/‖ref‖ = {err:.3g}")
         assert err < bound, f"{label} {out.name}: ‖err‖/‖ref‖ = {err:.3g}"
+
+
+def assert_close_through_built_libraries(original: onnx.ModelProto, rewritten: onnx.ModelProto, tmp_path: Path,
+                                         bound: float, label: str, op_prefix: str | None = None) -> None:
+    """The rewritten model built as its CPU library and as its emulated device kernels (build_library, cuda=False),
+    every node bound and, emulated, every kernel built (with `op_prefix`: an op type of that prefix among the
+    device ones), each run giving the original's outputs within `bound` (assert_close_through_library)."""
+    from onnx_gtco.plugin.library import build_library
+
+    for emulated in (False, True):
+        out = tmp_path / f"emu{int(emulated)}"
+        out.mkdir()
+        lib = build_library(rewritten, out, cuda=False, emulated=emulated)
+        assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
+        if emulated:
+            assert lib.kernel_skips == {}, lib.kernel_skips
+            assert op_prefix is None or any(t.startswith(op_prefix) for t in lib.cuda_op_types), lib.cuda_op_types
+        assert_close_through_library(original, rewritten, lib.path, out, bound,
+                                     f"{label} {'emulated kernels' if emulated else 'CPU library'}")

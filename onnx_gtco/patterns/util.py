@@ -3,10 +3,11 @@ tolerance a constant is compared with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from onnx_gtco.ir.view import GraphView, Node
@@ -319,3 +320,27 @@ def squared(view: GraphView, node: Node | None) -> str | None:
     if is_op(node, "Mul") and node is not None and node.inputs[0] == node.inputs[1]:
         return node.inputs[0]
     return None
+
+
+def spliced(model: onnx.ModelProto, inserts: Mapping[int, Sequence[onnx.NodeProto]], removed: Collection[int],
+            initializers: Sequence[onnx.TensorProto] = (), value_info: Sequence[onnx.ValueInfoProto] = ()
+            ) -> onnx.ModelProto:
+    """A copy of `model` (its graph's nodes numbered as a GraphView numbers them) with `inserts[i]` placed before node
+    i, the nodes of `removed` left out, the initializers nothing reads any more dropped, and `initializers` and
+    `value_info` added: what a rewrite before planning writes (the QKV and gated packings, rotate-half)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    kept: list[onnx.NodeProto] = []
+    for i, node in enumerate(model.graph.node):
+        kept.extend(inserts.get(i, ()))
+        if i not in removed:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    still_read = {t for n in graph.node for t in n.input} | {o.name for o in graph.output}
+    inits = [t for t in graph.initializer if t.name in still_read]
+    del graph.initializer[:]
+    graph.initializer.extend([*inits, *initializers])
+    graph.value_info.extend(value_info)
+    return out

@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
-from onnx_gtco.patterns.util import sole_reader
+from onnx_gtco.patterns.util import sole_reader, spliced
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,6 @@ def signed_rolls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[RotateHa
     found = rotate_halves(view)
     if not found:
         return model, []
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
     replace: dict[int, list[onnx.NodeProto]] = {}
     removed: set[int] = set()
     signs: dict[tuple[int, int, int], str] = {}
@@ -108,17 +105,7 @@ def signed_rolls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[RotateHa
             new_infos.append(helper.make_tensor_value_info(rolled, dtype, list(info.shape)))
         removed.update((r.neg.id, r.concat.id))
         replace[r.concat.id] = nodes
-    kept: list[onnx.NodeProto] = []
-    for i, node in enumerate(model.graph.node):
-        if i in replace:
-            kept.extend(replace[i])
-        elif i not in removed:
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
-    graph.initializer.extend(new_inits)
-    graph.value_info.extend(new_infos)
-    return out, found
+    return spliced(model, replace, removed, new_inits, new_infos), found
 
 
 __all__ = ["RotateHalf", "rotate_halves", "signed_rolls"]

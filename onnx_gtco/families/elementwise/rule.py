@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from onnx_gtco.ir.elementwise import program_from_onnx
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView, Node
-from onnx_gtco.patterns.base import Match, Reject
+from onnx_gtco.patterns.base import Match, Reject, is_op
 from onnx_gtco.patterns.util import FLOAT_TYPES, convex
 
 QUANTIZED_TYPES = (TensorProto.INT8, TensorProto.UINT8)  # integer chains of these are data, not shape arithmetic
@@ -97,11 +97,14 @@ class ElementwisePattern:
                     yield self._match(view, pair)
 
     def _without_a_sink(self, view: GraphView, part: frozenset[int]) -> Iterator[Match]:
-        """The group less one elementwise node that ends it, for each such node, where more than a pair is left: a
-        rotary embedding's group whose last Mul (the attention's query scale) the attention takes keeps its loads
-        and layout ops in one kernel, where only its pairs would be left otherwise."""
+        """The group less a scale that ends it (a Mul or Div by a constant scalar, which the attention or GEMM after
+        it takes as its own scale), where more than a pair is left: a rotary embedding's group whose last Mul is the
+        attention's query scale keeps its loads and layout ops in one kernel, where only its pairs would be left."""
         for i in sorted(part):
-            if not self._ew(view.nodes[i]) or view.succs[i] & part:
+            node = view.nodes[i]
+            if not is_op(node, "Mul", "Div") or view.succs[i] & part or len(node.inputs) != 2:
+                continue
+            if view.scalar(node.inputs[1]) is None and (node.op_type == "Div" or view.scalar(node.inputs[0]) is None):
                 continue
             rest = self._ends_computing(view, part - {i})
             if len(rest) > 2 and convex(view, rest) and any(self._ew(view.nodes[j]) for j in rest):

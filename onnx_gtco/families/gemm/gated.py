@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op, other_input
 from onnx_gtco.patterns.find_activation import find_activation
-from onnx_gtco.patterns.util import sole_reader
+from onnx_gtco.patterns.util import sole_reader, spliced
 
 GATED_ACTIVATIONS = frozenset({"silu", "gelu_erf", "gelu_tanh", "quick_gelu", "relu", "sigmoid", "tanh"})
 """Activations of a gate the GEMM epilogue applies (the ones gemm.cuh's Act has, less none and relu6)."""
@@ -89,9 +89,7 @@ def pack_gated(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[GatedPair]
     pairs = gated_pairs(view)
     if not pairs:
         return model, []
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
+    graph = model.graph
     taken = {t for n in graph.node for t in (*n.input, *n.output)} | {t.name for t in graph.initializer}
     removed: set[int] = set()
     inserts: dict[int, list[onnx.NodeProto]] = {}
@@ -119,19 +117,7 @@ def pack_gated(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[GatedPair]
         first = min(pair.gate.id, pair.up.id)
         removed.update((pair.gate.id, pair.up.id))
         inserts[first] = nodes
-    kept: list[onnx.NodeProto] = []
-    for i, node in enumerate(model.graph.node):
-        kept.extend(inserts.get(i, ()))
-        if i not in removed:
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
-    still_read = {t for n in graph.node for t in n.input} | {o.name for o in graph.output}
-    inits = [t for t in graph.initializer if t.name in still_read]
-    del graph.initializer[:]
-    graph.initializer.extend([*inits, *new_inits])
-    graph.value_info.extend(new_infos)
-    return out, pairs
+    return spliced(model, inserts, removed, new_inits, new_infos), pairs
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -28,6 +28,7 @@ from onnx_gtco.families.attention.rule import AttentionPattern
 from onnx_gtco.families.gemm.qkv_rule import QkvPattern
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.patterns.base import Match
+from onnx_gtco.patterns.util import spliced
 
 ROLES = ("q", "k", "v")
 
@@ -88,9 +89,6 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Packing]]:
     plans = _plans(view)
     if not plans:
         return model, []
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
     removed: set[int] = set()
     inserts: dict[int, list[onnx.NodeProto]] = {}
     new_inits: list[onnx.TensorProto] = []
@@ -133,16 +131,4 @@ def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Packing]]:
         packings.append(Packing(first, outs, width, bias))  # type: ignore[arg-type]
     if not packings:
         return model, []
-    kept: list[onnx.NodeProto] = []
-    for i, node in enumerate(model.graph.node):
-        kept.extend(inserts.get(i, ()))
-        if i not in removed:
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
-    still_read = {t for n in graph.node for t in n.input} | {o.name for o in graph.output}
-    inits = [t for t in graph.initializer if t.name in still_read]
-    del graph.initializer[:]
-    graph.initializer.extend([*inits, *new_inits])
-    graph.value_info.extend(new_infos)
-    return out, packings
+    return spliced(model, inserts, removed, new_inits, new_infos), packings

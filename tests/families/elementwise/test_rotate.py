@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cpu_session import assert_close_through_library
+from cpu_session import assert_close_through_built_libraries
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import GtcoConfig, optimize
@@ -19,7 +19,6 @@ from onnx_gtco.families.elementwise.rotate import rotate_halves, signed_rolls
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plugin.coverage import model_coverage
-from onnx_gtco.plugin.library import build_library
 
 B, H, S, D = 2, 4, 16, 32
 
@@ -117,9 +116,4 @@ def test_a_rotary_embedding_before_an_attention_is_one_elementwise_kernel_per_te
 def test_the_cpu_library_and_the_emulated_kernels_compute_the_original(tmp_path: Path) -> None:
     original = rotary_model(attention=True)
     rewritten = optimize(original, GtcoConfig(precision="fp16")).model
-    for emulated in (False, True):
-        out = tmp_path / f"emu{int(emulated)}"
-        out.mkdir()
-        lib = build_library(rewritten, out, cuda=False, emulated=emulated)
-        assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
-        assert_close_through_library(original, rewritten, lib.path, out, 5e-3, f"rotary {'emulated' * emulated}")
+    assert_close_through_built_libraries(original, rewritten, tmp_path, 5e-3, "rotary fp16", "Elementwise_")

@@ -10,14 +10,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cpu_session import assert_close_through_library
+from cpu_session import assert_close_through_built_libraries, assert_close_through_library
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.families.gemm.gated import pack_gated
 from onnx_gtco.ir.load import load_model
 from onnx_gtco.plugin.coverage import model_coverage
-from onnx_gtco.plugin.library import build_library
 
 BOUND = {"fp32": 2e-3, "fp16": 5e-3, "bf16": 3e-2}
 HIDDEN, MLP = 64, 96
@@ -107,12 +106,5 @@ def test_the_function_the_cpu_library_and_the_emulated_kernels_compute_the_origi
     rewritten = optimize(original, GtcoConfig(precision=precision)).model
     assert len(_gated_nodes(rewritten)) == 1
     assert_close_through_library(original, rewritten, None, tmp_path, BOUND[precision], f"{act} functions")
-    for emulated in (False, True):
-        out = tmp_path / f"emu{int(emulated)}"
-        out.mkdir()
-        lib = build_library(rewritten, out, cuda=False, emulated=emulated)
-        assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
-        if emulated:
-            assert lib.kernel_skips == {} and any(t.startswith("Gemm_") for t in lib.cuda_op_types), lib
-        assert_close_through_library(original, rewritten, lib.path, out, BOUND[precision],
-                                     f"{act} {precision} {'emulated' if emulated else 'cpu'}")
+    assert_close_through_built_libraries(original, rewritten, tmp_path, BOUND[precision], f"{act} {precision}",
+                                         "Gemm_")

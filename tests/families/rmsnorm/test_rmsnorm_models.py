@@ -10,13 +10,12 @@ from pathlib import Path
 
 import onnx
 import pytest
-from cpu_session import assert_close_through_library
+from cpu_session import assert_close_through_built_libraries, assert_close_through_library
 from rms_models import forms_model, llama_block, simplified_model, t5_block
 
 from onnx_gtco import GtcoConfig, optimize
 from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.coverage import model_coverage
-from onnx_gtco.plugin.library import build_library
 
 BOUND = {"fp32": 2e-3, "fp16": 5e-3, "bf16": 3e-2}
 """‖err‖/‖ref‖ against the fp32 original: fp32 is TF32 on the GEMMs and attention; bf16 keeps 8 mantissa bits."""
@@ -70,15 +69,8 @@ encoders at one each: the kernels' numerics at every dtype are test_rmsnorm_kern
 def test_the_cpu_library_and_the_emulated_kernels_compute_the_original(tmp_path: Path, name: str,
                                                                        precision: str) -> None:
     original, rewritten, _ = _optimized(name, precision)
-    for emulated in (False, True):
-        out = tmp_path / f"emu{int(emulated)}"
-        out.mkdir()
-        lib = build_library(rewritten, out, cuda=False, emulated=emulated)
-        assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
-        if emulated:
-            assert lib.kernel_skips == {} and any(t.startswith("Rmsnorm_") for t in lib.cuda_op_types), lib
-        assert_close_through_library(original, rewritten, lib.path, out, BOUND[precision],
-                                     f"{name} {precision} {'emulated kernels' if emulated else 'CPU library'}")
+    assert_close_through_built_libraries(original, rewritten, tmp_path, BOUND[precision], f"{name} {precision}",
+                                         "Rmsnorm_")
 
 
 def test_the_cpp_op_takes_the_specs_roles() -> None:
