@@ -98,8 +98,11 @@ class ElementwisePattern:
 
     def _without_a_sink(self, view: GraphView, part: frozenset[int]) -> Iterator[Match]:
         """The group less a scale that ends it (a Mul or Div by a constant scalar, which the attention or GEMM after
-        it takes as its own scale), where more than a pair is left: a rotary embedding's group whose last Mul is the
-        attention's query scale keeps its loads and layout ops in one kernel, where only its pairs would be left."""
+        it takes as its own scale), where the group folds layout ops into its loads and more than a pair is left: a
+        rotary embedding's group whose last Mul is the attention's query scale keeps its loads and layout ops in one
+        kernel, where only its pairs would be left (without layout ops, the pairs and the whole group suffice)."""
+        if not any(self._layout(view.nodes[i]) for i in part):
+            return
         for i in sorted(part):
             node = view.nodes[i]
             if not is_op(node, "Mul", "Div") or view.succs[i] & part or len(node.inputs) != 2:
