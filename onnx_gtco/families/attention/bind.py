@@ -147,14 +147,18 @@ class AttentionBinder:
 
     def _shapes(self, node: FusedNode, op: FusedOp) -> str | None:
         h, d, b = int(op["heads"]), int(op["head_dim"]), op["batch_dims"][0]
+        kv = op.int("kv_heads") or h  # grouped-query attention: k and v hold kv_heads heads
+        if h % kv:
+            return f"kv_heads {kv} does not divide heads {h}"
         for role in ("q", "k", "v"):
             if role not in op.inputs:
                 continue
             layout, seq = op[f"{role}_layout"], op["seq_q" if role == "q" else "seq_k"]
+            heads = h if role == "q" else kv
             info = node.inputs[op.inputs[role]]
-            if not _fits(info.shape, layout, b, h, seq, d):
+            if not _fits(info.shape, layout, b, heads, seq, d):
                 return (f"{role} input {info.name!r} has shape {info.shape}; {role}_layout {layout} needs "
-                        f"{list(layout_shape(layout, b, h, seq, d))} (heads {h}, head_dim {d})")
+                        f"{list(layout_shape(layout, b, heads, seq, d))} (heads {heads}, head_dim {d})")
         for role in ("mask", "bias"):
             if role in op.inputs and (why := _addend(node.inputs[op.inputs[role]], role, op)):
                 return why

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from onnx_gtco.families.attention.scores import scalar_operand
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
@@ -18,9 +20,51 @@ _NAMES = {
 }
 
 
+def _leading_reshape(view: GraphView, node: Node) -> bool:
+    """A Reshape that only merges or splits the leading dims of a tensor of rank >= 3 (the batch and the heads:
+    [B, H, S, D] <-> [B*H, S, D], as exporters write a 4-D matmul as a 3-D one), its last two dims unchanged."""
+    if not is_op(node, "Reshape"):
+        return False
+    shape, out = view.shape(node.inputs[0]), view.shape(node.outputs[0])
+    if shape is None or out is None or min(len(shape), len(out)) < 3 or tuple(shape[-2:]) != tuple(out[-2:]):
+        return False
+    lead_in, lead_out = shape[:-2], out[:-2]
+    if not all(isinstance(x, int) for x in (*lead_in, *lead_out)):
+        return tuple(lead_in) == tuple(lead_out)
+    return math.prod(lead_in) == math.prod(lead_out)  # type: ignore[arg-type]
+
+
+def kv_repeat(view: GraphView, node: Node) -> int | None:
+    """The repeat of grouped-query attention's K or V that `node` is part of: an Expand of the head-repeat axis,
+    [B, Hkv, 1, S, D] -> [B, Hkv, rep, S, D] (transformers' repeat_kv, after an Unsqueeze of axis 2), or the Reshape
+    of such an Expand's result that merges its leading dims ([B, Hkv * rep, S, D], or [B * Hkv * rep, S, D]); rep
+    (> 1), or None for any other node."""
+    if is_op(node, "Reshape"):
+        src = view.producer_of(node.inputs[0])
+        rep = kv_repeat(view, src) if src is not None and is_op(src, "Expand") else None
+        return rep if rep is not None and _leading_reshape(view, node) else None
+    if not is_op(node, "Expand"):
+        return None
+    shape, out = view.shape(node.inputs[0]), view.shape(node.outputs[0])
+    if shape is None or out is None or len(shape) != 5 or len(out) != 5 or shape[2] != 1:
+        return None
+    rep = out[2]
+    same = all(out[i] == shape[i] for i in (0, 1, 3, 4))
+    return rep if same and isinstance(rep, int) and rep > 1 else None
+
+
+def _kv_unsqueeze(view: GraphView, node: Node) -> bool:
+    """An Unsqueeze of axis 2 feeding a kv_repeat Expand (the repeat's new axis)."""
+    if not is_op(node, "Unsqueeze"):
+        return False
+    readers = view.consumers_of(node.outputs[0])
+    return len(readers) == 1 and kv_repeat(view, readers[0]) is not None
+
+
 def layout_step(view: GraphView, node: Node) -> tuple[str, ...] | None:
-    """Layout-only producers (reshape, permute, unbind of a packed qkv): keep walking from the data input."""
-    if is_op(node, *VIEW_OPS, "Split"):
+    """Layout-only producers (reshape, permute, unbind of a packed qkv, grouped-query attention's repeat of K and V):
+    keep walking from the data input."""
+    if is_op(node, *VIEW_OPS, "Split") or (is_op(node, "Expand") and kv_repeat(view, node)):
         return (node.inputs[0],)
     if is_op(node, "Gather"):
         idx = static_value(view, node.inputs[1])
@@ -36,12 +80,20 @@ def scale_step(view: GraphView, node: Node) -> tuple[str, ...] | None:
     return (found[0],) if found is not None else layout_step(view, node)
 
 
-def _permute(perm: Perm, node: Node, up: bool) -> Perm:
+def _permute(view: GraphView, perm: Perm, node: Node, up: bool) -> Perm:
+    """The permutation past `node`, in the core operand's axes: a Reshape that only merges or splits the leading
+    dims (_leading_reshape, grouped-query attention's repeat of K and V: kv_repeat and its Unsqueeze) keeps it, a
+    Transpose of a tensor whose leading dims are merged acts on the trailing axes it moves."""
     if perm is None or node.op_type in ("Mul", "Div", "Identity"):
+        return perm
+    if kv_repeat(view, node) or _kv_unsqueeze(view, node) or _leading_reshape(view, node):
         return perm
     if node.op_type != "Transpose":
         return None
     p = [int(i) for i in node.attrs.get("perm") or range(len(perm) - 1, -1, -1)]
+    if 3 <= len(p) < len(perm) and p[0] == 0:  # [B*H, a, b]: the merged batch and heads stay in front
+        k = len(perm) - len(p) + 1
+        p = [*range(k), *(i + k - 1 for i in p[1:])]
     if len(p) != len(perm):
         return None
     return tuple(p[i] for i in perm) if up else tuple(perm[i] for i in p)
@@ -59,7 +111,7 @@ def layout(view: GraphView, src: str, perm: Perm, core_rank: int, role: str, wid
         merged = r is not None and r == core_rank - 1 and not narrow
         return "bshd_merged" if merged else "other"
     lead = len(perm) - 3
-    if lead < 0 or any(perm[i] != i for i in range(lead)):
+    if lead < 0 or any(perm[i] != i for i in range(lead)) or rank(view, src) not in (None, len(perm)):
         return "other"
     return _NAMES[role].get(tuple(p - lead for p in perm[lead:]), "other")
 
@@ -76,7 +128,7 @@ def _walk_up(
         nxt = scale_step(view, node)
         if nxt is None:
             break
-        perm = _permute(perm, node, up=True)
+        perm = _permute(view, perm, node, up=True)
         tensor = nxt[0]
         out.append((node, tensor, perm))
         node = view.producer_of(tensor)
@@ -84,12 +136,13 @@ def _walk_up(
 
 
 def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dict[str, str], core_rank: int,
-                width: int | None, k_rows: bool = False) -> tuple[float, dict[str, str], dict[str, str]]:
+                width: int | None, k_rows: bool = False) -> tuple[float, dict[str, str], dict[str, str], int]:
     """Pull the head split of q, k, v (keys of `ins`, values the core's operands) into `group`.
 
     Each branch keeps the longest prefix whose source has a nameable layout; q, k and v read from one
     tensor is "qkv_packed". `k_rows`: the core reads k as [.., S, D] (an Einsum), not as kᵀ. Returns the scale
-    factor absorbed on q and k, the layout per branch and the tensor each branch reads (its source).
+    factor absorbed on q and k, the layout per branch, the tensor each branch reads (its source) and the query heads
+    per key / value head (grouped-query attention's repeat of k and v folded in: kv_repeat; 1 without).
     """
     for role in ("q", "k"):
         absorb_up(view, group, [ins[role]], lambda n, _t: scale_step(view, n))
@@ -106,17 +159,41 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
             names[role] = layout(view, ins[role], tuple(range(core_rank)), core_rank, kind)
             keep = 0
             for i, (_, src, perm) in enumerate(walk, 1):
+                if (rank(view, src) or 0) > core_rank:  # inside K's or V's grouped-query repeat: [B, Hkv, rep, S, D]
+                    continue
                 name = layout(view, src, perm, core_rank, kind, wide)
                 if name != "other":
                     keep, names[role] = i, name
             group.difference_update(n.id for n, _, _ in walk[keep:])
             walks[role] = walk[:keep]
+    rep = _kv_heads_repeat(view, group, walks, names, core_rank, k_rows)
     factor = 1.0
     for role in ("q", "k"):
         for node, _, _ in walks[role]:
             found = scalar_operand(view, node)
             factor *= found[1] if found is not None else 1.0
-    return factor, names, {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
+    return factor, names, {role: w[-1][1] if w else ins[role] for role, w in walks.items()}, rep
+
+
+def _kv_heads_repeat(view: GraphView, group: set[int], walks: dict[str, list[tuple[Node, str, Perm]]],
+                     names: dict[str, str], core_rank: int, k_rows: bool) -> int:
+    """The grouped-query repeat the kept k (and v) branches pass (kv_repeat), which the kernel reads as query head h
+    taking key / value head h // rep; 1 without. Where k and v do not repeat alike, neither keeps its repeat: each
+    branch stops below it and reads the repeated tensor (as before grouped-query attention was folded in)."""
+    reps = {role: next((r for n, _, _ in walks[role] if (r := kv_repeat(view, n))), 1) for role in ("k", "v")
+            if role in walks}
+    if len(set(reps.values())) == 1:
+        return next(iter(reps.values()))
+    for role, rep in reps.items():
+        if rep == 1:
+            continue
+        cut = next(i for i, (n, _, _) in enumerate(walks[role]) if kv_repeat(view, n))
+        group.difference_update(n.id for n, _, _ in walks[role][cut:])
+        walks[role] = walks[role][:cut]
+        kind = "k" if role == "k" and not k_rows else "q"
+        src, perm = (walks[role][-1][1], walks[role][-1][2]) if walks[role] else (None, tuple(range(core_rank)))
+        names[role] = layout(view, src, perm, core_rank, kind) if src is not None else names[role]
+    return 1
 
 
 def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> tuple[str, str]:
@@ -132,7 +209,7 @@ def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> t
         node = sole_reader(view, out)
         if not is_op(node, "Transpose", "Reshape") or node is None:
             break
-        perm = _permute(perm, node, up=False)
+        perm = _permute(view, perm, node, up=False)
         out = node.outputs[0]
         taken.append(node.id)
         kind = layout(view, out, perm, core_rank, "q")

@@ -8,10 +8,11 @@
   sequence length; the instance does not depend on seq_k.
 
 Problem (both families): sizes ``batch`` (the product of the batch dims), ``heads``, ``seq_q``, ``seq_k``,
-``head_dim``; flags ``scale`` (float), ``mask`` / ``bias`` (bool), ``mask_scale`` / ``bias_scale`` (floats that
-multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M) * s)`` is ``softmax(s Q Kᵀ + s M)``; run-time
-arguments, no part of the instance), ``mask_shape`` / ``bias_shape`` (4-tuples
-``[B', H', Sq', Sk']`` with each dim 1 or full; B' may also divide batch, Swin's window mask; defaults
+``head_dim``; flags ``kv_group`` (int, default 1: grouped-query attention, k and v hold heads / kv_group heads and
+query head h reads key / value head h // kv_group, a run-time argument), ``scale`` (float), ``mask`` / ``bias``
+(bool), ``mask_scale`` / ``bias_scale`` (floats that multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M)
+* s)`` is ``softmax(s Q Kᵀ + s M)``; run-time arguments, no part of the instance), ``mask_shape`` / ``bias_shape``
+(4-tuples ``[B', H', Sq', Sk']`` with each dim 1 or full; B' may also divide batch, Swin's window mask; defaults
 ``(batch, 1, 1, seq_k)`` key padding and ``(1, heads, seq_q, seq_k)`` bias), ``q_layout``, ``k_layout`` and, for
 attention, ``v_layout``, ``out_layout``.
 
@@ -100,6 +101,7 @@ _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("batch", "i32"), ("heads", "i32"), ("seq_q", "i32"), ("seq_k", "i32"), ("head_dim", "i32"),
     ("m_bmod", "i32"), ("bias_bmod", "i32"),
     ("scale", "f32"), ("mask_scale", "f32"), ("bias_scale", "f32"),
+    ("kv_group", "i32"),
 )
 
 
@@ -114,6 +116,12 @@ def elem_bytes(dtype: str) -> int:
 
 def _dims(p: Problem) -> tuple[int, int, int, int, int]:
     return p.size("batch"), p.size("heads"), p.size("seq_q"), p.size("seq_k"), p.size("head_dim")
+
+
+def kv_group(p: Problem) -> int:
+    """Query heads per key / value head (flag kv_group: grouped-query attention, k and v hold heads / kv_group
+    heads); 1 without."""
+    return int(p.flag("kv_group", 1) or 1)
 
 
 def kernel_head_dim(head_dim: int) -> int | None:
@@ -330,6 +338,11 @@ class _AttentionBase(KernelFamily):
         if b * h > 65535:
             return f"batch * heads = {b * h} exceeds the 65535 grid rows"
         lay = _layouts(problem)
+        group = kv_group(problem)
+        if group < 1 or h % group:
+            return f"kv_group {group} does not divide heads {h} (query heads per key / value head)"
+        if group > 1 and lay["q"] == "qkv_packed":
+            return "qkv_packed holds as many key / value heads as query heads (kv_group 1)"
         if lay["q"] not in LAYOUTS:
             return f"q_layout {lay['q']!r} not supported (supported: {', '.join(LAYOUTS)})"
         if lay["k"] not in K_LAYOUTS:
@@ -448,11 +461,12 @@ class _AttentionBase(KernelFamily):
         vals: dict[str, Any] = {"q": "qkv" if packed else "q", "k": "qkv" if packed else "k",
                                 "v": ("qkv" if packed else "v") if "v" in lay else "",
                                 "out": self._out_name(), "mask": "", "bias": ""}
+        group = kv_group(problem)
         for which, (name, seq) in enumerate((("q", sq), ("k", sk), ("v", sk))):
             if name not in lay:
                 vals |= {f"{name}_off": 0, f"{name}_sb": 0, f"{name}_sh": 0, f"{name}_ss": 0}
                 continue
-            off, sb, sh, ss, sd = layout_strides(lay[name], b, h, seq, d, which)
+            off, sb, sh, ss, sd = layout_strides(lay[name], b, h if name == "q" else h // group, seq, d, which)
             vals |= {f"{name}_off": off, f"{name}_sb": sb, f"{name}_sh": sh, f"{name}_ss": ss}
             if name == "k":
                 vals["k_sd"] = sd
@@ -467,7 +481,7 @@ class _AttentionBase(KernelFamily):
         vals |= {"batch": b, "heads": h, "seq_q": sq, "seq_k": sk, "head_dim": d,
                  "scale": float(problem.flag("scale", 1.0 / math.sqrt(d))),
                  "mask_scale": float(problem.flag("mask_scale", 1.0)),
-                 "bias_scale": float(problem.flag("bias_scale", 1.0))}
+                 "bias_scale": float(problem.flag("bias_scale", 1.0)), "kv_group": group}
         return [Field(name, kind, vals[name]) for name, kind in _ARG_FIELDS]
 
     # ---- numerics ----------------------------------------------------------------------------------------------
@@ -481,8 +495,9 @@ class _AttentionBase(KernelFamily):
             src = inputs["qkv"] if lay[name] == "qkv_packed" else inputs[name]
             if problem.dtype == "f32":
                 src = tf32_round(src)
-            seq = sq if name == "q" else sk
-            out.append(to_bhsd(from_storage(src, problem.dtype), lay[name], b, h, seq, d, which))
+            seq, heads = (sq, h) if name == "q" else (sk, h // kv_group(problem))
+            x = to_bhsd(from_storage(src, problem.dtype), lay[name], b, heads, seq, d, which)
+            out.append(np.repeat(x, h // heads, axis=1))  # GQA: each key / value head serves kv_group query heads
         return out
 
     def _probs64(self, problem: Problem, inputs: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray
@@ -510,8 +525,8 @@ class _AttentionBase(KernelFamily):
             out["qkv"] = to_storage(rng.standard_normal(layout_shape("qkv_packed", b, h, sq, d)), dt)
         else:
             for name in [n for n in ("q", "k", "v") if n in lay]:
-                seq = sq if name == "q" else sk
-                out[name] = to_storage(rng.standard_normal(layout_shape(lay[name], b, h, seq, d)), dt)
+                seq, heads = (sq, h) if name == "q" else (sk, h // kv_group(problem))
+                out[name] = to_storage(rng.standard_normal(layout_shape(lay[name], b, heads, seq, d)), dt)
         if problem.flag("mask", False):
             shape = addend_shape(problem, "mask")
             mask = np.zeros(shape)
@@ -635,6 +650,11 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
     if family == "attention":
         flags["v_layout"] = op["v_layout"]
         flags["out_layout"] = op["out_layout"]
+    kv_heads = op.int("kv_heads")
+    if kv_heads is not None and kv_heads != heads:
+        if kv_heads <= 0 or heads % kv_heads:
+            return f"kv_heads {kv_heads} does not divide heads {heads}"
+        flags["kv_group"] = heads // kv_heads
     return make_problem(family, dtype, batch=batch, heads=heads, seq_q=seq_q or seq_k or 1, seq_k=seq_k or seq_q or 1,
                         head_dim=head_dim, **flags)
 

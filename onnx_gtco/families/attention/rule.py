@@ -74,12 +74,16 @@ class AttentionPattern:
         core = len(dims(view, s.qk.outputs[0]) or (0, 0, 0, 0))
         h, d = attrs["heads"], attrs["head_dim"]
         width = h * d if isinstance(h, int) and isinstance(d, int) else None
-        factor, names, srcs = heads.split_heads(view, group, frozenset(base), ins, core, width, k_rows=s.k_rows)
+        factor, names, srcs, rep = heads.split_heads(view, group, frozenset(base), ins, core, width, k_rows=s.k_rows)
         out_layout, out = heads.merge_heads(view, group, pv.outputs[0], core)
         if group == base:
             return
         ext = attrs | {"scale": s.scale * factor, "q_layout": names["q"], "k_layout": names["k"],
                        "v_layout": names["v"], "out_layout": out_layout}
+        if rep > 1:  # grouped-query attention: k and v hold heads / rep heads
+            if not isinstance(h, int):
+                return
+            ext["kv_heads"] = h // rep
         yield Match(frozenset(group), "attention", ext, srcs | terms, {"out": out})
 
     @staticmethod

@@ -100,9 +100,14 @@ class ElementwisePattern:
         """The group less a scale that ends it (a Mul or Div by a constant scalar, which the attention or GEMM after
         it takes as its own scale), where the group folds layout ops into its loads and more than a pair is left: a
         rotary embedding's group whose last Mul is the attention's query scale keeps its loads and layout ops in one
-        kernel, where only its pairs would be left (without layout ops, the pairs and the whole group suffice)."""
+        kernel, where only its pairs would be left (without layout ops, the pairs and the whole group suffice); and
+        the group less the view ops that end it, which another family may read through (grouped-query attention's
+        repeat of a rotary embedding's K starts with an Unsqueeze)."""
         if not any(self._layout(view.nodes[i]) for i in part):
             return
+        computing = self._ends_computing(view, part)  # less the view ops that end it (an Unsqueeze another family's
+        if computing != part and len(computing) > 2 and convex(view, computing):  # group reads through, a GQA repeat)
+            yield self._match(view, computing)
         for i in sorted(part):
             node = view.nodes[i]
             if not is_op(node, "Mul", "Div") or view.succs[i] & part or len(node.inputs) != 2:

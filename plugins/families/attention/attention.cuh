@@ -366,8 +366,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = static_cast<int>(lane_id());
     const Block blk = block_coords(a, BQ);
     const T* const qg = static_cast<const T*>(a.q) + a.q_off + blk.b * a.q_sb + blk.h * a.q_sh;
-    const T* const kg = static_cast<const T*>(a.k) + a.k_off + blk.b * a.k_sb + blk.h * a.k_sh;
-    const T* const vg = static_cast<const T*>(a.v) + a.v_off + blk.b * a.v_sb + blk.h * a.v_sh;
+    const int kvh = blk.h / a.kv_group;  // the key / value head of query head h (GQA: kv_group query heads share it)
+    const T* const kg = static_cast<const T*>(a.k) + a.k_off + blk.b * a.k_sb + kvh * a.k_sh;
+    const T* const vg = static_cast<const T*>(a.v) + a.v_off + blk.b * a.v_sb + kvh * a.v_sh;
     const T* const mask = MASK ? addend_base<T>(a.mask, blk.b, blk.h, a.m_bmod, a.m_sb, a.m_sh) : nullptr;
     const T* const bias = BIAS ? addend_base<T>(a.bias, blk.b, blk.h, a.bias_bmod, a.bias_sb, a.bias_sh) : nullptr;
     const int nkt = (a.seq_k + BKV - 1) / BKV;
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = static_cast<int>(lane_id());
     const Block blk = block_coords(a, BQ);
     const T* const qg = static_cast<const T*>(a.q) + a.q_off + blk.b * a.q_sb + blk.h * a.q_sh;
-    const T* const kg = static_cast<const T*>(a.k) + a.k_off + blk.b * a.k_sb + blk.h * a.k_sh;
+    const T* const kg = static_cast<const T*>(a.k) + a.k_off + blk.b * a.k_sb + (blk.h / a.kv_group) * a.k_sh;
     const T* const mask = MASK ? addend_base<T>(a.mask, blk.b, blk.h, a.m_bmod, a.m_sb, a.m_sh) : nullptr;
     const T* const bias = BIAS ? addend_base<T>(a.bias, blk.b, blk.h, a.bias_bmod, a.bias_sb, a.bias_sh) : nullptr;
     const float scale_log2 = a.scale * kLog2e;
@@ -642,6 +643,7 @@ template <typename T, int D, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D>
 inline bool common_ok(const gtco_attention_args* a) {
     if (PAD_D ? (a->head_dim <= 0 || a->head_dim >= D) : a->head_dim != D) return false;
     if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return false;
+    if (a->kv_group <= 0 || a->heads % a->kv_group != 0) return false;
     if (static_cast<int64_t>(a->batch) * a->heads > 65535) return false;
     // Offsets inside one (batch, head) slice are 32-bit in the kernels.
     const int64_t lim = int64_t{1} << 31, sq = a->seq_q, sk = a->seq_k;

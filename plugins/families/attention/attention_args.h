@@ -27,4 +27,5 @@ struct gtco_attention_args {
     int32_t m_bmod, bias_bmod;  // batch index of mask / bias = b % bmod
     float scale;                // multiplies Q Kᵀ
     float mask_scale, bias_scale;  // multiply the mask and the bias (1, unless the graph scales after adding them)
+    int32_t kv_group;  // query heads per key / value head: K and V have heads / kv_group heads (GQA, MQA); 1 without
 };

@@ -5,7 +5,9 @@
 //     BmmSoftmax:  probs = softmax(scale * Q Kᵀ [+ mask] [+ bias])       [B, H, Sq, Sk]
 //
 // Node attributes (onnx_gtco/families/attention/rule.py): heads, head_dim (ints; the binder refuses nodes where either
-// is symbolic), seq_q, seq_k (int, or a string when symbolic: then only the inputs' consistency is checked),
+// is symbolic), kv_heads (int, absent: heads; fewer with grouped-query attention, k and v then hold kv_heads heads,
+// each read by heads / kv_heads query heads), seq_q, seq_k (int, or a string when symbolic: then only the inputs'
+// consistency is checked),
 // scale (float; 1/sqrt(head_dim) when absent), mask_scale, bias_scale (floats, 1 when absent: the graph's scale
 // after adding the mask / bias, which multiplies that term), mask, bias, nan_guard, causal (ints; causal comes from an ONNX
 // Attention op body: key j > query i masked, upper-left as that op without past_key), batch_dims (ints, or strings
@@ -44,6 +46,7 @@ struct AttentionGlue {
 
     struct Attrs {
         int64_t heads = -1;      // -1: symbolic or absent
+        int64_t kv_heads = -1;   // heads of k and v (GQA, MQA: fewer); -1: as many as q
         int64_t head_dim = -1;
         int64_t seq_q = -1;
         int64_t seq_k = -1;
@@ -62,6 +65,7 @@ struct AttentionGlue {
         Attrs a;
         if (!attr_int(info, "heads", a.heads) || a.heads <= 0) a.heads = -1;
         if (!attr_int(info, "head_dim", a.head_dim) || a.head_dim <= 0) a.head_dim = -1;
+        if (!attr_int(info, "kv_heads", a.kv_heads) || a.kv_heads <= 0) a.kv_heads = -1;
         if (!attr_int(info, "seq_q", a.seq_q) || a.seq_q < 0) a.seq_q = -1;
         if (!attr_int(info, "seq_k", a.seq_k) || a.seq_k < 0) a.seq_k = -1;
         a.has_scale = attr_float(info, "scale", a.scale);
@@ -110,6 +114,10 @@ struct AttentionGlue {
             return ref.fail("heads and head_dim must be known positive ints (attributes heads=" + std::to_string(H) +
                             ", head_dim=" + std::to_string(Dh) + ")");
         }
+        const int64_t Hkv = at.kv_heads > 0 ? at.kv_heads : H;  // heads of k and v
+        if (H % Hkv != 0) {
+            return ref.fail("kv_heads=" + std::to_string(Hkv) + " does not divide heads=" + std::to_string(H));
+        }
         const Layout lq = ref::parse_layout(at.q_layout), lk = ref::parse_layout(at.k_layout);
         const Layout lv = WithV ? ref::parse_layout(at.v_layout) : Layout::bhsd;
         const Layout lo = WithV ? ref::parse_layout(at.out_layout) : Layout::bhsd;
@@ -123,19 +131,20 @@ struct AttentionGlue {
             return ref.fail("qkv_packed must be the layout of all of q, k" + std::string(WithV ? ", v" : "") +
                             " (q_layout=" + at.q_layout + ", k_layout=" + at.k_layout +
                             (WithV ? ", v_layout=" + at.v_layout : std::string()) + ")");
+        if (packed && Hkv != H) return ref.fail("qkv_packed with kv_heads=" + std::to_string(Hkv) + " < heads");
         if (packed && (spec.in[IN_K] != spec.in[IN_Q] || (WithV && spec.in[IN_V] != spec.in[IN_Q])))
             return ref.fail("qkv_packed q, k and v must be one node input; the node table gives different ones",
                             ORT_FAIL);
         // operand shapes
         int64_t bq = 0, sq = 0, bk = 0, sk = 0, bv = 0, sv = 0;
-        auto bad = [&](const char* what, const Input& t, Layout l) {
+        auto bad = [&](const char* what, const Input& t, Layout l, int64_t heads) {
             return ref.fail(std::string("input ") + what + " " + shape_str(t.shape) + " does not fit " +
-                            ref::layout_name(l) + " " + ref::layout_pattern(l, H, Dh) + " (heads=" +
-                            std::to_string(H) + ", head_dim=" + std::to_string(Dh) + ")");
+                            ref::layout_name(l) + " " + ref::layout_pattern(l, heads, Dh) + " (heads=" +
+                            std::to_string(heads) + ", head_dim=" + std::to_string(Dh) + ")");
         };
-        if (!ref::layout_dims(lq, q.shape, H, Dh, bq, sq)) return bad("q", q, lq);
-        if (!ref::layout_dims(lk, k.shape, H, Dh, bk, sk)) return bad("k", k, lk);
-        if (WithV && !ref::layout_dims(lv, v.shape, H, Dh, bv, sv)) return bad("v", v, lv);
+        if (!ref::layout_dims(lq, q.shape, H, Dh, bq, sq)) return bad("q", q, lq, H);
+        if (!ref::layout_dims(lk, k.shape, Hkv, Dh, bk, sk)) return bad("k", k, lk, Hkv);
+        if (WithV && !ref::layout_dims(lv, v.shape, Hkv, Dh, bv, sv)) return bad("v", v, lv, Hkv);
         auto shapes = [&] {  // for messages only
             return "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) +
                    (WithV ? ", v " + shape_str(v.shape) : std::string());
@@ -189,8 +198,8 @@ struct AttentionGlue {
             if (at.causal) return ref.fail("the device kernel has no causal mask", ORT_NOT_IMPLEMENTED);
             gtco_attention_args args{};
             const ref::Strides sq_ = ref::layout_strides(lq, H, sq, Dh, 0);
-            const ref::Strides sk_ = ref::layout_strides(lk, H, sk, Dh, 1);
-            const ref::Strides sv_ = WithV ? ref::layout_strides(lv, H, sk, Dh, 2) : ref::Strides{};
+            const ref::Strides sk_ = ref::layout_strides(lk, Hkv, sk, Dh, 1);
+            const ref::Strides sv_ = WithV ? ref::layout_strides(lv, Hkv, sk, Dh, 2) : ref::Strides{};
             const ref::Strides so_ = WithV ? ref::layout_strides(lo, H, sq, Dh)
                                            : ref::Strides{0, H * sq * sk, sq * sk, sk, 1};
             args.q = q.data, args.k = k.data, args.v = WithV ? v.data : nullptr, args.out = out;
@@ -213,19 +222,20 @@ struct AttentionGlue {
             args.batch = static_cast<int32_t>(bq), args.heads = static_cast<int32_t>(H);
             args.seq_q = static_cast<int32_t>(sq), args.seq_k = static_cast<int32_t>(sk);
             args.head_dim = static_cast<int32_t>(Dh);
+            args.kv_group = static_cast<int32_t>(H / Hkv);
             args.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
             args.mask_scale = at.mask_scale, args.bias_scale = at.bias_scale;
             return run_instance(ctx, ref, args, shapes);
         }
         ref::Problem pr;
-        pr.batch = bq, pr.heads = H, pr.seq_q = sq, pr.seq_k = sk, pr.head_dim = Dh;
+        pr.batch = bq, pr.heads = H, pr.seq_q = sq, pr.seq_k = sk, pr.head_dim = Dh, pr.kv_group = H / Hkv;
         pr.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
         pr.causal = at.causal != 0;
         pr.nan_guard = at.nan_guard != 0;
         ref::Operand<T> oq{static_cast<const T*>(q.data), ref::layout_strides(lq, H, sq, Dh, 0)};
-        ref::Operand<T> ok{static_cast<const T*>(k.data), ref::layout_strides(lk, H, sk, Dh, 1)};
+        ref::Operand<T> ok{static_cast<const T*>(k.data), ref::layout_strides(lk, Hkv, sk, Dh, 1)};
         if (WithV) {
-            ref::Operand<T> ov{static_cast<const T*>(v.data), ref::layout_strides(lv, H, sk, Dh, 2)};
+            ref::Operand<T> ov{static_cast<const T*>(v.data), ref::layout_strides(lv, Hkv, sk, Dh, 2)};
             ref::attention<T>(pr, oq, ok, ov, am, ab, out, ref::layout_strides(lo, H, sq, Dh), S::load, S::store);
         } else {
             const ref::Strides os{0, H * sq * sk, sq * sk, sk, 1};

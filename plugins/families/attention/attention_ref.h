@@ -139,6 +139,7 @@ inline bool period_addend_strides(const std::vector<int64_t>& shape, int64_t per
 
 struct Problem {
     int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
+    int64_t kv_group = 1;  // query heads per key / value head (GQA): k and v have heads / kv_group heads
     float scale = 1.0f;
     bool causal = false;
     bool nan_guard = false;
@@ -240,8 +241,8 @@ void attention(const Problem& pr, const Operand<T>& q, const Operand<T>& k, cons
     for_each_head(pr, [&](int64_t b, int64_t h) {
         std::vector<float> qh, kh, vh, p(static_cast<size_t>(pr.seq_k)), acc(static_cast<size_t>(dim));
         load_head(q, b, h, pr.seq_q, dim, qh, load);
-        load_head(k, b, h, pr.seq_k, dim, kh, load);
-        load_head(v, b, h, pr.seq_k, dim, vh, load);
+        load_head(k, b, h / pr.kv_group, pr.seq_k, dim, kh, load);
+        load_head(v, b, h / pr.kv_group, pr.seq_k, dim, vh, load);
         for (int64_t i = 0; i < pr.seq_q; ++i) {
             probs_row(pr, qh.data() + i * dim, kh.data(), mask, bias, b, h, i, p, load, store);
             std::fill(acc.begin(), acc.end(), 0.0f);
@@ -264,7 +265,7 @@ void bmm_softmax(const Problem& pr, const Operand<T>& q, const Operand<T>& k, co
     for_each_head(pr, [&](int64_t b, int64_t h) {
         std::vector<float> qh, kh, p(static_cast<size_t>(pr.seq_k));
         load_head(q, b, h, pr.seq_q, dim, qh, load);
-        load_head(k, b, h, pr.seq_k, dim, kh, load);
+        load_head(k, b, h / pr.kv_group, pr.seq_k, dim, kh, load);
         for (int64_t i = 0; i < pr.seq_q; ++i) {
             probs_row(pr, qh.data() + i * dim, kh.data(), mask, bias, b, h, i, p, load, store);
             T* o = probs + os.off + b * os.sb + h * os.sh + i * os.ss;
