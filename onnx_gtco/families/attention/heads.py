@@ -99,12 +99,21 @@ def _permute(view: GraphView, perm: Perm, node: Node, up: bool) -> Perm:
     return tuple(p[i] for i in perm) if up else tuple(perm[i] for i in p)
 
 
-def layout(view: GraphView, src: str, perm: Perm, core_rank: int, role: str, width: int | None = None) -> str:
+def layout(view: GraphView, src: str, perm: Perm, core_rank: int, role: str, width: int | None = None,
+           heads: object = None) -> str:
     """Name the layout a kernel reads a branch in (or writes the output in).
 
     "bhsd", "bhds", "bshd", "bshd_merged" (heads folded into the last dim, `width` = H*D wide when known) or
-    "other". `role` is "q" (q, v and the output: core [.., H, S, D]) or "k" (core kᵀ [.., H, D, S]).
+    "other". `role` is "q" (q, v and the output: core [.., H, S, D]) or "k" (core kᵀ [.., H, D, S]). A source one
+    rank under the core with a permutation (its batch and heads merged, [B*H, S, D]) is bshd_merged where `heads`
+    is 1 and it holds the rows as they are (then [B, S, D] is both), else no layout a kernel reads.
     """
+    if perm is not None and heads == 1 and rank(view, src) == len(perm) - 1 and len(perm) >= 3:
+        lead = len(perm) - 3
+        rows = _NAMES[role].get(tuple(p - lead for p in perm[lead:])) == "bhsd"
+        last = dim(view, src, -1)
+        fits = width is None or not isinstance(last, int) or last == width
+        return "bshd_merged" if rows and fits and all(perm[i] == i for i in range(lead)) else "other"
     if perm is None:
         r, last = rank(view, src), dim(view, src, -1)
         narrow = isinstance(last, int) and width is not None and last != width
@@ -157,11 +166,12 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
             kind = "k" if role == "k" and not k_rows else "q"
             wide = width if role in ("q", "k") else None
             names[role] = layout(view, ins[role], tuple(range(core_rank)), core_rank, kind)
+            core_heads = dim(view, ins[role], -3)
             keep = 0
             for i, (_, src, perm) in enumerate(walk, 1):
                 if (rank(view, src) or 0) > core_rank:  # inside K's or V's grouped-query repeat: [B, Hkv, rep, S, D]
                     continue
-                name = layout(view, src, perm, core_rank, kind, wide)
+                name = layout(view, src, perm, core_rank, kind, wide, core_heads)
                 if name != "other":
                     keep, names[role] = i, name
             group.difference_update(n.id for n, _, _ in walk[keep:])
