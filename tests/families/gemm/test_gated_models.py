@@ -99,7 +99,7 @@ def test_a_gated_mlp_is_one_gemm_node_with_a_device_kernel_and_one_launch_less()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("act", "precision"), [("silu", "fp32"), ("gelu_erf", "bf16"), ("silu", "fp16")])
+@pytest.mark.parametrize(("act", "precision"), [("silu", "fp32"), ("gelu_erf", "bf16")])  # fp16: the RMSNorm LLaMA test
 def test_the_function_the_cpu_library_and_the_emulated_kernels_compute_the_original(tmp_path: Path, act: str,
                                                                                     precision: str) -> None:
     original = mlp_model(act, seed=3)
