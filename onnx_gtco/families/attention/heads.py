@@ -160,23 +160,27 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
     srcs = {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
     if srcs["q"] == srcs["k"] == srcs["v"] and walks["q"]:
         names = dict.fromkeys(ins, "qkv_packed")
+        rep = 1
     else:
         names = {}
-        for role, walk in walks.items():
-            kind = "k" if role == "k" and not k_rows else "q"
-            wide = width if role in ("q", "k") else None
-            names[role] = layout(view, ins[role], tuple(range(core_rank)), core_rank, kind)
-            core_heads = dim(view, ins[role], -3)
-            keep = 0
-            for i, (_, src, perm) in enumerate(walk, 1):
-                if (rank(view, src) or 0) > core_rank:  # inside K's or V's grouped-query repeat: [B, Hkv, rep, S, D]
-                    continue
-                name = layout(view, src, perm, core_rank, kind, wide, core_heads)
-                if name != "other":
-                    keep, names[role] = i, name
-            group.difference_update(n.id for n, _, _ in walk[keep:])
-            walks[role] = walk[:keep]
-    rep = _kv_heads_repeat(view, group, walks, names, core_rank, k_rows)
+
+        def trim(role: str, limit: int) -> None:
+            """Keep the longest prefix of the branch's first `limit` steps whose source has a name."""
+            keep, names[role] = _named_prefix(view, walks[role][:limit], ins[role], core_rank,
+                                              "k" if role == "k" and not k_rows else "q",
+                                              width if role in ("q", "k") else None)
+            group.difference_update(n.id for n, _, _ in walks[role][keep:])
+            walks[role] = walks[role][:keep]
+
+        for role in walks:
+            trim(role, len(walks[role]))
+        reps = {role: next((r for n, _, _ in walks[role] if (r := kv_repeat(view, n))), 1) for role in ("k", "v")
+                if role in walks}
+        rep = next(iter(reps.values())) if len(set(reps.values())) == 1 else 1
+        if len(set(reps.values())) > 1:  # k and v do not repeat alike: neither keeps its repeat, each stops below it
+            for role in reps:
+                trim(role, next((i for i, (n, _, _) in enumerate(walks[role]) if kv_repeat(view, n)),
+                                len(walks[role])))
     factor = 1.0
     for role in ("q", "k"):
         for node, _, _ in walks[role]:
@@ -185,25 +189,21 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
     return factor, names, {role: w[-1][1] if w else ins[role] for role, w in walks.items()}, rep
 
 
-def _kv_heads_repeat(view: GraphView, group: set[int], walks: dict[str, list[tuple[Node, str, Perm]]],
-                     names: dict[str, str], core_rank: int, k_rows: bool) -> int:
-    """The grouped-query repeat the kept k (and v) branches pass (kv_repeat), which the kernel reads as query head h
-    taking key / value head h // rep; 1 without. Where k and v do not repeat alike, neither keeps its repeat: each
-    branch stops below it and reads the repeated tensor (as before grouped-query attention was folded in)."""
-    reps = {role: next((r for n, _, _ in walks[role] if (r := kv_repeat(view, n))), 1) for role in ("k", "v")
-            if role in walks}
-    if len(set(reps.values())) == 1:
-        return next(iter(reps.values()))
-    for role, rep in reps.items():
-        if rep == 1:
+def _named_prefix(view: GraphView, walk: list[tuple[Node, str, Perm]], core: str, core_rank: int, kind: str,
+                  width: int | None) -> tuple[int, str]:
+    """How many steps of a branch's walk to keep (the longest prefix whose source has a layout name) and that name;
+    0 and the core operand's own name where none has. A source inside K's or V's grouped-query repeat ([B, Hkv, rep,
+    S, D]) is never one."""
+    name = layout(view, core, tuple(range(core_rank)), core_rank, kind)
+    core_heads = dim(view, core, -3)
+    keep = 0
+    for i, (_, src, perm) in enumerate(walk, 1):
+        if (rank(view, src) or 0) > core_rank:
             continue
-        cut = next(i for i, (n, _, _) in enumerate(walks[role]) if kv_repeat(view, n))
-        group.difference_update(n.id for n, _, _ in walks[role][cut:])
-        walks[role] = walks[role][:cut]
-        kind = "k" if role == "k" and not k_rows else "q"
-        src, perm = (walks[role][-1][1], walks[role][-1][2]) if walks[role] else (None, tuple(range(core_rank)))
-        names[role] = layout(view, src, perm, core_rank, kind) if src is not None else names[role]
-    return 1
+        found = layout(view, src, perm, core_rank, kind, width, core_heads)
+        if found != "other":
+            keep, name = i, found
+    return keep, name
 
 
 def merge_heads(view: GraphView, group: set[int], out: str, core_rank: int) -> tuple[str, str]:

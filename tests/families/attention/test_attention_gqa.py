@@ -89,11 +89,11 @@ def test_check_refuses_what_grouped_query_attention_cannot_read(heads: int, grou
 B, H, HKV, S, D = 2, 4, 2, 16, 32
 
 
-def gqa_model(*, k_bmm_form: bool) -> onnx.ModelProto:
+def gqa_model(*, k_bmm_form: bool, v_heads: int = HKV) -> onnx.ModelProto:
     """x [B, S, H*D] -> q (H heads), k and v (HKV heads) projections, K and V repeated by transformers' repeat_kv
     (Unsqueeze axis 2, Expand [B, HKV, H/HKV, S, D], Reshape), scaled scores, softmax, P V, the heads merged back.
     `k_bmm_form`: K reaches the scores as a dynamo export writes it: the repeat reshaped to [B*H, S, D], transposed
-    in 3-D and reshaped to [B, H, D, S]."""
+    in 3-D and reshaped to [B, H, D, S]. `v_heads`: V's heads, repeated to H as K's are."""
     rng = np.random.default_rng(0)
 
     def c(name: str, v: object) -> onnx.TensorProto:
@@ -101,9 +101,11 @@ def gqa_model(*, k_bmm_form: bool) -> onnx.ModelProto:
 
     inits = [c("wq", (0.2 * rng.standard_normal((H * D, H * D))).astype(np.float32)),
              c("wk", (0.2 * rng.standard_normal((H * D, HKV * D))).astype(np.float32)),
-             c("wv", (0.2 * rng.standard_normal((H * D, HKV * D))).astype(np.float32)),
+             c("wv", (0.2 * rng.standard_normal((H * D, v_heads * D))).astype(np.float32)),
              c("sq", np.array([B, S, H, D], np.int64)), c("skv", np.array([B, S, HKV, D], np.int64)),
+             c("sv", np.array([B, S, v_heads, D], np.int64)),
              c("two", np.array([2], np.int64)), c("rep", np.array([B, HKV, H // HKV, S, D], np.int64)),
+             c("rep_v", np.array([B, v_heads, H // v_heads, S, D], np.int64)),
              c("bhsd", np.array([B, H, S, D], np.int64)), c("flat", np.array([B * H, S, D], np.int64)),
              c("bhds", np.array([B, H, D, S], np.int64)), c("merged", np.array([B, S, H * D], np.int64)),
              c("scale", np.float32(D ** -0.5))]
@@ -117,17 +119,17 @@ def gqa_model(*, k_bmm_form: bool) -> onnx.ModelProto:
         return node("Transpose", [node("Reshape", [node("MatMul", ["x", w], f"{name}_mm"), shape], f"{name}_r")],
                     f"{name}_t", perm=[0, 2, 1, 3])
 
-    def repeat(t: str, name: str, to: str) -> str:
-        return node("Reshape", [node("Expand", [node("Unsqueeze", [t, "two"], f"{name}_u"), "rep"], f"{name}_e"), to],
+    def repeat(t: str, name: str, to: str, times: str = "rep") -> str:
+        return node("Reshape", [node("Expand", [node("Unsqueeze", [t, "two"], f"{name}_u"), times], f"{name}_e"), to],
                     f"{name}_rep")
 
-    q, k, v = heads("wq", "sq", "q"), heads("wk", "skv", "k"), heads("wv", "skv", "v")
+    q, k, v = heads("wq", "sq", "q"), heads("wk", "skv", "k"), heads("wv", "sv", "v")
     if k_bmm_form:
         kt = node("Reshape", [node("Transpose", [repeat(k, "k", "flat")], "k_t3", perm=[0, 2, 1]), "bhds"], "k_tr")
     else:
         kt = node("Transpose", [repeat(k, "k", "bhsd")], "k_tr", perm=[0, 1, 3, 2])
     scores = node("MatMul", [node("Mul", [q, "scale"], "q_s"), kt], "scores")
-    ctx = node("MatMul", [node("Softmax", [scores], "probs", axis=-1), repeat(v, "v", "bhsd")], "ctx")
+    ctx = node("MatMul", [node("Softmax", [scores], "probs", axis=-1), repeat(v, "v", "bhsd", "rep_v")], "ctx")
     node("Reshape", [node("Transpose", [ctx], "ctx_t", perm=[0, 2, 1, 3]), "merged"], "y")
     graph = helper.make_graph(nodes, "gqa", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, S, H * D])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, S, H * D])], inits)
@@ -145,6 +147,23 @@ def test_the_repeat_of_k_and_v_folds_into_the_attention_node(tmp_path: Path, k_b
     coverage = model_coverage(rewritten)
     assert coverage.nodes[att.name].archs, coverage.nodes[att.name].reason
     assert_close_through_library(original, rewritten, None, tmp_path, 5e-3, "gqa functions")
+
+
+def test_k_and_v_repeated_unalike_keep_their_repeats_outside_the_node(tmp_path: Path) -> None:
+    """K of 2 heads and V of 1, each repeated to 4: one kv_heads cannot describe both, so neither repeat folds in
+    and the node reads K and V as repeated, in a layout it names, while q's head split and the head merge still
+    fold in (a V branch cut back to its core operand is named as that operand, bhsd)."""
+    original = gqa_model(k_bmm_form=False, v_heads=1)
+    rewritten = optimize(original, GtcoConfig(precision="fp16")).model
+    (att,) = [n for n in rewritten.graph.node if n.op_type.startswith("Attention_")]
+    attrs = {a.name: helper.get_attribute_value(a) for a in att.attribute}
+    assert "kv_heads" not in attrs and {attrs["k_layout"], attrs["v_layout"]} <= {b"bhsd", b"bhds"}
+    assert attrs["q_layout"] == attrs["out_layout"] == b"bshd_merged"
+    funcs = {f.name: [n.op_type for n in f.node] for f in rewritten.functions}
+    assert "Expand" not in funcs[att.op_type]
+    coverage = model_coverage(rewritten)
+    assert coverage.nodes[att.name].archs, coverage.nodes[att.name].reason
+    assert_close_through_library(original, rewritten, None, tmp_path, 5e-3, "unalike repeats")
 
 
 @pytest.mark.slow
