@@ -445,7 +445,8 @@ def _emulated_objects(tmp: Path, instances: Sequence[Instance], log: list[str],
 
     def one(inst: Instance) -> Path:
         src = tmp / f"{inst.name}.emu.cc"
-        lib = [f"-I{d}" for d in (impl_include or {}).get(str(inst.config.get("impl", "mma")), ())]
+        impl = implementation(inst.config)
+        lib = [f"-I{d}" for d in (impl_include or {}).get(impl.name, ())] if impl is not None else []
         flags = ["-std=c++17", "-O2", "-pthread", "-fPIC", "-fvisibility=hidden", "-DGTCO_EMULATE",
                  *(f"-I{d}" for d in DEVICE_INCLUDE_DIRS), *lib]
         key = hashlib.sha256("\0".join([inst.source, cxx, *flags, headers_digest()]).encode()).hexdigest()[:16]
@@ -776,16 +777,15 @@ def _impl_includes(instances: Sequence[Instance], known: Mapping[str, Sequence[P
     why), where it was chosen by default; a BuildError where the caller (the tuner) named that implementation."""
     found: dict[str, list[Path]] = {}
     missing: dict[tuple[str, str], str] = {}
-    for name in sorted({str(i.config.get("impl")) for i in instances} - set(known)):
-        impl = implementation({"impl": name})
-        if impl is None or impl.include_dirs is None:
+    for impl in {i.name: i for inst in instances if (i := implementation(inst.config)) is not None}.values():
+        if impl.name in known or impl.include_dirs is None:
             continue
         try:
-            found[name] = list(impl.include_dirs(emulated))
+            found[impl.name] = list(impl.include_dirs(emulated))
         except BuildError as e:
-            if name in asked:  # a configuration the caller named: say what is missing
+            if impl.name in asked:  # a configuration the caller named: say what is missing
                 raise
-            missing.update({(i.name, i.arch): f"{i.name}: {e}" for i in instances if i.config.get("impl") == name})
+            missing.update({(i.name, i.arch): f"{i.name}: {e}" for i in instances if implementation(i.config) is impl})
     return found, missing
 
 

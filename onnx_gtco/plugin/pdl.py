@@ -23,9 +23,9 @@ from collections.abc import Collection, Mapping, Sequence
 import onnx
 
 from onnx_gtco.kernels.family import Instance
-from onnx_gtco.kernels.select import FAMILIES
+from onnx_gtco.kernels.select import IMPLEMENTATIONS
 
-FOREIGN_IMPLS = tuple(i.name for family in FAMILIES.values() for i in family.implementations)
+FOREIGN_IMPLS = tuple(IMPLEMENTATIONS)
 """Implementations whose kernels are not gtco's own (every family's library implementations: the GEMM's cuBLASLt
 and CUTLASS): never launched with PDL, and no PDL launch after them."""
 MIN_ARCH = 90

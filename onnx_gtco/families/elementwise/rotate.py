@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx_gtco.families.elementwise.rule import slice_range
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
 from onnx_gtco.patterns.util import sole_reader, spliced
@@ -37,20 +38,6 @@ class RotateHalf:
     width: int
 
 
-def _slice_of(view: GraphView, node: Node | None) -> tuple[str, int, int] | None:
-    """(source, start, end) of a step-1 Slice of its source's last axis, the end clipped to the axis; or None."""
-    if node is None or not is_op(node, "Slice") or len(node.inputs) < 4:
-        return None
-    shape = view.shape(node.inputs[0])
-    values = [view.const_value(t) for t in node.inputs[1:]]
-    if shape is None or not isinstance(shape[-1], int) or any(v is None or v.size != 1 for v in values):
-        return None
-    start, end, axis, *step = (int(np.asarray(v).reshape(-1)[0]) for v in values)  # type: ignore[union-attr]
-    if axis not in (-1, len(shape) - 1) or (step and step[0] != 1) or start < 0 or end < 0:
-        return None
-    return node.inputs[0], start, min(end, shape[-1])
-
-
 def _rotate_half_at(view: GraphView, concat: Node) -> RotateHalf | None:
     if not is_op(concat, "Concat") or len(concat.inputs) != 2:
         return None
@@ -61,12 +48,13 @@ def _rotate_half_at(view: GraphView, concat: Node) -> RotateHalf | None:
     neg = view.producer_of(concat.inputs[0])
     if neg is None or not is_op(neg, "Neg") or sole_reader(view, neg.outputs[0]) is not concat:
         return None
-    high, low = _slice_of(view, view.producer_of(neg.inputs[0])), _slice_of(view, view.producer_of(concat.inputs[1]))
-    if high is None or low is None or high[0] != low[0]:
+    parts = [view.producer_of(t) for t in (neg.inputs[0], concat.inputs[1])]
+    high, low = (slice_range(view, p) if p is not None else None for p in parts)
+    if high is None or low is None or high[:2] != low[:2] or high[1] != len(shape) - 1:
         return None
-    source, h, end = high
+    source, _, h, end = high
     width = view.shape(source)[-1]  # type: ignore[index]
-    if low[1:] != (0, h) or end != width or not 0 < h < width:
+    if low[2:] != (0, h) or end != width or not 0 < h < width:
         return None
     return RotateHalf(concat, neg, source, h, width)
 

@@ -254,7 +254,7 @@ def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
     return None
 
 
-def _slice_range(view: GraphView, node: Node) -> tuple[str, int, int, int] | None:
+def slice_range(view: GraphView, node: Node) -> tuple[str, int, int, int] | None:
     """(data tensor, axis, start, end) of a Slice of one axis with step 1 and constant bounds, clamped; else None."""
     if node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 4:
         return None
@@ -278,7 +278,7 @@ def is_roll(view: GraphView, node: Node) -> bool:
     parts = [view.producer_of(t) for t in node.inputs]
     if any(p is None for p in parts):
         return False
-    a, b = (_slice_range(view, p) for p in parts)
+    a, b = (slice_range(view, p) for p in parts)
     if a is None or b is None or a[0] != b[0] or a[1] != b[1]:
         return False
     shape = view.shape(a[0])
