@@ -741,3 +741,140 @@ def _view_shape(node: Any, shape: tuple[int, ...], consts: Mapping[str, float], 
     if int(np.prod(out)) != int(np.prod(shape)):
         raise ValueError(f"elementwise: Reshape {node.name!r} of {shape} to {target} changes the element count")
     return tuple(out)
+
+
+PLACEHOLDER = 1_000_003
+"""While the program of a group over symbolic dims is built, symbol k stands as the size PLACEHOLDER + 2k: larger than
+any static dim it accepts, so each dim of the result reads back as one symbol or a static size."""
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """The program of a group whose shapes have symbolic dims (batch, sequence), for a kernel that takes their sizes
+    at run time (onnx_gtco.families.elementwise.kernel RuntimeProgram). Its dims are encoded as a static size (>= 0) or
+    -1 - k for symbol k.
+
+    program: the ProgramSpec over placeholder sizes (PLACEHOLDER); symbols: the symbols' names; iteration: the iteration
+    dims; groups: the end (exclusive) of each collapsed dim's run of iteration dims (neighbours every input walks or
+    broadcasts along alike merged; a static 1 joins the run before it; a rolled dim is a run of its own); shapes: per
+    kernel input, its shape over the iteration rank (right-aligned, 1 where it has no dim); walks: per kernel input,
+    the bits of the collapsed dims it walks; rolls: per kernel input, None or (collapsed dim, shift) where it is a
+    torch.roll of its tensor along a static dim (rotary embeddings' rotate-half, families/elementwise/rotate.py):
+    index i of that dim reads element (i + shift) % size."""
+
+    program: ProgramSpec
+    symbols: tuple[str, ...]
+    iteration: tuple[int, ...]
+    groups: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    walks: tuple[int, ...]
+    rolls: tuple[tuple[int, int] | None, ...] = ()
+
+    @property
+    def inputs(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        return self.program.inputs
+
+    @property
+    def outputs(self) -> tuple[tuple[str, Ref], ...]:
+        return self.program.outputs
+
+    def dims(self, values: Mapping[str, int] | None = None) -> tuple[int, ...]:
+        """The collapsed iteration dims where each symbol has its value in `values` (default 1)."""
+        values = values or {}
+        sizes = [d if d >= 0 else int(values.get(self.symbols[-1 - d], 1)) for d in self.iteration]
+        starts = (0, *self.groups[:-1])
+        return tuple(math.prod(sizes[a:b]) for a, b in zip(starts, self.groups, strict=True))
+
+
+def runtime_spec_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Sequence[int | str], str]],
+                           outputs: Sequence[str], constants: Mapping[str, Any] | None = None, *,
+                           max_rank: int = 6, max_symbols: int = 16) -> RuntimeSpec:
+    """The RuntimeSpec of an elementwise group whose input shapes name symbolic dims (strings), or ValueError
+    saying why none: a view or layout op over them (a Reshape, Transpose, Slice, ... inside the group: the run-time
+    kernel reads plain numpy broadcasts), a dim mixing symbols (a Flatten of two), a static dim of PLACEHOLDER or
+    more."""
+    symbols: list[str] = []
+    for _, shape, _ in inputs:
+        for d in shape:
+            if isinstance(d, str) and d not in symbols:
+                symbols.append(d)
+            elif not isinstance(d, str) and int(d) >= PLACEHOLDER:
+                raise ValueError(f"elementwise: a static dim of {d} is too large for a program over symbolic dims")
+    if not symbols:
+        raise ValueError("elementwise: no symbolic dim: the program is built for its static shape")
+    if len(symbols) > max_symbols:
+        raise ValueError(f"elementwise: {len(symbols)} symbolic dims: the kernel for run-time shapes takes at most "
+                         f"{max_symbols}")
+    size = {name: PLACEHOLDER + 2 * k for k, name in enumerate(symbols)}
+    code = {v: -1 - k for k, v in enumerate(size.values())}
+    program = program_from_onnx(nodes, [(n, tuple(size[d] if isinstance(d, str) else int(d) for d in s), k)
+                                        for n, s, k in inputs], outputs, constants)
+    if any(st is not None for st in program.out_strides):
+        raise ValueError("elementwise: a Transpose into an output over symbolic dims: the kernel for run-time shapes "
+                         "writes dense outputs")
+    rolled = [_pure_roll(lay, s) for lay, (_, s, _) in
+              itertools.zip_longest(program.layouts, program.inputs, fillvalue=None)]
+    if any(r == () for r in rolled):
+        raise ValueError("elementwise: a layout op (Transpose, Slice, Pad, Concat) or a view of a strided input over "
+                         "symbolic dims: the kernel for run-time shapes reads plain broadcasts and rolls along one "
+                         "static dim only")
+
+    def encode(d: int) -> int:
+        if d < PLACEHOLDER:
+            return int(d)
+        if d in code:
+            return code[d]
+        raise ValueError(f"elementwise: a dim of the program ({d}) is a product of symbolic dims (a reshape "
+                         "merging them): the kernel for run-time shapes takes each dim as one symbol or static")
+
+    iteration = tuple(encode(d) for d in program.shape)
+    rank = len(iteration)
+    if rank > max_rank:
+        raise ValueError(f"elementwise: iteration rank {rank} is over {max_rank}")
+    shapes = tuple((1,) * (rank - len(s)) + tuple(encode(d) for d in s) for _, s, _ in program.inputs)
+    # the iteration dim each rolled input rolls (right-aligned), and its shift
+    roll_at = [None if r is None else (rank - len(s) + r[0], r[1]) for r, (_, s, _) in
+               zip(rolled, program.inputs, strict=True)]
+    groups: list[int] = []
+    pattern: tuple[int, ...] | None = None
+    for j in range(rank):
+        if iteration[j] == 1:
+            continue
+        # 2: the input rolls this dim, which no neighbour joins
+        walk = tuple(2 + j if r is not None and r[0] == j else int(s[j] != 1) for s, r in
+                     zip(shapes, roll_at, strict=True))
+        if pattern is not None and walk == pattern:
+            groups[-1] = j + 1
+        else:
+            if groups:
+                groups[-1] = j  # the static 1s before this dim stay in the run before
+            groups.append(j + 1)
+            pattern = walk
+    if not groups:
+        groups = [rank]
+    groups[-1] = rank
+    starts = (0, *groups[:-1])
+    walks = tuple(sum(1 << c for c, (a, b) in enumerate(zip(starts, groups, strict=True))
+                      if any(s[j] != 1 for j in range(a, b))) for s in shapes)
+    rolls = tuple(None if r is None else (next(c for c, b in enumerate(groups) if r[0] < b), r[1]) for r in roll_at)
+    return RuntimeSpec(program, tuple(symbols), iteration, tuple(groups), shapes, walks, rolls)
+
+
+def _pure_roll(lay: Layout | None, shape: Sequence[int] | None) -> tuple[int, int] | tuple[()] | None:
+    """(dim, shift) where the layout `lay` of an input of `shape` is a torch.roll of its own tensor along one static
+    dim (element i of that dim reads element (i + shift) % size, every other dim dense), None for no layout, () for
+    any other view."""
+    if lay is None:
+        return None
+    src, strides, base, terms = tuple(lay[0]), tuple(lay[1]), int(lay[2]), layout_rolls(lay)
+    if shape is None or src != tuple(shape) or base != 0 or len(terms) != 1:
+        return ()
+    n, r, q, m, stride, weights = terms[0]
+    dense = contiguous_strides(src)
+    dims = [d for d, w in enumerate(weights) if w]
+    if len(dims) != 1 or weights[dims[0]] != 1 or q != 1 or m != n or src[dims[0]] != n or n >= PLACEHOLDER:
+        return ()
+    d = dims[0]
+    if stride != dense[d] or tuple(strides) != tuple(0 if k == d else st for k, st in enumerate(dense)):
+        return ()
+    return d, int(r) % n

@@ -2,15 +2,18 @@
 
 The node's function is a chain or tree of elementwise ops (onnx_gtco/families/elementwise/rule.py); its program
 (families.elementwise.kernel.program_from_onnx) is built per node from the function body and the static shapes of the
-node's inputs, so the kernel roles are the program's operands: input role i -> the node input its i-th kernel input
-reads (a tensor a view op reshapes inside the group is read twice, under two shapes), output role j -> node output j.
-Scalar constant inputs (initializers and Constant outputs of one element) are folded into the program; larger
-constants are ordinary operands.
+node's inputs, or where they name symbolic dims its RuntimeProgram (runtime_program_from_onnx: one instance for every
+size they take, each call's dims and strides from the tensors' shapes), so the kernel roles are the program's
+operands: input role i -> the node input its i-th kernel input reads (a tensor a view op reshapes inside the group
+is read twice, under two shapes), output role j -> node output j. Scalar constant inputs (initializers and Constant
+outputs of one element) are folded into the program; larger constants are ordinary operands.
 
 Unlike the other families the program is not a fixed kernel with attributes, so the glue carries per node what
 `glue` writes from plugins/families/elementwise/elementwise.cu.j2: the program's host function (the CPU-EP kernel,
 shared by the nodes of one program) and the node's `gtco::ElementwiseNode` (NodeSpec::node_data: the shapes and dtypes
-of every node input and output as built, the element count, the host function).
+of every node input and output as built, the element count, the host function; over symbolic dims their names, the
+iteration dims, the collapsed runs and each kernel input's shape, from which the glue computes a call's dims and
+strides).
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from onnx_gtco.families.elementwise.kernel import FAMILY, KINDS, MAX_IN, MAX_OUT, TEMPLATE, Program, program_from_onnx
+from onnx_gtco.families.elementwise.kernel import (
+    FAMILY,
+    KINDS,
+    MAX_IN,
+    MAX_OUT,
+    TEMPLATE,
+    Program,
+    RuntimeProgram,
+    program_from_onnx,
+    runtime_program_from_onnx,
+)
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.kernels.render import macro
 from onnx_gtco.kernels.select import kernel_dtype
@@ -39,8 +52,16 @@ def _static(info: Operand) -> tuple[int, ...] | None:
     return tuple(int(d) for d in info.shape)
 
 
-def node_program(node: FusedNode) -> Program | str:
-    """The program of an Elementwise node's function over its inputs' static shapes, or why there is none."""
+def _known(info: Operand) -> tuple[int | str, ...] | None:
+    """Its shape where every dim is a size or a named symbol ("?", an unnamed unknown dim, names none)."""
+    if info.shape is None or any(d == "?" or not isinstance(d, int | str) for d in info.shape):
+        return None
+    return tuple(info.shape)
+
+
+def node_program(node: FusedNode) -> Program | RuntimeProgram | str:
+    """The program of an Elementwise node's function over its inputs' shapes, or why there is none: a Program for
+    static shapes, a RuntimeProgram (one instance for every size) where they name symbolic dims."""
     if node.dtype not in DTYPES:
         return f"dtype {node.dtype}: the kernel takes {', '.join(DTYPES)}"
     fn = node.function
@@ -51,10 +72,10 @@ def node_program(node: FusedNode) -> Program | str:
     for formal, info in zip(fn.input, node.inputs, strict=True):
         if not info.name:
             return f"function input {formal!r} is not given (an absent optional input)"
-        shape = _static(info)
+        shape = _known(info)
         if shape is None:
-            return (f"input {info.name!r} has shape {info.shape}: the elementwise kernel is built per static shape "
-                    "(symbolic or unknown dims)")
+            return (f"input {info.name!r} has shape {info.shape}: the elementwise kernel needs each dim static or "
+                    "a named symbol (unknown rank or unnamed dims)")
         if not info.dtype:
             return f"input {info.name!r} has an unknown element type"
         if info.value is not None:
@@ -74,10 +95,13 @@ def node_program(node: FusedNode) -> Program | str:
     for info in node.outputs:
         if info.dtype != node.dtype:
             return f"output {info.name!r} is {info.dtype or 'of unknown type'}; the kernel writes {node.dtype}"
-        if _static(info) is None:
-            return f"output {info.name!r} has shape {info.shape}: the elementwise kernel is built per static shape"
+        if _known(info) is None:
+            return (f"output {info.name!r} has shape {info.shape}: the elementwise kernel needs each dim static or "
+                    "a named symbol")
+    runtime = any(isinstance(d, str) for _, s, _ in inputs for d in s)
     try:
-        program = program_from_onnx(list(fn.node), inputs, list(fn.output), constants)
+        program = (runtime_program_from_onnx(list(fn.node), inputs, list(fn.output), constants) if runtime
+                   else program_from_onnx(list(fn.node), inputs, list(fn.output), constants))
     except ValueError as e:
         return str(e)
     except (IndexError, KeyError, TypeError) as e:  # a malformed body (an op without its operands, ...): a reason too
@@ -86,16 +110,31 @@ def node_program(node: FusedNode) -> Program | str:
         if not kind:
             info = node.inputs[list(fn.input).index(name)]
             return f"input {info.name!r} is {info.dtype}: the kernel reads float, bool, int32 and int64 operands"
+    if isinstance(program, RuntimeProgram):
+        for info in node.outputs:
+            shape = _known(info)
+            assert shape is not None
+            built = tuple(d if d >= 0 else program.symbols[-1 - d] for d in program.iteration)
+            if _strip_ones(shape) != _strip_ones(built):
+                return f"output {info.name!r} has shape {list(shape)}, not the iteration shape {list(built)}"
+            if any(isinstance(d, str) and d not in program.symbols for d in shape):
+                return f"output {info.name!r} has shape {list(shape)}: a symbol no input gives"
+        return program
     n = math.prod(program.shape)
     for info in node.outputs:
         shape = _static(info)
-        assert shape is not None
+        if shape is None:
+            return f"output {info.name!r} has shape {info.shape}: symbolic where every input's shape is static"
         if math.prod(shape) != n:
             return f"output {info.name!r} has shape {list(shape)}, not the iteration shape {list(program.shape)}"
     return program
 
 
-def node_problem(node: FusedNode, program: Program | None = None) -> Problem | str:
+def _strip_ones(shape: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def node_problem(node: FusedNode, program: Program | RuntimeProgram | None = None) -> Problem | str:
     """The kernel Problem of an Elementwise node: its program in the node's kernel dtype (its compute precision
     when that is fp16 / bf16, else its tensors' dtype: kernels.select.kernel_dtype), validated."""
     got = node_program(node) if program is None else program
@@ -144,13 +183,20 @@ class ElementwiseBinder:
         assert not isinstance(program, str), program
         # the host function computes in fp32 on the node's own storage type, whatever its precision attribute
         symbol, source = FAMILY.host_function(program.problem(node.dtype))
-        shapes = [_static(i) for i in (*node.inputs, *node.outputs)]
-        assert all(s is not None for s in shapes)  # bind refuses nodes with a symbolic or unknown shape
+        shapes = [_known(i) for i in (*node.inputs, *node.outputs)]
+        assert all(s is not None for s in shapes)  # bind refuses nodes with an unknown shape
         name = f"gtco_elementwise_node_{hashlib.sha1(node.node.name.encode()).hexdigest()[:12]}"
-        descriptor = macro(TEMPLATE, "node", name=name, node=node.node.name, run=symbol, n=math.prod(program.shape),
-                           types=[_ONNX_TYPES.get(i.dtype, "UNDEFINED") for i in node.inputs],
-                           ranks=[len(s) for s in shapes if s is not None],
-                           dims=[d for s in shapes if s is not None for d in s] or [0])
+        common = {"name": name, "node": node.node.name, "run": symbol,
+                  "types": [_ONNX_TYPES.get(i.dtype, "UNDEFINED") for i in node.inputs],
+                  "ranks": [len(s) for s in shapes if s is not None]}
+        if isinstance(program, RuntimeProgram):  # symbols encoded as -1 - k, as in program.iteration
+            code = {name: -1 - k for k, name in enumerate(program.symbols)}
+            descriptor = macro(TEMPLATE, "node", n=0, **common,
+                               dims=[code[d] if isinstance(d, str) else d for s in shapes if s is not None for d in s]
+                               or [0], runtime=program)
+        else:
+            descriptor = macro(TEMPLATE, "node", n=math.prod(program.shape), **common,
+                               dims=[d for s in shapes if s is not None for d in s] or [0], runtime=None)
         return (source, descriptor), f"&{name}"
 
 

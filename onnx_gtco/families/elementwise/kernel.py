@@ -31,6 +31,13 @@ Problem (`Program.problem(dtype)`): sizes d0..d{r-1} (the iteration shape), flag
 
 `program_from_onnx(nodes, inputs, outputs)` builds the Program of an elementwise group of onnx NodeProto.
 
+Programs over symbolic dims (`RuntimeProgram`, `runtime_program_from_onnx`; DietCode's shape-generic kernel for this
+family): one instance (gtco::ew::Dynamic) for every size the dims take. Its Problem (`runtime_problem`) is over the
+iteration shape collapsed at build time (`RuntimeSpec.groups`), with the flags `runtime` (the collapsed dims sized per
+call; the Problem's sizes for them are one call's, which estimates and tests use and the instance ignores), `walks`
+(per input, the bits of the collapsed dims it walks) and `rolls` (per input, None or (collapsed dim, shift): a roll
+along a static dim); the call's dims and each input's strides come in GtcoElementwiseArgs `dims` / `strides`.
+
 Config: THREADS per block (64..512), VEC consecutive elements per thread (one load / store of at most 16 bytes of
 the outputs, of the inputs that have the full shape and of inputs contiguous along an innermost dim that is a
 multiple of VEC (a bias [N]); one load per VEC elements of inputs broadcast along that dim (a per-row scale, a
@@ -45,7 +52,7 @@ import hashlib
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -59,9 +66,11 @@ from onnx_gtco.ir.elementwise import (
     Layout,
     ProgramSpec,
     Ref,
+    RuntimeSpec,
     canonical_layout,
     contiguous_strides,
     layout_rolls,
+    runtime_spec_from_onnx,
 )
 from onnx_gtco.ir.elementwise import program_from_onnx as spec_from_onnx
 from onnx_gtco.kernels.family import (
@@ -77,7 +86,8 @@ from onnx_gtco.kernels.family import (
 )
 from onnx_gtco.kernels.render import macro
 
-MAX_IN, MAX_OUT, MAX_RANK = 8, 4, 6
+MAX_IN, MAX_OUT, MAX_RANK = 8, 4, 6  # elementwise_args.h
+MAX_SYMBOLS = 16  # gtco::Elementwise::kMaxSymbols (elementwise_op.h)
 KINDS = {"float": None, "bool": "uint8_t", "i32": "int32_t", "i64": "int64_t"}
 KIND_NP = {"bool": np.bool_, "i32": np.int32, "i64": np.int64}
 TEMPLATE = "families/elementwise/elementwise.cu.j2"  # under plugins/
@@ -98,6 +108,29 @@ def program_from_onnx(nodes: Sequence[Any], inputs: Sequence[Any] | Mapping[str,
     return Program(spec.inputs, spec.instrs, spec.outputs, spec.layouts, spec.out_strides)
 
 
+class RuntimeProgram(RuntimeSpec):
+    """A RuntimeSpec (onnx_gtco.ir.elementwise: a program over symbolic dims) with its kernel Problem: one instance
+    for every size the symbols take (gtco::ew::Dynamic), DietCode's shape-generic kernel for this family."""
+
+    def problem(self, dtype: str, values: Mapping[str, int] | None = None) -> Problem:
+        """Its Problem, for a call where each symbol has its value in `values` (default 1: the size the tuner's
+        tasks and the estimates count a symbolic dim as)."""
+        starts = (0, *self.groups[:-1])
+        runtime = tuple(j for j, (a, b) in enumerate(zip(starts, self.groups, strict=True))
+                        if any(d < 0 for d in self.iteration[a:b]))
+        return runtime_problem(dtype, self.dims(values), runtime, self.program.instrs,
+                               tuple(zip(self.walks, (k for _, _, k in self.program.inputs), strict=True)),
+                               tuple(r for _, r in self.program.outputs), self.rolls)
+
+
+def runtime_program_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Sequence[int | str], str]],
+                              outputs: Sequence[str], constants: Mapping[str, Any] | None = None
+                              ) -> RuntimeProgram:
+    """onnx_gtco.ir.elementwise.runtime_spec_from_onnx, as a RuntimeProgram (see there for the arguments and errors)."""
+    spec = runtime_spec_from_onnx(nodes, inputs, outputs, constants, max_rank=MAX_RANK, max_symbols=MAX_SYMBOLS)
+    return RuntimeProgram(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+
+
 def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr],
                         inputs: Sequence[tuple[Sequence[int], str]], outputs: Sequence[Ref],
                         layouts: Sequence[Layout | None] = (),
@@ -112,6 +145,61 @@ def elementwise_problem(dtype: str, shape: Sequence[int], instrs: Sequence[Instr
     if any(st is not None for st in out_strides):
         flags["out_strides"] = tuple(None if st is None else tuple(int(v) for v in st) for st in out_strides)
     return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(shape)}, flags)
+
+
+def runtime_dims(problem: Problem) -> tuple[int, ...]:
+    """The collapsed iteration dims of a program built for run-time shapes whose size each call gives (none: a
+    program built for its static shape)."""
+    return tuple(problem.flag("runtime") or ())
+
+
+def input_walks(problem: Problem) -> tuple[int, ...]:
+    """Per input of a program built for run-time shapes, the bits of the collapsed dims it walks (else broadcasts
+    along)."""
+    return tuple(problem.flag("walks") or ())
+
+
+def runtime_problem(dtype: str, dims: Sequence[int], runtime: Sequence[int], instrs: Sequence[Instr],
+                    inputs: Sequence[tuple[int, str]], outputs: Sequence[Ref],
+                    rolls: Sequence[tuple[int, int] | None] = ()) -> Problem:
+    """The Problem of a program built for run-time shapes: `dims`, the collapsed iteration dims of one call (the
+    ones in `runtime` vary per call; their values here are what estimates and tests use, not what the instance is
+    built for), `inputs` (bits of the collapsed dims each walks, kind), dense outputs; `rolls`: per input None or
+    (collapsed dim, shift), a torch.roll along that static dim (the flag only where some input has one)."""
+    rank = len(dims)
+    flags = {"program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
+             "inputs": tuple((tuple(int(dims[j]) if w >> j & 1 else 1 for j in range(rank)), k) for w, k in inputs),
+             "outputs": tuple(tuple(r) for r in outputs),
+             "runtime": tuple(int(j) for j in runtime), "walks": tuple(int(w) for w, _ in inputs)}
+    if any(r is not None for r in rolls):
+        flags["rolls"] = tuple(None if r is None else (int(r[0]), int(r[1])) for r in rolls)
+    return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(dims)}, flags)
+
+
+def input_rolls(problem: Problem) -> tuple[tuple[int, int] | None, ...]:
+    """Per input of a program built for run-time shapes, None or the (collapsed dim, shift) of its roll."""
+    return problem.flag("rolls") or (None,) * len(problem.flag("inputs"))
+
+
+def at_runtime(problem: Problem, dims: Sequence[int]) -> Problem:
+    """A program built for run-time shapes, for a call over the collapsed iteration `dims` (the same instance)."""
+    if not runtime_dims(problem):
+        raise ValueError("elementwise: the program is built for its static shape")
+    return runtime_problem(problem.dtype, dims, runtime_dims(problem), problem.flag("program"),
+                           tuple(zip(input_walks(problem), (k for _, k in problem.flag("inputs")), strict=True)),
+                           problem.flag("outputs"), input_rolls(problem))
+
+
+def _identity(problem: Problem) -> tuple[Any, ...]:
+    """What an instance is built for: the problem less the sizes of its run-time dims."""
+    runtime = set(runtime_dims(problem))
+    if not runtime:
+        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
+        return (problem.sizes, problem.flag("program"), problem.flag("inputs"), problem.flag("outputs"), *views)
+    sizes = tuple((k, 0 if k[1:].isdigit() and int(k[1:]) in runtime else v) for k, v in problem.sizes)
+    return (sizes, problem.flag("program"), tuple(k for _, k in problem.flag("inputs")), problem.flag("outputs"),
+            ("walks", input_walks(problem)), ("runtime", tuple(sorted(runtime))),
+            *((("rolls", input_rolls(problem)),) if problem.flag("rolls") else ()))
 
 
 def input_layouts(problem: Problem) -> tuple[Layout | None, ...]:
@@ -166,6 +254,8 @@ def _validate(problem: Problem) -> str | None:
             return f"input {i} shape {s} does not broadcast to {shape}"
     if tuple(np.broadcast_shapes(*(s for s, _ in inputs))) != shape:
         return f"the inputs broadcast to {np.broadcast_shapes(*(s for s, _ in inputs))}, not {shape}"
+    if why := _bad_runtime(problem, shape, inputs):
+        return why
     if why := _bad_layouts(problem.flag("layouts"), inputs):
         return why
     stores = problem.flag("out_strides")
@@ -197,6 +287,31 @@ def _validate(problem: Problem) -> str | None:
             return why
         if r[0] == "c":
             return "an output is a constant"
+    return None
+
+
+def _bad_runtime(problem: Problem, shape: Sequence[int], inputs: Sequence[tuple[Sequence[int], str]]) -> str | None:
+    """Why the run-time flags (`runtime`, `walks`) do not describe a program over collapsed run-time dims, or None."""
+    runtime, walks = problem.flag("runtime"), problem.flag("walks")
+    if runtime is None and walks is None:
+        return None
+    rank = len(shape)
+    if not runtime or any(not 0 <= j < rank for j in runtime):
+        return f"runtime dims {runtime} are not dims of the collapsed iteration shape {tuple(shape)}"
+    if walks is None or len(walks) != len(inputs):
+        return f"walks {walks}: one bit set per input ({len(inputs)})"
+    if problem.flag("layouts") is not None or problem.flag("out_strides") is not None:
+        return "a program built for run-time shapes reads no views and writes dense outputs"
+    for i, (w, (s, _)) in enumerate(zip(walks, inputs, strict=True)):
+        if not 0 <= w < 1 << rank or tuple(s) != tuple(shape[j] if w >> j & 1 else 1 for j in range(rank)):
+            return f"input {i}: shape {tuple(s)} is not the collapsed dims {tuple(shape)} it walks (bits {w})"
+    rolls = problem.flag("rolls") or (None,) * len(inputs)
+    if len(rolls) != len(inputs):
+        return f"{len(rolls)} rolls for {len(inputs)} inputs"
+    for i, (r, w) in enumerate(zip(rolls, walks, strict=True)):
+        if r is not None and not (0 <= r[0] < rank and r[0] not in runtime and w >> r[0] & 1
+                                  and 0 <= r[1] < shape[r[0]]):
+            return f"input {i}: roll {r} is not (a static dim it walks, a shift below its size)"
     return None
 
 
@@ -315,6 +430,25 @@ def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any, ns: str = "gt
     if op in ("And", "Or", "Xor"):
         return f"{ns}::l{op.lower()}({a[0]}, {a[1]})"
     raise ValueError(f"elementwise: unsupported op {op!r}")
+
+
+def _runtime_program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
+    """What elementwise.cu.j2's dynamic macros write of a program built for run-time shapes."""
+    instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
+    runtime = set(runtime_dims(problem))
+
+    def value(r: Ref) -> str:
+        return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
+
+    return {"storage": storage, "rank": len(iteration_shape(problem)),
+            "shape": ["?" if j in runtime else d for j, d in enumerate(iteration_shape(problem))],
+            "inputs": [{"type": KINDS[k] or "T", "walks": w, "roll": (-1, 0, 0) if r is None else
+                        (r[0], r[1], iteration_shape(problem)[r[0]])}
+                       for (_, k), w, r in zip(inputs, input_walks(problem), input_rolls(problem), strict=True)],
+            "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
+            "outputs": [value(r) for r in outputs],
+            "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
+                                 for j, (op, refs, a) in enumerate(instrs))}
 
 
 def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
@@ -462,15 +596,19 @@ class ElementwiseFamily(KernelFamily):
         if why is not None:
             raise ValueError(f"elementwise: {why}")
         threads, vec = int(config["THREADS"]), int(config["VEC"])
-        instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
+        instrs = problem.flag("program")
         n = int(np.prod(iteration_shape(problem), dtype=np.int64))
-        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
-        digest = hashlib.sha1(repr((problem.sizes, instrs, inputs, outputs, *views)).encode()).hexdigest()[:8]
+        digest = hashlib.sha1(repr(_identity(problem)).encode()).hexdigest()[:8]
         ops = [op.lower() for op, _, _ in instrs if op != "Identity"]
         tag = "_".join(ops[:6]) + (f"_{len(ops) - 6}more" if len(ops) > 6 else "") or "copy"
-        name = f"elementwise_{arch_tag(arch)}_{problem.dtype}_{tag}_n{n}_t{threads}_v{vec}_{digest}"
-        source = macro(TEMPLATE, "instance", name=name, symbol=f"gtco_{name}", threads=threads, vec=vec,
-                       **_program(problem, C_TYPES[problem.dtype], "gtco::ew"))
+        size = "dyn" if runtime_dims(problem) else f"n{n}"
+        name = f"elementwise_{arch_tag(arch)}_{problem.dtype}_{tag}_{size}_t{threads}_v{vec}_{digest}"
+        if runtime_dims(problem):
+            source = macro(TEMPLATE, "dynamic_instance", name=name, symbol=f"gtco_{name}", threads=threads, vec=vec,
+                           **_runtime_program(problem, C_TYPES[problem.dtype], "gtco::ew"))
+        else:
+            source = macro(TEMPLATE, "instance", name=name, symbol=f"gtco_{name}", threads=threads, vec=vec,
+                           **_program(problem, C_TYPES[problem.dtype], "gtco::ew"))
         return Instance(name, f"gtco_{name}", source, problem, dict(config), arch, 0)
 
     def host_function(self, problem: Problem) -> tuple[str, str]:
@@ -487,20 +625,28 @@ class ElementwiseFamily(KernelFamily):
             why = f"dtype {problem.dtype!r} is not one of {DTYPES}"
         if why is not None:
             raise ValueError(f"elementwise: {why}")
-        instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
-        views = () if problem.flag("layouts") is None else (problem.flag("layouts"),)
-        key = (problem.dtype, problem.sizes, instrs, inputs, outputs, *views)
-        digest = hashlib.sha1(repr(key).encode()).hexdigest()
+        digest = hashlib.sha1(repr((problem.dtype, *_identity(problem))).encode()).hexdigest()
         symbol = f"gtco_elementwise_host_{problem.dtype}_{digest[:12]}"
         storage = {"f32": "float", "f16": "gtco::ref::ew::f16", "bf16": "gtco::ref::ew::bf16"}[problem.dtype]
+        if runtime_dims(problem):
+            return symbol, macro(TEMPLATE, "dynamic_host_function", symbol=symbol,
+                                 **_runtime_program(problem, storage, "gtco::ref::ew"))
         return symbol, macro(TEMPLATE, "host_function", symbol=symbol, **_program(problem, storage, "gtco::ref::ew"))
 
     def args_fields(self, problem: Problem, arrays: Mapping[str, np.ndarray]) -> list[Field]:
         nin, nout = len(problem.flag("inputs")), len(problem.flag("outputs"))
         n = int(np.prod(iteration_shape(problem), dtype=np.int64))
+        dims, strides = [0] * MAX_RANK, [[0] * MAX_RANK for _ in range(MAX_IN)]
+        if runtime_dims(problem):  # the collapsed dims of this call and each input's dense strides over them
+            shape = iteration_shape(problem)
+            dims[:len(shape)] = shape
+            for i, (s, _) in enumerate(problem.flag("inputs")):
+                own = contiguous_strides(s)
+                strides[i][:len(s)] = [st if d != 1 else 0 for d, st in zip(s, own, strict=True)]
         return ([Field(f"in{i}", "ptr", f"x{i}" if i < nin else "") for i in range(MAX_IN)]
                 + [Field(f"out{k}", "ptr", f"y{k}" if k < nout else "") for k in range(MAX_OUT)]
-                + [Field("n", "i64", n)])
+                + [Field("n", "i64", n)] + [Field(f"dims{j}", "i64", d) for j, d in enumerate(dims)]
+                + [Field(f"strides{i}_{j}", "i64", st[j]) for i, st in enumerate(strides) for j in range(MAX_RANK)])
 
     def outputs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
         shape = iteration_shape(problem)
@@ -509,10 +655,13 @@ class ElementwiseFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         shape = iteration_shape(problem)
         xs = []
-        for i, ((s, kind), lay) in enumerate(zip(problem.flag("inputs"), input_layouts(problem), strict=True)):
+        rolls = input_rolls(problem) if runtime_dims(problem) else (None,) * len(problem.flag("inputs"))
+        for i, ((s, kind), lay, roll) in enumerate(zip(problem.flag("inputs"), input_layouts(problem), rolls,
+                                                        strict=True)):
             a = inputs[f"x{i}"]
             a = from_storage(a, problem.dtype) if kind == "float" else np.asarray(a).astype(np.float64)
-            xs.append(a.reshape(s) if lay is None else view_of(a, s, lay))
+            a = a.reshape(s) if lay is None else view_of(a, s, lay)
+            xs.append(a if roll is None else np.roll(a, -roll[1], axis=roll[0]))
         ts: list[np.ndarray] = []
 
         def val(r: Ref) -> Any:

@@ -272,5 +272,151 @@ struct Elementwise {
     }
 };
 
+// Program built for run-time shapes (a program over symbolic dims, onnx_gtco/families/elementwise/kernel.py): T,
+// RANK (collapsed iteration dims), Inputs (a Walk<E, bits> per input), NOUT and body, as Elementwise's Program but
+// for the shape: the dims and every input's strides come with each call (GtcoElementwiseArgs dims / strides,
+// filled by the glue from the tensors' shapes), and the outputs are dense. A thread's VEC elements share every
+// index but the innermost when the innermost dim is a multiple of VEC (checked at launch, else the scalar path
+// runs): one decomposition of the flat index per thread, a vector access for inputs of the storage type walking
+// the innermost dim (stride 1: an input's own dense shape; a roll of it where the shift and the size are multiples
+// of VEC), one load for inputs broadcast along it, a load per element for the rest.
+template <class Program, int THREADS, int VEC>
+struct Dynamic {
+    using T = typename Program::T;
+    static constexpr int R = Program::RANK;
+    using Ins = typename Program::Inputs;
+    static constexpr int NIN = Ins::size;
+    static constexpr int NOUT = Program::NOUT;
+    template <int I>
+    using Op = typename input_at<I, Ins>::type;
+    template <int I>
+    using E = typename Op<I>::type;
+    template <int I>
+    static constexpr bool vec_read = std::is_same<E<I>, T>::value && Op<I>::walks(R - 1) &&
+                                     Op<I>::template runs_contiguous<R, VEC>();
+    template <int I>
+    static constexpr bool one_read = !Op<I>::walks(R - 1);
+    template <int... I>
+    static constexpr uint32_t vec_loaded(std::integer_sequence<int, I...>) {
+        return (0u | ... | (vec_read<I> ? 1u << I : 0u));
+    }
+    static constexpr uint32_t kVecLoaded = VEC > 1 ? vec_loaded(std::make_integer_sequence<int, NIN>{}) : 0u;
+    static_assert(R >= 1 && R <= GTCO_EW_MAX_RANK, "collapsed rank");
+    static_assert(NIN >= 1 && NIN <= GTCO_EW_MAX_IN && NOUT >= 1 && NOUT <= GTCO_EW_MAX_OUT, "operand counts");
+    static_assert(sizeof(T) * VEC <= 16, "one vector access is at most 16 bytes");
+
+    // the index of flat element e along each collapsed dim
+    template <typename I>
+    GTCO_DEVICE static void coords(const GtcoElementwiseArgs& a, I e, I (&c)[R]) {
+        GTCO_UNROLL
+        for (int j = R - 1; j > 0; --j) {
+            const I d = static_cast<I>(a.dims[j]);
+            c[j] = e % d;
+            e /= d;
+        }
+        c[0] = e;
+    }
+    // the element input X reads at indices c, the innermost one plus k (k < VEC stays in the row)
+    template <int X, typename I>
+    GTCO_DEVICE static I offset(const GtcoElementwiseArgs& a, const I (&c)[R], int k = 0) {
+        I off = 0;
+        GTCO_UNROLL
+        for (int j = 0; j < R; ++j) {
+            const I i = j == R - 1 ? c[j] + static_cast<I>(k) : c[j];
+            if (Op<X>::walks(j)) off += Op<X>::index(j, i) * static_cast<I>(a.strides[X][j]);
+        }
+        return off;
+    }
+    template <int X, typename I>
+    GTCO_DEVICE static float load(const void* const __restrict__ (&in)[NIN], I off) {
+        return to_f32(static_cast<const E<X>*>(in[X])[off]);
+    }
+
+    template <typename I>
+    GTCO_DEVICE static void thread(const GtcoElementwiseArgs& a, bool vec_ok) {
+        const void* __restrict__ in[NIN];
+        T* __restrict__ out[NOUT];
+        GTCO_UNROLL
+        for (int i = 0; i < NIN; ++i) in[i] = a.in[i];
+        GTCO_UNROLL
+        for (int o = 0; o < NOUT; ++o) out[o] = static_cast<T*>(a.out[o]);
+        const I n = static_cast<I>(a.n);
+        const I base = (static_cast<I>(blockIdx.x) * THREADS + threadIdx.x) * VEC;
+        if (base >= n) return;
+        float x[NIN], y[NOUT];
+        I c[R];
+        if constexpr (VEC > 1) {
+            if (vec_ok && base + VEC <= n) {
+                coords(a, base, c);
+                float xv[NIN][VEC], yv[NOUT][VEC];
+                for_each<NIN>([&](auto i) {
+                    constexpr int X = decltype(i)::value;
+                    const I off = offset<X>(a, c);
+                    if constexpr (vec_read<X>) {
+                        load_vec_at<T, VEC>(xv[X], static_cast<const T*>(in[X]) + off);
+                    } else if constexpr (one_read<X>) {
+                        xv[X][0] = load<X>(in, off);
+                    } else {
+                        xv[X][0] = load<X>(in, off);
+                        GTCO_UNROLL
+                        for (int k = 1; k < VEC; ++k) xv[X][k] = load<X>(in, offset<X>(a, c, k));
+                    }
+                });
+                GTCO_UNROLL
+                for (int k = 0; k < VEC; ++k) {
+                    for_each<NIN>([&](auto i) {
+                        constexpr int X = decltype(i)::value;
+                        x[X] = one_read<X> ? xv[X][0] : xv[X][k];
+                    });
+                    Program::body(x, y);
+                    GTCO_UNROLL
+                    for (int o = 0; o < NOUT; ++o) yv[o][k] = y[o];
+                }
+                GTCO_UNROLL
+                for (int o = 0; o < NOUT; ++o) store_vec_at<T, VEC>(out[o] + base, yv[o]);
+                return;
+            }
+        }
+        for (I e = base; e < n && e < base + VEC; ++e) {
+            coords(a, e, c);
+            for_each<NIN>([&](auto i) {
+                constexpr int X = decltype(i)::value;
+                x[X] = load<X>(in, offset<X>(a, c));
+            });
+            Program::body(x, y);
+            GTCO_UNROLL
+            for (int o = 0; o < NOUT; ++o) out[o][e] = from_f32<T>(y[o]);
+        }
+    }
+
+    // The entry point: GTCO_EBADSHAPE unless the call's dims are non-negative, multiply to its n, and every operand
+    // is there; nothing to do for n = 0; launches the 32-bit-index wrapper `k32` below 2^31 elements, else `k64`,
+    // on the scalar path everywhere where the innermost dim is no multiple of VEC or a pointer of the vector path is
+    // not aligned to VEC elements.
+    static int launch(void (*k32)(GtcoElementwiseArgs, bool), void (*k64)(GtcoElementwiseArgs, bool),
+                      const GtcoElementwiseArgs* args, void* stream) {
+        if (args == nullptr) return GTCO_EBADSHAPE;
+        int64_t n = 1;
+        for (int j = 0; j < R; ++j) {
+            if (args->dims[j] < 0) return GTCO_EBADSHAPE;
+            n *= args->dims[j];
+        }
+        if (n != args->n) return GTCO_EBADSHAPE;
+        for (int i = 0; i < NIN; ++i)
+            if (args->in[i] == nullptr) return GTCO_EBADSHAPE;
+        for (int o = 0; o < NOUT; ++o)
+            if (args->out[o] == nullptr) return GTCO_EBADSHAPE;
+        if (n == 0) return GTCO_OK;
+        bool vec_ok = VEC > 1 && args->dims[R - 1] % VEC == 0;
+        for (int o = 0; o < NOUT; ++o) vec_ok = vec_ok && aligned_to(args->out[o], sizeof(T) * VEC);
+        for (int i = 0; i < NIN; ++i)
+            vec_ok = vec_ok && (!(kVecLoaded >> i & 1u) || aligned_to(args->in[i], sizeof(T) * VEC));
+        const int64_t blocks = (n + THREADS * VEC - 1) / (THREADS * VEC);
+        if (blocks > int64_t{0x7fffffff}) return GTCO_EBADSHAPE;
+        return GTCO_LAUNCH(n < (int64_t{1} << 31) ? k32 : k64, dim3(static_cast<unsigned>(blocks)), dim3(THREADS),
+                           stream, *args, vec_ok);
+    }
+};
+
 }  // namespace ew
 }  // namespace gtco

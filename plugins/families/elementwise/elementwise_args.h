@@ -7,12 +7,18 @@
 
 #define GTCO_EW_MAX_IN 8
 #define GTCO_EW_MAX_OUT 4
+#define GTCO_EW_MAX_RANK 6
 
 // The argument struct of every elementwise instance. in[i] is the i-th kernel input (T, or uint8 for bool, or
 // int32/int64 for integer inputs, as the instance was built), out[j] the j-th output (T); unused slots are null.
 // n: elements of the iteration (output) shape, checked against the instance's.
+// dims, strides: read only by an instance built for run-time shapes (a program over symbolic dims): the collapsed
+// iteration dims of this call, outermost first, and each input's element strides over them (0: broadcast along
+// that dim); the outputs are dense. An instance built for one static shape ignores them (zeros).
 struct GtcoElementwiseArgs {
     const void* in[GTCO_EW_MAX_IN];
     void* out[GTCO_EW_MAX_OUT];
     int64_t n;
+    int64_t dims[GTCO_EW_MAX_RANK];
+    int64_t strides[GTCO_EW_MAX_IN][GTCO_EW_MAX_RANK];
 };

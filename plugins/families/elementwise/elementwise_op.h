@@ -26,19 +26,81 @@ namespace gtco {
 // What the library was built for, per Elementwise node (generated; see bind_elementwise.py).
 struct ElementwiseNode {
     ref::ew::HostFn run;                      // the program on the host, over elements [begin, end)
-    int64_t n;                                // elements of the iteration shape
+    int64_t n;                                // elements of the iteration shape (0 for a program over run-time shapes)
     const ONNXTensorElementDataType* types;   // per node input
     const int* ranks;                         // per node input, then per node output
-    const int64_t* dims;                      // their dims, concatenated in that order
+    const int64_t* dims;                      // their dims, concatenated in that order (< 0: symbol -1 - dim)
+    // A program over run-time shapes (symbolic dims; n_symbols > 0, else the rest is unused): the symbols' names, the
+    // iteration dims, the end of each collapsed dim's run of them (rank runs), and each kernel input's shape over the
+    // iteration rank (right-aligned, 1 where it has no dim), dims encoded as above (families/elementwise/kernel.py
+    // RuntimeProgram).
+    int n_symbols = 0;
+    const char* const* symbols = nullptr;
+    int iteration_rank = 0;
+    const int64_t* iteration = nullptr;
+    int rank = 0;
+    const int* groups = nullptr;
+    int n_kernel_inputs = 0;
+    const int64_t* shapes = nullptr;
 };
+
+// The collapsed dims and each kernel input's strides of one call of a program over run-time shapes, into `args`:
+// a collapsed dim is the product of its run of iteration dims, an input's stride over it its dense stride at the
+// innermost dim of the run larger than 1 (0 where it broadcasts). `sym` holds each symbol's size in this call.
+inline void runtime_dims(const ElementwiseNode& node, const int64_t* sym, GtcoElementwiseArgs& args) {
+    auto size = [sym](int64_t d) { return d >= 0 ? d : sym[-1 - d]; };
+    const int r = node.iteration_rank;
+    int64_t n = 1;
+    int begin = 0;
+    for (int c = 0; c < node.rank; ++c) {
+        int64_t d = 1;
+        for (int j = begin; j < node.groups[c]; ++j) d *= size(node.iteration[j]);
+        args.dims[c] = d;
+        n *= d;
+        begin = node.groups[c];
+    }
+    args.n = n;
+    for (int i = 0; i < node.n_kernel_inputs && i < GTCO_EW_MAX_IN; ++i) {
+        const int64_t* shape = node.shapes + static_cast<ptrdiff_t>(i) * r;
+        int64_t strides[GTCO_EW_MAX_RANK] = {};
+        int64_t acc = 1;
+        for (int j = r - 1; j >= 0; --j) {
+            const int64_t d = size(shape[j]);
+            strides[j] = d == 1 ? 0 : acc;
+            acc *= d;
+        }
+        begin = 0;
+        for (int c = 0; c < node.rank; ++c) {
+            args.strides[i][c] = 0;
+            for (int j = node.groups[c] - 1; j >= begin; --j) {
+                if (size(node.iteration[j]) > 1) {
+                    args.strides[i][c] = strides[j];
+                    break;
+                }
+            }
+            begin = node.groups[c];
+        }
+    }
+}
 
 struct Elementwise {
     struct Attrs {};
 
     static Attrs read_attrs(const OrtKernelInfo*) { return Attrs{}; }
 
+    static constexpr int kMaxSymbols = 16;
+
     static std::string describe(ONNXTensorElementDataType type, const std::vector<int64_t>& shape) {
         return std::string(type_str(type)) + " " + shape_str(shape);
+    }
+    // node input i as built: its dtype and dims, a symbol by its name
+    static std::string built_shape(const ElementwiseNode& node, size_t i, const std::vector<int64_t>& dims) {
+        std::string s = std::string(type_str(node.types[i])) + " [";
+        for (size_t j = 0; j < dims.size(); ++j) {
+            s += j ? "," : "";
+            s += dims[j] >= 0 ? std::to_string(dims[j]) : std::string(node.symbols[-1 - dims[j]]);
+        }
+        return s + "]";
     }
 
     template <DType D, bool Cuda>
@@ -54,13 +116,27 @@ struct Elementwise {
         };
         std::vector<Input> ins(static_cast<size_t>(spec.n_inputs));
         std::vector<std::vector<int64_t>> want(static_cast<size_t>(spec.n_inputs));
-        bool ok = true;
+        // a program over run-time shapes: each symbol's size in this call, from the first input dim naming it
+        int64_t sym[kMaxSymbols];
+        std::fill(sym, sym + kMaxSymbols, int64_t{-1});
+        bool ok = node->n_symbols <= kMaxSymbols;
         for (int i = 0; i < spec.n_inputs; ++i) {
             const size_t u = static_cast<size_t>(i);
             ins[u] = get_input(ctx, i);
             want[u] = next_shape(node->ranks[i]);
-            ok = ok && ins[u].present && ins[u].type == node->types[i] && ins[u].shape == want[u];
+            ok = ok && ins[u].present && ins[u].type == node->types[i] && ins[u].shape.size() == want[u].size();
+            for (size_t j = 0; ok && j < want[u].size(); ++j) {
+                const int64_t d = want[u][j], got = ins[u].shape[j];
+                if (d >= 0) {
+                    ok = got == d;
+                } else if (sym[-1 - d] < 0) {
+                    sym[-1 - d] = got;
+                } else {
+                    ok = sym[-1 - d] == got;
+                }
+            }
         }
+        for (int k = 0; ok && k < node->n_symbols; ++k) ok = sym[k] >= 0;
         // the operands as the call gives them, for messages only (no string on the success path)
         auto got = [&] {
             std::string s;
@@ -70,13 +146,15 @@ struct Elementwise {
         };
         if (!ok) {
             std::string built;
-            for (size_t i = 0; i < ins.size(); ++i) built += (i ? ", " : "") + describe(node->types[i], want[i]);
+            for (size_t i = 0; i < ins.size(); ++i) built += (i ? ", " : "") + built_shape(*node, i, want[i]);
             return ref.fail(got() + "; the kernel was built for " + built +
-                            " (the elementwise program is generated per static shape)");
+                            (node->n_symbols ? " (each named dim one size in a call)"
+                                             : " (the elementwise program is generated per static shape)"));
         }
         std::vector<void*> outs(static_cast<size_t>(spec.n_outputs));
         for (int k = 0; k < spec.n_outputs; ++k) {
-            const std::vector<int64_t> shape = next_shape(node->ranks[spec.n_inputs + k]);
+            std::vector<int64_t> shape = next_shape(node->ranks[spec.n_inputs + k]);
+            for (int64_t& d : shape) d = d >= 0 ? d : sym[-1 - d];
             outs[static_cast<size_t>(k)] =
                 ctx.GetOutput(static_cast<size_t>(k), shape).template GetTensorMutableData<T>();
         }
@@ -86,11 +164,13 @@ struct Elementwise {
         for (int r = 0; r < GTCO_EW_MAX_OUT && r < kMaxRoles; ++r)
             if (spec.out[r] >= 0) args.out[r] = outs[static_cast<size_t>(spec.out[r])];
         args.n = node->n;
+        if (node->n_symbols > 0) runtime_dims(*node, sym, args);
+        if (args.n == 0) return nullptr;  // empty outputs: nothing to compute
         if (Cuda) return run_instance(ctx, ref, args, got);
         if (node->run == nullptr) return ref.fail("the library has no host function for this node", ORT_FAIL);
-        const uint64_t n = static_cast<uint64_t>(node->n);
+        const uint64_t n = static_cast<uint64_t>(args.n);
         constexpr int64_t kChunk = 1 << 14;
-        const int64_t threads = gtco::ref::worth_threads((node->n + kChunk - 1) / kChunk, node->n * 16);
+        const int64_t threads = gtco::ref::worth_threads((args.n + kChunk - 1) / kChunk, args.n * 16);
         gtco::ref::parallel_for(threads, [&](int64_t t) {
             const uint64_t per = (n + static_cast<uint64_t>(threads) - 1) / static_cast<uint64_t>(threads);
             const uint64_t begin = std::min(n, per * static_cast<uint64_t>(t));

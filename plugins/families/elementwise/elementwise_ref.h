@@ -105,6 +105,35 @@ void run(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {
     }
 }
 
+// The same for a program built for run-time shapes (gtco::ew::Dynamic in elementwise/elementwise.cuh describes its
+// Program): the collapsed dims and each input's strides come with the call (args dims / strides; a rolled input's
+// index along its rolled dim shifted, gtco::ew::Walk), outputs dense.
+template <class Program>
+void run_dynamic(const GtcoElementwiseArgs* a, uint64_t begin, uint64_t end) {
+    using T = typename Program::T;
+    using Inputs = typename Program::Inputs;
+    constexpr int nin = Inputs::size, rank = Program::RANK;
+    float x[nin], y[Program::NOUT];
+    uint64_t c[rank];
+    for (uint64_t e = begin; e < end; ++e) {
+        uint64_t rest = e;
+        for (int j = rank - 1; j > 0; --j) {
+            c[j] = rest % static_cast<uint64_t>(a->dims[j]);
+            rest /= static_cast<uint64_t>(a->dims[j]);
+        }
+        c[0] = rest;
+        gtco::ew::for_each<nin>([&](auto i) {
+            constexpr int X = decltype(i)::value;
+            using In = typename gtco::ew::input_at<X, Inputs>::type;
+            uint64_t off = 0;
+            for (int j = 0; j < rank; ++j) off += In::index(j, c[j]) * static_cast<uint64_t>(a->strides[X][j]);
+            x[X] = to_f32(static_cast<const typename In::type*>(a->in[X])[off]);
+        });
+        Program::body(x, y);
+        for (int o = 0; o < Program::NOUT; ++o) static_cast<T*>(a->out[o])[e] = from_f32<T>(y[o]);
+    }
+}
+
 }  // namespace ew
 }  // namespace ref
 }  // namespace gtco

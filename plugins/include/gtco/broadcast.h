@@ -175,6 +175,35 @@ struct Rolled : Op {
     }
 };
 
+// An operand of a program built for run-time shapes (a program over symbolic dims): element type E, and bit j of
+// Walks set where it walks collapsed iteration dim j (clear: broadcast along it). Its strides and the dims come with
+// each call (GtcoElementwiseArgs dims / strides); the bits let the compiler drop the terms of broadcast dims and
+// choose its vector access. RollDim >= 0: the operand is a torch.roll of its tensor along that collapsed dim, a
+// static one of N: index i of it reads element (i + Shift) % N.
+template <typename E, uint32_t Walks, int RollDim = -1, uint64_t Shift = 0, uint64_t N = 0>
+struct Walk {
+    using type = E;
+    static constexpr int roll_dim = RollDim;
+    GTCO_HD static constexpr bool walks(int j) { return (Walks >> j & 1u) != 0; }
+    // the index an operand reads along dim j for iteration index i
+    template <typename I>
+    GTCO_HD static I index(int j, I i) {
+        if constexpr (RollDim >= 0) {
+            if (j == RollDim) {
+                const I k = i + static_cast<I>(Shift);
+                return k >= static_cast<I>(N) ? k - static_cast<I>(N) : k;
+            }
+        }
+        return i;
+    }
+    // a run of V consecutive elements along the innermost dim (of the R collapsed dims) starting at a multiple of V
+    // reads V consecutive elements
+    template <int R, uint64_t V>
+    GTCO_HD static constexpr bool runs_contiguous() {
+        return RollDim != R - 1 || (Shift % V == 0 && N % V == 0);
+    }
+};
+
 template <class... Ins>
 struct Inputs {
     static constexpr int size = sizeof...(Ins);

@@ -18,7 +18,9 @@ from onnx_gtco.families.elementwise.kernel import (
     CAST_TARGETS,
     FAMILY,
     elementwise_problem,
+    iteration_shape,
     program_from_onnx,
+    runtime_program_from_onnx,
     source_shape,
 )
 from onnx_gtco.kernels.emulate import EmulationError, build_emulated, run_emulated
@@ -640,6 +642,88 @@ def test_symbolic_shape_is_rejected():
         program_from_onnx([node("Relu", ["x"], "y")], [vi], ["y"])
 
 
+def _rotary(q=("batch", 4, "seq", 64), cos=(1, 1, "seq", 64)):
+    nodes = [node("Mul", ["q", "cos"], "a"), node("Mul", ["r", "sin"], "b"), node("Add", ["a", "b"], "y")]
+    return nodes, [("q", q, "float"), ("cos", cos, "float"), ("r", q, "float"), ("sin", cos, "float")], ["y"]
+
+
+def test_a_program_over_symbolic_dims_collapses_by_what_each_input_walks():
+    """q, r [batch, 4, seq, 64] and cos, sin [1, 1, seq, 64]: two collapsed dims (batch * 4, which cos and sin
+    broadcast along, and seq * 64), both sized at run time; one instance whatever sizes a call gives."""
+    rp = runtime_program_from_onnx(*_rotary())
+    assert rp.symbols == ("batch", "seq") and rp.iteration == (-1, 4, -2, 64) and rp.groups == (2, 4)
+    assert rp.walks == (0b11, 0b10, 0b11, 0b10)
+    assert rp.dims({"batch": 3, "seq": 5}) == (12, 320)
+    prob = rp.problem("f16", {"batch": 3, "seq": 5})
+    assert iteration_shape(prob) == (12, 320) and FAMILY.check(prob, {"THREADS": 128, "VEC": 8}, "sm_90") is None
+    names = {FAMILY.instantiate(rp.problem("f16", v), {"THREADS": 128, "VEC": 8}, "sm_90").name
+             for v in ({}, {"batch": 3, "seq": 5}, {"batch": 1, "seq": 4096})}
+    assert len(names) == 1 and "_dyn_" in names.pop()
+    assert FAMILY.host_function(rp.problem("f32"))[0] == FAMILY.host_function(rp.problem("f32", {"seq": 9}))[0]
+    # a static 1 between dims walked alike stays in one run; a symbol alone is one run
+    rp = runtime_program_from_onnx([node("Relu", ["x"], "y")], [("x", ("n", 1, 8), "float")], ["y"])
+    assert rp.groups == (3,) and rp.walks == (1,)
+
+
+@pytest.mark.parametrize(("nodes", "inputs", "reason"), [
+    ([node("Transpose", ["x"], "t", perm=[1, 0]), node("Relu", ["t"], "y")], [("x", ("n", 8), "float")],
+     "plain broadcasts and rolls along one static dim only"),
+    ([node("Flatten", ["x"], "f", axis=2), node("Relu", ["f"], "y")], [("x", ("b", "s", 8), "float")],
+     "product of symbolic dims"),
+    ([node("Add", ["x", "z"], "y")], [("x", ("n", 8), "float"), ("z", ("m", 8), "float")], "broadcast"),
+    ([node("Relu", ["x"], "y")], [("x", (4, 8), "float")], "no symbolic dim"),
+])
+def test_programs_over_symbolic_dims_refuse_with_reason(nodes, inputs, reason):
+    with pytest.raises(ValueError, match="elementwise: ") as e:
+        runtime_program_from_onnx(nodes, inputs, ["y"])
+    assert reason in str(e.value), str(e.value)
+
+
+def _rotate_half(width):
+    """x * cos + rotate_half(x) * sin over x [batch, 4, seq, width], rotate_half as the rotate-half rewrite leaves it:
+    Concat(x[..., h:], x[..., :h]) * sign (families/elementwise/rotate.py)."""
+    nodes = [node("Slice", ["x", "zero", "half", "last"], "x1"), node("Slice", ["x", "half", "end", "last"], "x2"),
+             node("Concat", ["x2", "x1"], "xr", axis=-1), node("Mul", ["xr", "sign"], "xs"),
+             node("Mul", ["x", "cos"], "xc"), node("Mul", ["xs", "sin"], "xss"), node("Add", ["xc", "xss"], "y")]
+    consts = {"zero": np.array([0]), "half": np.array([width // 2]), "end": np.array([2**62]), "last": np.array([3])}
+    inputs = [("x", ("batch", 4, "seq", width), "float"), ("sign", (width,), "float"),
+              ("cos", (1, 1, "seq", width), "float"), ("sin", (1, 1, "seq", width), "float")]
+    return nodes, inputs, ["y"], consts
+
+
+def test_a_roll_over_symbolic_dims_is_a_run_of_its_own():
+    rp = runtime_program_from_onnx(*_rotate_half(16))
+    # x read twice (as it is and rolled by 8 along its last dim), which is a collapsed dim of its own
+    assert rp.groups == (2, 3, 4) and rp.rolls == (None, None, None, None, (2, 8))
+    assert [name for name, _, _ in rp.inputs] == ["x", "sign", "cos", "sin", "x"]
+    assert rp.problem("f16").flag("rolls") == (None, None, None, None, (2, 8))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("program", ["broadcast", "rolled6", "rolled16"])
+def test_a_program_over_symbolic_dims_matches_fp64_at_every_size(tmp_path, dtype, program):
+    """One emulated instance of a rotary program, called at sizes whose innermost run is a multiple of the vector
+    width (vector path), is not (scalar path), and of one element; rolled by 3 of 6 (a load per element) and by 8 of
+    16 (vector loads)."""
+    args = {"broadcast": lambda: _rotary(cos=(1, 1, "seq", 6), q=("batch", 4, "seq", 6)),
+            "rolled6": lambda: _rotate_half(6), "rolled16": lambda: _rotate_half(16)}[program]()
+    rp = runtime_program_from_onnx(*args)
+    cfg = FAMILY.configs(rp.problem(dtype), "sm_80")[0]
+    inst = FAMILY.instantiate(rp.problem(dtype), cfg, "sm_80")
+    lib = build_emulated(inst, tmp_path, ("-O1",))
+    for batch, seq in ((2, 32), (3, 5), (1, 1)):
+        prob = rp.problem(dtype, {"batch": batch, "seq": seq})
+        assert FAMILY.instantiate(prob, cfg, "sm_80").name == inst.name
+        ins = FAMILY.random_inputs(prob, batch * 100 + seq)
+        arrays = dict(ins)
+        outs = FAMILY.outputs(prob)
+        for k, (shape, dt) in outs.items():
+            arrays[k] = np.full(shape, NAN_BITS[dt], np_dtype(dt))
+        got = run_emulated(lib, inst.symbol, FAMILY.args_fields(prob, arrays), arrays, list(outs))
+        want = FAMILY.reference(prob, ins)["y0"]
+        assert_close(from_storage(got["y0"], dtype).reshape(want.shape), want, dtype, f"{batch}x{seq}")
+
+
 def test_program_from_onnx_shapes_and_aliases():
     """Value infos are accepted, leading-1 views of computed values are free, a view-only input is dropped and does
     not widen the iteration shape (BERT's mask: [2, 77] viewed as [2, 1, 1, 77])."""
@@ -693,6 +777,10 @@ def _ptxas_instances(arch):
         prob = every_op_problem(dtype)
         inst = FAMILY.instantiate(prob, FAMILY.configs(prob, arch)[0], arch)
         insts[inst.name] = inst
+        prob = runtime_program_from_onnx(*_rotary()).problem(dtype)  # run-time shapes: a 32- and a 64-bit kernel
+        for cfg in FAMILY.configs(prob, arch)[:2]:
+            inst = FAMILY.instantiate(prob, cfg, arch)
+            insts[inst.name] = inst
     return list(insts.values())
 
 
@@ -705,8 +793,9 @@ def test_ptxas_no_spills(tmp_path, arch):
     src = tmp_path / f"elementwise_{arch}.cu"
     src.write_text("\n".join(i.source for i in insts))
     result = nvcc_compile(src, tmp_path / "ew.o", arch, include_dirs=INCLUDES, timeout_s=300)
-    kernels = [k for k in parse_ptxas(result.stderr) if "_kernelE19GtcoElementwiseArgs" in k.name]
-    assert len(kernels) == len(insts)
+    kernels = [k for k in parse_ptxas(result.stderr) if "_kernelE19GtcoElementwiseArgs" in k.name
+               or "_kernel64E19GtcoElementwiseArgs" in k.name]
+    assert len(kernels) == len(insts) + sum("_dyn_" in i.name for i in insts)
     for k in kernels:
         assert k.arch == arch and k.registers > 0, k
         assert not k.spills and k.stack_frame_bytes == 0, k

@@ -332,14 +332,75 @@ def test_wrong_shape_names_the_op_on_the_device_path(emulated) -> None:
 # --- (d) nodes the binder refuses keep their function, with the reason ---------------------------------------------
 
 def test_refused_nodes_keep_their_function(tmp_path: Path) -> None:
-    rewritten = optimize(gelu(batch="N")).model
+    """A dim with neither a size nor a name (two of them need not be equal) gets no kernel: its node keeps its
+    function, with the reason."""
+    original = gelu(batch=None)
+    rewritten = optimize(original).model
     lib = build_library(rewritten, tmp_path, cuda=False)
-    (node,) = [n.name for n in rewritten.graph.node if n.op_type == "Elementwise_f32"]
-    assert "Elementwise_f32" not in lib.op_types
-    assert "static shape" in lib.skipped()[node] and "'N'" in lib.skipped()[node], lib.skipped()
+    refused = {r.node: r.reason for r in lib.nodes if r.binding is None}
+    assert refused and all("unnamed dims" in str(why) and "'?'" in str(why) for why in refused.values()), lib.nodes
     x = feeds(rewritten, 0)
-    want = cpu_session(gelu(batch="N")).run(None, x)[0]
+    want = cpu_session(original).run(None, x)[0]
     np.testing.assert_allclose(cpu_session(rewritten, lib.path).run(None, x)[0], want, rtol=1e-5, atol=1e-6)
+
+
+# --- (e) symbolic dims: one kernel for every size they take (families/elementwise/kernel.py RuntimeProgram) -------
+
+def rotary_mix(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """q * cos + r * sin over q, r [N, 4, S, 6] and cos, sin [1, 1, S, 6] (a rotary embedding after its roll), then
+    a SiLU of the result with a bias [6]: two symbols, inputs broadcast along different dims."""
+    nodes = [h("Mul", ["q", "cos"], ["a"], name="mc"), h("Mul", ["r", "sin"], ["b"], name="ms"),
+             h("Add", ["a", "b"], ["c"], name="add"), h("Add", ["c", "bias"], ["d"], name="addb"),
+             h("Sigmoid", ["d"], ["e"], name="sigmoid"), h("Mul", ["d", "e"], ["y"], name="silu")]
+    return _model("rotary_mix", nodes, {"q": (0, ["N", 4, "S", 6]), "cos": (0, [1, 1, "S", 6]),
+                                         "r": (0, ["N", 4, "S", 6]), "sin": (0, [1, 1, "S", 6])},
+                  {"y": ["N", 4, "S", 6]}, {"bias": np.linspace(-1, 1, 6)}, elem)
+
+
+def _rotary_mix_fp64(x: dict[str, np.ndarray]) -> np.ndarray:
+    v = {k: a.astype(np.float64) for k, a in x.items()}
+    d = v["q"] * v["cos"] + v["r"] * v["sin"] + np.linspace(-1, 1, 6).astype(x["q"].dtype)
+    return d / (1 + np.exp(-d))
+
+
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["f32", "f16"])
+def test_symbolic_dims_take_one_kernel_at_every_size(tmp_path: Path, elem: int) -> None:
+    """A group over symbolic batch and sequence dims is one Elementwise node whose CPU and emulated device kernels
+    (built once) compute it at every size: sizes of 1 and sizes whose innermost run is no multiple of the vector
+    width included, against an fp64 reference."""
+    rewritten = optimize(rotary_mix(elem)).model
+    assert len(elementwise_types(rewritten)) == 1 and len(rewritten.graph.node) == 1, rewritten.graph.node
+    dt = helper.tensor_dtype_to_np_dtype(elem)
+    rng = np.random.default_rng(3)
+    for emulated in (False, True):
+        out = tmp_path / f"emu{int(emulated)}"
+        out.mkdir()
+        lib = build_library(rewritten, out, cuda=False, emulated=emulated)
+        assert [(r.node, r.reason) for r in lib.nodes if r.reason] == []
+        assert not emulated or lib.cuda_op_types == sorted(elementwise_types(rewritten)), lib.cuda_op_types
+        sess = cpu_session(rewritten, lib.path)
+        for n, s in ((1, 1), (3, 5), (2, 128)):
+            x = {"q": rng.standard_normal((n, 4, s, 6)), "r": rng.standard_normal((n, 4, s, 6)),
+                 "cos": rng.standard_normal((1, 1, s, 6)), "sin": rng.standard_normal((1, 1, s, 6))}
+            x = {k: v.astype(dt) for k, v in x.items()}
+            got = sess.run(None, x)[0]
+            assert got.shape == (n, 4, s, 6) and got.dtype == dt
+            err = rel_error(got.astype(np.float64), _rotary_mix_fp64(x))
+            assert err < (1e-6 if elem == TensorProto.FLOAT else 2e-3), (emulated, n, s, err)
+
+
+def test_symbolic_dims_of_unequal_sizes_are_refused_by_name(tmp_path: Path) -> None:
+    """Two inputs naming one symbol with different sizes in a call: the node says which symbol's sizes it was built
+    to share, not a wrong answer."""
+    rewritten = optimize(rotary_mix()).model
+    lib = build_library(rewritten, tmp_path, cuda=False)
+    rng = np.random.default_rng(0)
+    x = {"q": rng.standard_normal((2, 4, 3, 6)), "r": rng.standard_normal((1, 4, 3, 6)),
+         "cos": rng.standard_normal((1, 1, 3, 6)), "sin": rng.standard_normal((1, 1, 3, 6))}
+    with pytest.raises(Exception, match=r"Elementwise_f32 node '[^']+': inputs float \[2,4,3,6\], float "
+                                        r"\[1,1,3,6\], float \[1,4,3,6\].*built for float \[N,4,S,6\].*each "
+                                        r"named dim one size in a call"):
+        cpu_session(rewritten, lib.path).run(None, {k: v.astype(np.float32) for k, v in x.items()})
 
 
 def test_binder_reasons() -> None:
