@@ -4,6 +4,7 @@ model run through a library with its original."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,21 +34,26 @@ def run(model: onnx.ModelProto | Path, x: dict[str, np.ndarray], lib: Path | Non
 
 
 def assert_close_through_library(original: onnx.ModelProto, rewritten: onnx.ModelProto, lib: Path | None,
-                                 tmp_path: Path, bound: float, label: str) -> None:
+                                 tmp_path: Path, bound: float, label: str,
+                                 sizes: Sequence[dict[str, int]] = ({},)) -> None:
     """The rewritten model run through `lib` (None: through its functions, no library) gives each output of the
-    original within ‖err‖/‖ref‖ < bound, on one seeded input set, with the original's dtype and shape."""
+    original within ‖err‖/‖ref‖ < bound, on one seeded input set per entry of `sizes` (the symbolic dims' sizes,
+    default 1; one session for all), with the original's dtype and shape."""
     path = tmp_path / "model.gtco.onnx"
     onnx.save(rewritten, str(path))
-    x = make_inputs(original, 1)
-    for out, ref, got in zip(original.graph.output, run(original, x), run(path, x, lib), strict=True):
-        assert got.dtype == ref.dtype and got.shape == ref.shape, out.name
-        err = rel_error(got.astype(np.float64), ref.astype(np.float64))
-        print(f"{label} {out.name}: ‖err‖/‖ref‖ = {err:.3g}")
-        assert err < bound, f"{label} {out.name}: ‖err‖/‖ref‖ = {err:.3g}"
+    sess = cpu_session(path, lib)
+    for dims in sizes:
+        x = make_inputs(original, 1, dims)
+        for out, ref, got in zip(original.graph.output, run(original, x), sess.run(None, x), strict=True):
+            assert got.dtype == ref.dtype and got.shape == ref.shape, out.name
+            err = rel_error(got.astype(np.float64), ref.astype(np.float64))
+            print(f"{label} {out.name} {dims}: ‖err‖/‖ref‖ = {err:.3g}")
+            assert err < bound, f"{label} {out.name} {dims}: ‖err‖/‖ref‖ = {err:.3g}"
 
 
 def assert_close_through_built_libraries(original: onnx.ModelProto, rewritten: onnx.ModelProto, tmp_path: Path,
-                                         bound: float, label: str, op_prefix: str | None = None) -> None:
+                                         bound: float, label: str, op_prefix: str | None = None,
+                                         sizes: Sequence[dict[str, int]] = ({},)) -> None:
     """The rewritten model built as its CPU library and as its emulated device kernels (build_library, cuda=False),
     every node bound and, emulated, every kernel built (with `op_prefix`: an op type of that prefix among the
     device ones), each run giving the original's outputs within `bound` (assert_close_through_library)."""
@@ -62,4 +68,4 @@ def assert_close_through_built_libraries(original: onnx.ModelProto, rewritten: o
             assert lib.kernel_skips == {}, lib.kernel_skips
             assert op_prefix is None or any(t.startswith(op_prefix) for t in lib.cuda_op_types), lib.cuda_op_types
         assert_close_through_library(original, rewritten, lib.path, out, bound,
-                                     f"{label} {'emulated kernels' if emulated else 'CPU library'}")
+                                     f"{label} {'emulated kernels' if emulated else 'CPU library'}", sizes)

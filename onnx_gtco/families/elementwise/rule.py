@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from onnx import TensorProto, helper
 
-from onnx_gtco.ir.elementwise import program_from_onnx
+from onnx_gtco.ir.elementwise import program_from_onnx, runtime_spec_from_onnx
 from onnx_gtco.ir.labels import Label, label
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import Match, Reject, is_op
@@ -58,9 +58,17 @@ class ElementwisePattern:
                     # symbolic shape): the group without them, as elementwise groups were before layout ops joined
                     yield Reject(self.name, view.nodes[min(part)].name, f"layout ops of {len(part)} nodes left "
                                  f"out: {why}")
+                    # first without the Transposes and Pads only, where what is left folds (a rotary embedding's
+                    # roll over symbolic dims after its head-split Transpose), else without every layout op
+                    rolls = [i for i in part if not (self._layout(view.nodes[i])
+                                                     and view.nodes[i].op_type in ("Transpose", "Pad"))]
                     rest = sorted(i for i in part if not self._layout(view.nodes[i]))
-                    for sub in self._convex_parts(view, rest):
-                        yield from self._proposals(view, self._ends_computing(view, sub))
+                    subs = [self._ends_computing(view, sub) for sub in self._convex_parts(view, rolls)]
+                    if len(rolls) == len(rest) or any(
+                            any(not self._ew(view.nodes[i]) for i in sub) and unfoldable(view, sub) for sub in subs):
+                        subs = [self._ends_computing(view, sub) for sub in self._convex_parts(view, rest)]
+                    for sub in subs:
+                        yield from self._proposals(view, sub)
                     continue
                 yield from self._proposals(view, part)
 
@@ -230,8 +238,9 @@ class ElementwisePattern:
 
 
 def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
-    """Why the node set has no elementwise program (ir.elementwise.program_from_onnx over its static shapes), so no
-    kernel, or None: the layout ops of a group fold only where their index maps compose."""
+    """Why the node set has no elementwise program (ir.elementwise.program_from_onnx over its static shapes,
+    runtime_spec_from_onnx over named symbolic dims), so no kernel, or None: the layout ops of a group fold only where
+    their index maps compose, and over symbolic dims not at all."""
     nodes = [helper.make_node(view.nodes[i].op_type, view.nodes[i].inputs, view.nodes[i].outputs,
                               name=view.nodes[i].name, domain=view.nodes[i].domain, **view.nodes[i].attrs)
              for i in sorted(ids)]
@@ -243,12 +252,16 @@ def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
             if value.size == 1:
                 continue
         shape = view.shape(t)
-        if info is None or shape is None or not all(isinstance(d, int) for d in shape):
-            return f"{t!r} has no static shape"
+        if info is None or shape is None or not all(isinstance(d, int) or (isinstance(d, str) and d != "?")
+                                                    for d in shape):
+            return f"{t!r} has no static shape and no named symbolic dims"
         kind = {TensorProto.BOOL: "bool", TensorProto.INT32: "i32", TensorProto.INT64: "i64"}.get(info.dtype, "float")
         inputs.append((t, tuple(shape), kind))
+    symbolic = any(isinstance(d, str) for _, s, _ in inputs for d in s)
     try:
-        program_from_onnx(nodes, inputs, list(view.external_outputs(ids)), constants)
+        # over symbolic dims: the program of the kernel for run-time shapes (plain broadcasts, no layout ops)
+        (runtime_spec_from_onnx if symbolic else program_from_onnx)(
+            nodes, inputs, list(view.external_outputs(ids)), constants)
     except (ValueError, KeyError, IndexError, TypeError) as e:
         return str(e)
     return None

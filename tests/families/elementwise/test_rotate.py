@@ -28,15 +28,21 @@ def _i64(name: str, v: int) -> onnx.TensorProto:
 
 
 def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: bool = False,
-                 attention: bool = False) -> onnx.ModelProto:
+                 attention: bool = False, symbolic: bool = False) -> onnx.ModelProto:
     """q [B, H, S, D] (and k): q * cos + Concat(-q[..., D/2:], q[..., :D/2]) * sin with cos, sin [1, 1, S, D]
-    computed from positions; with `attention`, the scaled scores softmax(q_rot * scale @ k_rot^T) @ v after it."""
+    computed from positions; with `attention`, the scaled scores softmax(q_rot * scale @ k_rot^T) @ v after it.
+    `symbolic`: as the TorchScript exporter writes it with dynamic axes: q, k, v inputs [batch, seq, H, D] split into
+    heads by a Transpose, the angles an input [1, 1, seq, D]."""
     inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
     freqs = np.outer(np.arange(S), inv)
     emb = np.concatenate([freqs, freqs], axis=-1)[None, None].astype(np.float32)
-    inits = [numpy_helper.from_array(emb, "angles"), _i64("zero", 0), _i64("half", D // 2), _i64("end", 2**62),
+    inits = [_i64("zero", 0), _i64("half", D // 2), _i64("end", 2**62),
              _i64("last", 3 if axis == -1 else 2), numpy_helper.from_array(np.float32(D ** -0.5), "scale")]
+    if not symbolic:
+        inits.append(numpy_helper.from_array(emb, "angles"))
     nodes = [helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"])]
+    if symbolic:
+        nodes += [helper.make_node("Transpose", [f"{x}_bshd"], [x], perm=[0, 2, 1, 3]) for x in "qkv"]
 
     def rope(x: str) -> str:
         src2 = "other" if other_source else x
@@ -63,9 +69,12 @@ def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: 
                   helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
                   helper.make_node("MatMul", ["probs", "v"], ["out"])]
         outputs = ["out"]
-    shape = [B, H, S, D]
+    shape = ["batch", H, "seq", D] if symbolic else [B, H, S, D]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
               for n in ("q", *(("k", "v") if attention else ()), *(("other",) if other_source else ()))]
+    if symbolic:
+        inputs = [helper.make_tensor_value_info(f"{i.name}_bshd", TensorProto.FLOAT, ["batch", "seq", H, D])
+                  for i in inputs] + [helper.make_tensor_value_info("angles", TensorProto.FLOAT, [1, 1, "seq", D])]
     half = [B, H, S, D // 2]
     outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, half if o == "qn" else shape) for o in outputs]
     graph = helper.make_graph(nodes, "rope", inputs, outs, inits)
@@ -117,3 +126,23 @@ def test_the_cpu_library_and_the_emulated_kernels_compute_the_original(tmp_path:
     original = rotary_model(attention=True)
     rewritten = optimize(original, GtcoConfig(precision="fp16")).model
     assert_close_through_built_libraries(original, rewritten, tmp_path, 5e-3, "rotary fp16", "Elementwise_")
+
+
+def test_over_symbolic_dims_the_roll_folds_and_every_fused_node_has_a_kernel() -> None:
+    """The TorchScript exporter's form (batch and sequence symbolic, heads split by a Transpose): the rotate-half
+    roll folds into the rotary kernel over run-time shapes, so no Slice, Concat or Neg is left to launch, and every
+    fused node, the cos / sin ones included, has a device kernel."""
+    result = optimize(rotary_model(attention=True, symbolic=True), GtcoConfig(precision="fp16"))
+    ropes = [ops for ops in _fused_ops(result.model).values() if "Concat" in ops]
+    assert sum(ops.count("Concat") for ops in ropes) == 2 and sum(ops.count("Slice") for ops in ropes) == 4, ropes
+    assert not [n.op_type for n in result.model.graph.node if n.op_type in ("Slice", "Concat", "Neg")]
+    coverage = model_coverage(result.model)
+    assert {n: c.reason for n, c in coverage.nodes.items() if not c.archs} == {}
+
+
+@pytest.mark.slow
+def test_over_symbolic_dims_the_libraries_compute_the_original_at_two_sizes(tmp_path: Path) -> None:
+    original = rotary_model(attention=True, symbolic=True)
+    rewritten = optimize(original, GtcoConfig(precision="fp16")).model
+    assert_close_through_built_libraries(original, rewritten, tmp_path, 5e-3, "symbolic rotary fp16", "Elementwise_",
+                                         sizes=({"batch": 2, "seq": 16}, {"batch": 1, "seq": 5}))
