@@ -58,19 +58,46 @@ class ElementwisePattern:
                     # symbolic shape): the group without them, as elementwise groups were before layout ops joined
                     yield Reject(self.name, view.nodes[min(part)].name, f"layout ops of {len(part)} nodes left "
                                  f"out: {why}")
-                    # first without the Transposes and Pads only, where what is left folds (a rotary embedding's
-                    # roll over symbolic dims after its head-split Transpose), else without every layout op
-                    rolls = [i for i in part if not (self._layout(view.nodes[i])
-                                                     and view.nodes[i].op_type in ("Transpose", "Pad"))]
-                    rest = sorted(i for i in part if not self._layout(view.nodes[i]))
-                    subs = [self._ends_computing(view, sub) for sub in self._convex_parts(view, rolls)]
-                    if len(rolls) == len(rest) or any(
-                            any(not self._ew(view.nodes[i]) for i in sub) and unfoldable(view, sub) for sub in subs):
-                        subs = [self._ends_computing(view, sub) for sub in self._convex_parts(view, rest)]
-                    for sub in subs:
+                    for sub in self._folding_rest(view, part):
                         yield from self._proposals(view, sub)
                     continue
                 yield from self._proposals(view, part)
+
+    def _folding_rest(self, view: GraphView, part: frozenset[int]) -> list[frozenset[int]]:
+        """The convex groups of `part` whose layout ops fold, for a part whose own do not: the first of part less
+        the view ops whose result is read outside too (free in ONNX Runtime, but a result of another shape than the
+        group's, which the kernel cannot write: a rotary's cos table unsqueezed once for every layer) and what they
+        view in the part (a group of its own), that less its Transposes and Pads (a rotary embedding's roll over
+        symbolic dims after its head-split Transpose), and part less every layout op, whose groups all fold."""
+        # views read outside, and what in the part they view: a group of its own (the table, once)
+        escaping = {i for i in part if self._escaping_view(view, part, i)}
+        upstream = set(escaping)
+        todo = list(escaping)
+        while todo:
+            for p in view.preds[todo.pop()] & part:
+                if p not in upstream:
+                    upstream.add(p)
+                    todo.append(p)
+        shared = [i for i in part if i not in upstream]
+        unmoved = [i for i in shared if not (self._layout(view.nodes[i])
+                                             and view.nodes[i].op_type in ("Transpose", "Pad"))]
+        rest = sorted(i for i in part if not self._layout(view.nodes[i]))
+        tables = sorted(upstream - escaping)
+        for ids in (shared, unmoved):
+            if not any(self._layout(view.nodes[i]) for i in ids):
+                continue
+            subs = [self._ends_computing(view, sub) for sub in (*self._convex_parts(view, ids),
+                                                                 *self._convex_parts(view, tables))]
+            if not any(any(not self._ew(view.nodes[i]) for i in sub) and unfoldable(view, sub) for sub in subs):
+                return subs
+        return [self._ends_computing(view, sub) for sub in self._convex_parts(view, rest)]
+
+    @staticmethod
+    def _escaping_view(view: GraphView, part: frozenset[int], i: int) -> bool:
+        """Node i of `part` is a view op whose result is also read outside the part."""
+        node = view.nodes[i]
+        return node.domain == "" and node.op_type in VIEW_OPS and any(
+            o in view.graph_outputs or any(c.id not in part for c in view.consumers_of(o)) for o in node.outputs)
 
     def _ends_computing(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
         """Drop view ops that end the group: its outputs are then elementwise results."""
