@@ -12,9 +12,12 @@ Each segment is first searched over every order of its endings, within a small b
 that passes it is solved again with forced moves, within the segment budget: a sink whose only candidates are single
 nodes is always removed first (running it last is legal and changes no cost, so the optimum is the same), which
 collapses the many orderings of parallel unfusable nodes (shape arithmetic in expanded functions, the Shape / Gather /
-Concat chains of symbolic dims) into one. Both searches find the least cost; they may break a tie between covers of
-equal cost differently, which is why the first is kept where it is cheap. A segment that passes the budget even with
-forced moves is left unfused, and the plan says so in `Plan.rejects`; the rest of the graph is planned as usual.
+Concat chains of symbolic dims) into one; and a sink every fitting group through which is an ending of the state is
+the only sink whose groups are tried (the group a cover takes through it has no successor left, so it can run last at
+the same cost: the orders of parallel fusable chains, a rotary table beside a layer's GEMMs, collapse too). Both
+searches find the least cost; they may break a tie between covers of equal cost differently, which is why the first
+is kept where it is cheap. A segment that passes the budget even with forced moves is left unfused, and the plan says
+so in `Plan.rejects`; the rest of the graph is planned as usual.
 Pure: no graph mutation, no I/O, no clock, no randomness.
 """
 
@@ -130,22 +133,59 @@ class _Search:
         # forced[v]: the cheapest single-node candidate of v when every candidate through v is a single node, else -1
         self.forced = [min(ks, key=lambda k: (self.costs[k], k)) if all(self.masks[k] == 1 << v for k in ks) else -1
                        for v, ks in enumerate(self.by_node)]
+        # preds_of[c][b]: the nodes with a successor among the nodes of byte value b at byte c of a state's mask, so
+        # that a state's sinks (its nodes without a successor in it) take one lookup per byte, not a test per node
+        preds = [0] * n
+        for u in range(n):
+            rest = succ[u]
+            while rest:
+                low = rest & -rest
+                preds[low.bit_length() - 1] |= 1 << u
+                rest ^= low
+        self.nbytes = (n + 7) // 8
+        self.preds_of: list[list[int]] = []
+        for c in range(self.nbytes):
+            table = [0] * 256
+            for b in range(1, 256):
+                low = b & -b
+                v = 8 * c + low.bit_length() - 1
+                table[b] = table[b ^ low] | (preds[v] if v < n else 0)
+            self.preds_of.append(table)
+
+    def sinks(self, state: int) -> int:
+        """The nodes of `state` with no successor in it, as a mask."""
+        if not state:
+            return 0
+        first = ((state & -state).bit_length() - 1) >> 3
+        count = ((state.bit_length() - 1) >> 3) - first + 1
+        has_succ = 0
+        for c, b in enumerate((state >> (8 * first)).to_bytes(count, "little"), first):
+            if b:
+                has_succ |= self.preds_of[c][b]
+        return state & ~has_succ
 
     def endings(self, state: int, force: bool) -> list[int]:
-        succ, masks, outs, costs = self.succ, self.masks, self.outs, self.costs
+        masks, outs, costs = self.masks, self.outs, self.costs
         found: dict[int, None] = {}
-        rest = state
+        rest = self.sinks(state)
         while rest:
             low = rest & -rest
             v = low.bit_length() - 1
             rest ^= low
-            if succ[v] & state:
-                continue  # not a sink of state
             if force and self.forced[v] >= 0:
                 return [self.forced[v]]
+            mine, closed = [], True
             for k in self.by_node[v]:
-                if masks[k] & ~state == 0 and outs[k] & state == 0 and costs[k] < math.inf:
-                    found.setdefault(k, None)
+                if masks[k] & ~state or costs[k] == math.inf:
+                    continue  # not inside the state, or never chosen
+                if outs[k] & state == 0:
+                    mine.append(k)
+                else:
+                    closed = False
+            if force and closed and mine:
+                # every group through the sink v that fits is an ending: whichever a cover takes can run last
+                return mine
+            found.update(dict.fromkeys(mine))
         return sorted(found)
 
     def solve(self, full: int, force: bool, budget: int) -> dict[int, tuple[float, int]]:

@@ -127,6 +127,9 @@ def test_dp_equals_brute_force(seed: int) -> None:
     assert result.cost_us == pytest.approx(sum(cost(g) for g in result.groups))
     assert result.cost_us == pytest.approx(brute_force(n, succ, cands, cost))
     assert result.costs == tuple(cost(g) for g in result.groups)  # what the search charged each group
+    forced = plan(dag, cands, cost, unforced_states=0)  # the search with forced moves only
+    check_valid(n, succ, forced.groups)
+    assert forced.cost_us == pytest.approx(result.cost_us) and forced.states <= result.states
 
 
 def test_dp_never_uses_an_infinite_group() -> None:
@@ -188,18 +191,35 @@ def test_forced_moves_keep_the_optimum_past_the_state_budget() -> None:
     assert default.groups == capped.groups and default.cost_us == full.cost_us and default.states <= 100
 
 
-def test_segment_past_the_budget_runs_unfused_and_says_so() -> None:
+def _parallel_pairs() -> tuple[Dag, list[Candidate]]:
     """Nodes 0-15 independent, all in fusable pairs (nothing forced); then a chain 16 -> 17 that still fuses."""
     n = 18
     dag = Dag(tuple(1 << 17 if i == 16 else 0 for i in range(n)))
     cands = [Candidate(frozenset([i, i + 1]), "fam", "pair") for i in range(0, 16, 2)]
     cands += [Candidate(frozenset([0, 15]), "fam", "span"), Candidate(frozenset([16, 17]), "fam", "chain")]
-    result = plan(dag, cands, _pair_cost, max_states=100)
+    return dag, cands
+
+
+def test_a_sink_whose_groups_all_end_the_state_is_the_only_one_tried() -> None:
+    """Parallel fusable pairs: every order of them is 2^16 states; trying only the groups through one sink whose every
+    group can run last finds the same optimum in a few dozen."""
+    dag, cands = _parallel_pairs()
+    full = plan(dag, cands, _pair_cost, unforced_states=10**6)  # every order searched
+    assert full.states > 60_000
+    forced = plan(dag, cands, _pair_cost, max_states=100)
+    assert forced.rejects == () and forced.states <= 40
+    assert forced.cost_us == full.cost_us == 13.5
+    assert sorted(i for g in forced.groups for i in g.nodes) == list(range(18))
+
+
+def test_segment_past_the_budget_runs_unfused_and_says_so() -> None:
+    dag, cands = _parallel_pairs()
+    result = plan(dag, cands, _pair_cost, max_states=20)
     assert [g.nodes for g in result.groups] == [frozenset([i]) for i in range(16)] + [frozenset([16, 17])]
     assert result.cost_us == 17.5 == sum(result.costs)
     assert result.costs == tuple(_pair_cost(g) for g in result.groups)
     assert [(r.pattern, r.anchor) for r in result.rejects] == [("dp", "#0")]
-    assert "passed 100 states on nodes 0..15" in result.rejects[0].reason
+    assert "passed 20 states on nodes 0..15" in result.rejects[0].reason
     assert "left unfused" in result.rejects[0].reason
 
 
