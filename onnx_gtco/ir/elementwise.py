@@ -755,20 +755,25 @@ class RuntimeSpec:
     -1 - k for symbol k.
 
     program: the ProgramSpec over placeholder sizes (PLACEHOLDER); symbols: the symbols' names; iteration: the iteration
-    dims; groups: the end (exclusive) of each collapsed dim's run of iteration dims (neighbours every input walks or
-    broadcasts along alike merged; a static 1 joins the run before it; a rolled dim is a run of its own); shapes: per
-    kernel input, its shape over the iteration rank (right-aligned, 1 where it has no dim); walks: per kernel input,
-    the bits of the collapsed dims it walks; rolls: per kernel input, None or (collapsed dim, shift) where it is a
-    torch.roll of its tensor along a static dim (rotary embeddings' rotate-half, families/elementwise/rotate.py):
-    index i of that dim reads element (i + shift) % size."""
+    dims; groups: the end (exclusive) of each collapsed dim's run of iteration dims (neighbours every input walks
+    alike merged: broadcast along both, or walking two neighbouring dims of its tensor in order; a static 1 joins the
+    run before it; a rolled dim is a run of its own); sources: per kernel input, the shape of the tensor it reads;
+    perms: per kernel input and iteration dim, the dim of that tensor it walks (-1: broadcast), a Transpose folded
+    into the load where they are out of order; walks: per kernel input, the bits of the collapsed dims it walks;
+    rolls: per kernel input, None or (collapsed dim, shift) where it is a torch.roll of its tensor along a static dim
+    (rotary embeddings' rotate-half, families/elementwise/rotate.py): index i of that dim reads element
+    (i + shift) % size; gathers: per kernel input, whether its innermost walked dim is not its tensor's innermost
+    (a transposed read, one element at a time)."""
 
     program: ProgramSpec
     symbols: tuple[str, ...]
     iteration: tuple[int, ...]
     groups: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    sources: tuple[tuple[int, ...], ...]
+    perms: tuple[tuple[int, ...], ...]
     walks: tuple[int, ...]
     rolls: tuple[tuple[int, int] | None, ...] = ()
+    gathers: tuple[bool, ...] = ()
 
     @property
     def inputs(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -790,9 +795,9 @@ def runtime_spec_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Seq
                            outputs: Sequence[str], constants: Mapping[str, Any] | None = None, *,
                            max_rank: int = 6, max_symbols: int = 16) -> RuntimeSpec:
     """The RuntimeSpec of an elementwise group whose input shapes name symbolic dims (strings), or ValueError
-    saying why none: a view or layout op over them (a Reshape, Transpose, Slice, ... inside the group: the run-time
-    kernel reads plain numpy broadcasts), a dim mixing symbols (a Flatten of two), a static dim of PLACEHOLDER or
-    more."""
+    saying why none: a layout op over them other than a Transpose of a whole tensor or a roll along a static dim (a
+    Slice, a Pad, a Concat of two tensors: the run-time kernel reads whole tensors), a Transpose into an output, a dim
+    mixing symbols (a Flatten of two), a static dim of PLACEHOLDER or more."""
     symbols: list[str] = []
     for _, shape, _ in inputs:
         for d in shape:
@@ -812,12 +817,6 @@ def runtime_spec_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Seq
     if any(st is not None for st in program.out_strides):
         raise ValueError("elementwise: a Transpose into an output over symbolic dims: the kernel for run-time shapes "
                          "writes dense outputs")
-    rolled = [_pure_roll(lay, s) for lay, (_, s, _) in
-              itertools.zip_longest(program.layouts, program.inputs, fillvalue=None)]
-    if any(r == () for r in rolled):
-        raise ValueError("elementwise: a layout op (Transpose, Slice, Pad, Concat) or a view of a strided input over "
-                         "symbolic dims: the kernel for run-time shapes reads plain broadcasts and rolls along one "
-                         "static dim only")
 
     def encode(d: int) -> int:
         if d < PLACEHOLDER:
@@ -831,50 +830,88 @@ def runtime_spec_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Seq
     rank = len(iteration)
     if rank > max_rank:
         raise ValueError(f"elementwise: iteration rank {rank} is over {max_rank}")
-    shapes = tuple((1,) * (rank - len(s)) + tuple(encode(d) for d in s) for _, s, _ in program.inputs)
-    # the iteration dim each rolled input rolls (right-aligned), and its shift
-    roll_at = [None if r is None else (rank - len(s) + r[0], r[1]) for r, (_, s, _) in
-               zip(rolled, program.inputs, strict=True)]
+    sources, perms, roll_at = [], [], []
+    for lay, (_, shape, _) in itertools.zip_longest(program.layouts, program.inputs, fillvalue=None):
+        mapped = _whole_view(lay, tuple(shape))
+        if mapped is None:
+            raise ValueError("elementwise: a layout op (Slice, Pad, Concat) or a view of a strided input over "
+                             "symbolic dims: the kernel for run-time shapes reads whole tensors, transposed or "
+                             "rolled along one static dim")
+        src, perm, roll = mapped
+        if len(src) > max_rank:
+            raise ValueError(f"elementwise: an input of rank {len(src)} is over {max_rank}")
+        lead = rank - len(shape)
+        sources.append(tuple(encode(d) for d in src))
+        perms.append((-1,) * lead + perm)
+        roll_at.append(None if roll is None else (lead + roll[0], roll[1]))
+    def after(src: tuple[int, ...], k: int) -> int:
+        """The dim of `src` after dim k, its static 1s skipped."""
+        return next((k2 for k2 in range(k + 1, len(src)) if src[k2] != 1), -2)
+
     groups: list[int] = []
-    pattern: tuple[int, ...] | None = None
+    last = -1
     for j in range(rank):
         if iteration[j] == 1:
             continue
-        # 2: the input rolls this dim, which no neighbour joins
-        walk = tuple(2 + j if r is not None and r[0] == j else int(s[j] != 1) for s, r in
-                     zip(shapes, roll_at, strict=True))
-        if pattern is not None and walk == pattern:
+        joins = last >= 0 and all(
+            (p[last] < 0 and p[j] < 0)
+            or (p[last] >= 0 and p[j] == after(src, p[last]) and (r is None or r[0] not in (last, j)))
+            for p, r, src in zip(perms, roll_at, sources, strict=True))
+        if joins:
             groups[-1] = j + 1
         else:
             if groups:
                 groups[-1] = j  # the static 1s before this dim stay in the run before
             groups.append(j + 1)
-            pattern = walk
+        last = j
     if not groups:
         groups = [rank]
     groups[-1] = rank
     starts = (0, *groups[:-1])
     walks = tuple(sum(1 << c for c, (a, b) in enumerate(zip(starts, groups, strict=True))
-                      if any(s[j] != 1 for j in range(a, b))) for s in shapes)
+                      if any(p[j] >= 0 for j in range(a, b))) for p in perms)
     rolls = tuple(None if r is None else (next(c for c, b in enumerate(groups) if r[0] < b), r[1]) for r in roll_at)
-    return RuntimeSpec(program, tuple(symbols), iteration, tuple(groups), shapes, walks, rolls)
+    inner = max((j for j in range(rank) if iteration[j] != 1), default=rank - 1)
+    gathers = tuple(p[inner] >= 0 and p[inner] != len(src) - 1 for p, src in zip(perms, sources, strict=True))
+    return RuntimeSpec(program, tuple(symbols), iteration, tuple(groups), tuple(sources), tuple(perms), walks, rolls,
+                       gathers)
 
 
-def _pure_roll(lay: Layout | None, shape: Sequence[int] | None) -> tuple[int, int] | tuple[()] | None:
-    """(dim, shift) where the layout `lay` of an input of `shape` is a torch.roll of its own tensor along one static
-    dim (element i of that dim reads element (i + shift) % size, every other dim dense), None for no layout, () for
-    any other view."""
+def _whole_view(lay: Layout | None, shape: tuple[int, ...]
+                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None] | None:
+    """(source shape, the source dim each dim of `shape` walks (-1: broadcast or of size 1), roll) of an input read
+    as a whole tensor: as it is (no layout `lay`), transposed, and/or rolled along one static dim (roll: (dim of
+    `shape`, shift), element i of that dim reading (i + shift) % size); None for any other view."""
     if lay is None:
-        return None
+        return shape, tuple(-1 if d == 1 else k for k, d in enumerate(shape)), None
     src, strides, base, terms = tuple(lay[0]), tuple(lay[1]), int(lay[2]), layout_rolls(lay)
-    if shape is None or src != tuple(shape) or base != 0 or len(terms) != 1:
-        return ()
-    n, r, q, m, stride, weights = terms[0]
+    if base != 0 or len(terms) > 1:
+        return None
     dense = contiguous_strides(src)
-    dims = [d for d, w in enumerate(weights) if w]
-    if len(dims) != 1 or weights[dims[0]] != 1 or q != 1 or m != n or src[dims[0]] != n or n >= PLACEHOLDER:
-        return ()
-    d = dims[0]
-    if stride != dense[d] or tuple(strides) != tuple(0 if k == d else st for k, st in enumerate(dense)):
-        return ()
-    return d, int(r) % n
+
+    def source_dim(d: int, stride: int) -> int | None:
+        found = [k for k in range(len(src)) if src[k] == d and dense[k] == stride and src[k] != 1]
+        return found[0] if len(found) == 1 else None
+
+    perm = [-1] * len(shape)
+    roll = None
+    for n, r, q, m, stride, weights in terms:
+        dims = [j for j, w in enumerate(weights) if w]
+        if len(dims) != 1 or weights[dims[0]] != 1 or q != 1 or m != n or shape[dims[0]] != n or n >= PLACEHOLDER:
+            return None
+        j = dims[0]
+        k = source_dim(n, stride)
+        if k is None or strides[j] != 0:
+            return None
+        perm[j], roll = k, (j, int(r) % n)
+    for j, (d, st) in enumerate(zip(shape, strides, strict=True)):
+        if d == 1 or (roll is not None and roll[0] == j):
+            continue
+        k = source_dim(d, st)
+        if k is None:
+            return None
+        perm[j] = k
+    walked = [k for k in perm if k >= 0]
+    if len(set(walked)) != len(walked) or sorted(walked) != [k for k in range(len(src)) if src[k] != 1]:
+        return None  # a dim read twice, or part of the tensor (a Slice)
+    return src, tuple(perm), roll

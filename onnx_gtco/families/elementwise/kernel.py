@@ -35,8 +35,9 @@ Programs over symbolic dims (`RuntimeProgram`, `runtime_program_from_onnx`; Diet
 family): one instance (gtco::ew::Dynamic) for every size the dims take. Its Problem (`runtime_problem`) is over the
 iteration shape collapsed at build time (`RuntimeSpec.groups`), with the flags `runtime` (the collapsed dims sized per
 call; the Problem's sizes for them are one call's, which estimates and tests use and the instance ignores), `walks`
-(per input, the bits of the collapsed dims it walks) and `rolls` (per input, None or (collapsed dim, shift): a roll
-along a static dim); the call's dims and each input's strides come in GtcoElementwiseArgs `dims` / `strides`.
+(per input, the bits of the collapsed dims it walks), `rolls` (per input, None or (collapsed dim, shift): a roll
+along a static dim) and `gathers` (per input, read across its innermost dim: a Transpose); the call's dims and each
+input's strides (a transposed input's permuted) come in GtcoElementwiseArgs `dims` / `strides`.
 
 Config: THREADS per block (64..512), VEC consecutive elements per thread (one load / store of at most 16 bytes of
 the outputs, of the inputs that have the full shape and of inputs contiguous along an innermost dim that is a
@@ -120,7 +121,7 @@ class RuntimeProgram(RuntimeSpec):
                         if any(d < 0 for d in self.iteration[a:b]))
         return runtime_problem(dtype, self.dims(values), runtime, self.program.instrs,
                                tuple(zip(self.walks, (k for _, _, k in self.program.inputs), strict=True)),
-                               tuple(r for _, r in self.program.outputs), self.rolls)
+                               tuple(r for _, r in self.program.outputs), self.rolls, self.gathers)
 
 
 def runtime_program_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Sequence[int | str], str]],
@@ -161,11 +162,12 @@ def input_walks(problem: Problem) -> tuple[int, ...]:
 
 def runtime_problem(dtype: str, dims: Sequence[int], runtime: Sequence[int], instrs: Sequence[Instr],
                     inputs: Sequence[tuple[int, str]], outputs: Sequence[Ref],
-                    rolls: Sequence[tuple[int, int] | None] = ()) -> Problem:
+                    rolls: Sequence[tuple[int, int] | None] = (), gathers: Sequence[bool] = ()) -> Problem:
     """The Problem of a program built for run-time shapes: `dims`, the collapsed iteration dims of one call (the
     ones in `runtime` vary per call; their values here are what estimates and tests use, not what the instance is
     built for), `inputs` (bits of the collapsed dims each walks, kind), dense outputs; `rolls`: per input None or
-    (collapsed dim, shift), a torch.roll along that static dim (the flag only where some input has one)."""
+    (collapsed dim, shift), a torch.roll along that static dim; `gathers`: per input, whether its innermost dim is read
+    across its tensor (a Transpose), one element at a time (each flag only where some input has one)."""
     rank = len(dims)
     flags = {"program": tuple((op, tuple(tuple(r) for r in refs), attr) for op, refs, attr in instrs),
              "inputs": tuple((tuple(int(dims[j]) if w >> j & 1 else 1 for j in range(rank)), k) for w, k in inputs),
@@ -173,7 +175,14 @@ def runtime_problem(dtype: str, dims: Sequence[int], runtime: Sequence[int], ins
              "runtime": tuple(int(j) for j in runtime), "walks": tuple(int(w) for w, _ in inputs)}
     if any(r is not None for r in rolls):
         flags["rolls"] = tuple(None if r is None else (int(r[0]), int(r[1])) for r in rolls)
+    if any(gathers):
+        flags["gathers"] = tuple(bool(g) for g in gathers)
     return Problem.make("elementwise", dtype, {f"d{i}": int(d) for i, d in enumerate(dims)}, flags)
+
+
+def input_gathers(problem: Problem) -> tuple[bool, ...]:
+    """Per input of a program built for run-time shapes, whether it is read across its tensor's innermost dim."""
+    return problem.flag("gathers") or (False,) * len(problem.flag("inputs"))
 
 
 def input_rolls(problem: Problem) -> tuple[tuple[int, int] | None, ...]:
@@ -187,7 +196,7 @@ def at_runtime(problem: Problem, dims: Sequence[int]) -> Problem:
         raise ValueError("elementwise: the program is built for its static shape")
     return runtime_problem(problem.dtype, dims, runtime_dims(problem), problem.flag("program"),
                            tuple(zip(input_walks(problem), (k for _, k in problem.flag("inputs")), strict=True)),
-                           problem.flag("outputs"), input_rolls(problem))
+                           problem.flag("outputs"), input_rolls(problem), input_gathers(problem))
 
 
 def _identity(problem: Problem) -> tuple[Any, ...]:
@@ -199,7 +208,8 @@ def _identity(problem: Problem) -> tuple[Any, ...]:
     sizes = tuple((k, 0 if k[1:].isdigit() and int(k[1:]) in runtime else v) for k, v in problem.sizes)
     return (sizes, problem.flag("program"), tuple(k for _, k in problem.flag("inputs")), problem.flag("outputs"),
             ("walks", input_walks(problem)), ("runtime", tuple(sorted(runtime))),
-            *((("rolls", input_rolls(problem)),) if problem.flag("rolls") else ()))
+            *((("rolls", input_rolls(problem)),) if problem.flag("rolls") else ()),
+            *((("gathers", input_gathers(problem)),) if problem.flag("gathers") else ()))
 
 
 def input_layouts(problem: Problem) -> tuple[Layout | None, ...]:
@@ -306,8 +316,8 @@ def _bad_runtime(problem: Problem, shape: Sequence[int], inputs: Sequence[tuple[
         if not 0 <= w < 1 << rank or tuple(s) != tuple(shape[j] if w >> j & 1 else 1 for j in range(rank)):
             return f"input {i}: shape {tuple(s)} is not the collapsed dims {tuple(shape)} it walks (bits {w})"
     rolls = problem.flag("rolls") or (None,) * len(inputs)
-    if len(rolls) != len(inputs):
-        return f"{len(rolls)} rolls for {len(inputs)} inputs"
+    if len(rolls) != len(inputs) or len(problem.flag("gathers") or inputs) != len(inputs):
+        return f"rolls {rolls} and gathers {problem.flag('gathers')}: one per input ({len(inputs)})"
     for i, (r, w) in enumerate(zip(rolls, walks, strict=True)):
         if r is not None and not (0 <= r[0] < rank and r[0] not in runtime and w >> r[0] & 1
                                   and 0 <= r[1] < shape[r[0]]):
@@ -442,9 +452,10 @@ def _runtime_program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
 
     return {"storage": storage, "rank": len(iteration_shape(problem)),
             "shape": ["?" if j in runtime else d for j, d in enumerate(iteration_shape(problem))],
-            "inputs": [{"type": KINDS[k] or "T", "walks": w, "roll": (-1, 0, 0) if r is None else
+            "inputs": [{"type": KINDS[k] or "T", "walks": w, "gather": g, "roll": (-1, 0, 0) if r is None else
                         (r[0], r[1], iteration_shape(problem)[r[0]])}
-                       for (_, k), w, r in zip(inputs, input_walks(problem), input_rolls(problem), strict=True)],
+                       for (_, k), w, r, g in zip(inputs, input_walks(problem), input_rolls(problem),
+                                                  input_gathers(problem), strict=True)],
             "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
             "outputs": [value(r) for r in outputs],
             "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"

@@ -267,7 +267,7 @@ class ElementwisePattern:
 def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
     """Why the node set has no elementwise program (ir.elementwise.program_from_onnx over its static shapes,
     runtime_spec_from_onnx over named symbolic dims), so no kernel, or None: the layout ops of a group fold only where
-    their index maps compose, and over symbolic dims not at all."""
+    their index maps compose, and over symbolic dims only where each input is read whole (transposed, rolled)."""
     nodes = [helper.make_node(view.nodes[i].op_type, view.nodes[i].inputs, view.nodes[i].outputs,
                               name=view.nodes[i].name, domain=view.nodes[i].domain, **view.nodes[i].attrs)
              for i in sorted(ids)]
@@ -286,7 +286,7 @@ def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
         inputs.append((t, tuple(shape), kind))
     symbolic = any(isinstance(d, str) for _, s, _ in inputs for d in s)
     try:
-        # over symbolic dims: the program of the kernel for run-time shapes (plain broadcasts, no layout ops)
+        # over symbolic dims: the program of the kernel for run-time shapes (inputs broadcast, transposed, rolled)
         (runtime_spec_from_onnx if symbolic else program_from_onnx)(
             nodes, inputs, list(view.external_outputs(ids)), constants)
     except (ValueError, KeyError, IndexError, TypeError) as e:

@@ -127,6 +127,16 @@ GTCO_DEVICE float round_bf16(float x) { return to_f32(__float2bfloat16_rn(x)); }
 // ---- the instance: Program's body over the iteration shape --------------------------------------------------
 namespace ew {
 
+// The first NIN inputs and NOUT outputs of `a`, the outputs as T: what a thread of an instance reads and writes.
+template <int NIN, int NOUT, typename T>
+GTCO_DEVICE void operands(const GtcoElementwiseArgs& a, const void* __restrict__ (&in)[NIN],
+                          T* __restrict__ (&out)[NOUT]) {
+    GTCO_UNROLL
+    for (int i = 0; i < NIN; ++i) in[i] = a.in[i];
+    GTCO_UNROLL
+    for (int o = 0; o < NOUT; ++o) out[o] = static_cast<T*>(a.out[o]);
+}
+
 // How the vector path reads an operand for the VEC consecutive elements of a thread (their first index is a multiple
 // of VEC): `vec`, one access of at most 16 bytes at the first element's offset (operands of the kernel's storage
 // type with the iteration shape, or walking the innermost dim contiguously when that dim is a multiple of VEC: a
@@ -193,10 +203,7 @@ struct Elementwise {
     GTCO_DEVICE static void thread(const GtcoElementwiseArgs& a, bool vec_ok) {
         const void* __restrict__ in[NIN];
         T* __restrict__ out[NOUT];
-        GTCO_UNROLL
-        for (int i = 0; i < NIN; ++i) in[i] = a.in[i];
-        GTCO_UNROLL
-        for (int o = 0; o < NOUT; ++o) out[o] = static_cast<T*>(a.out[o]);
+        operands(a, in, out);
         const idx_t base = (static_cast<idx_t>(blockIdx.x) * THREADS + threadIdx.x) * VEC;
         if (base >= N) return;
         float x[NIN], y[NOUT];
@@ -292,7 +299,7 @@ struct Dynamic {
     template <int I>
     using E = typename Op<I>::type;
     template <int I>
-    static constexpr bool vec_read = std::is_same<E<I>, T>::value && Op<I>::walks(R - 1) &&
+    static constexpr bool vec_read = std::is_same<E<I>, T>::value && Op<I>::walks(R - 1) && !Op<I>::gather &&
                                      Op<I>::template runs_contiguous<R, VEC>();
     template <int I>
     static constexpr bool one_read = !Op<I>::walks(R - 1);
@@ -336,10 +343,7 @@ struct Dynamic {
     GTCO_DEVICE static void thread(const GtcoElementwiseArgs& a, bool vec_ok) {
         const void* __restrict__ in[NIN];
         T* __restrict__ out[NOUT];
-        GTCO_UNROLL
-        for (int i = 0; i < NIN; ++i) in[i] = a.in[i];
-        GTCO_UNROLL
-        for (int o = 0; o < NOUT; ++o) out[o] = static_cast<T*>(a.out[o]);
+        operands(a, in, out);
         const I n = static_cast<I>(a.n);
         const I base = (static_cast<I>(blockIdx.x) * THREADS + threadIdx.x) * VEC;
         if (base >= n) return;
@@ -409,8 +413,12 @@ struct Dynamic {
         if (n == 0) return GTCO_OK;
         bool vec_ok = VEC > 1 && args->dims[R - 1] % VEC == 0;
         for (int o = 0; o < NOUT; ++o) vec_ok = vec_ok && aligned_to(args->out[o], sizeof(T) * VEC);
-        for (int i = 0; i < NIN; ++i)
-            vec_ok = vec_ok && (!(kVecLoaded >> i & 1u) || aligned_to(args->in[i], sizeof(T) * VEC));
+        for (int i = 0; i < NIN; ++i) {
+            if (!(kVecLoaded >> i & 1u)) continue;
+            // a vector-read input walks the innermost dim at stride 1, every run of VEC starting aligned
+            vec_ok = vec_ok && aligned_to(args->in[i], sizeof(T) * VEC) && args->strides[i][R - 1] == 1;
+            for (int j = 0; j + 1 < R; ++j) vec_ok = vec_ok && args->strides[i][j] % VEC == 0;
+        }
         const int64_t blocks = (n + THREADS * VEC - 1) / (THREADS * VEC);
         if (blocks > int64_t{0x7fffffff}) return GTCO_EBADSHAPE;
         return GTCO_LAUNCH(n < (int64_t{1} << 31) ? k32 : k64, dim3(static_cast<unsigned>(blocks)), dim3(THREADS),

@@ -31,9 +31,9 @@ struct ElementwiseNode {
     const int* ranks;                         // per node input, then per node output
     const int64_t* dims;                      // their dims, concatenated in that order (< 0: symbol -1 - dim)
     // A program over run-time shapes (symbolic dims; n_symbols > 0, else the rest is unused): the symbols' names, the
-    // iteration dims, the end of each collapsed dim's run of them (rank runs), and each kernel input's shape over the
-    // iteration rank (right-aligned, 1 where it has no dim), dims encoded as above (families/elementwise/kernel.py
-    // RuntimeProgram).
+    // iteration dims, the end of each collapsed dim's run of them (rank runs), each kernel input's tensor shape
+    // (source_ranks dims each, concatenated) and per iteration dim the dim of that tensor it walks (-1: broadcast),
+    // dims encoded as above (onnx_gtco/ir/elementwise.py RuntimeSpec).
     int n_symbols = 0;
     const char* const* symbols = nullptr;
     int iteration_rank = 0;
@@ -41,12 +41,15 @@ struct ElementwiseNode {
     int rank = 0;
     const int* groups = nullptr;
     int n_kernel_inputs = 0;
-    const int64_t* shapes = nullptr;
+    const int* source_ranks = nullptr;
+    const int64_t* sources = nullptr;
+    const int* perms = nullptr;
 };
 
 // The collapsed dims and each kernel input's strides of one call of a program over run-time shapes, into `args`:
-// a collapsed dim is the product of its run of iteration dims, an input's stride over it its dense stride at the
-// innermost dim of the run larger than 1 (0 where it broadcasts). `sym` holds each symbol's size in this call.
+// a collapsed dim is the product of its run of iteration dims, an input's stride over it the dense stride in its
+// tensor of the dim it walks at the innermost iteration dim of the run larger than 1 (0 where it broadcasts). `sym`
+// holds each symbol's size in this call.
 inline void runtime_dims(const ElementwiseNode& node, const int64_t* sym, GtcoElementwiseArgs& args) {
     auto size = [sym](int64_t d) { return d >= 0 ? d : sym[-1 - d]; };
     const int r = node.iteration_rank;
@@ -60,13 +63,15 @@ inline void runtime_dims(const ElementwiseNode& node, const int64_t* sym, GtcoEl
         begin = node.groups[c];
     }
     args.n = n;
+    const int64_t* source = node.sources;
     for (int i = 0; i < node.n_kernel_inputs && i < GTCO_EW_MAX_IN; ++i) {
-        const int64_t* shape = node.shapes + static_cast<ptrdiff_t>(i) * r;
-        int64_t strides[GTCO_EW_MAX_RANK] = {};
+        const int sr = node.source_ranks[i];
+        const int* perm = node.perms + static_cast<ptrdiff_t>(i) * r;
+        int64_t dense[GTCO_EW_MAX_RANK] = {};  // the tensor's own dense strides, 0 along its dims of 1
         int64_t acc = 1;
-        for (int j = r - 1; j >= 0; --j) {
-            const int64_t d = size(shape[j]);
-            strides[j] = d == 1 ? 0 : acc;
+        for (int k = sr - 1; k >= 0; --k) {
+            const int64_t d = size(source[k]);
+            dense[k] = d == 1 ? 0 : acc;
             acc *= d;
         }
         begin = 0;
@@ -74,12 +79,13 @@ inline void runtime_dims(const ElementwiseNode& node, const int64_t* sym, GtcoEl
             args.strides[i][c] = 0;
             for (int j = node.groups[c] - 1; j >= begin; --j) {
                 if (size(node.iteration[j]) > 1) {
-                    args.strides[i][c] = strides[j];
+                    args.strides[i][c] = perm[j] >= 0 ? dense[perm[j]] : 0;
                     break;
                 }
             }
             begin = node.groups[c];
         }
+        source += sr;
     }
 }
 

@@ -179,11 +179,13 @@ struct Rolled : Op {
 // Walks set where it walks collapsed iteration dim j (clear: broadcast along it). Its strides and the dims come with
 // each call (GtcoElementwiseArgs dims / strides); the bits let the compiler drop the terms of broadcast dims and
 // choose its vector access. RollDim >= 0: the operand is a torch.roll of its tensor along that collapsed dim, a
-// static one of N: index i of it reads element (i + Shift) % N.
-template <typename E, uint32_t Walks, int RollDim = -1, uint64_t Shift = 0, uint64_t N = 0>
+// static one of N: index i of it reads element (i + Shift) % N. Gather: its innermost walked dim is not its
+// tensor's innermost (a Transpose folded into the load), so it is read one element at a time.
+template <typename E, uint32_t Walks, int RollDim = -1, uint64_t Shift = 0, uint64_t N = 0, bool Gather = false>
 struct Walk {
     using type = E;
     static constexpr int roll_dim = RollDim;
+    static constexpr bool gather = Gather;
     GTCO_HD static constexpr bool walks(int j) { return (Walks >> j & 1u) != 0; }
     // the index an operand reads along dim j for iteration index i
     template <typename I>

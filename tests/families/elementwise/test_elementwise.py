@@ -663,19 +663,29 @@ def test_a_program_over_symbolic_dims_collapses_by_what_each_input_walks():
     # a static 1 between dims walked alike stays in one run; a symbol alone is one run
     rp = runtime_program_from_onnx([node("Relu", ["x"], "y")], [("x", ("n", 1, 8), "float")], ["y"])
     assert rp.groups == (3,) and rp.walks == (1,)
+    # a head split's Transpose folds into the load: x [batch, seq, 4, 64] read as [batch, 4, seq, 64]; seq and 64
+    # are no neighbours in x any more, so four runs; its innermost dim stays innermost (no gather)
+    rp = runtime_program_from_onnx([node("Transpose", ["x"], "t", perm=[0, 2, 1, 3]), node("Mul", ["t", "cos"], "y")],
+                                   [("x", ("batch", "seq", 4, 64), "float"), ("cos", (1, 1, "seq", 64), "float")],
+                                   ["y"])
+    got = {name: (src, perm, g) for (name, _, _), src, perm, g in zip(rp.inputs, rp.sources, rp.perms, rp.gathers,
+                                                                       strict=True)}
+    assert got == {"x": ((-1, -2, 4, 64), (0, 2, 1, 3), False), "cos": ((1, 1, -2, 64), (-1, -1, 2, 3), False)}
+    assert rp.groups == (1, 2, 3, 4)
 
 
 @pytest.mark.parametrize(("nodes", "inputs", "reason"), [
-    ([node("Transpose", ["x"], "t", perm=[1, 0]), node("Relu", ["t"], "y")], [("x", ("n", 8), "float")],
-     "plain broadcasts and rolls along one static dim only"),
+    ([node("Slice", ["x", "zero", "half", "last"], "t"), node("Relu", ["t"], "y")], [("x", ("n", 8), "float")],
+     "reads whole tensors"),
     ([node("Flatten", ["x"], "f", axis=2), node("Relu", ["f"], "y")], [("x", ("b", "s", 8), "float")],
      "product of symbolic dims"),
     ([node("Add", ["x", "z"], "y")], [("x", ("n", 8), "float"), ("z", ("m", 8), "float")], "broadcast"),
     ([node("Relu", ["x"], "y")], [("x", (4, 8), "float")], "no symbolic dim"),
 ])
 def test_programs_over_symbolic_dims_refuse_with_reason(nodes, inputs, reason):
+    consts = {"zero": np.array([0]), "half": np.array([4]), "last": np.array([1])}
     with pytest.raises(ValueError, match="elementwise: ") as e:
-        runtime_program_from_onnx(nodes, inputs, ["y"])
+        runtime_program_from_onnx(nodes, inputs, ["y"], consts)
     assert reason in str(e.value), str(e.value)
 
 

@@ -363,12 +363,36 @@ def _rotary_mix_fp64(x: dict[str, np.ndarray]) -> np.ndarray:
     return d / (1 + np.exp(-d))
 
 
+def transposed_mix(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Transpose(x [N, 6, S]) * w [6] + r [N, S, 6]: x read across its innermost dim (a Transpose over symbolic
+    dims folded into the load, one element at a time), r and the output dense."""
+    nodes = [h("Transpose", ["x"], ["xt"], name="t", perm=[0, 2, 1]), h("Mul", ["xt", "w"], ["a"], name="mw"),
+             h("Add", ["a", "r"], ["y"], name="add")]
+    return _model("transposed_mix", nodes, {"x": (0, ["N", 6, "S"]), "r": (0, ["N", "S", 6])}, {"y": ["N", "S", 6]},
+                  {"w": np.linspace(-1, 1, 6)}, elem)
+
+
+def _transposed_mix_fp64(x: dict[str, np.ndarray]) -> np.ndarray:
+    v = {k: a.astype(np.float64) for k, a in x.items()}
+    return v["x"].transpose(0, 2, 1) * np.linspace(-1, 1, 6).astype(x["x"].dtype) + v["r"]
+
+
+def _symbolic_feeds(name: str, rng: np.random.Generator, n: int, s: int) -> dict[str, np.ndarray]:
+    if name == "rotary":
+        return {"q": rng.standard_normal((n, 4, s, 6)), "r": rng.standard_normal((n, 4, s, 6)),
+                "cos": rng.standard_normal((1, 1, s, 6)), "sin": rng.standard_normal((1, 1, s, 6))}
+    return {"x": rng.standard_normal((n, 6, s)), "r": rng.standard_normal((n, s, 6))}
+
+
 @pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["f32", "f16"])
-def test_symbolic_dims_take_one_kernel_at_every_size(tmp_path: Path, elem: int) -> None:
+@pytest.mark.parametrize("name", ["rotary", "transposed"])
+def test_symbolic_dims_take_one_kernel_at_every_size(tmp_path: Path, elem: int, name: str) -> None:
     """A group over symbolic batch and sequence dims is one Elementwise node whose CPU and emulated device kernels
     (built once) compute it at every size: sizes of 1 and sizes whose innermost run is no multiple of the vector
     width included, against an fp64 reference."""
-    rewritten = optimize(rotary_mix(elem)).model
+    model, want_of = {"rotary": (rotary_mix, _rotary_mix_fp64), "transposed": (transposed_mix, _transposed_mix_fp64)
+                      }[name]
+    rewritten = optimize(model(elem)).model
     assert len(elementwise_types(rewritten)) == 1 and len(rewritten.graph.node) == 1, rewritten.graph.node
     dt = helper.tensor_dtype_to_np_dtype(elem)
     rng = np.random.default_rng(3)
@@ -380,12 +404,11 @@ def test_symbolic_dims_take_one_kernel_at_every_size(tmp_path: Path, elem: int) 
         assert not emulated or lib.cuda_op_types == sorted(elementwise_types(rewritten)), lib.cuda_op_types
         sess = cpu_session(rewritten, lib.path)
         for n, s in ((1, 1), (3, 5), (2, 128)):
-            x = {"q": rng.standard_normal((n, 4, s, 6)), "r": rng.standard_normal((n, 4, s, 6)),
-                 "cos": rng.standard_normal((1, 1, s, 6)), "sin": rng.standard_normal((1, 1, s, 6))}
-            x = {k: v.astype(dt) for k, v in x.items()}
+            x = {k: v.astype(dt) for k, v in _symbolic_feeds(name, rng, n, s).items()}
             got = sess.run(None, x)[0]
-            assert got.shape == (n, 4, s, 6) and got.dtype == dt
-            err = rel_error(got.astype(np.float64), _rotary_mix_fp64(x))
+            want = want_of(x)
+            assert got.shape == want.shape and got.dtype == dt
+            err = rel_error(got.astype(np.float64), want)
             assert err < (1e-6 if elem == TensorProto.FLOAT else 2e-3), (emulated, n, s, err)
 
 
