@@ -133,45 +133,17 @@ class _Search:
         # forced[v]: the cheapest single-node candidate of v when every candidate through v is a single node, else -1
         self.forced = [min(ks, key=lambda k: (self.costs[k], k)) if all(self.masks[k] == 1 << v for k in ks) else -1
                        for v, ks in enumerate(self.by_node)]
-        # preds_of[c][b]: the nodes with a successor among the nodes of byte value b at byte c of a state's mask, so
-        # that a state's sinks (its nodes without a successor in it) take one lookup per byte, not a test per node
-        preds = [0] * n
-        for u in range(n):
-            rest = succ[u]
-            while rest:
-                low = rest & -rest
-                preds[low.bit_length() - 1] |= 1 << u
-                rest ^= low
-        self.nbytes = (n + 7) // 8
-        self.preds_of: list[list[int]] = []
-        for c in range(self.nbytes):
-            table = [0] * 256
-            for b in range(1, 256):
-                low = b & -b
-                v = 8 * c + low.bit_length() - 1
-                table[b] = table[b ^ low] | (preds[v] if v < n else 0)
-            self.preds_of.append(table)
-
-    def sinks(self, state: int) -> int:
-        """The nodes of `state` with no successor in it, as a mask."""
-        if not state:
-            return 0
-        first = ((state & -state).bit_length() - 1) >> 3
-        count = ((state.bit_length() - 1) >> 3) - first + 1
-        has_succ = 0
-        for c, b in enumerate((state >> (8 * first)).to_bytes(count, "little"), first):
-            if b:
-                has_succ |= self.preds_of[c][b]
-        return state & ~has_succ
 
     def endings(self, state: int, force: bool) -> list[int]:
-        masks, outs, costs = self.masks, self.outs, self.costs
+        succ, masks, outs, costs = self.succ, self.masks, self.outs, self.costs
         found: dict[int, None] = {}
-        rest = self.sinks(state)
+        rest = state
         while rest:
             low = rest & -rest
             v = low.bit_length() - 1
             rest ^= low
+            if succ[v] & state:
+                continue  # not a sink of state
             if force and self.forced[v] >= 0:
                 return [self.forced[v]]
             mine, closed = [], True
