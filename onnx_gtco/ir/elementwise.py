@@ -844,6 +844,7 @@ def runtime_spec_from_onnx(nodes: Sequence[Any], inputs: Sequence[tuple[str, Seq
         sources.append(tuple(encode(d) for d in src))
         perms.append((-1,) * lead + perm)
         roll_at.append(None if roll is None else (lead + roll[0], roll[1]))
+
     def after(src: tuple[int, ...], k: int) -> int:
         """The dim of `src` after dim k, its static 1s skipped."""
         return next((k2 for k2 in range(k + 1, len(src)) if src[k2] != 1), -2)

@@ -186,17 +186,13 @@ class ElementwiseBinder:
         shapes = [_known(i) for i in (*node.inputs, *node.outputs)]
         assert all(s is not None for s in shapes)  # bind refuses nodes with an unknown shape
         name = f"gtco_elementwise_node_{hashlib.sha1(node.node.name.encode()).hexdigest()[:12]}"
-        common = {"name": name, "node": node.node.name, "run": symbol,
-                  "types": [_ONNX_TYPES.get(i.dtype, "UNDEFINED") for i in node.inputs],
-                  "ranks": [len(s) for s in shapes if s is not None]}
-        if isinstance(program, RuntimeProgram):  # symbols encoded as -1 - k, as in program.iteration
-            code = {name: -1 - k for k, name in enumerate(program.symbols)}
-            descriptor = macro(TEMPLATE, "node", n=0, **common,
-                               dims=[code[d] if isinstance(d, str) else d for s in shapes if s is not None for d in s]
-                               or [0], runtime=program)
-        else:
-            descriptor = macro(TEMPLATE, "node", n=math.prod(program.shape), **common,
-                               dims=[d for s in shapes if s is not None for d in s] or [0], runtime=None)
+        runtime = program if isinstance(program, RuntimeProgram) else None
+        code = {sym: -1 - k for k, sym in enumerate(runtime.symbols)} if runtime else {}  # as in program.iteration
+        descriptor = macro(TEMPLATE, "node", name=name, node=node.node.name, run=symbol,
+                           n=0 if runtime else math.prod(program.shape),
+                           types=[_ONNX_TYPES.get(i.dtype, "UNDEFINED") for i in node.inputs],
+                           ranks=[len(s) for s in shapes if s is not None],
+                           dims=[code.get(d, d) for s in shapes if s is not None for d in s] or [0], runtime=runtime)
         return (source, descriptor), f"&{name}"
 
 

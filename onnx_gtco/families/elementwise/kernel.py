@@ -190,15 +190,6 @@ def input_rolls(problem: Problem) -> tuple[tuple[int, int] | None, ...]:
     return problem.flag("rolls") or (None,) * len(problem.flag("inputs"))
 
 
-def at_runtime(problem: Problem, dims: Sequence[int]) -> Problem:
-    """A program built for run-time shapes, for a call over the collapsed iteration `dims` (the same instance)."""
-    if not runtime_dims(problem):
-        raise ValueError("elementwise: the program is built for its static shape")
-    return runtime_problem(problem.dtype, dims, runtime_dims(problem), problem.flag("program"),
-                           tuple(zip(input_walks(problem), (k for _, k in problem.flag("inputs")), strict=True)),
-                           problem.flag("outputs"), input_rolls(problem), input_gathers(problem))
-
-
 def _identity(problem: Problem) -> tuple[Any, ...]:
     """What an instance is built for: the problem less the sizes of its run-time dims."""
     runtime = set(runtime_dims(problem))
@@ -442,31 +433,35 @@ def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any, ns: str = "gt
     raise ValueError(f"elementwise: unsupported op {op!r}")
 
 
-def _runtime_program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
-    """What elementwise.cu.j2's dynamic macros write of a program built for run-time shapes."""
-    instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
-    runtime = set(runtime_dims(problem))
+def _body(problem: Problem, ns: str) -> dict[str, Any]:
+    """What elementwise.cu.j2 writes of a program's computation, whatever its shapes: one fp32 expression per
+    instruction (op math in namespace `ns`), the outputs, and the instructions listed for a comment."""
+    instrs = problem.flag("program")
 
     def value(r: Ref) -> str:
         return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
 
-    return {"storage": storage, "rank": len(iteration_shape(problem)),
-            "shape": ["?" if j in runtime else d for j, d in enumerate(iteration_shape(problem))],
-            "inputs": [{"type": KINDS[k] or "T", "walks": w, "gather": g, "roll": (-1, 0, 0) if r is None else
-                        (r[0], r[1], iteration_shape(problem)[r[0]])}
-                       for (_, k), w, r, g in zip(inputs, input_walks(problem), input_rolls(problem),
-                                                  input_gathers(problem), strict=True)],
-            "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
-            "outputs": [value(r) for r in outputs],
+    return {"body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
+            "outputs": [value(r) for r in problem.flag("outputs")],
             "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
                                  for j, (op, refs, a) in enumerate(instrs))}
 
 
+def _runtime_program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
+    """What elementwise.cu.j2's dynamic macros write of a program built for run-time shapes."""
+    runtime, shape = set(runtime_dims(problem)), iteration_shape(problem)
+    return {"storage": storage, "rank": len(shape), "shape": ["?" if j in runtime else d for j, d in enumerate(shape)],
+            "inputs": [{"type": KINDS[k] or "T", "walks": w, "gather": g,
+                        "roll": (-1, 0, 0) if r is None else (r[0], r[1], shape[r[0]])}
+                       for (_, k), w, r, g in zip(problem.flag("inputs"), input_walks(problem), input_rolls(problem),
+                                                  input_gathers(problem), strict=True)],
+            **_body(problem, ns)}
+
+
 def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     """What elementwise.cu.j2 writes of a program: its storage type, iteration shape and collapsed dims, operands
-    (element type, strides over those dims), one fp32 expression per instruction (op math in namespace `ns`), the
-    outputs, and the instructions listed for a comment."""
-    instrs, inputs, outputs = problem.flag("program"), problem.flag("inputs"), problem.flag("outputs")
+    (element type, strides over those dims) and its computation (`_body`)."""
+    inputs = problem.flag("inputs")
     shape = iteration_shape(problem)
     layouts = input_layouts(problem)
     # each roll's weights collapse like the strides of one more operand of its input's shape
@@ -479,17 +474,10 @@ def _program(problem: Problem, storage: str, ns: str) -> dict[str, Any]:
     weights = iter(strides[len(inputs):])
     rolls = [[[*t[:5], *next(weights)] for t in layout_rolls(lay)] for lay in layouts]
     out_strides = list(weights)
-
-    def value(r: Ref) -> str:
-        return f"x[{r[1]}]" if r[0] == "x" else f"t{r[1]}" if r[0] == "t" else _lit(r[1])
-
     return {"storage": storage, "shape": shape, "dims": dims,
             "inputs": [{"type": KINDS[k] or "T", "strides": st, "base": 0 if lay is None else lay[2], "rolls": ro}
                        for (_, k), st, lay, ro in zip(inputs, strides[:len(inputs)], layouts, rolls, strict=True)],
-            "body": [_expr(op, [value(r) for r in refs], refs, attr, ns) for op, refs, attr in instrs],
-            "outputs": [value(r) for r in outputs], "out_strides": out_strides,
-            "listing": "; ".join(f"t{j} = {op}({', '.join(map(str, refs))}){'' if a is None else f' [{a}]'}"
-                                 for j, (op, refs, a) in enumerate(instrs))}
+            "out_strides": out_strides, **_body(problem, ns)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -666,9 +654,8 @@ class ElementwiseFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         shape = iteration_shape(problem)
         xs = []
-        rolls = input_rolls(problem) if runtime_dims(problem) else (None,) * len(problem.flag("inputs"))
-        for i, ((s, kind), lay, roll) in enumerate(zip(problem.flag("inputs"), input_layouts(problem), rolls,
-                                                        strict=True)):
+        for i, ((s, kind), lay, roll) in enumerate(zip(problem.flag("inputs"), input_layouts(problem),
+                                                        input_rolls(problem), strict=True)):
             a = inputs[f"x{i}"]
             a = from_storage(a, problem.dtype) if kind == "float" else np.asarray(a).astype(np.float64)
             a = a.reshape(s) if lay is None else view_of(a, s, lay)
