@@ -62,26 +62,24 @@ def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: 
         ])
         return f"{x}_rot"
 
+    def attend(q: str, k: str, v: str, out: str) -> str:
+        """softmax(q * scale @ k^T) @ v, written to `out`."""
+        nodes.extend([helper.make_node("Mul", [q, "scale"], [f"{out}_qs"]),
+                      helper.make_node("Transpose", [k], [f"{out}_kt"], perm=[0, 1, 3, 2]),
+                      helper.make_node("MatMul", [f"{out}_qs", f"{out}_kt"], [f"{out}_scores"]),
+                      helper.make_node("Softmax", [f"{out}_scores"], [f"{out}_probs"], axis=-1),
+                      helper.make_node("MatMul", [f"{out}_probs", v], [out])])
+        return out
+
     q = rope("q")
     outputs = [q]
     if neg_read_twice:
         outputs.append("qn")
     if attention:
-        k = rope("k")
-        nodes += [helper.make_node("Mul", [q, "scale"], ["q_scaled"]),
-                  helper.make_node("Transpose", [k], ["kt"], perm=[0, 1, 3, 2]),
-                  helper.make_node("MatMul", ["q_scaled", "kt"], ["scores"]),
-                  helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
-                  helper.make_node("MatMul", ["probs", "v"], ["out"])]
-        outputs = ["out"]
+        outputs = [attend(q, rope("k"), "v", "out")]
         if symbolic:  # the second layer
             x = rope("out")
-            nodes += [helper.make_node("Mul", [x, "scale"], ["x_scaled"]),
-                      helper.make_node("Transpose", [x], ["xt"], perm=[0, 1, 3, 2]),
-                      helper.make_node("MatMul", ["x_scaled", "xt"], ["scores2"]),
-                      helper.make_node("Softmax", ["scores2"], ["probs2"], axis=-1),
-                      helper.make_node("MatMul", ["probs2", "out"], ["layer2"])]
-            outputs = ["layer2"]
+            outputs = [attend(x, x, "out", "layer2")]
     shape = ["batch", H, "seq", D] if symbolic else [B, H, S, D]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
               for n in ("q", *(("k", "v") if attention else ()), *(("other",) if other_source else ()))]
