@@ -10,8 +10,10 @@
 Problem (both families): sizes ``batch`` (the product of the batch dims), ``heads``, ``seq_q``, ``seq_k``,
 ``head_dim``; flags ``kv_group`` (int, default 1: grouped-query attention, k and v hold heads / kv_group heads and
 query head h reads key / value head h // kv_group, a run-time argument), ``scale`` (float), ``mask`` / ``bias``
-(bool), ``mask_scale`` / ``bias_scale`` (floats that multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M)
-* s)`` is ``softmax(s Q Kᵀ + s M)``; run-time arguments, no part of the instance), ``mask_shape`` / ``bias_shape``
+(bool), ``causal`` (bool: key j > query i masked, upper-left aligned; generated in the kernel, nothing read, and the
+attention kernel walks only the key tiles at or below a q tile's last row), ``mask_scale`` / ``bias_scale`` (floats
+that multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M) * s)`` is ``softmax(s Q Kᵀ + s M)``; run-time
+arguments, no part of the instance), ``mask_shape`` / ``bias_shape``
 (4-tuples ``[B', H', Sq', Sk']`` with each dim 1 or full; B' may also divide batch, Swin's window mask; defaults
 ``(batch, 1, 1, seq_k)`` key padding and ``(1, heads, seq_q, seq_k)`` bias), ``q_layout``, ``k_layout`` and, for
 attention, ``v_layout``, ``out_layout``.
@@ -101,7 +103,7 @@ _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("batch", "i32"), ("heads", "i32"), ("seq_q", "i32"), ("seq_k", "i32"), ("head_dim", "i32"),
     ("m_bmod", "i32"), ("bias_bmod", "i32"),
     ("scale", "f32"), ("mask_scale", "f32"), ("bias_scale", "f32"),
-    ("kv_group", "i32"),
+    ("kv_group", "i32"), ("causal", "i32"),
 )
 
 
@@ -223,6 +225,13 @@ def _addend_fields(arr: np.ndarray | None, b: int) -> tuple[tuple[int, ...], int
     return strides, bmod
 
 
+def causal_key_tiles(seq_q: int, seq_k: int, bq: int, bkv: int) -> float:
+    """The key tiles a causal attention block walks, on average over its q tiles: q tile i reads the keys up to its
+    last row, min(seq_k, (i + 1) * bq, seq_q) of them (attention.cuh attention_kernel)."""
+    tiles = [math.ceil(min(seq_k, (i + 1) * bq, seq_q) / bkv) for i in range(math.ceil(seq_q / bq))]
+    return sum(tiles) / len(tiles)
+
+
 def _softmax_rows(s: np.ndarray) -> np.ndarray:
     """Softmax over the last axis with max subtraction; rows with every score -inf give zeros."""
     mx = np.max(s, axis=-1, keepdims=True)
@@ -291,14 +300,16 @@ class _AttentionBase(KernelFamily):
         per (batch, head), resident by shared memory, threads and registers; each runs its key tiles (BKV keys, one
         pass for attention, two for BMM + softmax) at the slower of a warp's mma chain over its rows and the K / V
         tiles' traffic, then its fixed work (block_us; BMM + softmax also writes P at the DRAM rate); the launch
-        floor. A padded head dim costs what its kernel's head dim costs."""
+        floor. A padded head dim costs what its kernel's head dim costs. A causal attention block walks the mean of
+        its q tiles' key tiles (causal_key_tiles): not fitted, no causal kernel has been measured."""
         t, c = hw.target, hw.constants(AttentionConstants)
         b, h, sq, sk, _ = _dims(problem)
         d = _kd(problem)
         bq, bkv, warps = config["BQ"], config["BKV"], config["WARPS"]
         size = elem_bytes(problem.dtype)
         blocks = b * h * math.ceil(sq / bq)
-        key_tiles = math.ceil(sk / bkv)
+        key_tiles = causal_key_tiles(sq, sk, bq, bkv) if self.name == "attention" and problem.flag("causal", False) \
+            else math.ceil(sk / bkv)
         threads = warps * 32
         per_sm = resident(t, self._smem(problem, config), threads, regs_per_thread(self._acc_regs(problem, config)))
         g = grid(t, blocks, per_sm)
@@ -408,7 +419,7 @@ class _AttentionBase(KernelFamily):
         d, kd = problem.size("head_dim"), _kd(problem)
         if kd != d:
             extra = f"p{kd}{extra}"
-        tags = "".join(f"_{t}" for t in ("mask", "bias") if problem.flag(t, False))
+        tags = "".join(f"_{t}" for t in ("mask", "bias", "causal") if problem.flag(t, False))
         kt = "_kt" if _layouts(problem)["k"] == "bhds" else ""
         return (f"{self.name}_{arch.replace('_', '')}_{problem.dtype}_d{d}{extra}_q{config['BQ']}_kv{config['BKV']}"
                 f"_w{config['WARPS']}_s{config['STAGES']}{kt}{tags}")
@@ -424,10 +435,14 @@ class _AttentionBase(KernelFamily):
                 f"{config['WARPS']}, {config['STAGES']}")
 
     def _flags_args(self, problem: Problem) -> str:
-        """K_TRANS, MASK, BIAS, and PAD_D = true for a padded head dim (left at its default otherwise)."""
+        """K_TRANS, MASK, BIAS, then PAD_D (true for a padded head dim) and CAUSAL, each left at its default (false)
+        when it and what follows it are."""
         kt = _layouts(problem)["k"] == "bhds"
         flags = [kt, problem.flag("mask", False), problem.flag("bias", False)]
-        if _kd(problem) != problem.size("head_dim"):
+        pad, causal = _kd(problem) != problem.size("head_dim"), bool(problem.flag("causal", False))
+        if pad or causal:
+            flags.append(pad)
+        if causal:
             flags.append(True)
         return ", ".join("true" if f else "false" for f in flags)
 
@@ -481,7 +496,8 @@ class _AttentionBase(KernelFamily):
         vals |= {"batch": b, "heads": h, "seq_q": sq, "seq_k": sk, "head_dim": d,
                  "scale": float(problem.flag("scale", 1.0 / math.sqrt(d))),
                  "mask_scale": float(problem.flag("mask_scale", 1.0)),
-                 "bias_scale": float(problem.flag("bias_scale", 1.0)), "kv_group": group}
+                 "bias_scale": float(problem.flag("bias_scale", 1.0)), "kv_group": group,
+                 "causal": int(bool(problem.flag("causal", False)))}
         return [Field(name, kind, vals[name]) for name, kind in _ARG_FIELDS]
 
     # ---- numerics ----------------------------------------------------------------------------------------------
@@ -511,6 +527,9 @@ class _AttentionBase(KernelFamily):
                     add = np.tile(add, (b // add.shape[0], 1, 1, 1))
                 with np.errstate(invalid="ignore"):
                     s = s + float(problem.flag(f"{which}_scale", 1.0)) * add
+        if problem.flag("causal", False):
+            sq, sk = s.shape[-2:]
+            s = np.where(np.arange(sk)[None, :] > np.arange(sq)[:, None], -np.inf, s)
         return _softmax_rows(s)
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
@@ -617,7 +636,7 @@ class BmmSoftmaxFamily(_AttentionBase):
 
 def make_problem(family: str, dtype: str, *, batch: int, heads: int, seq_q: int, seq_k: int | None = None,
                  head_dim: int, **flags: Any) -> Problem:
-    """A Problem for either family; flags: scale, mask, bias, mask_shape, bias_shape and the layouts."""
+    """A Problem for either family; flags: scale, mask, bias, causal, mask_shape, bias_shape and the layouts."""
     flags.setdefault("scale", 1.0 / math.sqrt(head_dim))
     return Problem.make(family, dtype, {"batch": batch, "heads": heads, "seq_q": seq_q,
                                         "seq_k": seq_q if seq_k is None else seq_k, "head_dim": head_dim}, flags)
@@ -634,8 +653,6 @@ FAMILIES = (AttentionFamily(), BmmSoftmaxFamily())
 def op_problem(op: FusedOp, dtype: str) -> Problem | str:
     """The Problem of an attention or bmm_softmax node (OpKernel.problem), or why none."""
     family = op.family
-    if op["causal"]:
-        return "causal attention (the kernel has no causal mask yet)"
     heads, head_dim = op.int("heads"), op.int("head_dim")
     if heads is None or head_dim is None:
         return "attention with a symbolic head count or head size"
@@ -644,7 +661,11 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
     batch = static_product(op["batch_dims"] or (1,)) or 1
     flags: dict[str, Any] = {
         "scale": op["scale"] if op["scale"] is not None else 1.0 / math.sqrt(head_dim),
-        "mask": op["mask"], "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],
+        # a causal node's mask attribute is 1 with or without a mask input (attention_op.h); the kernel reads one only
+        # where the node has it
+        "mask": bool(op["mask"]) and (not op["causal"] or "mask" in op.inputs),
+        **({"causal": True} if op["causal"] else {}),
+        "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],
         **{f"{t}_scale": float(op[f"{t}_scale"]) for t in ("mask", "bias") if float(op[f"{t}_scale"]) != 1.0},
     }
     if family == "attention":

@@ -99,6 +99,27 @@ def additive_kind(view: GraphView, tensor: str) -> str:
     return "mask" if vals.size <= 2 and all(v == 0.0 or v <= MASK_FLOOR for v in vals) else "bias"
 
 
+def causal_constant(view: GraphView, tensor: str, seq_q: object, seq_k: object, scale: float = 1.0) -> bool:
+    """`tensor` is a constant whose every [seq_q, seq_k] slice is the upper-left causal mask: additive, 0 on and below
+    the diagonal and at most MASK_FLOOR (times `scale`, what the graph multiplies the term by) above it, or boolean,
+    True on and below (ONNX Attention's attn_mask). The static exports of decoder-style encoders (LLaMA, Qwen) hold
+    one; a kernel that generates it reads nothing and skips the key tiles above the diagonal. Above the diagonal a
+    finite floor of -50 or less leaves exp(-50) ~ 2e-22 of a weight where the kernel leaves 0."""
+    if not isinstance(seq_q, int) or not isinstance(seq_k, int) or seq_k < 2 or scale <= 0.0:
+        return False
+    val = view.const_value(tensor)
+    if val is None:
+        return False
+    a = np.asarray(val)
+    if a.ndim < 2 or a.ndim > 4 or a.shape[-2:] != (seq_q, seq_k):
+        return False
+    lower = np.arange(seq_k)[None, :] <= np.arange(seq_q)[:, None]
+    if a.dtype == np.bool_:
+        return bool(np.all(a == lower))
+    f = a.astype(np.float64) * scale
+    return bool(np.all(np.where(lower, f == 0.0, f <= MASK_FLOOR)))
+
+
 def walk_scores(view: GraphView, sm: Node) -> Scores | str:
     """Follow the Softmax's input up to the QKᵀ MatMul; a reason string when the chain is not attention."""
     s = Scores(qk=sm, softmax=sm, nodes={sm.id})

@@ -28,4 +28,5 @@ struct gtco_attention_args {
     float scale;                // multiplies Q Kᵀ
     float mask_scale, bias_scale;  // multiply the mask and the bias (1, unless the graph scales after adding them)
     int32_t kv_group;  // query heads per key / value head: K and V have heads / kv_group heads (GQA, MQA); 1 without
+    int32_t causal;    // 1: key j > query i is masked (upper-left aligned); the instance must be a CAUSAL one
 };

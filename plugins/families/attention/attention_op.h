@@ -9,8 +9,9 @@
 // each read by heads / kv_heads query heads), seq_q, seq_k (int, or a string when symbolic: then only the inputs'
 // consistency is checked),
 // scale (float; 1/sqrt(head_dim) when absent), mask_scale, bias_scale (floats, 1 when absent: the graph's scale
-// after adding the mask / bias, which multiplies that term), mask, bias, nan_guard, causal (ints; causal comes from an ONNX
-// Attention op body: key j > query i masked, upper-left as that op without past_key), batch_dims (ints, or strings
+// after adding the mask / bias, which multiplies that term), mask, bias, nan_guard, causal (ints; causal: key j > query
+// i masked, upper-left as ONNX Attention's is_causal without past_key; from that op, or from a constant causal mask
+// the rule recognized, which the node then keeps as an input no kernel reads), batch_dims (ints, or strings
 // when symbolic: then not checked), q_layout, k_layout, v_layout, out_layout (strings: bhsd, bshd, bshd_merged,
 // qkv_packed, bhds (k only); out: bhsd, bshd, bshd_merged), precision (string; the CPU reference computes in fp32
 // whatever it says).
@@ -27,8 +28,8 @@
 //
 // CPU EP: plugins/families/attention/attention_ref.h. Device: the node's attention / bmm_softmax instance
 // (attention/attention.cuh), its gtco_attention_args filled with the same layout and addend strides the reference uses.
-// The device kernels have no causal mask (the build gives causal nodes no instance), and a row whose every key is
-// masked with -inf gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
+// The device kernels generate a causal node's mask (a CAUSAL instance), and a row whose every key is masked with -inf
+// gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
 #pragma once
 
 #include "attention/attention_args.h"
@@ -195,7 +196,6 @@ struct AttentionGlue {
         const std::vector<int64_t> out_shape = WithV ? ref::layout_shape(lo, bq, H, sq, Dh) : scores;
         T* out = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), out_shape).template GetTensorMutableData<T>();
         if (Cuda) {
-            if (at.causal) return ref.fail("the device kernel has no causal mask", ORT_NOT_IMPLEMENTED);
             gtco_attention_args args{};
             const ref::Strides sq_ = ref::layout_strides(lq, H, sq, Dh, 0);
             const ref::Strides sk_ = ref::layout_strides(lk, Hkv, sk, Dh, 1);
@@ -223,6 +223,7 @@ struct AttentionGlue {
             args.seq_q = static_cast<int32_t>(sq), args.seq_k = static_cast<int32_t>(sk);
             args.head_dim = static_cast<int32_t>(Dh);
             args.kv_group = static_cast<int32_t>(H / Hkv);
+            args.causal = at.causal != 0 ? 1 : 0;
             args.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
             args.mask_scale = at.mask_scale, args.bias_scale = at.bias_scale;
             return run_instance(ctx, ref, args, shapes);

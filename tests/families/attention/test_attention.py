@@ -237,6 +237,72 @@ def test_padded_head_reads_and_writes_only_its_elements(emu):
     assert rel_error(o[:out.size].reshape(shape), ATTN.reference(problem, inputs)["out"]) < TOL["f16"]
 
 
+CAUSAL_CASES = [
+    # family, dtype, config, problem: partial q and key tiles, a q tile whose keys end inside a key tile, a padding
+    # mask beside the causal one, GQA; seq_q > seq_k (the rows past seq_k see every key) and seq_q < seq_k
+    (ATTN, "f16", cfg(64, 32, 4, 2), dict(batch=2, heads=2, seq_q=150, head_dim=64, mask=True, causal=True)),
+    (ATTN, "bf16", cfg(128, 64, 8, 3), dict(batch=1, heads=4, seq_q=77, head_dim=32, causal=True, kv_group=2,
+                                           q_layout="bshd_merged", k_layout="bshd_merged", v_layout="bshd_merged",
+                                           out_layout="bshd_merged")),
+    (ATTN, "f16", cfg(64, 64, 4, 2), dict(batch=1, heads=1, seq_q=90, seq_k=45, head_dim=80, causal=True,
+                                          k_layout="bhds")),
+    (ATTN, "f32", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=40, seq_k=97, head_dim=64, causal=True)),
+    (BMM, "f16", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=100, head_dim=64, mask=True, causal=True)),
+    (BMM, "bf16", cfg(64, 64, 4, 3), dict(batch=1, heads=1, seq_q=33, seq_k=70, head_dim=26, causal=True)),
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=lambda c: f"{c[0].name}-" + _id(c[1:]))
+def test_causal_mask_is_generated(emu, case):
+    """The CAUSAL instances mask key j > query i without reading a mask (upper-left aligned as ONNX Attention's
+    is_causal), the attention kernel walking only the key tiles at or below each q tile's last row: equal to the
+    causal reference, and far from the same problem without the causal mask (so the mask was applied)."""
+    family, dtype, config, kw = case
+    problem = make_problem(family.name, dtype, **kw)
+    inst = family.instantiate(problem, config, "sm_90")
+    assert inst.name.endswith("_causal") and inst.source.count("true>") == 1
+    got, ref, inputs = emu(family, problem, config)
+    (name, out), = got.items()
+    assert not np.isnan(out).any()
+    tol = TOL_TF32[family.name] if dtype == "f32" else TOL[dtype]
+    assert rel_error(out, ref[name]) < tol
+    plain = family.reference(make_problem(family.name, dtype, **{**kw, "causal": False}), inputs)
+    assert rel_error(plain[name], ref[name]) > 0.1
+    if family is BMM:  # P is exactly zero above the diagonal
+        sq, sk = out.shape[-2:]
+        assert np.all(out[..., np.arange(sk)[None, :] > np.arange(sq)[:, None]] == 0.0)
+
+
+def test_causal_instance_refuses_a_node_that_is_not():
+    """gtco_attention_args.causal must match the instance: a causal instance given a plain node's arguments (or the
+    other way round) returns GTCO_EBADSHAPE instead of running the wrong mask; a plain problem has no causal tag."""
+    kw = dict(batch=1, heads=1, seq_q=40, head_dim=32)
+    plain = make_problem("attention", "f16", **kw)
+    assert "_causal" not in ATTN.instantiate(plain, cfg(64, 32, 4, 2), "sm_90").name
+    causal = make_problem("attention", "f16", **kw, causal=True)
+    arrays = dict(ATTN.random_inputs(causal, seed=1), out=output_dtype_array(*ATTN.outputs(causal)["out"]))
+    fields = {f.name: f.value for f in ATTN.args_fields(causal, arrays)}
+    assert fields["causal"] == 1
+    assert {f.name: f.value for f in ATTN.args_fields(plain, arrays)}["causal"] == 0
+    src = Path(__file__).parents[3] / "plugins" / "families" / "attention" / "attention.cuh"
+    assert "if ((a->causal != 0) != CAUSAL) return false;" in src.read_text()
+
+
+def test_causal_estimate_walks_half_the_keys():
+    """The estimate of a causal attention block walks the mean of its q tiles' key tiles: at 1024 tokens well under
+    the full problem's time, and above half of it (each q tile walks its diagonal tile whole)."""
+    from onnx_gtco.calibration import hardware
+    from onnx_gtco.families.attention.kernel import causal_key_tiles
+
+    assert causal_key_tiles(128, 128, 64, 64) == 1.5
+    assert causal_key_tiles(100, 45, 64, 32) == 2.0  # rows past seq_k see all of its 2 tiles
+    hw = hardware("h200")
+    kw = dict(batch=1, heads=16, seq_q=1024, head_dim=64)
+    full = ATTN.estimate_us(make_problem("attention", "f16", **kw), cfg(128, 64, 8, 2), hw)
+    half = ATTN.estimate_us(make_problem("attention", "f16", **kw, causal=True), cfg(128, 64, 8, 2), hw)
+    assert 0.45 * full < half < 0.75 * full, (half, full)
+
+
 def test_kernel_head_dims():
     """Supported head dims run as they are, smaller ones as the next supported one, 129..255 and > 256 not at all."""
     assert [kernel_head_dim(d) for d in (26, 32, 40, 80, 90, 96, 100, 128, 129, 200, 256, 257)] == [
@@ -332,7 +398,8 @@ def _compile_all(tmp_path, family, shape: str, arch: str, **flags):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("shape", list(ZOO))
 def test_attention_configs_do_not_spill(tmp_path, shape, arch):
-    _, configs, kernels = _compile_all(tmp_path, ATTN, shape, arch, mask=True)
+    """With a mask and the causal one beside it (a superset of the plain and the masked kernels' work)."""
+    _, configs, kernels = _compile_all(tmp_path, ATTN, shape, arch, mask=True, causal=True)
     assert len(configs) >= 3 and len(kernels) == len(configs)
     for k in kernels:
         assert k.arch == arch and "attention_kernel" in k.name
@@ -346,8 +413,8 @@ def test_attention_configs_do_not_spill(tmp_path, shape, arch):
 @pytest.mark.parametrize("shape", list(ZOO))
 def test_bmm_softmax_configs_do_not_spill(tmp_path, shape, arch):
     """The two-pass kernel keeps one S tile in registers whatever seq_k is: ViT-B's 197, SETR's 577 and DETR's 1050
-    keys all get configs, and none spills."""
-    _, configs, kernels = _compile_all(tmp_path, BMM, shape, arch, mask=True, k_layout="bhds")
+    keys all get configs, and none spills (with a mask and the causal one beside it)."""
+    _, configs, kernels = _compile_all(tmp_path, BMM, shape, arch, mask=True, causal=True, k_layout="bhds")
     assert len(configs) >= 3 and len(kernels) == len(configs)
     for k in kernels:
         assert k.arch == arch and "bmm_softmax_kernel" in k.name

@@ -1,8 +1,8 @@
 """Small encoders in the forms RMSNorm takes in real exports, built with onnx.helper (seeded random weights):
 
 - `llama_block`: LLaMA / Qwen / Mistral: pre-norm blocks of a decomposed RMSNorm (Pow, ReduceMean, Add eps, Sqrt,
-  Div(1, .) or Reciprocal, Mul x, Mul weight: the TorchScript and dynamo exporters' two spellings), scaled attention,
-  a SwiGLU MLP, residual Adds, a final RMSNorm.
+  Div(1, .) or Reciprocal, Mul x, Mul weight: the TorchScript and dynamo exporters' two spellings), scaled attention
+  (with the constant causal mask of a static export, or none), a SwiGLU MLP, residual Adds, a final RMSNorm.
 - `t5_block`: T5's encoder: the same norm (Reciprocal spelling), unscaled scores plus a relative-position bias, a
   ReLU MLP.
 - `forms_model`: the other source forms in one graph at opset 23: ONNX's RMSNormalization, onnxruntime's
@@ -85,12 +85,22 @@ class _Graph:
         return model
 
 
+def causal_mask(seq: int, floor: float) -> np.ndarray:
+    """The additive causal mask [1, 1, seq, seq] a static export holds: 0 on and below the diagonal, `floor` (-inf, or
+    the dtype's lowest value) above it."""
+    upper = np.arange(seq)[None, :] > np.arange(seq)[:, None]
+    return np.where(upper, np.float32(floor), np.float32(0.0)).reshape(1, 1, seq, seq).astype(np.float32)
+
+
 def llama_block(*, layers: int = 1, hidden: int = 64, heads: int = 4, seq: int = 8, mlp: int = 96,
-                reciprocal: bool = False, seed: int = 0) -> onnx.ModelProto:
+                reciprocal: bool = False, seed: int = 0, mask_floor: float | None = None) -> onnx.ModelProto:
+    """mask_floor: the attention adds the constant causal mask of that floor (a static export), or none."""
     g = _Graph(seed)
     x = "x"
+    mask = g.const(causal_mask(seq, mask_floor), "causal_mask") if mask_floor is not None else None
     for _ in range(layers):
-        x = g.op("Add", [x, g.attention(g.rmsnorm(x, hidden, reciprocal=reciprocal), hidden, heads, seq, scale=True)])
+        x = g.op("Add", [x, g.attention(g.rmsnorm(x, hidden, reciprocal=reciprocal), hidden, heads, seq, scale=True,
+                                        bias=mask)])
         n = g.rmsnorm(x, hidden, reciprocal=reciprocal)
         gate = g.op("MatMul", [n, g.weight(hidden, mlp)])
         silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
