@@ -100,13 +100,20 @@ class ElementwisePattern:
             o in view.graph_outputs or any(c.id not in part for c in view.consumers_of(o)) for o in node.outputs)
 
     def _ends_computing(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
-        """Drop view ops that end the group: its outputs are then elementwise results."""
+        """Drop view ops that end the group, and view ops that begin it whose result is read outside too: its outputs
+        are then elementwise results. (A group that has lost the ops after a shared view, ModernBERT's packed-qkv
+        Reshape whose V slice now ends outside, would otherwise write that view, of another shape than its results:
+        the view is free in ONNX Runtime and the group reads it instead.)"""
         ids = set(part)
         changed = True
         while changed:
             changed = False
             for i in sorted(ids, reverse=True):
                 if not self._ew(view.nodes[i]) and not (view.succs[i] & ids):
+                    ids.discard(i)
+                    changed = True
+                elif not self._ew(view.nodes[i]) and not (view.preds[i] & ids) and view.succs[i] & ids \
+                        and self._escaping_view(view, frozenset(ids), i):
                     ids.discard(i)
                     changed = True
         return frozenset(ids)

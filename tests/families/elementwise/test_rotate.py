@@ -28,12 +28,14 @@ def _i64(name: str, v: int) -> onnx.TensorProto:
 
 
 def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: bool = False,
-                 attention: bool = False, symbolic: bool = False) -> onnx.ModelProto:
+                 attention: bool = False, symbolic: bool = False, packed: bool = False) -> onnx.ModelProto:
     """q [B, H, S, D] (and k): q * cos + Concat(-q[..., D/2:], q[..., :D/2]) * sin with cos, sin [1, 1, S, D]
     computed from positions; with `attention`, the scaled scores softmax(q_rot * scale @ k_rot^T) @ v after it.
     `symbolic`: as the TorchScript exporter writes it with dynamic axes: q, k, v inputs [batch, seq, H, D] split into
     heads by a Transpose, the angles an input [seq, D] whose cos and sin are unsqueezed to [1, 1, seq, D] once, and
-    (with `attention`) a second layer reading those tables too: rotary and attention over the first one's output."""
+    (with `attention`) a second layer reading those tables too: rotary and attention over the first one's output.
+    `packed` (with `attention`): q, k and v sliced from one [B, S, 3 * H * D] input as ModernBERT's dynamo export
+    writes it (Reshape [B, S, 3, H, D], then per tensor Slice, Squeeze, head-split Transpose)."""
     inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
     freqs = np.outer(np.arange(S), inv)
     emb = np.concatenate([freqs, freqs], axis=-1)[None, None].astype(np.float32)
@@ -48,6 +50,16 @@ def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: 
                  helper.make_node("Unsqueeze", ["cos2", "lead"], ["cos"]),
                  helper.make_node("Unsqueeze", ["sin2", "lead"], ["sin"])]
         nodes += [helper.make_node("Transpose", [f"{x}_bshd"], [x], perm=[0, 2, 1, 3]) for x in "qkv"]
+
+    if packed:
+        inits += [numpy_helper.from_array(np.array([B, S, 3, H, D], np.int64), "qkv_shape"),
+                  numpy_helper.from_array(np.array([2], np.int64), "part_axis")]
+        nodes.append(helper.make_node("Reshape", ["qkv", "qkv_shape"], ["qkv5"]))
+        for i, x in enumerate("qkv"):
+            inits += [_i64(f"{x}_from", i), _i64(f"{x}_to", i + 1)]
+            nodes += [helper.make_node("Slice", ["qkv5", f"{x}_from", f"{x}_to", "part_axis"], [f"{x}_part"]),
+                      helper.make_node("Squeeze", [f"{x}_part", "part_axis"], [f"{x}_bshd"]),
+                      helper.make_node("Transpose", [f"{x}_bshd"], [x], perm=[0, 2, 1, 3])]
 
     def rope(x: str) -> str:
         src2 = "other" if other_source else x
@@ -83,6 +95,8 @@ def rotary_model(*, other_source: bool = False, axis: int = -1, neg_read_twice: 
     shape = ["batch", H, "seq", D] if symbolic else [B, H, S, D]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
               for n in ("q", *(("k", "v") if attention else ()), *(("other",) if other_source else ()))]
+    if packed:
+        inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [B, S, 3 * H * D])]
     if symbolic:
         inputs = [helper.make_tensor_value_info(f"{i.name}_bshd", TensorProto.FLOAT, ["batch", "seq", H, D])
                   for i in inputs] + [helper.make_tensor_value_info("angles", TensorProto.FLOAT, ["seq", D])]
@@ -130,6 +144,18 @@ def test_a_rotary_embedding_before_an_attention_is_one_elementwise_kernel_per_te
     assert not [n.op_type for n in result.model.graph.node if n.op_type in ("Slice", "Concat", "Neg")]
     coverage = model_coverage(result.model)
     assert {n: c.reason for n, c in coverage.nodes.items() if not c.archs} == {}
+
+
+def test_q_and_k_rotaries_of_a_packed_qkv_leave_its_reshape_to_onnxruntime() -> None:
+    """ModernBERT's form: q, k and v sliced from one reshaped packed tensor, v only head-split. The rotary group less
+    v's slice (which the attention reads through) would write the shared Reshape's result, of another shape than its
+    rotated q and k, and had no kernel, so the DP left the attention unfused to keep the rotaries in one kernel; the
+    group now reads that Reshape (a view, free in ONNX Runtime) instead, and the attention fuses too."""
+    result = optimize(rotary_model(attention=True, packed=True), GtcoConfig(precision="fp16"))
+    ops = [n.op_type for n in result.model.graph.node]
+    assert ops.count("Attention_f16") == 1 and "Softmax" not in ops, ops
+    coverage = model_coverage(result.model)
+    assert coverage.error is None and {n: c.reason for n, c in coverage.nodes.items() if not c.archs} == {}
 
 
 @pytest.mark.slow
