@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from onnx_gtco.families.attention import heads
-from onnx_gtco.families.attention.scores import Scores, causal_constant, walk_probs, walk_scores
+from onnx_gtco.families.attention.scores import Scores, causal_constant, neutral_constant, walk_probs, walk_scores
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import Match, Reject, is_op
 from onnx_gtco.patterns.util import dim, dims, rank
@@ -64,9 +64,12 @@ class AttentionPattern:
         pv = walk_probs(view, s)
         attrs = self._attrs(view, s)
         terms = {k: t for k, t in (("mask", s.mask_tensor), ("bias", s.bias_tensor)) if t}
-        if s.mask_tensor and not s.mask_period and causal_constant(view, s.mask_tensor, attrs["seq_q"], attrs["seq_k"],
-                                                                   s.mask_scale):
+        plain_mask = bool(s.mask_tensor) and not s.mask_period and "scores_path" not in attrs
+        if plain_mask and causal_constant(view, s.mask_tensor, attrs["seq_q"], attrs["seq_k"], s.mask_scale):
             attrs["causal"] = True  # the kernel generates the mask; the node keeps the constant for its function
+            del terms["mask"]
+        elif plain_mask and neutral_constant(view, s.mask_tensor):
+            attrs["mask"] = False  # a mask of zeros: nothing to read (the node keeps it for its function)
             del terms["mask"]
         yield Match(frozenset(s.nodes), "bmm_softmax", attrs, {"q": s.q, "k": s.k, **terms}, {"probs": s.probs})
         if isinstance(pv, str):
@@ -135,6 +138,9 @@ class AttentionPattern:
         causal = bool(node.attrs.get("is_causal", 0))
         if has_mask and causal_constant(view, node.inputs[3], seq_q, seq_k):  # a static export's causal attn_mask
             causal = True
+            del roles["mask"]
+        elif has_mask and neutral_constant(view, node.inputs[3]):  # one that masks nothing
+            has_mask = False
             del roles["mask"]
         yield Match(frozenset([node.id]), "attention", {
             "heads": heads, "head_dim": head_dim, "seq_q": seq_q, "seq_k": seq_k,

@@ -120,6 +120,17 @@ def causal_constant(view: GraphView, tensor: str, seq_q: object, seq_k: object, 
     return bool(np.all(np.where(lower, f == 0.0, f <= MASK_FLOOR)))
 
 
+def neutral_constant(view: GraphView, tensor: str) -> bool:
+    """`tensor` is a constant mask that masks nothing: all 0 (additive) or all True (ONNX Attention's boolean
+    attn_mask). A static export without padding holds one (ModernBERT's global layers: the attention mask of a
+    sequence of ones, folded); the kernel need not read it."""
+    val = view.const_value(tensor)
+    if val is None:
+        return False
+    a = np.asarray(val)
+    return bool(np.all(a)) if a.dtype == np.bool_ else bool(np.all(a.astype(np.float64) == 0.0))
+
+
 def walk_scores(view: GraphView, sm: Node) -> Scores | str:
     """Follow the Softmax's input up to the QKᵀ MatMul; a reason string when the chain is not attention."""
     s = Scores(qk=sm, softmax=sm, nodes={sm.id})

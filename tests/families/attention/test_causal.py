@@ -70,10 +70,20 @@ def test_a_constant_causal_mask_makes_the_node_causal(kit, mask: np.ndarray, aft
         assert ("mask" in m.roles) is not causal
 
 
+def test_a_constant_mask_of_zeros_is_not_read(kit) -> None:
+    """A static export without padding folds its attention mask into zeros (ModernBERT's global layers): the node
+    has no mask (nor causal) and no kernel reads it; a mask with one masked key stays read."""
+    for mask, read in ((np.zeros((1, 1, 1, S), np.float32), False),
+                       (np.where(np.arange(S) == S - 1, -1e4, 0.0).astype(np.float32).reshape(1, 1, 1, S), True)):
+        matches, _ = kit.run(RULE, scores_graph(kit, mask).view())
+        for m in matches:
+            assert (m.attrs["mask"], "mask" in m.roles, bool(m.attrs.get("causal"))) == (read, read, False)
+
+
 def test_an_onnx_attention_boolean_causal_mask_makes_the_node_causal(kit) -> None:
     """Opset 23's Attention with the boolean attn_mask a static dynamo export writes (True: attend) is causal and
-    reads no mask; a boolean mask that is not causal stays its mask input."""
-    for mask, causal in ((_lower(), True), (~_lower() | np.eye(S, dtype=bool), False)):
+    reads no mask; a boolean mask that is not causal stays its mask input, one of all True is no mask."""
+    for mask, causal in ((_lower(), True), (~_lower() | np.eye(S, dtype=bool), False), (np.ones((S, S), bool), None)):
         g = kit.graph()
         for n in "qkv":
             g.input(n, [1, 2, S, 4])
@@ -81,7 +91,10 @@ def test_an_onnx_attention_boolean_causal_mask_makes_the_node_causal(kit) -> Non
         g.output("attn")
         matches, _ = kit.run(RULE, g.view(opset=23))
         (m,) = matches
-        assert (m.attrs["causal"], "mask" in m.roles) == (causal, not causal)
+        if causal is None:  # all True: masks nothing, read by nothing
+            assert (m.attrs["causal"], m.attrs["mask"], "mask" in m.roles) == (False, False, False)
+        else:
+            assert (m.attrs["causal"], "mask" in m.roles) == (causal, not causal)
 
 
 def llama_sdpa(opset: int, seq: int = 16, hidden: int = 32, heads: int = 2) -> onnx.ModelProto:
