@@ -5,10 +5,10 @@ the additive mask and bias, the scale and the layouts, and the rewrite wrote the
 the binder knows is what the C++ kernel takes: one batch dim, the layouts it indexes, additive terms that broadcast
 to [B, H, Sq, Sk] scores (a mask with mask_period P to [B / P, P, H, Sq, Sk] with a batch dim of 1: Swin's shifted
 windows) reached with nothing else between QKᵀ and the Softmax, inputs whose shapes fit the
-layouts, and of the ONNX Attention op (opset 23) only the plain form (no attn_mask but a constant causal one, past
-key/value, softcap or grouped-query heads). A causal node (is_causal, or a constant causal mask the rule recognized)
-runs a CAUSAL instance, which generates the mask. Anything else gives a reason string, and that node keeps running
-its function.
+layouts, and of the ONNX Attention op (opset 23) only the plain form (no attn_mask but a constant causal or
+sliding-window one, past key/value, softcap or grouped-query heads). A causal or windowed node (is_causal, or a
+constant causal or sliding-window mask the rule recognized) runs a BAND instance, which generates the mask. Anything
+else gives a reason string, and that node keeps running its function.
 
 C++ roles (`gtco::AttentionGlue::InRole`, the same for both families): CPP_IN; output role OUT_Y.
 """
@@ -37,11 +37,11 @@ def _onnx_attention(fn: onnx.FunctionProto) -> onnx.NodeProto | None:
     return ops[0] if len(ops) == 1 and ops[0].op_type == "Attention" else None
 
 
-def _plain_onnx_attention(att: onnx.NodeProto, causal_mask: bool = False) -> str | None:
-    """Why the kernel cannot run this ONNX Attention op, or None. causal_mask: its attn_mask is a constant causal mask
-    the rule recognized (the node is causal and does not read it)."""
+def _plain_onnx_attention(att: onnx.NodeProto, band_mask: bool = False) -> str | None:
+    """Why the kernel cannot run this ONNX Attention op, or None. band_mask: its attn_mask is a constant causal or
+    sliding-window mask the rule recognized (the node is causal or windowed and does not read it)."""
     a = {x.name: onnx.helper.get_attribute_value(x) for x in att.attribute}
-    if len(att.input) > 3 and att.input[3] and not causal_mask:
+    if len(att.input) > 3 and att.input[3] and not band_mask:
         return ("ONNX Attention with attn_mask: the op gives zeros for fully masked rows (its errata) where the "
                 "kernel's nan_guard=0 gives NaN; not bound yet")
     if any(t for t in att.input[4:]) or any(t for t in att.output[1:]):
@@ -122,8 +122,8 @@ class AttentionBinder:
         why = self._why(node, op)
         if why is not None:
             return why
-        # a causal node's mask attribute is 1 whether or not it also reads a mask (attention_op.h)
-        mask = ("mask" in op.inputs) if op["causal"] else bool(op["mask"])
+        # a causal or windowed node's mask attribute is 1 whether or not it also reads a mask (attention_op.h)
+        mask = ("mask" in op.inputs) if op["causal"] or op["window"] else bool(op["mask"])
         need = {"q": True, "k": True, "mask": mask, "bias": op["bias"]}
         if self.family == "attention":
             need["v"] = True
@@ -145,7 +145,7 @@ class AttentionBinder:
                     "bias to [B, H, Sq, Sk] scores")
         att = _onnx_attention(node.function)
         if att is not None:
-            return _plain_onnx_attention(att, causal_mask=bool(op["causal"]) and "mask" not in op.inputs)
+            return _plain_onnx_attention(att, band_mask=bool(op["causal"] or op["window"]) and "mask" not in op.inputs)
         return None
 
     def _shapes(self, node: FusedNode, op: FusedOp) -> str | None:

@@ -10,8 +10,10 @@
 Problem (both families): sizes ``batch`` (the product of the batch dims), ``heads``, ``seq_q``, ``seq_k``,
 ``head_dim``; flags ``kv_group`` (int, default 1: grouped-query attention, k and v hold heads / kv_group heads and
 query head h reads key / value head h // kv_group, a run-time argument), ``scale`` (float), ``mask`` / ``bias``
-(bool), ``causal`` (bool: key j > query i masked, upper-left aligned; generated in the kernel, nothing read, and the
-attention kernel walks only the key tiles at or below a q tile's last row), ``mask_scale`` / ``bias_scale`` (floats
+(bool), ``causal`` (bool: key j > query i masked, upper-left aligned) and ``window`` ((left, right): key j of query
+i kept only where i - left <= j <= i + right, sliding-window attention), both generated in the kernel (a band of
+j - i, `band`), nothing read for them, the attention kernel walking only the key tiles the band reaches from a q
+tile, ``mask_scale`` / ``bias_scale`` (floats
 that multiply the mask and the bias, default 1: ``softmax((Q Kᵀ + M) * s)`` is ``softmax(s Q Kᵀ + s M)``; run-time
 arguments, no part of the instance), ``mask_shape`` / ``bias_shape``
 (4-tuples ``[B', H', Sq', Sk']`` with each dim 1 or full; B' may also divide batch, Swin's window mask; defaults
@@ -103,7 +105,7 @@ _ARG_FIELDS = (  # gtco_attention_args, in declaration order: (name, kind)
     ("batch", "i32"), ("heads", "i32"), ("seq_q", "i32"), ("seq_k", "i32"), ("head_dim", "i32"),
     ("m_bmod", "i32"), ("bias_bmod", "i32"),
     ("scale", "f32"), ("mask_scale", "f32"), ("bias_scale", "f32"),
-    ("kv_group", "i32"), ("causal", "i32"),
+    ("kv_group", "i32"), ("banded", "i32"), ("band_lo", "i32"), ("band_hi", "i32"),
 )
 
 
@@ -225,10 +227,27 @@ def _addend_fields(arr: np.ndarray | None, b: int) -> tuple[tuple[int, ...], int
     return strides, bmod
 
 
-def causal_key_tiles(seq_q: int, seq_k: int, bq: int, bkv: int) -> float:
-    """The key tiles a causal attention block walks, on average over its q tiles: q tile i reads the keys up to its
-    last row, min(seq_k, (i + 1) * bq, seq_q) of them (attention.cuh attention_kernel)."""
-    tiles = [math.ceil(min(seq_k, (i + 1) * bq, seq_q) / bkv) for i in range(math.ceil(seq_q / bq))]
+FAR = 1 << 30
+"""A band edge past any sequence the kernels take (attention_op.h kFar): no limit on that side."""
+
+
+def band(problem: Problem) -> tuple[int, int] | None:
+    """(lo, hi) of a causal or sliding-window problem: key j of query i is kept only where lo <= j - i <= hi
+    (gtco_attention_args band_lo / band_hi); None for neither."""
+    window, causal = problem.flag("window", None), bool(problem.flag("causal", False))
+    if not window and not causal:
+        return None
+    lo, hi = (-min(int(window[0]), FAR), min(int(window[1]), FAR)) if window else (-FAR, FAR)
+    return lo, min(hi, 0) if causal else hi
+
+
+def band_key_tiles(seq_q: int, seq_k: int, bq: int, bkv: int, lo: int, hi: int) -> float:
+    """The key tiles a banded attention block walks, on average over its q tiles: q tile i walks the tiles of keys
+    q0 + lo .. last row + hi (attention.cuh attention_kernel)."""
+    tiles = []
+    for q0 in range(0, seq_q, bq):
+        first, end = max(0, q0 + lo), min(seq_k, min(q0 + bq, seq_q) - 1 + hi + 1)
+        tiles.append(max(0, math.ceil(end / bkv) - first // bkv) if end > first else 0)
     return sum(tiles) / len(tiles)
 
 
@@ -300,16 +319,17 @@ class _AttentionBase(KernelFamily):
         per (batch, head), resident by shared memory, threads and registers; each runs its key tiles (BKV keys, one
         pass for attention, two for BMM + softmax) at the slower of a warp's mma chain over its rows and the K / V
         tiles' traffic, then its fixed work (block_us; BMM + softmax also writes P at the DRAM rate); the launch
-        floor. A padded head dim costs what its kernel's head dim costs. A causal attention block walks the mean of
-        its q tiles' key tiles (causal_key_tiles): not fitted, no causal kernel has been measured."""
+        floor. A padded head dim costs what its kernel's head dim costs. A banded (causal, sliding-window) attention
+        block walks the mean of its q tiles' key tiles (band_key_tiles): not fitted, no banded kernel has been
+        measured."""
         t, c = hw.target, hw.constants(AttentionConstants)
         b, h, sq, sk, _ = _dims(problem)
         d = _kd(problem)
         bq, bkv, warps = config["BQ"], config["BKV"], config["WARPS"]
         size = elem_bytes(problem.dtype)
         blocks = b * h * math.ceil(sq / bq)
-        key_tiles = causal_key_tiles(sq, sk, bq, bkv) if self.name == "attention" and problem.flag("causal", False) \
-            else math.ceil(sk / bkv)
+        bounds = band(problem) if self.name == "attention" else None
+        key_tiles = band_key_tiles(sq, sk, bq, bkv, *bounds) if bounds else math.ceil(sk / bkv)
         threads = warps * 32
         per_sm = resident(t, self._smem(problem, config), threads, regs_per_thread(self._acc_regs(problem, config)))
         g = grid(t, blocks, per_sm)
@@ -368,6 +388,9 @@ class _AttentionBase(KernelFamily):
         for which in ("mask", "bias"):
             if problem.flag(which, False) and (why := _addend_problem(problem, which)):
                 return why
+        window = problem.flag("window", None)
+        if window and (len(window) != 2 or min(int(w) for w in window) < 0):
+            return f"window {tuple(window)} is not (left, right) of two counts >= 0"
         return None
 
     def check(self, problem: Problem, config: Config, arch: str) -> str | None:
@@ -419,7 +442,7 @@ class _AttentionBase(KernelFamily):
         d, kd = problem.size("head_dim"), _kd(problem)
         if kd != d:
             extra = f"p{kd}{extra}"
-        tags = "".join(f"_{t}" for t in ("mask", "bias", "causal") if problem.flag(t, False))
+        tags = "".join(f"_{t}" for t in ("mask", "bias") if problem.flag(t, False)) + ("_band" if band(problem) else "")
         kt = "_kt" if _layouts(problem)["k"] == "bhds" else ""
         return (f"{self.name}_{arch.replace('_', '')}_{problem.dtype}_d{d}{extra}_q{config['BQ']}_kv{config['BKV']}"
                 f"_w{config['WARPS']}_s{config['STAGES']}{kt}{tags}")
@@ -435,11 +458,11 @@ class _AttentionBase(KernelFamily):
                 f"{config['WARPS']}, {config['STAGES']}")
 
     def _flags_args(self, problem: Problem) -> str:
-        """K_TRANS, MASK, BIAS, then PAD_D (true for a padded head dim) and CAUSAL, each left at its default (false)
-        when it and what follows it are."""
+        """K_TRANS, MASK, BIAS, then PAD_D (true for a padded head dim) and BAND (causal or a window), each left at its
+        default (false) when it and what follows it are."""
         kt = _layouts(problem)["k"] == "bhds"
         flags = [kt, problem.flag("mask", False), problem.flag("bias", False)]
-        pad, causal = _kd(problem) != problem.size("head_dim"), bool(problem.flag("causal", False))
+        pad, causal = _kd(problem) != problem.size("head_dim"), band(problem) is not None
         if pad or causal:
             flags.append(pad)
         if causal:
@@ -497,7 +520,8 @@ class _AttentionBase(KernelFamily):
                  "scale": float(problem.flag("scale", 1.0 / math.sqrt(d))),
                  "mask_scale": float(problem.flag("mask_scale", 1.0)),
                  "bias_scale": float(problem.flag("bias_scale", 1.0)), "kv_group": group,
-                 "causal": int(bool(problem.flag("causal", False)))}
+                 "banded": int(band(problem) is not None), "band_lo": (band(problem) or (0, 0))[0],
+                 "band_hi": (band(problem) or (0, 0))[1]}
         return [Field(name, kind, vals[name]) for name, kind in _ARG_FIELDS]
 
     # ---- numerics ----------------------------------------------------------------------------------------------
@@ -527,9 +551,10 @@ class _AttentionBase(KernelFamily):
                     add = np.tile(add, (b // add.shape[0], 1, 1, 1))
                 with np.errstate(invalid="ignore"):
                     s = s + float(problem.flag(f"{which}_scale", 1.0)) * add
-        if problem.flag("causal", False):
+        if (bounds := band(problem)) is not None:
             sq, sk = s.shape[-2:]
-            s = np.where(np.arange(sk)[None, :] > np.arange(sq)[:, None], -np.inf, s)
+            offset = np.arange(sk)[None, :] - np.arange(sq)[:, None]
+            s = np.where((offset < bounds[0]) | (offset > bounds[1]), -np.inf, s)
         return _softmax_rows(s)
 
     def random_inputs(self, problem: Problem, seed: int) -> dict[str, np.ndarray]:
@@ -636,7 +661,7 @@ class BmmSoftmaxFamily(_AttentionBase):
 
 def make_problem(family: str, dtype: str, *, batch: int, heads: int, seq_q: int, seq_k: int | None = None,
                  head_dim: int, **flags: Any) -> Problem:
-    """A Problem for either family; flags: scale, mask, bias, causal, mask_shape, bias_shape and the layouts."""
+    """A Problem for either family; flags: scale, mask, bias, causal, window, mask_shape, bias_shape and the layouts."""
     flags.setdefault("scale", 1.0 / math.sqrt(head_dim))
     return Problem.make(family, dtype, {"batch": batch, "heads": heads, "seq_q": seq_q,
                                         "seq_k": seq_q if seq_k is None else seq_k, "head_dim": head_dim}, flags)
@@ -661,10 +686,11 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
     batch = static_product(op["batch_dims"] or (1,)) or 1
     flags: dict[str, Any] = {
         "scale": op["scale"] if op["scale"] is not None else 1.0 / math.sqrt(head_dim),
-        # a causal node's mask attribute is 1 with or without a mask input (attention_op.h); the kernel reads one only
-        # where the node has it
-        "mask": bool(op["mask"]) and (not op["causal"] or "mask" in op.inputs),
+        # a causal or windowed node's mask attribute is 1 with or without a mask input (attention_op.h); the kernel
+        # reads one only where the node has it
+        "mask": bool(op["mask"]) and (not (op["causal"] or op["window"]) or "mask" in op.inputs),
         **({"causal": True} if op["causal"] else {}),
+        **({"window": tuple(int(w) for w in op["window"])} if op["window"] else {}),
         "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],
         **{f"{t}_scale": float(op[f"{t}_scale"]) for t in ("mask", "bias") if float(op[f"{t}_scale"]) != 1.0},
     }

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from onnx_gtco.families.attention import heads
-from onnx_gtco.families.attention.scores import Scores, causal_constant, neutral_constant, walk_probs, walk_scores
+from onnx_gtco.families.attention.scores import Scores, band_attrs, neutral_constant, walk_probs, walk_scores
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import Match, Reject, is_op
 from onnx_gtco.patterns.util import dim, dims, rank
@@ -35,9 +35,10 @@ class AttentionPattern:
     and "attention" with the head split of q, k, v (Reshape[B,S,H,D] -> Transpose, k's Transpose[0,2,3,1],
     the unbind of a packed qkv: Reshape[B,S,3,H,D] -> Transpose[2,0,3,1,4] -> Split/Gather/Slice ->
     Squeeze) and the head merge (Transpose[0,2,1,3] -> Reshape[B,S,H*D]) pulled in where only the chain
-    reads them. A constant mask that is the causal one (``causal_constant``: a static export of a LLaMA-style block)
-    makes the node causal (attribute causal, mask 1 and no mask role: the kernel generates it). attrs: heads,
-    head_dim, seq_q, seq_k, scale, mask, bias, nan_guard, causal, mask_period, mask_scale,
+    reads them. A constant mask that is the causal one or a sliding window (``band_attrs``: a static export of a
+    LLaMA-style block, ModernBERT's local layers) makes the node causal or gives it a window (mask 1 and no mask
+    role: the kernel generates it); one of zeros is no mask. attrs: heads, head_dim, seq_q, seq_k, scale, mask, bias,
+    nan_guard, causal, window, mask_period, mask_scale,
     bias_scale, batch_dims, q_layout, k_layout, and for "attention" v_layout, out_layout. Layouts: "bhsd", "bhds"
     (kᵀ as the MatMul reads it), "bshd", "bshd_merged" ([B, S, H*D]), "qkv_packed" (one [B, S, 3*H*D] tensor for q,
     k and v).
@@ -65,11 +66,11 @@ class AttentionPattern:
         attrs = self._attrs(view, s)
         terms = {k: t for k, t in (("mask", s.mask_tensor), ("bias", s.bias_tensor)) if t}
         plain_mask = bool(s.mask_tensor) and not s.mask_period and "scores_path" not in attrs
-        if plain_mask and causal_constant(view, s.mask_tensor, attrs["seq_q"], attrs["seq_k"], s.mask_scale):
-            attrs["causal"] = True  # the kernel generates the mask; the node keeps the constant for its function
-            del terms["mask"]
-        elif plain_mask and neutral_constant(view, s.mask_tensor):
+        if plain_mask and neutral_constant(view, s.mask_tensor):
             attrs["mask"] = False  # a mask of zeros: nothing to read (the node keeps it for its function)
+            del terms["mask"]
+        elif plain_mask and (banded := band_attrs(view, s.mask_tensor, attrs["seq_q"], attrs["seq_k"], s.mask_scale)):
+            attrs |= banded  # causal or a window: the kernel generates it; the node keeps the constant for its function
             del terms["mask"]
         yield Match(frozenset(s.nodes), "bmm_softmax", attrs, {"q": s.q, "k": s.k, **terms}, {"probs": s.probs})
         if isinstance(pv, str):
@@ -136,17 +137,18 @@ class AttentionPattern:
         has_mask = len(node.inputs) > 3 and bool(node.inputs[3])
         roles = dict(zip(("q", "k", "v", "mask"), node.inputs[:4], strict=False))
         causal = bool(node.attrs.get("is_causal", 0))
-        if has_mask and causal_constant(view, node.inputs[3], seq_q, seq_k):  # a static export's causal attn_mask
-            causal = True
-            del roles["mask"]
-        elif has_mask and neutral_constant(view, node.inputs[3]):  # one that masks nothing
+        banded: dict[str, Any] = {}
+        if has_mask and neutral_constant(view, node.inputs[3]):  # one that masks nothing
             has_mask = False
+            del roles["mask"]
+        elif has_mask and (banded := band_attrs(view, node.inputs[3], seq_q, seq_k) or {}):  # a static export's
+            causal = causal or banded.pop("causal", False)  # causal or sliding-window attn_mask
             del roles["mask"]
         yield Match(frozenset([node.id]), "attention", {
             "heads": heads, "head_dim": head_dim, "seq_q": seq_q, "seq_k": seq_k,
             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),  # type: ignore[arg-type]
             "mask": has_mask or causal, "bias": False, "nan_guard": False,
-            "causal": causal, "batch_dims": (q[0],),
+            "causal": causal, **banded, "batch_dims": (q[0],),
             "q_layout": lay, "k_layout": lay, "v_layout": lay, "out_layout": lay,
         }, {k: t for k, t in roles.items() if t}, {"out": node.outputs[0]})
 

@@ -99,25 +99,52 @@ def additive_kind(view: GraphView, tensor: str) -> str:
     return "mask" if vals.size <= 2 and all(v == 0.0 or v <= MASK_FLOOR for v in vals) else "bias"
 
 
-def causal_constant(view: GraphView, tensor: str, seq_q: object, seq_k: object, scale: float = 1.0) -> bool:
-    """`tensor` is a constant whose every [seq_q, seq_k] slice is the upper-left causal mask: additive, 0 on and below
-    the diagonal and at most MASK_FLOOR (times `scale`, what the graph multiplies the term by) above it, or boolean,
-    True on and below (ONNX Attention's attn_mask). The static exports of decoder-style encoders (LLaMA, Qwen) hold
-    one; a kernel that generates it reads nothing and skips the key tiles above the diagonal. Above the diagonal a
-    finite floor of -50 or less leaves exp(-50) ~ 2e-22 of a weight where the kernel leaves 0."""
+def constant_band(view: GraphView, tensor: str, seq_q: object, seq_k: object,
+                  scale: float = 1.0) -> tuple[int, int] | None:
+    """(lo, hi) where `tensor` is a constant whose every [seq_q, seq_k] slice keeps key j of query i exactly where
+    lo <= j - i <= hi, every query keeping one key at least: additive, 0 there and at most MASK_FLOOR (times `scale`,
+    what the graph multiplies the term by) elsewhere, or boolean, True there (ONNX Attention's attn_mask); else None.
+    The static exports of decoder-style encoders (LLaMA, Qwen) hold the causal band (lo <= 1 - seq_q, hi = 0),
+    ModernBERT's local layers a sliding window; a kernel that generates the band reads nothing and skips the key
+    tiles outside it. Outside the band a finite floor of -50 or less leaves exp(-50) ~ 2e-22 of a weight where the
+    kernel leaves 0."""
     if not isinstance(seq_q, int) or not isinstance(seq_k, int) or seq_k < 2 or scale <= 0.0:
-        return False
+        return None
     val = view.const_value(tensor)
     if val is None:
-        return False
+        return None
     a = np.asarray(val)
     if a.ndim < 2 or a.ndim > 4 or a.shape[-2:] != (seq_q, seq_k):
-        return False
-    lower = np.arange(seq_k)[None, :] <= np.arange(seq_q)[:, None]
+        return None
     if a.dtype == np.bool_:
-        return bool(np.all(a == lower))
-    f = a.astype(np.float64) * scale
-    return bool(np.all(np.where(lower, f == 0.0, f <= MASK_FLOOR)))
+        keep = a
+    else:
+        f = a.astype(np.float64) * scale
+        keep = f == 0.0
+        if not np.all(keep | (f <= MASK_FLOOR)):
+            return None
+    keep = keep.reshape(-1, seq_q, seq_k)
+    if not np.all(keep == keep[:1]) or not keep[0].any(axis=1).all():
+        return None
+    offset = np.arange(seq_k)[None, :] - np.arange(seq_q)[:, None]
+    lo, hi = int(offset[keep[0]].min()), int(offset[keep[0]].max())
+    return (lo, hi) if np.array_equal(keep[0], (offset >= lo) & (offset <= hi)) else None
+
+
+def band_attrs(view: GraphView, tensor: str, seq_q: object, seq_k: object, scale: float = 1.0) -> dict | None:
+    """The node attributes of a constant band mask (constant_band): {"causal": True} for the causal one, {"window":
+    (left, right)} for another; None where `tensor` is no band, or keeps every key (neutral_constant)."""
+    found = constant_band(view, tensor, seq_q, seq_k, scale)
+    if found is None:
+        return None
+    lo, hi = found
+    left = -lo if lo > 1 - int(seq_q) else None  # None: every earlier key  # type: ignore[call-overload]
+    right = hi if hi < int(seq_k) - 1 else None  # type: ignore[call-overload]
+    if left is None and right is None:
+        return None
+    if left is None and right == 0:
+        return {"causal": True}
+    return {"window": (int(seq_k) if left is None else left, int(seq_k) if right is None else right)}
 
 
 def neutral_constant(view: GraphView, tensor: str) -> bool:

@@ -30,10 +30,12 @@
 // memory, so they add nothing to Q Kᵀ and give O zero columns there, which the epilogue does not store (it writes
 // the head_dim columns element by element). No element past a row's head_dim is read or written.
 //
-// Causal (CAUSAL): key j > query i gets -inf before the row max (upper-left aligned, as ONNX Attention's is_causal
-// and a constant causal mask the rule recognized); nothing is read for it. The attention kernel walks only the key
-// tiles at or below its q tile's last row and runs its q tiles last to first (the longest first), bmm_softmax walks
-// every tile and writes P's zeros above the diagonal.
+// Banded (BAND): key j of query i is kept only where band_lo <= j - i <= band_hi, else -inf before the row max;
+// nothing is read for it. Causal attention (upper-left aligned, as ONNX Attention's is_causal) is the band
+// (-inf, 0], sliding-window (local) attention a finite one; the rule makes both from ONNX Attention's is_causal or a
+// constant mask of that form. The attention kernel walks only the key tiles the band reaches from its q tile and
+// runs its q tiles last to first (a causal band's longest first); bmm_softmax walks every tile and writes P's zeros
+// outside the band.
 //
 // Edges: rows of Q and K/V beyond seq_q / seq_k are zero-filled in shared memory, key columns beyond seq_k get
 // -inf before the row max. A row whose every score is -inf (a -inf mask over all keys) has l = 0: its output is
@@ -251,9 +253,9 @@ GTCO_DEVICE void qk_tile(float (&s)[MT][BKV / 8][4], const T* qs, const T* ks, i
 }
 
 // Scores in the log2 domain: s * scale * log2(e) + (mask * mask_scale + bias * bias_scale) * log2(e); keys at or past
-// seq_k (and with CAUSAL keys past the row's query) become -inf. row0: the query row of the warp's first row; kv0: the tile's first key. mask/bias: already
-// offset to (b, h).
-template <typename T, int MT, int NB, bool MASK, bool BIAS, bool CAUSAL>
+// seq_k (and with BAND keys outside the row's band) become -inf. row0: the query row of the warp's first row; kv0:
+// the tile's first key. mask/bias: already offset to (b, h).
+template <typename T, int MT, int NB, bool MASK, bool BIAS, bool BAND>
 GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args& a, const T* mask, const T* bias,
                                int row0, int kv0, int lane, float scale_log2) {
     const int g = lane / 4, t = lane % 4;
@@ -274,7 +276,8 @@ GTCO_DEVICE void finish_scores(float (&s)[MT][NB][4], const gtco_attention_args&
                         if constexpr (BIAS) x += to_f32(bias[row * bsq + col * bsk]) * bias_log2;
                     }
                 }
-                s[mt][n][i] = col < a.seq_k && (!CAUSAL || col <= row) ? x : -INFINITY;
+                s[mt][n][i] = col < a.seq_k && (!BAND || (col - row >= a.band_lo && col - row <= a.band_hi))
+                                  ? x : -INFINITY;
             }
 }
 
@@ -282,7 +285,7 @@ struct Block {
     int b, h, q0;
 };
 
-// REVERSED: block x takes q tile gridDim.x - 1 - x (causal attention: the tiles with the most keys start first).
+// REVERSED: block x takes q tile gridDim.x - 1 - x (banded attention: a causal band's longest tiles start first).
 template <bool REVERSED = false>
 GTCO_DEVICE Block block_coords(const gtco_attention_args& a, int bq) {
     const int bh = static_cast<int>(blockIdx.y);
@@ -362,7 +365,7 @@ GTCO_DEVICE void online_softmax_step(float (&s)[MT][NB][4], float (&m)[MT][2], f
 // attention: FlashAttention-2 style online softmax
 // ------------------------------------------------------------------------------------------------------------
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D,
-          bool CAUSAL>
+          bool BAND>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_attention_args a) {
     grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     using S = Shape<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>;
@@ -373,23 +376,29 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
     T* const vs = ks + STAGES * S::kKElems;
 
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = static_cast<int>(lane_id());
-    const Block blk = block_coords<CAUSAL>(a, BQ);
+    const Block blk = block_coords<BAND>(a, BQ);
     const T* const qg = static_cast<const T*>(a.q) + a.q_off + blk.b * a.q_sb + blk.h * a.q_sh;
     const int kvh = blk.h / a.kv_group;  // the key / value head of query head h (GQA: kv_group query heads share it)
     const T* const kg = static_cast<const T*>(a.k) + a.k_off + blk.b * a.k_sb + kvh * a.k_sh;
     const T* const vg = static_cast<const T*>(a.v) + a.v_off + blk.b * a.v_sb + kvh * a.v_sh;
     const T* const mask = MASK ? addend_base<T>(a.mask, blk.b, blk.h, a.m_bmod, a.m_sb, a.m_sh) : nullptr;
     const T* const bias = BIAS ? addend_base<T>(a.bias, blk.b, blk.h, a.bias_bmod, a.bias_sb, a.bias_sh) : nullptr;
-    // causal: keys past the tile's last query row are -inf for every row of it, so their tiles are not walked
-    const int last = (blk.q0 + BQ < a.seq_q ? blk.q0 + BQ : a.seq_q);  // one past the tile's last query row
-    const int keys = CAUSAL && last < a.seq_k ? last : a.seq_k;
-    const int nkt = (keys + BKV - 1) / BKV;
+    // banded: the keys outside [q0 + band_lo, last row + band_hi] are -inf for every row of the tile, so only the key
+    // tiles kt0 .. kt0 + nkt - 1 are walked
+    int kt0 = 0, kt1 = (a.seq_k + BKV - 1) / BKV;
+    if constexpr (BAND) {
+        const int last = (blk.q0 + BQ < a.seq_q ? blk.q0 + BQ : a.seq_q) - 1;  // the tile's last query row
+        const int64_t lo = int64_t{blk.q0} + a.band_lo, hi = int64_t{last} + a.band_hi + 1;  // keys [lo, hi)
+        kt0 = lo <= 0 ? 0 : static_cast<int>(lo / BKV);
+        if (hi < a.seq_k) kt1 = hi <= kt0 * int64_t{BKV} ? kt0 : static_cast<int>((hi + BKV - 1) / BKV);
+    }
+    const int nkt = kt1 > kt0 ? kt1 - kt0 : 0;
     const float scale_log2 = a.scale * kLog2e;
     const int k_ss = static_cast<int>(a.k_ss), k_sd = static_cast<int>(a.k_sd), v_ss = static_cast<int>(a.v_ss);
     const int dim = PAD_D ? a.head_dim : D;  // the dims a row holds; a padded head's are zero from here to D
 
-    auto load_kv = [&](int tile) {
-        const int stage = tile % STAGES, kv0 = tile * BKV;
+    auto load_kv = [&](int tile) {  // the tile-th walked key tile
+        const int stage = tile % STAGES, kv0 = (kt0 + tile) * BKV;
         if constexpr (K_TRANS) {
             load_kt_tile<T, D, BKV, kThreads>(ks + stage * S::kKElems, kg, k_ss, k_sd, kv0, a.seq_k, dim, tid);
         } else {
@@ -429,7 +438,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
 
         float s[MT][NB][4];
         qk_tile<T, D, BKV, MT, K_TRANS>(s, qs + wrow * RS, kst, lane);
-        finish_scores<T, MT, NB, MASK, BIAS, CAUSAL>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
+        finish_scores<T, MT, NB, MASK, BIAS, BAND>(s, a, mask, bias, blk.q0 + wrow, (kt0 + tile) * BKV, lane,
+                                                   scale_log2);
 
         // Online softmax, then O rescaled by alpha per row.
         float alpha[MT][2];
@@ -530,7 +540,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_kernel(const gtco_att
 // P = exp(s - m) / l. Only one S tile (MT x BKV / 8 x 4 floats) is live per thread, whatever seq_k is; the price
 // is Q Kᵀ computed twice, cheap next to writing P.
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D,
-          bool CAUSAL>
+          bool BAND>
 __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_attention_args a) {
     grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     using S = Shape<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>;
@@ -588,7 +598,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
         const T* const kst = begin_step(tile);
         float s[MT][NB][4];
         qk_tile<T, D, BKV, MT, K_TRANS>(s, qs + wrow * RS, kst, lane);
-        finish_scores<T, MT, NB, MASK, BIAS, CAUSAL>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
+        finish_scores<T, MT, NB, MASK, BIAS, BAND>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
         float alpha[MT][2];
         online_softmax_step<MT, NB, false>(s, m, l, alpha);
         __syncthreads();  // every warp is done with this slot before it is refilled
@@ -612,7 +622,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bmm_softmax_kernel(const gtco_a
         const T* const kst = begin_step(nkt + tile);
         float s[MT][NB][4];
         qk_tile<T, D, BKV, MT, K_TRANS>(s, qs + wrow * RS, kst, lane);
-        finish_scores<T, MT, NB, MASK, BIAS, CAUSAL>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
+        finish_scores<T, MT, NB, MASK, BIAS, BAND>(s, a, mask, bias, blk.q0 + wrow, tile * BKV, lane, scale_log2);
         GTCO_UNROLL
         for (int mt = 0; mt < MT; ++mt)
             GTCO_UNROLL
@@ -650,11 +660,13 @@ inline bool chunk_strides(int64_t a, int64_t b, int64_t c) {
     return a % CH == 0 && b % CH == 0 && c % CH == 0;
 }
 
-// The shape checks both families share (and that the node is causal exactly when the instance is); K is checked for cp.async only when it is not gathered (K_TRANS), and
-// nothing of a padded head (PAD_D, read element by element) for alignment.
-template <typename T, int D, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D, bool CAUSAL>
+// The shape checks both families share (and that the node is banded exactly when the instance is); K is checked for
+// cp.async only when it is not gathered (K_TRANS), and nothing of a padded head (PAD_D, read element by element) for
+// alignment.
+template <typename T, int D, bool K_TRANS, bool MASK, bool BIAS, bool PAD_D, bool BAND>
 inline bool common_ok(const gtco_attention_args* a) {
-    if ((a->causal != 0) != CAUSAL) return false;  // the node's causal attribute picks the instance
+    if ((a->banded != 0) != BAND) return false;  // the node's causal / window attributes pick the instance
+    if (BAND && a->band_lo > a->band_hi) return false;
     if (PAD_D ? (a->head_dim <= 0 || a->head_dim >= D) : a->head_dim != D) return false;
     if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return false;
     if (a->kv_group <= 0 || a->heads % a->kv_group != 0) return false;
@@ -689,26 +701,26 @@ constexpr int bmm_softmax_smem_bytes() {
 }  // namespace attn
 
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS,
-          bool PAD_D = false, bool CAUSAL = false>
+          bool PAD_D = false, bool BAND = false>
 int attention_launch(const gtco_attention_args* a, void* stream) {
-    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS, PAD_D, CAUSAL>(a)) return GTCO_EBADSHAPE;
+    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS, PAD_D, BAND>(a)) return GTCO_EBADSHAPE;
     if (a->o_sd != 1) return GTCO_EBADSHAPE;
     if (!PAD_D && (!attn::aligned16<T>(a->v, a->v_off) || !attn::chunk_strides<T>(a->v_sb, a->v_sh, a->v_ss) ||
                    !attn::aligned16<T>(a->out, 0) || !attn::chunk_strides<T>(a->o_sb, a->o_sh, a->o_ss)))
         return GTCO_EBADSHAPE;
     constexpr int smem = attn::attention_smem_bytes<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>();
     const dim3 grid(static_cast<unsigned>((a->seq_q + BQ - 1) / BQ), static_cast<unsigned>(a->batch * a->heads));
-    auto kernel = attn::attention_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS, PAD_D, CAUSAL>;
+    auto kernel = attn::attention_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS, PAD_D, BAND>;
     return GTCO_LAUNCH_SMEM(kernel, grid, dim3(WARPS * 32), smem, stream, *a);
 }
 
 template <typename T, int D, int BQ, int BKV, int WARPS, int STAGES, bool K_TRANS, bool MASK, bool BIAS,
-          bool PAD_D = false, bool CAUSAL = false>
+          bool PAD_D = false, bool BAND = false>
 int bmm_softmax_launch(const gtco_attention_args* a, void* stream) {
-    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS, PAD_D, CAUSAL>(a)) return GTCO_EBADSHAPE;
+    if (!attn::common_ok<T, D, K_TRANS, MASK, BIAS, PAD_D, BAND>(a)) return GTCO_EBADSHAPE;
     constexpr int smem = attn::bmm_softmax_smem_bytes<T, D, BQ, BKV, WARPS, STAGES, K_TRANS>();
     const dim3 grid(static_cast<unsigned>((a->seq_q + BQ - 1) / BQ), static_cast<unsigned>(a->batch * a->heads));
-    auto kernel = attn::bmm_softmax_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS, PAD_D, CAUSAL>;
+    auto kernel = attn::bmm_softmax_kernel<T, D, BQ, BKV, WARPS, STAGES, K_TRANS, MASK, BIAS, PAD_D, BAND>;
     return GTCO_LAUNCH_SMEM(kernel, grid, dim3(WARPS * 32), smem, stream, *a);
 }
 

@@ -28,5 +28,7 @@ struct gtco_attention_args {
     float scale;                // multiplies Q Kᵀ
     float mask_scale, bias_scale;  // multiply the mask and the bias (1, unless the graph scales after adding them)
     int32_t kv_group;  // query heads per key / value head: K and V have heads / kv_group heads (GQA, MQA); 1 without
-    int32_t causal;    // 1: key j > query i is masked (upper-left aligned); the instance must be a CAUSAL one
+    int32_t banded;    // 1: key j of query i is kept only where band_lo <= j - i <= band_hi (causal: band_hi = 0 and
+                       // band_lo far below; sliding window: both finite); the instance must be a BAND one
+    int32_t band_lo, band_hi;
 };

@@ -11,7 +11,9 @@
 // scale (float; 1/sqrt(head_dim) when absent), mask_scale, bias_scale (floats, 1 when absent: the graph's scale
 // after adding the mask / bias, which multiplies that term), mask, bias, nan_guard, causal (ints; causal: key j > query
 // i masked, upper-left as ONNX Attention's is_causal without past_key; from that op, or from a constant causal mask
-// the rule recognized, which the node then keeps as an input no kernel reads), batch_dims (ints, or strings
+// the rule recognized, which the node then keeps as an input no kernel reads), window (ints [left, right], absent:
+// none; a constant sliding-window mask the rule recognized: key j of query i kept where i - left <= j <= i + right),
+// batch_dims (ints, or strings
 // when symbolic: then not checked), q_layout, k_layout, v_layout, out_layout (strings: bhsd, bshd, bshd_merged,
 // qkv_packed, bhds (k only); out: bhsd, bshd, bshd_merged), precision (string; the CPU reference computes in fp32
 // whatever it says).
@@ -36,6 +38,7 @@
 #include "attention/attention_ref.h"
 #include "gtco_ort.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace gtco {
@@ -56,6 +59,7 @@ struct AttentionGlue {
         float mask_scale = 1.0f, bias_scale = 1.0f;
         int64_t mask = 0, bias = 0, nan_guard = 0, causal = 0;
         int64_t mask_period = 0;          // > 0: the mask is read at batch row b % mask_period
+        std::vector<int64_t> window;      // [left, right]: key j of query i kept only where i - left <= j <= i + right
         std::vector<int64_t> batch_dims;  // empty: symbolic or absent
         std::string q_layout, k_layout, v_layout, out_layout, precision;
     };
@@ -76,6 +80,7 @@ struct AttentionGlue {
         attr_int(info, "bias", a.bias);
         attr_int(info, "nan_guard", a.nan_guard);
         attr_int(info, "causal", a.causal);
+        attr_ints(info, "window", a.window);
         attr_int(info, "mask_period", a.mask_period);
         attr_ints(info, "batch_dims", a.batch_dims);  // stays empty when absent or symbolic (strings)
         a.q_layout = attr_string(info, "q_layout", "bhsd");
@@ -166,8 +171,9 @@ struct AttentionGlue {
         if (bias.present != (at.bias != 0))
             return ref.fail(std::string("attribute bias=") + std::to_string(at.bias) + " but the node " +
                             (bias.present ? "has" : "has no") + " bias input", ORT_FAIL);
-        if (at.mask && !mask.present && !at.causal)
-            return ref.fail("attribute mask=1 but the node has no mask input and is not causal", ORT_FAIL);
+        if (at.mask && !mask.present && !at.causal && at.window.empty())
+            return ref.fail("attribute mask=1 but the node has no mask input and neither causal nor a window",
+                            ORT_FAIL);
         ref::Addend<T> am, ab;
         const std::vector<int64_t> scores = {bq, H, sq, sk};
         for (int r = 0; r < 2; ++r) {
@@ -192,6 +198,15 @@ struct AttentionGlue {
             a.bmod = period > 0 ? period : 0;
             a.scale = r == 0 ? at.mask_scale : at.bias_scale;
         }
+        // causal and sliding-window masks: key j of query i kept only where band_lo <= j - i <= band_hi
+        if (!at.window.empty() && (at.window.size() != 2 || at.window[0] < 0 || at.window[1] < 0))
+            return ref.fail("attribute window " + shape_str(at.window) + " is not [left, right] of two counts >= 0",
+                            ORT_FAIL);
+        const bool banded = at.causal != 0 || !at.window.empty();
+        const int64_t kFar = int64_t{1} << 30;  // past any sequence the kernels take
+        int64_t band_lo = at.window.empty() ? -kFar : -std::min(at.window[0], kFar);
+        int64_t band_hi = at.window.empty() ? kFar : std::min(at.window[1], kFar);
+        if (at.causal) band_hi = std::min<int64_t>(band_hi, 0);
         // output
         const std::vector<int64_t> out_shape = WithV ? ref::layout_shape(lo, bq, H, sq, Dh) : scores;
         T* out = ctx.GetOutput(static_cast<size_t>(spec.out[OUT_Y]), out_shape).template GetTensorMutableData<T>();
@@ -223,7 +238,8 @@ struct AttentionGlue {
             args.seq_q = static_cast<int32_t>(sq), args.seq_k = static_cast<int32_t>(sk);
             args.head_dim = static_cast<int32_t>(Dh);
             args.kv_group = static_cast<int32_t>(H / Hkv);
-            args.causal = at.causal != 0 ? 1 : 0;
+            args.banded = banded ? 1 : 0;
+            args.band_lo = static_cast<int32_t>(band_lo), args.band_hi = static_cast<int32_t>(band_hi);
             args.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
             args.mask_scale = at.mask_scale, args.bias_scale = at.bias_scale;
             return run_instance(ctx, ref, args, shapes);
@@ -231,7 +247,7 @@ struct AttentionGlue {
         ref::Problem pr;
         pr.batch = bq, pr.heads = H, pr.seq_q = sq, pr.seq_k = sk, pr.head_dim = Dh, pr.kv_group = H / Hkv;
         pr.scale = at.has_scale ? at.scale : 1.0f / std::sqrt(static_cast<float>(Dh));
-        pr.causal = at.causal != 0;
+        pr.banded = banded, pr.band_lo = band_lo, pr.band_hi = band_hi;
         pr.nan_guard = at.nan_guard != 0;
         ref::Operand<T> oq{static_cast<const T*>(q.data), ref::layout_strides(lq, H, sq, Dh, 0)};
         ref::Operand<T> ok{static_cast<const T*>(k.data), ref::layout_strides(lk, Hkv, sk, Dh, 1)};

@@ -17,8 +17,9 @@
 // 16-bit T each step was measured further from both fp64 and ORT's own result), while P is rounded to T before
 // P V as the graph stores it, and O is stored as T (both no-ops for float). Softmax subtracts the row max. A row whose scores hold a NaN, or whose max is +inf or -inf
 // (every key masked with -inf), is NaN throughout, as ONNX Softmax gives it; with nan_guard (the graph's
-// Where(IsNaN(P), 0, P)) those NaNs become zeros, so O is zero for such rows. causal: key j > query i is masked
-// (-inf, upper-left aligned as ONNX Attention's is_causal). seq_k == 0: P is empty and O is zero (an empty
+// Where(IsNaN(P), 0, P)) those NaNs become zeros, so O is zero for such rows. banded: key j of query i is masked
+// (-inf) outside band_lo <= j - i <= band_hi (causal, upper-left aligned as ONNX Attention's is_causal: band_hi = 0;
+// a sliding window: both finite). seq_k == 0: P is empty and O is zero (an empty
 // MatMul reduction).
 #pragma once
 
@@ -141,7 +142,8 @@ struct Problem {
     int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
     int64_t kv_group = 1;  // query heads per key / value head (GQA): k and v have heads / kv_group heads
     float scale = 1.0f;
-    bool causal = false;
+    bool banded = false;  // key j of query i kept only where band_lo <= j - i <= band_hi (causal: band_hi = 0)
+    int64_t band_lo = 0, band_hi = 0;
     bool nan_guard = false;
 };
 
@@ -199,7 +201,7 @@ void probs_row(const Problem& pr, const float* qi, const float* kh, const Addend
             if (a->data != nullptr)
                 s += load(a->data[a->row(b) * a->sb + h * a->sh + i * a->sq + j * a->sk]) * a->scale;
         }
-        if (pr.causal && j > i) s = -inf;
+        if (pr.banded && (j - i < pr.band_lo || j - i > pr.band_hi)) s = -inf;
         if (std::isnan(s)) bad = true;
         if (s > mx) mx = s;
         p[static_cast<size_t>(j)] = s;

@@ -54,7 +54,8 @@ int run(int with_v, const void* q, const int64_t* q_shape, int q_rank, const voi
     if (bk != b || (with_v && (bv != b || sv != sk))) return set_error(err, err_len, "batch/seq"), 1;
     Problem pr;
     pr.batch = b, pr.heads = heads, pr.seq_q = sq, pr.seq_k = sk, pr.head_dim = head_dim;
-    pr.scale = scale, pr.causal = causal != 0, pr.nan_guard = nan_guard != 0;
+    pr.scale = scale, pr.nan_guard = nan_guard != 0;
+    pr.banded = causal != 0, pr.band_lo = -(int64_t{1} << 30), pr.band_hi = 0;  // causal: the band (-inf, 0]
     Addend<T> am, ab;
     int64_t st[4];
     if (mask != nullptr) {

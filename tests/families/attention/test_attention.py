@@ -19,6 +19,8 @@ from onnx_gtco.families.attention.kernel import (
     FAMILIES,
     AttentionFamily,
     BmmSoftmaxFamily,
+    band,
+    band_key_tiles,
     kernel_head_dim,
     make_problem,
     output_dtype_array,
@@ -237,9 +239,10 @@ def test_padded_head_reads_and_writes_only_its_elements(emu):
     assert rel_error(o[:out.size].reshape(shape), ATTN.reference(problem, inputs)["out"]) < TOL["f16"]
 
 
-CAUSAL_CASES = [
+BAND_CASES = [
     # family, dtype, config, problem: partial q and key tiles, a q tile whose keys end inside a key tile, a padding
-    # mask beside the causal one, GQA; seq_q > seq_k (the rows past seq_k see every key) and seq_q < seq_k
+    # mask beside the band, GQA; causal with seq_q > seq_k (the rows past seq_k see every key) and seq_q < seq_k;
+    # sliding windows that skip key tiles on both sides of a q tile, symmetric (ModernBERT's) and not
     (ATTN, "f16", cfg(64, 32, 4, 2), dict(batch=2, heads=2, seq_q=150, head_dim=64, mask=True, causal=True)),
     (ATTN, "bf16", cfg(128, 64, 8, 3), dict(batch=1, heads=4, seq_q=77, head_dim=32, causal=True, kv_group=2,
                                            q_layout="bshd_merged", k_layout="bshd_merged", v_layout="bshd_merged",
@@ -247,60 +250,72 @@ CAUSAL_CASES = [
     (ATTN, "f16", cfg(64, 64, 4, 2), dict(batch=1, heads=1, seq_q=90, seq_k=45, head_dim=80, causal=True,
                                           k_layout="bhds")),
     (ATTN, "f32", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=40, seq_k=97, head_dim=64, causal=True)),
+    (ATTN, "f16", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=230, head_dim=64, window=(32, 32), mask=True)),
+    (ATTN, "bf16", cfg(64, 64, 4, 2), dict(batch=1, heads=2, seq_q=200, head_dim=32, window=(70, 5), kv_group=2)),
     (BMM, "f16", cfg(64, 32, 4, 2), dict(batch=1, heads=2, seq_q=100, head_dim=64, mask=True, causal=True)),
     (BMM, "bf16", cfg(64, 64, 4, 3), dict(batch=1, heads=1, seq_q=33, seq_k=70, head_dim=26, causal=True)),
+    (BMM, "f16", cfg(64, 32, 4, 2), dict(batch=1, heads=1, seq_q=100, head_dim=32, window=(16, 16))),
 ]
 
 
-@pytest.mark.parametrize("case", CAUSAL_CASES, ids=lambda c: f"{c[0].name}-" + _id(c[1:]))
-def test_causal_mask_is_generated(emu, case):
-    """The CAUSAL instances mask key j > query i without reading a mask (upper-left aligned as ONNX Attention's
-    is_causal), the attention kernel walking only the key tiles at or below each q tile's last row: equal to the
-    causal reference, and far from the same problem without the causal mask (so the mask was applied)."""
+@pytest.mark.parametrize("case", BAND_CASES, ids=lambda c: f"{c[0].name}-" + _id(c[1:]) + (
+    f"-w{c[3]['window'][0]}_{c[3]['window'][1]}" if "window" in c[3] else "-causal"))
+def test_band_masks_are_generated(emu, case):
+    """The BAND instances keep key j of query i only where lo <= j - i <= hi (causal: upper-left aligned as ONNX
+    Attention's is_causal; sliding windows) without reading a mask, the attention kernel walking only the key tiles
+    the band reaches from each q tile: equal to the banded reference, and far from the same problem without the band
+    (so it was applied)."""
     family, dtype, config, kw = case
     problem = make_problem(family.name, dtype, **kw)
     inst = family.instantiate(problem, config, "sm_90")
-    assert inst.name.endswith("_causal") and inst.source.count("true>") == 1
+    assert inst.name.endswith("_band") and inst.source.count("true>") == 1
     got, ref, inputs = emu(family, problem, config)
     (name, out), = got.items()
     assert not np.isnan(out).any()
     tol = TOL_TF32[family.name] if dtype == "f32" else TOL[dtype]
     assert rel_error(out, ref[name]) < tol
-    plain = family.reference(make_problem(family.name, dtype, **{**kw, "causal": False}), inputs)
+    plain = family.reference(make_problem(family.name, dtype, **{**kw, "causal": False, "window": None}), inputs)
     assert rel_error(plain[name], ref[name]) > 0.1
-    if family is BMM:  # P is exactly zero above the diagonal
+    if family is BMM:  # P is exactly zero outside the band
+        lo, hi = band(problem)
         sq, sk = out.shape[-2:]
-        assert np.all(out[..., np.arange(sk)[None, :] > np.arange(sq)[:, None]] == 0.0)
+        offset = np.arange(sk)[None, :] - np.arange(sq)[:, None]
+        assert np.all(out[..., (offset < lo) | (offset > hi)] == 0.0)
 
 
-def test_causal_instance_refuses_a_node_that_is_not():
-    """gtco_attention_args.causal must match the instance: a causal instance given a plain node's arguments (or the
-    other way round) returns GTCO_EBADSHAPE instead of running the wrong mask; a plain problem has no causal tag."""
+def test_band_instance_refuses_a_node_that_is_not_banded():
+    """gtco_attention_args.banded must match the instance: a banded instance given a plain node's arguments (or the
+    other way round) returns GTCO_EBADSHAPE instead of running the wrong mask; a plain problem has no band tag."""
     kw = dict(batch=1, heads=1, seq_q=40, head_dim=32)
     plain = make_problem("attention", "f16", **kw)
-    assert "_causal" not in ATTN.instantiate(plain, cfg(64, 32, 4, 2), "sm_90").name
+    assert "_band" not in ATTN.instantiate(plain, cfg(64, 32, 4, 2), "sm_90").name
     causal = make_problem("attention", "f16", **kw, causal=True)
+    window = make_problem("attention", "f16", **kw, window=(3, 1), causal=True)
     arrays = dict(ATTN.random_inputs(causal, seed=1), out=output_dtype_array(*ATTN.outputs(causal)["out"]))
-    fields = {f.name: f.value for f in ATTN.args_fields(causal, arrays)}
-    assert fields["causal"] == 1
-    assert {f.name: f.value for f in ATTN.args_fields(plain, arrays)}["causal"] == 0
+    fields = [{f.name: f.value for f in ATTN.args_fields(p, arrays)} for p in (plain, causal, window)]
+    assert [(f["banded"], f["band_lo"], f["band_hi"]) for f in fields] == [(0, 0, 0), (1, -(1 << 30), 0), (1, -3, 0)]
     src = Path(__file__).parents[3] / "plugins" / "families" / "attention" / "attention.cuh"
-    assert "if ((a->causal != 0) != CAUSAL) return false;" in src.read_text()
+    assert "if ((a->banded != 0) != BAND) return false;" in src.read_text()
+    assert "window (3, -1)" in ATTN.check(make_problem("attention", "f16", **kw, window=(3, -1)), cfg(64, 32, 4, 2),
+                                          "sm_90")
 
 
-def test_causal_estimate_walks_half_the_keys():
-    """The estimate of a causal attention block walks the mean of its q tiles' key tiles: at 1024 tokens well under
-    the full problem's time, and above half of it (each q tile walks its diagonal tile whole)."""
+def test_band_estimate_walks_only_the_band():
+    """The estimate of a banded attention block walks the mean of its q tiles' key tiles: a causal one at 1024 tokens
+    well under the full problem's time and above half of it (each q tile walks its diagonal tile whole), a window of
+    128 keys far under it."""
     from onnx_gtco.calibration import hardware
-    from onnx_gtco.families.attention.kernel import causal_key_tiles
 
-    assert causal_key_tiles(128, 128, 64, 64) == 1.5
-    assert causal_key_tiles(100, 45, 64, 32) == 2.0  # rows past seq_k see all of its 2 tiles
+    far = 1 << 30
+    assert band_key_tiles(128, 128, 64, 64, -far, 0) == 1.5
+    assert band_key_tiles(100, 45, 64, 32, -far, 0) == 2.0  # rows past seq_k see all of its 2 tiles
+    assert band_key_tiles(256, 256, 64, 64, -64, 64) == 2.5  # tiles 0-1, 0-2, 1-3, 2-3
     hw = hardware("h200")
     kw = dict(batch=1, heads=16, seq_q=1024, head_dim=64)
     full = ATTN.estimate_us(make_problem("attention", "f16", **kw), cfg(128, 64, 8, 2), hw)
     half = ATTN.estimate_us(make_problem("attention", "f16", **kw, causal=True), cfg(128, 64, 8, 2), hw)
-    assert 0.45 * full < half < 0.75 * full, (half, full)
+    local = ATTN.estimate_us(make_problem("attention", "f16", **kw, window=(64, 64)), cfg(128, 64, 8, 2), hw)
+    assert 0.45 * full < half < 0.75 * full and local < 0.4 * full, (half, local, full)
 
 
 def test_kernel_head_dims():
