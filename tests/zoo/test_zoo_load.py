@@ -1,6 +1,7 @@
 """Loading real exports: every zoo model has static shapes, so its shape arithmetic folds away entirely (TorchScript
 computes Swin's window padding and partition shapes from Shape / Gather / Mod chains; they fold through the Pads they
-feed); the loaded model computes what the export does."""
+feed). That the loaded model computes what the export does is test_zoo_optimize's check: the rewritten model's
+functions hold the loaded model's nodes, run against the export on the same inputs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import onnx
 import pytest
 
 from onnx_gtco.ir.load import load_model
-from onnx_gtco.runtime.check import compare
 
 pytestmark = [pytest.mark.zoo, pytest.mark.slow]
 
@@ -31,6 +31,3 @@ def test_static_export_loads_without_shape_arithmetic(zoo_case: tuple[str, str],
     constants = {t.name for t in loaded.graph.initializer}
     foldable = [n.name for n in loaded.graph.node if all(not i or i in constants for i in n.input)]
     assert not foldable, f"{zoo_case}: nodes of constant inputs only survive loading: {foldable[:8]}"
-
-    diffs = compare(original, loaded, "cpu", rtol=1e-5, atol=1e-6)
-    assert all(d.ok for d in diffs), [(d.name, d.ok) for d in diffs]

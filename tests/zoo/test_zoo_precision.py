@@ -1,5 +1,6 @@
-"""Acceptance on real exports: every zoo model, from both torch exporters, optimized from fp32 with `--precision fp16`
-and with `--precision bf16` (onnx_gtco.precision converts it): graph inputs and outputs keep their dtypes, the file
+"""Acceptance on real exports: every zoo model, optimized from fp32 with `--precision fp16` (its TorchScript export) and
+with `--precision bf16` (its dynamo export; onnx_gtco.precision converts it): so every model meets both precisions
+and both exporters, each pair once. Graph inputs and outputs keep their dtypes, the file
 is about half the fp32 size, every fused node has sm_80 and sm_90 device kernels but the named families without one
 (the report gives the reason per node), and the model passes `check` against the fp32 original with check's
 defaults for its precision, through the fused nodes' functions on the CPU EP."""
@@ -45,9 +46,13 @@ def _io(model: onnx.ModelProto) -> list[tuple[str, int]]:
     return [(v.name, v.type.tensor_type.elem_type) for v in (*model.graph.input, *model.graph.output)]
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_half_precision_from_fp32(zoo_case: tuple[str, str], zoo_onnx: pathlib.Path, precision: str,
-                                  calibrated) -> None:
+PRECISION = {"torchscript": "fp16", "dynamo": "bf16"}
+"""The half precision each exporter's form is converted to (the conversion's numerics per dtype are
+test_mixed_precision's and the kernels' own tests)."""
+
+
+def test_half_precision_from_fp32(zoo_case: tuple[str, str], zoo_onnx: pathlib.Path, calibrated) -> None:
+    precision = PRECISION[zoo_case[1]]
     if zoo_case[0] in CONV_MODELS:
         calibrated("sm_90", **CONV_KERNELS)
     original = onnx.load(str(zoo_onnx))
