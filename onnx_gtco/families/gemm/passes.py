@@ -1,5 +1,7 @@
-"""The GEMM family's pass: a block's Q, K and V projections packed into one GEMM that the attention reads packed
-(families/gemm/pack.py does the rewrite; GtcoConfig.pack_qkv)."""
+"""The GEMM family's passes: a Reshape between a GEMM and its activation moved after it, so that the epilogue applies
+the activation (families/gemm/row_view.py); a block's Q, K and V projections packed into one GEMM that the attention
+reads packed (families/gemm/pack.py; GtcoConfig.pack_qkv); a gated MLP's two projections as one GEMM
+(families/gemm/gated.py; GtcoConfig.pack_gated)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,16 @@ from onnx_gtco.calibration import Hardware
 from onnx_gtco.config import GtcoConfig
 from onnx_gtco.families.gemm.gated import pack_gated
 from onnx_gtco.families.gemm.pack import pack_qkv
+from onnx_gtco.families.gemm.row_view import sunk_reshapes
 from onnx_gtco.plan.types import GraphPass
+
+
+def sink(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """`model` with every Reshape between a GEMM's result and its activation after the activation (exact: the
+    activation is elementwise); nothing to report."""
+    del config, hw
+    model, _ = sunk_reshapes(model)
+    return model, []
 
 
 def pack(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
@@ -29,12 +40,14 @@ def gate(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx
     return model, []
 
 
-PASSES = (GraphPass("pack_qkv", 1, lambda config: bool(config.pack_qkv), pack,
+PASSES = (GraphPass("sink_reshape", 1, lambda config: True, sink,
+                    "a Reshape between a GEMM and its activation moved after it, families/gemm/row_view.py"),
+          GraphPass("pack_qkv", 1, lambda config: bool(config.pack_qkv), pack,
                     "each block's Q, K and V projections as one GEMM, families/gemm/pack.py"),
           GraphPass("pack_gated", 2, lambda config: bool(config.pack_gated), gate,
                     "a gated MLP's gate and up projections as one GEMM, families/gemm/gated.py"))
-"""The GEMM family's passes (GraphPass): the QKV packing, after the patchify rewrite (its GEMMs are no projections),
-then the gated MLPs' packing."""
+"""The GEMM family's passes (GraphPass): the Reshape sinking and the QKV packing, after the patchify rewrite (its GEMMs
+are no projections), then the gated MLPs' packing."""
 
 
-__all__ = ["PASSES", "gate", "pack"]
+__all__ = ["PASSES", "gate", "pack", "sink"]
