@@ -18,7 +18,7 @@ ARITY = {"Add": 2, "Sub": 2, "Mul": 2, "Div": 2, "Pow": 2, "Sqrt": 1, "Reciproca
          "Min": 2, "Where": 3, "Cast": 1, "Identity": 1, "PRelu": 2, "Elu": 1, "Softplus": 1, "Softsign": 1,
          "HardSigmoid": 1, "HardSwish": 1, "Floor": 1, "Ceil": 1, "Round": 1, "Sign": 1, "Sin": 1, "Cos": 1,
          "Equal": 2, "Less": 2, "LessOrEqual": 2, "Greater": 2, "GreaterOrEqual": 2, "Not": 1, "And": 2, "Or": 2,
-         "Xor": 2}
+         "Xor": 2, "IsNaN": 1}
 # boolean values (comparisons, Not/And/Or/Xor, Cast to bool, bool inputs) are 1.0f / 0.0f in the fp32 program
 CAST_TARGETS = ("f16", "bf16", "f32", "f64", "bool")
 Ref = tuple[str, Any]

@@ -416,7 +416,7 @@ def _expr(op: str, a: list[str], refs: tuple[Ref, ...], attr: Any, ns: str = "gt
     more = {"Softplus": "{ns}::softplus({})", "Softsign": "{ns}::softsign({})",
             "HardSwish": "{ns}::hard_swish({})", "Floor": "floorf({})", "Ceil": "ceilf({})",
             "Round": "rintf({})", "Sign": "{ns}::sign({})", "Sin": "{ns}::sin({})", "Cos": "{ns}::cos({})",
-            "Not": "{ns}::lnot({})"}
+            "Not": "{ns}::lnot({})", "IsNaN": "{ns}::is_nan({})"}
     if op in more:
         return more[op].format(a[0], ns=ns)
     if op == "PRelu":
@@ -758,7 +758,7 @@ def _np_op(op: str, a: list[Any], attr: Any) -> Any:
         "HardSigmoid": lambda: np.clip(_hs(attr)[0] * x + _hs(attr)[1], 0.0, 1.0),
         "HardSwish": lambda: x * np.clip(x / 6.0 + 0.5, 0.0, 1.0), "Floor": lambda: np.floor(x),
         "Ceil": lambda: np.ceil(x), "Round": lambda: np.round(x), "Sign": lambda: np.sign(x),
-        "Sin": lambda: np.sin(x), "Cos": lambda: np.cos(x),
+        "Sin": lambda: np.sin(x), "Cos": lambda: np.cos(x), "IsNaN": lambda: np.isnan(x),
         "Equal": lambda: a[0] == a[1], "Less": lambda: a[0] < a[1], "LessOrEqual": lambda: a[0] <= a[1],
         "Greater": lambda: a[0] > a[1], "GreaterOrEqual": lambda: a[0] >= a[1],
         "Not": lambda: np.asarray(x) == 0, "And": lambda: (np.asarray(a[0]) != 0) & (np.asarray(a[1]) != 0),

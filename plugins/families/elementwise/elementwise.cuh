@@ -84,6 +84,7 @@ GTCO_DEVICE float hard_sigmoid(float x, float alpha, float beta) {
 }
 GTCO_DEVICE float hard_swish(float x) { return x * hard_sigmoid(x, 1.0f / 6.0f, 0.5f); }
 GTCO_DEVICE float sign(float x) { return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x; }  // keeps 0 and NaN
+GTCO_DEVICE float is_nan(float x) { return x != x ? 1.0f : 0.0f; }  // no fast-math here: NaN compares unequal
 // sin / cos without the local-memory (stack frame) slow path of CUDA's sinf / cosf for huge arguments: Cody-Waite
 // reduction by pi/2 (two-part constant with fma, accurate while |x| / (pi/2) stays well below 2^16) and the
 // single-precision minimax polynomials of Cephes on [-pi/4, pi/4]; NaN and infinities give NaN.

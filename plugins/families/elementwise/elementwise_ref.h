@@ -72,6 +72,7 @@ inline float hard_sigmoid(float x, float alpha, float beta) {
 }
 inline float hard_swish(float x) { return x * hard_sigmoid(x, 1.0f / 6.0f, 0.5f); }
 inline float sign(float x) { return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x; }
+inline float is_nan(float x) { return x != x ? 1.0f : 0.0f; }  // no fast-math here: NaN compares unequal
 inline float sin(float x) { return std::sin(x); }
 inline float cos(float x) { return std::cos(x); }
 inline float truth(float x) { return x != 0.0f ? 1.0f : 0.0f; }

@@ -161,7 +161,8 @@ def conv_activations():
 
 def mask_logic():
     """Comparisons and logic as 0/1 values feeding Where and Cast: Equal on an int64 mask, Greater against a scalar
-    input, Not / And / Or / Xor, Cast to BOOL and back, Sign, Floor / Ceil / Round of exact multiples, Sin, Cos."""
+    input, Not / And / Or / Xor, Cast to BOOL and back, Sign, Floor / Ceil / Round of exact multiples, Sin, Cos, and
+    the NaN guard exporters write (Where(IsNaN(v), 0, v), here of Sqrt of negative values)."""
     nodes = [node("Equal", ["m", "zero"], "eq"), node("Greater", ["x", "thr"], "gt"), node("Not", ["eq"], "ne"),
              node("And", ["ne", "gt"], "an"), node("Or", ["eq", "an"], "o"), node("Xor", ["o", "gt"], "xr"),
              node("Where", ["o", "x", "big"], "w"), node("LessOrEqual", ["x", "thr"], "le"),
@@ -169,8 +170,10 @@ def mask_logic():
              node("Mul", ["x", "four"], "x4"), node("Floor", ["x4"], "fl"), node("Ceil", ["x4"], "ce"),
              node("Round", ["x4"], "ro"), node("Sign", ["x"], "sg"), node("Sin", ["x"], "si"),
              node("Cos", ["x"], "co"), node("Sum", ["xrf", "le", "xb", "fl", "ce", "ro"], "s1"),
-             node("Mul", ["sg", "si"], "s2"), node("Add", ["s1", "s2"], "s3"), node("Add", ["s3", "co"], "y")]
-    consts = {"zero": np.array(0, np.int64), "big": scalar(-100.0), "four": scalar(4.0)}
+             node("Mul", ["sg", "si"], "s2"), node("Add", ["s1", "s2"], "s3"), node("Add", ["s3", "co"], "s4"),
+             node("Sqrt", ["x"], "sq"), node("IsNaN", ["sq"], "nan"), node("Where", ["nan", "zf", "sq"], "guard"),
+             node("Add", ["s4", "guard"], "y")]
+    consts = {"zero": np.array(0, np.int64), "big": scalar(-100.0), "four": scalar(4.0), "zf": scalar(0.0)}
 
     def ref(v):
         x, m, thr = v["x"], v["m"], v["thr"]
@@ -179,7 +182,7 @@ def mask_logic():
         xr = o ^ gt
         x4 = 4 * x
         y = (1.0 * xr + 1.0 * (x <= thr) + 1.0 * (x != 0) + np.floor(x4) + np.ceil(x4) + np.round(x4)
-             + np.sign(x) * np.sin(x) + np.cos(x))
+             + np.sign(x) * np.sin(x) + np.cos(x) + np.sqrt(np.maximum(x, 0.0)))
         return {"w": np.where(o, x, -100.0), "y": y}
     return (nodes, [("m", (2, 1, 16), "i64"), ("x", (2, 3, 16)), ("thr", ())], ["w", "y"], consts, ref,
             {"m": (0, 1), "x": (-2.0, 2.0), "thr": (-0.5, 0.5)})
