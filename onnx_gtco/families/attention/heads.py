@@ -158,6 +158,13 @@ def split_heads(view: GraphView, group: set[int], base: frozenset[int], ins: dic
     absorb_up(view, group, [ins["v"]], lambda n, _t: layout_step(view, n))
     walks = {role: _walk_up(view, group, base, t) for role, t in ins.items()}
     srcs = {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
+    # the packed tensor is read where it is [B, S, 3 * H * D]: a Reshape above that merges B and S (GPT-2's addmm on
+    # the rows, [B * S, 3 * H * D]) stays outside (free in ONNX Runtime), as no packed layout reads merged rows
+    while srcs["q"] == srcs["k"] == srcs["v"] and all(walks.values()) \
+            and rank(view, srcs["q"]) not in (None, core_rank - 1) and is_op(walks["q"][-1][0], "Reshape"):
+        group.discard(walks["q"][-1][0].id)
+        walks = {role: w[:-1] for role, w in walks.items()}
+        srcs = {role: w[-1][1] if w else ins[role] for role, w in walks.items()}
     if srcs["q"] == srcs["k"] == srcs["v"] and walks["q"]:
         names = dict.fromkeys(ins, "qkv_packed")
         rep = 1

@@ -389,3 +389,28 @@ def test_einsums_that_are_no_batched_matmul_are_left_alone(kit, qk: str, pv: str
     assert any(reason in r.reason for r in rejects), rejects
     assert all(m.family == "bmm_softmax" for m in matches)
     assert bool(matches) == qk.endswith("bhqk")
+
+
+def test_a_packed_qkv_of_merged_rows_is_read_after_its_reshape(kit) -> None:
+    """GPT-2's Conv1D: addmm on the rows [B*S, 3C], a Reshape to [B, S, 3C], a Split into q, k, v, each split into
+    heads. The attention reads the packed [B, S, 3C] tensor (qkv_packed); the Reshape that merged B and S stays
+    outside (no packed layout reads [B*S, 3C])."""
+    b, s, h, d = 2, 8, 2, 4
+    g = kit.graph()
+    g.input("x", [b * s, h * d])
+    g.op("Gemm", ["x", g.weight("w", h * d, 3 * h * d)], "addmm")
+    g.op("Reshape", ["addmm", g.const("rows", np.array([b, s, 3 * h * d], np.int64))], "packed")
+    g.op("Split", ["packed"], "split", outputs=3, axis=-1)
+    heads = g.const("heads", np.array([b, s, h, d], np.int64))
+    for i, n in enumerate("qkv"):
+        g.op("Reshape", [f"split:{i}" if i else "split", heads], f"{n}_split")
+        g.op("Transpose", [f"{n}_split"], f"{n}_t", perm=[0, 2, 3, 1] if n == "k" else [0, 2, 1, 3])
+    g.op("MatMul", ["q_t", "k_t"], "qk")
+    g.op("Softmax", ["qk"], "softmax", axis=-1)
+    g.op("MatMul", ["softmax", "v_t"], "pv")
+    g.output("pv")
+    view = g.view()
+    matches, _ = kit.run(RULE, view)
+    packed = [m for m in matches if m.attrs.get("q_layout") == "qkv_packed"]
+    assert len(packed) == 1 and packed[0].roles["q"] == "packed"
+    assert "addmm" not in kit.names(view, packed[0].nodes) and "packed" not in kit.names(view, packed[0].nodes)
