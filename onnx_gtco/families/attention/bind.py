@@ -20,7 +20,7 @@ from typing import Any
 
 import onnx
 
-from onnx_gtco.families.attention.kernel import layout_shape
+from onnx_gtco.families.attention.kernel import is_banded, layout_shape, reads_mask
 from onnx_gtco.kernels.family import Problem
 from onnx_gtco.opspec import FusedOp
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, present, read
@@ -122,9 +122,7 @@ class AttentionBinder:
         why = self._why(node, op)
         if why is not None:
             return why
-        # a causal or windowed node's mask attribute is 1 whether or not it also reads a mask (attention_op.h)
-        mask = ("mask" in op.inputs) if op["causal"] or op["window"] else bool(op["mask"])
-        need = {"q": True, "k": True, "mask": mask, "bias": op["bias"]}
+        need = {"q": True, "k": True, "mask": reads_mask(op), "bias": op["bias"]}
         if self.family == "attention":
             need["v"] = True
         bound = bind_roles(node, op, need, CPP_IN, CPP_OUT[self.family])
@@ -145,7 +143,7 @@ class AttentionBinder:
                     "bias to [B, H, Sq, Sk] scores")
         att = _onnx_attention(node.function)
         if att is not None:
-            return _plain_onnx_attention(att, band_mask=bool(op["causal"] or op["window"]) and "mask" not in op.inputs)
+            return _plain_onnx_attention(att, band_mask=is_banded(op) and "mask" not in op.inputs)
         return None
 
     def _shapes(self, node: FusedNode, op: FusedOp) -> str | None:

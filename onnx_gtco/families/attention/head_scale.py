@@ -21,12 +21,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnx_gtco.families.attention.scores import reaches_softmax
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
 from onnx_gtco.patterns.util import sole_reader, spliced
-
-SCORE_OPS = ("Add", "Where", "Reshape", "Cast")
-"""Ops between the scaled scores and the Softmax that keep them scores (the additive terms, Swin's window Reshapes)."""
 
 
 @dataclass(frozen=True)
@@ -36,22 +34,6 @@ class HeadScale:
     matmul: Node
     mul: Node
     scale: str
-
-
-def reaches_softmax(view: GraphView, tensor: str, depth: int = 6) -> bool:
-    """`tensor` is read by one node only, and so on through SCORE_OPS, up to a Softmax over the last axis: it is
-    attention scores."""
-    for _ in range(depth):
-        node = sole_reader(view, tensor)
-        if node is None or tensor in view.graph_outputs:
-            return False
-        if is_op(node, "Softmax"):
-            shape = view.shape(tensor)
-            return int(node.attrs.get("axis", -1)) in (-1, len(shape) - 1 if shape else -1)
-        if not is_op(node, *SCORE_OPS):
-            return False
-        tensor = node.outputs[0]
-    return False
 
 
 def _head_scale_at(view: GraphView, mul: Node) -> HeadScale | None:
@@ -106,4 +88,4 @@ def scaled_queries(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[HeadSc
     return spliced(model, replace, removed, (), infos), found
 
 
-__all__ = ["HeadScale", "head_scales", "reaches_softmax", "scaled_queries"]
+__all__ = ["HeadScale", "head_scales", "scaled_queries"]

@@ -462,10 +462,10 @@ class _AttentionBase(KernelFamily):
         default (false) when it and what follows it are."""
         kt = _layouts(problem)["k"] == "bhds"
         flags = [kt, problem.flag("mask", False), problem.flag("bias", False)]
-        pad, causal = _kd(problem) != problem.size("head_dim"), band(problem) is not None
-        if pad or causal:
+        pad, banded = _kd(problem) != problem.size("head_dim"), band(problem) is not None
+        if pad or banded:
             flags.append(pad)
-        if causal:
+        if banded:
             flags.append(True)
         return ", ".join("true" if f else "false" for f in flags)
 
@@ -516,12 +516,13 @@ class _AttentionBase(KernelFamily):
             strides, bmod = _addend_fields(arr, b)
             vals |= dict(zip((f"{prefix}_sb", f"{prefix}_sh", f"{prefix}_sq", f"{prefix}_sk"), strides, strict=True))
             vals[f"{prefix}_bmod"] = bmod
+        bounds = band(problem)
+        lo, hi = bounds or (0, 0)
         vals |= {"batch": b, "heads": h, "seq_q": sq, "seq_k": sk, "head_dim": d,
                  "scale": float(problem.flag("scale", 1.0 / math.sqrt(d))),
                  "mask_scale": float(problem.flag("mask_scale", 1.0)),
                  "bias_scale": float(problem.flag("bias_scale", 1.0)), "kv_group": group,
-                 "banded": int(band(problem) is not None), "band_lo": (band(problem) or (0, 0))[0],
-                 "band_hi": (band(problem) or (0, 0))[1]}
+                 "banded": int(bounds is not None), "band_lo": lo, "band_hi": hi}
         return [Field(name, kind, vals[name]) for name, kind in _ARG_FIELDS]
 
     # ---- numerics ----------------------------------------------------------------------------------------------
@@ -675,6 +676,17 @@ def output_dtype_array(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 FAMILIES = (AttentionFamily(), BmmSoftmaxFamily())
 
 
+def is_banded(op: FusedOp) -> bool:
+    """The node is causal or has a window: the kernel generates that mask (a BAND instance)."""
+    return bool(op["causal"] or op["window"])
+
+
+def reads_mask(op: FusedOp) -> bool:
+    """The node's kernel reads a mask input: a banded node's mask attribute is 1 whether or not it also has one
+    (attention_op.h), so there the node's roles say."""
+    return "mask" in op.inputs if is_banded(op) else bool(op["mask"])
+
+
 def op_problem(op: FusedOp, dtype: str) -> Problem | str:
     """The Problem of an attention or bmm_softmax node (OpKernel.problem), or why none."""
     family = op.family
@@ -686,9 +698,7 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
     batch = static_product(op["batch_dims"] or (1,)) or 1
     flags: dict[str, Any] = {
         "scale": op["scale"] if op["scale"] is not None else 1.0 / math.sqrt(head_dim),
-        # a causal or windowed node's mask attribute is 1 with or without a mask input (attention_op.h); the kernel
-        # reads one only where the node has it
-        "mask": bool(op["mask"]) and (not (op["causal"] or op["window"]) or "mask" in op.inputs),
+        "mask": reads_mask(op),
         **({"causal": True} if op["causal"] else {}),
         **({"window": tuple(int(w) for w in op["window"])} if op["window"] else {}),
         "bias": op["bias"], "q_layout": op["q_layout"], "k_layout": op["k_layout"],

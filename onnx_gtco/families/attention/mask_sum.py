@@ -16,8 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_gtco.families.attention.head_scale import reaches_softmax
-from onnx_gtco.families.attention.scores import additive_kind
+from onnx_gtco.families.attention.scores import additive_kind, reaches_softmax
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
 from onnx_gtco.patterns.util import sole_reader, spliced
@@ -50,9 +49,9 @@ def summed_masks(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
                 or not reaches_softmax(view, outer.outputs[0]):
             continue
         a, b = (np.asarray(view.const_value(t)) for t in (in_term[1], out_term[1]))
-        total = (a + b).astype(a.dtype)
-        if total.shape != np.broadcast_shapes(a.shape, b.shape) or a.dtype != b.dtype:
+        if a.dtype != b.dtype:
             continue
+        total = a + b
         name = f"{outer.name or outer.outputs[0]}.mask_sum"
         inits.append(numpy_helper.from_array(total, name))
         replace[outer.id] = [helper.make_node("Add", [in_term[0], name], [outer.outputs[0]], name=outer.name)]

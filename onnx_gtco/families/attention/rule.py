@@ -137,18 +137,19 @@ class AttentionPattern:
         has_mask = len(node.inputs) > 3 and bool(node.inputs[3])
         roles = dict(zip(("q", "k", "v", "mask"), node.inputs[:4], strict=False))
         causal = bool(node.attrs.get("is_causal", 0))
-        banded: dict[str, Any] = {}
+        window: dict[str, Any] = {}
         if has_mask and neutral_constant(view, node.inputs[3]):  # one that masks nothing
             has_mask = False
             del roles["mask"]
-        elif has_mask and (banded := band_attrs(view, node.inputs[3], seq_q, seq_k) or {}):  # a static export's
-            causal = causal or banded.pop("causal", False)  # causal or sliding-window attn_mask
+        elif has_mask and (found := band_attrs(view, node.inputs[3], seq_q, seq_k)):  # a static export's causal or
+            causal = causal or bool(found.pop("causal", False))  # sliding-window attn_mask: generated, not read
+            window = found
             del roles["mask"]
         yield Match(frozenset([node.id]), "attention", {
             "heads": heads, "head_dim": head_dim, "seq_q": seq_q, "seq_k": seq_k,
             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),  # type: ignore[arg-type]
             "mask": has_mask or causal, "bias": False, "nan_guard": False,
-            "causal": causal, **banded, "batch_dims": (q[0],),
+            "causal": causal, **window, "batch_dims": (q[0],),
             "q_layout": lay, "k_layout": lay, "v_layout": lay, "out_layout": lay,
         }, {k: t for k, t in roles.items() if t}, {"out": node.outputs[0]})
 

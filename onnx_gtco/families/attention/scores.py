@@ -158,6 +158,26 @@ def neutral_constant(view: GraphView, tensor: str) -> bool:
     return bool(np.all(a)) if a.dtype == np.bool_ else bool(np.all(a.astype(np.float64) == 0.0))
 
 
+SCORE_OPS = ("Add", "Where", "Reshape", "Cast")
+"""Ops between the scaled scores and the Softmax that keep them scores (the additive terms, Swin's window Reshapes)."""
+
+
+def reaches_softmax(view: GraphView, tensor: str, depth: int = 6) -> bool:
+    """`tensor` is read by one node only, and so on through SCORE_OPS, up to a Softmax over the last axis: it is
+    attention scores."""
+    for _ in range(depth):
+        node = sole_reader(view, tensor)
+        if node is None or tensor in view.graph_outputs:
+            return False
+        if is_op(node, "Softmax"):
+            shape = view.shape(tensor)
+            return int(node.attrs.get("axis", -1)) in (-1, len(shape) - 1 if shape else -1)
+        if not is_op(node, *SCORE_OPS):
+            return False
+        tensor = node.outputs[0]
+    return False
+
+
 def walk_scores(view: GraphView, sm: Node) -> Scores | str:
     """Follow the Softmax's input up to the QKᵀ MatMul; a reason string when the chain is not attention."""
     s = Scores(qk=sm, softmax=sm, nodes={sm.id})

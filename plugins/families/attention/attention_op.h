@@ -13,8 +13,7 @@
 // i masked, upper-left as ONNX Attention's is_causal without past_key; from that op, or from a constant causal mask
 // the rule recognized, which the node then keeps as an input no kernel reads), window (ints [left, right], absent:
 // none; a constant sliding-window mask the rule recognized: key j of query i kept where i - left <= j <= i + right),
-// batch_dims (ints, or strings
-// when symbolic: then not checked), q_layout, k_layout, v_layout, out_layout (strings: bhsd, bshd, bshd_merged,
+// batch_dims (ints, or strings when symbolic: then not checked), q_layout, k_layout, v_layout, out_layout (strings: bhsd, bshd, bshd_merged,
 // qkv_packed, bhds (k only); out: bhsd, bshd, bshd_merged), precision (string; the CPU reference computes in fp32
 // whatever it says).
 //
@@ -30,8 +29,8 @@
 //
 // CPU EP: plugins/families/attention/attention_ref.h. Device: the node's attention / bmm_softmax instance
 // (attention/attention.cuh), its gtco_attention_args filled with the same layout and addend strides the reference uses.
-// The device kernels generate a causal node's mask (a CAUSAL instance), and a row whose every key is masked with -inf
-// gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
+// The device kernels generate a causal or windowed node's mask (a BAND instance), and a row whose every key is masked
+// with -inf gives zeros there whatever nan_guard says (the graph without the guard gives NaN).
 #pragma once
 
 #include "attention/attention_args.h"
@@ -171,7 +170,8 @@ struct AttentionGlue {
         if (bias.present != (at.bias != 0))
             return ref.fail(std::string("attribute bias=") + std::to_string(at.bias) + " but the node " +
                             (bias.present ? "has" : "has no") + " bias input", ORT_FAIL);
-        if (at.mask && !mask.present && !at.causal && at.window.empty())
+        const bool banded = at.causal != 0 || !at.window.empty();  // the kernel generates that mask
+        if (at.mask && !mask.present && !banded)
             return ref.fail("attribute mask=1 but the node has no mask input and neither causal nor a window",
                             ORT_FAIL);
         ref::Addend<T> am, ab;
@@ -202,7 +202,6 @@ struct AttentionGlue {
         if (!at.window.empty() && (at.window.size() != 2 || at.window[0] < 0 || at.window[1] < 0))
             return ref.fail("attribute window " + shape_str(at.window) + " is not [left, right] of two counts >= 0",
                             ORT_FAIL);
-        const bool banded = at.causal != 0 || !at.window.empty();
         const int64_t kFar = int64_t{1} << 30;  // past any sequence the kernels take
         int64_t band_lo = at.window.empty() ? -kFar : -std::min(at.window[0], kFar);
         int64_t band_hi = at.window.empty() ? kFar : std::min(at.window[1], kFar);
