@@ -69,6 +69,17 @@ class ElementwisePattern:
         group's, which the kernel cannot write: a rotary's cos table unsqueezed once for every layer) and what they
         view in the part (a group of its own), that less its Transposes and Pads (a rotary embedding's roll over
         symbolic dims after its head-split Transpose), and part less every layout op, whose groups all fold."""
+        # views of a computed value that move its broadcast axes (a partial rotary's cos table viewed in blocks of
+        # the head: rotary_blocks.py) left to ONNX Runtime: what they view is a group of its own (the table, once),
+        # which the rest reads through the view as an input
+        regrouping = {i for i in part if self._regrouping_view(view, part, i)}
+        if regrouping:
+            subs = []
+            for sub in self._convex_parts(view, sorted(part - regrouping)):
+                sub = self._ends_computing(view, sub)
+                unfolded = any(not self._ew(view.nodes[i]) for i in sub) and unfoldable(view, sub)
+                subs += self._folding_rest(view, sub) if unfolded else [sub]
+            return subs
         # views read outside, and what in the part they view: a group of its own (the table, once)
         escaping = {i for i in part if self._escaping_view(view, part, i)}
         upstream = set(escaping)
@@ -83,11 +94,13 @@ class ElementwisePattern:
                                              and view.nodes[i].op_type in ("Transpose", "Pad"))]
         rest = sorted(i for i in part if not self._layout(view.nodes[i]))
         tables = sorted(upstream - escaping)
-        for ids in (shared, unmoved):
-            if not any(self._layout(view.nodes[i]) for i in ids):
+        unmoved_tables = [i for i in tables if not (self._layout(view.nodes[i])
+                                                    and view.nodes[i].op_type in ("Transpose", "Pad"))]
+        for ids, above in ((shared, tables), (unmoved, unmoved_tables)):
+            if not any(self._layout(view.nodes[i]) for i in (*ids, *above)):
                 continue
             subs = [self._ends_computing(view, sub) for sub in (*self._convex_parts(view, ids),
-                                                                 *self._convex_parts(view, tables))]
+                                                                 *self._convex_parts(view, above))]
             if not any(any(not self._ew(view.nodes[i]) for i in sub) and unfoldable(view, sub) for sub in subs):
                 return subs
         return [self._ends_computing(view, sub) for sub in self._convex_parts(view, rest)]
@@ -98,6 +111,27 @@ class ElementwisePattern:
         node = view.nodes[i]
         return node.domain == "" and node.op_type in VIEW_OPS and any(
             o in view.graph_outputs or any(c.id not in part for c in view.consumers_of(o)) for o in node.outputs)
+
+    def _regrouping_view(self, view: GraphView, part: frozenset[int], i: int) -> bool:
+        """Node i of `part` is a view op of a value computed in the part that does more than add or drop leading 1s,
+        and an op of the part broadcasts its result (a computed value reshaped so is read only as it is:
+        ir/elementwise.py)."""
+        node = view.nodes[i]
+        out = view.shape(node.outputs[0])
+        if node.domain != "" or node.op_type not in VIEW_OPS or not any(
+                c.id in part and self._ew(c) and view.shape(c.outputs[0]) != out
+                for c in view.consumers_of(node.outputs[0])):  # broadcast after the view
+            return False
+        src = view.producer.get(node.inputs[0]) if node.inputs else None
+        while src in part and view.nodes[src].domain == "" and view.nodes[src].op_type in VIEW_OPS:
+            src = view.producer.get(view.nodes[src].inputs[0])
+        if src not in part or not self._ew(view.nodes[src]):  # type: ignore[index]
+            return False
+        before, after = view.shape(node.inputs[0]), view.shape(node.outputs[0])
+        if before is None or after is None:
+            return False
+        strip = lambda s: tuple(s[next((k for k, d in enumerate(s) if d != 1), len(s)):])  # noqa: E731
+        return strip(before) != strip(after)
 
     def _ends_computing(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
         """Drop view ops that end the group, and view ops that begin it whose result is read outside too: its outputs
