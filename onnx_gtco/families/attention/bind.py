@@ -37,13 +37,14 @@ def _onnx_attention(fn: onnx.FunctionProto) -> onnx.NodeProto | None:
     return ops[0] if len(ops) == 1 and ops[0].op_type == "Attention" else None
 
 
-def _plain_onnx_attention(att: onnx.NodeProto, band_mask: bool = False) -> str | None:
+def _plain_onnx_attention(att: onnx.NodeProto, band_mask: bool = False, guarded: bool = False) -> str | None:
     """Why the kernel cannot run this ONNX Attention op, or None. band_mask: its attn_mask is a constant causal or
-    sliding-window mask the rule recognized (the node is causal or windowed and does not read it)."""
+    sliding-window mask the rule recognized (the node is causal or windowed and does not read it); guarded: the node
+    gives zeros for a row whose every key is masked (nan_guard), as the op does."""
     a = {x.name: onnx.helper.get_attribute_value(x) for x in att.attribute}
-    if len(att.input) > 3 and att.input[3] and not band_mask:
+    if len(att.input) > 3 and att.input[3] and not band_mask and not guarded:
         return ("ONNX Attention with attn_mask: the op gives zeros for fully masked rows (its errata) where the "
-                "kernel's nan_guard=0 gives NaN; not bound yet")
+                "node's nan_guard=0 gives NaN")
     if any(t for t in att.input[4:]) or any(t for t in att.output[1:]):
         return "ONNX Attention with past_key / past_value / nonpad_kv_seqlen or extra outputs is not bound"
     if float(a.get("softcap", 0.0) or 0.0) != 0.0:
@@ -143,7 +144,8 @@ class AttentionBinder:
                     "bias to [B, H, Sq, Sk] scores")
         att = _onnx_attention(node.function)
         if att is not None:
-            return _plain_onnx_attention(att, band_mask=is_banded(op) and "mask" not in op.inputs)
+            return _plain_onnx_attention(att, band_mask=is_banded(op) and "mask" not in op.inputs,
+                                         guarded=bool(op["nan_guard"]))
         return None
 
     def _shapes(self, node: FusedNode, op: FusedOp) -> str | None:

@@ -148,7 +148,8 @@ class AttentionPattern:
         yield Match(frozenset([node.id]), "attention", {
             "heads": heads, "head_dim": head_dim, "seq_q": seq_q, "seq_k": seq_k,
             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),  # type: ignore[arg-type]
-            "mask": has_mask or causal, "bias": False, "nan_guard": False,
+            # a row whose every key the mask takes out gives zeros (the op's definition), as the guard does
+            "mask": has_mask or causal, "bias": False, "nan_guard": has_mask,
             "causal": causal, **window, "batch_dims": (q[0],),
             "q_layout": lay, "k_layout": lay, "v_layout": lay, "out_layout": lay,
         }, {k: t for k, t in roles.items() if t}, {"out": node.outputs[0]})

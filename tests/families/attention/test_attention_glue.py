@@ -560,7 +560,30 @@ ONNX_ATTENTION = {
     "mask": {"mask": True},
     "gqa": {"kv_heads": 1, "heads": 4},
 }
-ONNX_ATTENTION_REASONS = {"mask": "attn_mask", "gqa": "heads"}
+ONNX_ATTENTION_REASONS = {"gqa": "heads"}
+
+
+def test_onnx_attention_with_a_run_time_mask_gives_zeros_for_fully_masked_rows(ref_lib, calibrated) -> None:
+    """ONNX's Attention op gives zeros for a row whose every key attn_mask takes out (as onnxruntime does): the
+    node is guarded (nan_guard), so the C++ reference gives the same zeros where it would give NaN unguarded."""
+    calibrated("sm_90", vendor_gemm={"extra_us": 100.0})
+    result = optimize(onnx_attention_model(mask=True, sq=13, sk=13), GtcoConfig())
+    fn = next(f for f in fused_nodes(result.model) if f.family == "attention")
+    roles = dict(zip(IN_ROLES, BINDER["attention"].bind(fn).inputs, strict=True))  # type: ignore[union-attr]
+    rng = np.random.default_rng(1)
+    feeds = {roles[r]: rng.standard_normal((1, 2, 13, 32)).astype(np.float32) for r in ("q", "k", "v")}
+    mask = rng.standard_normal((1, 1, 13, 13)).astype(np.float32)
+    mask[0, 0, 4] = -np.inf
+    feeds[roles["mask"]] = mask
+    got = _run_function(result.model, fn, feeds)
+    assert np.all(got[0, :, 4] == 0.0) and np.isfinite(got).all()
+    args = {r: feeds[roles[r]] for r in ("q", "k", "v")}
+    cpp = run_ref(ref_lib, **args, heads=2, head_dim=32, layouts=dict.fromkeys(("q", "k", "v", "out"), "bhsd"),
+                  scale=32 ** -0.5, out_shape=got.shape, mask=mask, nan_guard=True)
+    np.testing.assert_allclose(cpp, got, rtol=1e-4, atol=1e-5)
+    unguarded = run_ref(ref_lib, **args, heads=2, head_dim=32, layouts=dict.fromkeys(("q", "k", "v", "out"), "bhsd"),
+                        scale=32 ** -0.5, out_shape=got.shape, mask=mask)
+    assert np.isnan(unguarded[0, :, 4]).all()
 
 
 @pytest.mark.parametrize("case", list(ONNX_ATTENTION))
@@ -582,7 +605,11 @@ def test_binder_on_onnx_attention_op(ref_lib, case: str, calibrated) -> None:
         return
     assert isinstance(binding, Binding), binding
     assert [fn.node.input[i] for i in binding.inputs[:3]] == ["q", "k", "v"]
-    assert binding.inputs[3:] == (-1, -1)
+    # a run-time attn_mask is read as the additive mask it is; a row it masks throughout gives zeros, as the op
+    # defines (the node's nan_guard)
+    assert [fn.node.input[i] if i >= 0 else None for i in binding.inputs[3:]] == [
+        "mask" if case == "mask" else None, None]
+    assert bool(fn.attrs.get("nan_guard", 0)) == (case == "mask")
     check_binding(result.model, fn, binding, ref_lib, seed=9)
 
 
