@@ -152,12 +152,13 @@ def test_a_qkv_node_chooses_its_tiles_for_one_projection():
 @NEEDS_NVCC
 @pytest.mark.nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["vit-b16", "bert-base"])
+@pytest.mark.parametrize("name", ["bert-base"])
 def test_builtin_fp32_libraries_build_only_kernels_ptxas_accepts(tmp_path, name):
-    """TF32 is the register-hungry precision (fp32 operands and accumulators): a CUDA build of the full-size built-in
-    models at precision fp32, BERT-base with symbolic batch and sequence and its mask, has every fused node on a
+    """TF32 is the register-hungry precision (fp32 operands and accumulators): a CUDA build of a full-size built-in
+    model at precision fp32, BERT-base with symbolic batch and sequence and its mask, has every fused node on a
     device kernel for sm_80 and sm_90 with none spilling or using a stack frame: a configuration ptxas rejects is
-    passed over for the family's next (the library's `rejected`), never built."""
+    passed over for the family's next (the library's `rejected`), never built. (ViT-B/16's fp32 GEMMs are BERT-base's
+    but for their rows, 197 per image against a run-time row count; `name` may be any built-in model.)"""
     from onnx_gtco.plugin.library import build_library
 
     model = build(name, batch="batch", seq="seq") if name == "bert-base" else build(name)
