@@ -184,10 +184,10 @@ def block_rotaries(view: GraphView) -> list[BlockRotary]:
         head = _slice_of(view, rot[0]) if rot is not None else None
         if rot is None or head is None or rest is None or head.data != rest.data or head.step != 1 or rest.step != 1:
             continue
-        width = view.shape(rest.data)[-1]  # type: ignore[index]
-        r = head.hi
-        if head.axis != rest.axis or head.lo != 0 or rest.lo != r or rest.hi != width or not 0 < r < width \
-                or width % r or (rot[3] is None and r % 2):
+        shape = view.shape(rest.data)
+        width, r = shape[-1], head.hi  # type: ignore[index]
+        if head.axis != rest.axis or rest.axis != len(shape) - 1 or head.lo != 0 or rest.lo != r  \
+                or rest.hi != width or not 0 < r < width or width % r or (rot[3] is None and r % 2):  # type: ignore[arg-type,operator]
             continue
         found.append(BlockRotary(node, rest.data, width, r, rot[3], rot[1], rot[2],
                                  frozenset(rot[4] | {node.id, head.node.id, rest.node.id})))
