@@ -199,7 +199,7 @@ def plan_model(
             return m if m is not None else float(cost(cand))
 
         plan = dp_plan(view, candidates, dp_cost if measured is not None else cost, config.max_states)
-        rejects = [*rejects, *plan.rejects]  # segments the DP left unfused past its state budget
+        rejects = [*rejects, *plan.rejects]  # segments the DP covered greedily past its state budget
         st.step("DP")
         st.note = (f"{len(view)} nodes, {len(candidates)} candidates, {len(plan.fused_groups)} fused groups, "
                    f"{plan.states} DP states")

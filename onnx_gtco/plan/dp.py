@@ -16,13 +16,16 @@ Concat chains of symbolic dims) into one; and a sink every fitting group through
 the only sink whose groups are tried (the group a cover takes through it has no successor left, so it can run last at
 the same cost: the orders of parallel fusable chains, a rotary table beside a layer's GEMMs, collapse too). Both
 searches find the least cost; they may break a tie between covers of equal cost differently, which is why the first
-is kept where it is cheap. A segment that passes the budget even with forced moves is left unfused, and the plan says
-so in `Plan.rejects`; the rest of the graph is planned as usual.
+is kept where it is cheap. A segment that passes the budget even with forced moves is covered greedily instead (the
+groups that save the most first, each kept where the groups chosen so far can still run in some order: no longer the
+least cost, but no longer every node alone either), and the plan says so in `Plan.rejects`; the rest of the graph is
+planned as usual.
 Pure: no graph mutation, no I/O, no clock, no randomness.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -63,12 +66,12 @@ def plan(
             so a group the cost predicts slower than its nodes left to ONNX Runtime is never chosen, one node or many.
         cost: predicted time of one group, microseconds; math.inf forbids it.
         max_states: state budget of one segment's search; a segment past it even with forced moves (module
-            docstring) runs unfused, with a Reject naming it in `Plan.rejects`.
+            docstring) is covered greedily (_Search.greedy), with a Reject naming it in `Plan.rejects`.
         unforced_states: state budget of a segment's first search, over every order of its endings, before the
             search with forced moves (at most max_states).
 
     Returns:
-        The Plan: groups in execution order, total predicted cost, number of states explored, segments left unfused,
+        The Plan: groups in execution order, total predicted cost, number of states explored, segments covered greedily,
         the cost of each group.
 
     Raises:
@@ -86,11 +89,14 @@ def plan(
         try:
             chosen, seg_total, seg_states = search.segment(lo, hi)
         except SearchBudgetError:
-            # Past the budget even with forced moves: every node of the segment runs alone, in topological order.
-            rejects.append(Reject("dp", names[lo], f"fusion search passed {max_states} states on nodes {lo}..{hi - 1} "
-                                                   f"({names[lo]} .. {names[hi - 1]}); that segment is left unfused"))
-            chosen = search.alone(lo, hi)
+            # Past the budget even with forced moves: the segment's groups chosen greedily, largest saving first.
+            chosen = search.greedy(lo, hi)
             seg_total, seg_states = sum(search.costs[k] for k in chosen), max_states
+            fused = sum(len(search.cands[k].nodes) > 1 for k in chosen)
+            rejects.append(Reject("dp", names[lo], f"fusion search passed {max_states} states on nodes {lo}..{hi - 1} "
+                                                   f"({names[lo]} .. {names[hi - 1]}); that segment is covered "
+                                                   f"greedily ({fused} groups, the largest predicted savings first), "
+                                                   "not searched for the least cost"))
         if seg_total == math.inf:
             raise PlanError("no finite-cost way to schedule the graph (every cover uses a forbidden group)")
         total += seg_total
@@ -208,10 +214,69 @@ class _Search:
         # the empty state is shared by every segment
         return chosen[::-1], best[full][0], len(best) - (1 if lo else 0)
 
-    def alone(self, lo: int, hi: int) -> list[int]:
-        """Every node of lo..hi-1 as its cheapest single-node candidate, in topological order."""
-        return [min((k for k in self.by_node[i] if self.masks[k] == 1 << i), key=lambda k: (self.costs[k], k))
-                for i in range(lo, hi)]
+    def alone(self, i: int) -> int:
+        """Node i's cheapest single-node candidate."""
+        return min((k for k in self.by_node[i] if self.masks[k] == 1 << i), key=lambda k: (self.costs[k], k))
+
+    def greedy(self, lo: int, hi: int) -> list[int]:
+        """A cover of nodes lo..hi-1, in execution order: the groups inside it that save the most against their nodes
+        alone first (ties in candidate order), each kept where none of its nodes is taken yet and the groups so far
+        can still run in some order (no cycle between them); every other node alone."""
+        inside = ((1 << hi) - 1) & ~((1 << lo) - 1)
+        alone = {i: self.alone(i) for i in range(lo, hi)}
+        owner = {i: i for i in range(lo, hi)}  # node -> its group's key (a group is keyed by its least node)
+        members = {i: [i] for i in range(lo, hi)}
+        chosen = dict(alone)  # group key -> candidate
+
+        def saving(k: int) -> float:
+            return sum(self.costs[alone[i]] for i in self.cands[k].nodes) - self.costs[k]
+
+        picks = sorted((k for k, c in enumerate(self.cands) if len(c.nodes) > 1 and not self.masks[k] & ~inside
+                        and self.costs[k] < math.inf and saving(k) > 0), key=lambda k: (-saving(k), k))
+        for k in picks:
+            nodes = sorted(self.cands[k].nodes)
+            if any(len(members[owner[i]]) > 1 for i in nodes):
+                continue
+            trial = dict(owner)
+            for i in nodes:
+                trial[i] = nodes[0]
+            if self._order_of(trial, lo, hi) is None:
+                continue
+            owner = trial
+            for i in nodes:
+                del members[i], chosen[i]
+            members[nodes[0]], chosen[nodes[0]] = nodes, k
+        order = self._order_of(owner, lo, hi)
+        assert order is not None
+        return [chosen[g] for g in order]
+
+    def _order_of(self, owner: dict[int, int], lo: int, hi: int) -> list[int] | None:
+        """The groups of `owner` (node -> group key) in an order they can run in (least key first among the ready),
+        or None where two of them need each other."""
+        inside = ((1 << hi) - 1) & ~((1 << lo) - 1)
+        edges: dict[int, set[int]] = {g: set() for g in set(owner.values())}
+        indeg = dict.fromkeys(edges, 0)
+        for u in range(lo, hi):
+            rest = self.succ[u] & inside
+            while rest:
+                low = rest & -rest
+                v = low.bit_length() - 1
+                rest ^= low
+                a, b = owner[u], owner[v]
+                if a != b and b not in edges[a]:
+                    edges[a].add(b)
+                    indeg[b] += 1
+        ready = [g for g, d in indeg.items() if d == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            g = heapq.heappop(ready)
+            order.append(g)
+            for h in edges[g]:
+                indeg[h] -= 1
+                if indeg[h] == 0:
+                    heapq.heappush(ready, h)
+        return order if len(order) == len(edges) else None
 
 
 def segments(n: int, candidates: Sequence[Candidate]) -> list[tuple[int, int]]:

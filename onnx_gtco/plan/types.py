@@ -49,7 +49,7 @@ class Plan:
 
     Attributes:
         states: memoized states the search explored.
-        rejects: segments the search left unfused because they passed the state budget, and why.
+        rejects: segments the search covered greedily because they passed the state budget, and why.
         costs: the cost the search charged each group (same order as `groups`; empty when not recorded).
     """
 

@@ -212,15 +212,54 @@ def test_a_sink_whose_groups_all_end_the_state_is_the_only_one_tried() -> None:
     assert sorted(i for g in forced.groups for i in g.nodes) == list(range(18))
 
 
-def test_segment_past_the_budget_runs_unfused_and_says_so() -> None:
+def test_segment_past_the_budget_is_covered_greedily_and_says_so() -> None:
+    """Past the budget even with forced moves, the segment is no longer left unfused (17.5 here): its groups are
+    chosen greedily, the largest saving first, which on these pairs is the optimum."""
     dag, cands = _parallel_pairs()
     result = plan(dag, cands, _pair_cost, max_states=20)
-    assert [g.nodes for g in result.groups] == [frozenset([i]) for i in range(16)] + [frozenset([16, 17])]
-    assert result.cost_us == 17.5 == sum(result.costs)
+    assert [g.nodes for g in result.groups] == [frozenset([i, i + 1]) for i in range(0, 16, 2)] + [
+        frozenset([16, 17])]
+    assert result.cost_us == 13.5 == sum(result.costs)
     assert result.costs == tuple(_pair_cost(g) for g in result.groups)
     assert [(r.pattern, r.anchor) for r in result.rejects] == [("dp", "#0")]
     assert "passed 20 states on nodes 0..15" in result.rejects[0].reason
-    assert "left unfused" in result.rejects[0].reason
+    assert "covered greedily (8 groups" in result.rejects[0].reason
+
+
+def _valid_order(succ: list[set[int]], groups: list[frozenset[int]]) -> bool:
+    """Every node once, and each group runs after every group that writes what it reads."""
+    done: set[int] = set()
+    for g in groups:
+        if any(v in g for u in range(len(succ)) if u not in done | g for v in succ[u]):
+            return False
+        done |= g
+    return sorted(done) == list(range(len(succ))) and sum(map(len, groups)) == len(succ)
+
+
+def test_the_greedy_cover_keeps_a_group_only_where_the_groups_can_still_run_in_order() -> None:
+    """0 -> 1 -> 2 with {0, 2} the largest saving: taken alone it needs 1 both before and after it, so the greedy
+    cover passes it over for {0, 1} and {1, 2}'s best that fits."""
+    succ = [{1}, {2}, set()]
+    dag = Dag((0b010, 0b100, 0))
+    cands = [Candidate(frozenset([0, 2]), "fam", "outer"), Candidate(frozenset([1, 2]), "fam", "tail")]
+    cost = {frozenset([0, 2]): 0.5, frozenset([1, 2]): 1.5}
+    result = plan(dag, cands, lambda c: cost.get(c.nodes, 1.0), max_states=1)
+    assert [g.nodes for g in result.groups] == [frozenset([0]), frozenset([1, 2])]
+    assert _valid_order(succ, [g.nodes for g in result.groups]) and result.rejects
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_greedy_cover_is_valid_and_no_dearer_than_every_node_alone(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = 12
+    dag, succ = random_dag(rng, n, 0.25)
+    cands = random_candidates(rng, succ, 20)
+    cost = lambda c: 1.0 if len(c.nodes) == 1 else 0.6 * len(c.nodes) + 0.1 * (min(c.nodes) % 3)  # noqa: E731
+    greedy = plan(dag, cands, cost, max_states=1)
+    optimum = plan(dag, cands, cost)
+    assert _valid_order(succ, [g.nodes for g in greedy.groups])
+    assert optimum.cost_us <= greedy.cost_us + 1e-9 and greedy.cost_us <= n
+    assert greedy.rejects and not optimum.rejects
 
 
 def test_infeasible_cover_is_still_an_error() -> None:
