@@ -383,7 +383,8 @@ class GtcoConfig:
         target: GPU target name, a key of TARGETS: a GPU ("h200") or an arch ("sm_90", its data-sheet GPU).
         precision: compute precision of fused groups: fp32, fp16 or bf16 (fp32 accumulation always).
         max_group_size: largest number of ONNX nodes one fused group may hold (DP ending bound).
-        max_states: the DP gives up with a PlanError past this many memoized states.
+        max_states: the DP's state budget per segment; a segment past it (even with forced moves) is covered
+            greedily, and the report's rejects say which (plan/dp.py).
         seed: seed of every random choice (check inputs, tuning).
         dynamic: declared ranges of the model's symbolic dims, (dim name, lo, hi) sorted by name; the model is
             optimized for every shape inside them (see parse_dynamic for the `--dynamic` text form).
