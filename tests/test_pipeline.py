@@ -58,6 +58,20 @@ def test_builtin_model_end_to_end(name: str, overrides: dict) -> None:
     assert min(d.cosine for d in diffs) > 0.99999
 
 
+def test_a_search_past_its_state_budget_still_fuses_and_computes_the_original() -> None:
+    """With a state budget no segment's search fits in, every segment is covered greedily: the model still fuses
+    its attention and GEMMs, the report says which segments, and the rewritten model computes the original."""
+    model = build("bert-tiny", seed=0)
+    result = optimize(model, GtcoConfig(max_states=1))
+    rep = result.report
+    greedy = [r for r in rep["rejected"] if r["pattern"] == "dp"]
+    assert greedy and all("covered greedily" in r["reason"] for r in greedy), rep["rejected"]
+    assert {"attention", "gemm"} <= {g["family"] for g in rep["groups"]}
+    assert rep["predicted_us_after"] < rep["predicted_us_before"]
+    diffs = compare(model, result.model, "cpu", rtol=1e-4, atol=1e-5)
+    assert all(d.ok for d in diffs), diffs
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_reduced_precision_converts_and_passes_check_at_its_tolerance(precision: str) -> None:
     """A half precision marks every fused node and converts the model (onnx_gtco.precision): fused nodes on half
