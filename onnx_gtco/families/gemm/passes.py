@@ -1,7 +1,8 @@
-"""The GEMM family's passes: a Reshape between a GEMM and its activation moved after it, so that the epilogue applies
-the activation (families/gemm/row_view.py); a block's Q, K and V projections packed into one GEMM that the attention
-reads packed (families/gemm/pack.py; GtcoConfig.pack_qkv); a gated MLP's two projections as one GEMM
-(families/gemm/gated.py; GtcoConfig.pack_gated)."""
+"""The GEMM family's passes: an Einsum that is a matrix product up to permutations written as a MatMul between
+Transposes and Reshapes (families/gemm/einsum.py); a Reshape between a GEMM and its activation moved after it, so that
+the epilogue applies the activation (families/gemm/row_view.py); a block's Q, K and V projections packed into one
+GEMM that the attention reads packed (families/gemm/pack.py; GtcoConfig.pack_qkv); a gated MLP's two projections as
+one GEMM (families/gemm/gated.py; GtcoConfig.pack_gated)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ import onnx
 
 from onnx_gtco.calibration import Hardware
 from onnx_gtco.config import GtcoConfig
+from onnx_gtco.families.gemm.einsum import einsum_matmuls
 from onnx_gtco.families.gemm.gated import pack_gated
 from onnx_gtco.families.gemm.pack import pack_qkv
 from onnx_gtco.families.gemm.row_view import sunk_reshapes
 from onnx_gtco.plan.types import GraphPass
+
+
+def einsum(model: onnx.ModelProto, config: GtcoConfig,
+           hw: Hardware) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """`model` with every Einsum that is a matrix product up to permutations a MatMul between Transposes and Reshapes
+    (equal up to the order of its sums); nothing to report."""
+    del config, hw
+    model, _ = einsum_matmuls(model)
+    return model, []
 
 
 def sink(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
@@ -40,14 +51,16 @@ def gate(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[onnx
     return model, []
 
 
-PASSES = (GraphPass("sink_reshape", 1, lambda config: True, sink,
+PASSES = (GraphPass("einsum_matmul", 0, lambda config: True, einsum,
+                    "an Einsum that is a matrix product up to permutations as a MatMul, families/gemm/einsum.py"),
+          GraphPass("sink_reshape", 1, lambda config: True, sink,
                     "a Reshape between a GEMM and its activation moved after it, families/gemm/row_view.py"),
           GraphPass("pack_qkv", 1, lambda config: bool(config.pack_qkv), pack,
                     "each block's Q, K and V projections as one GEMM, families/gemm/pack.py"),
           GraphPass("pack_gated", 2, lambda config: bool(config.pack_gated), gate,
                     "a gated MLP's gate and up projections as one GEMM, families/gemm/gated.py"))
-"""The GEMM family's passes (GraphPass): the Reshape sinking and the QKV packing, after the patchify rewrite (its GEMMs
-are no projections), then the gated MLPs' packing."""
+"""The GEMM family's passes (GraphPass): the Einsums as MatMuls first, then the Reshape sinking and the QKV packing,
+after the patchify rewrite (its GEMMs are no projections), then the gated MLPs' packing."""
 
 
-__all__ = ["PASSES", "gate", "pack", "sink"]
+__all__ = ["PASSES", "einsum", "gate", "pack", "sink"]
