@@ -16,7 +16,9 @@ initializer; with no batch letters and a constant B, A keeps its free letters as
 over them). Transposes and Reshapes that change nothing are not written. The values are the Einsum's up to the order
 of its sums. Equations the attention rule already reads (onnx_gtco.ir.einsum.batched_matmul), and any other form (a
 letter summed within one operand, nothing summed, broadcast batch dims, "...", one or three operands, symbolic dims),
-are left as they are.
+are left as they are, and so is a product that is neither a projection (a constant operand, no batch letters) nor
+attention's scores or P V (SAM's relative-position terms: ONNX Runtime runs the Einsum as one kernel, where the
+MatMul would bring Transposes and Reshapes of its own).
 """
 
 from __future__ import annotations
@@ -86,6 +88,41 @@ def einsum_product(view: GraphView, node: Node) -> EinsumProduct | None:
     if n and m and free[0] in n:  # the output names B's free letters first: B @ A needs no Transpose after
         a, b, la, lb, m, n = b, a, lb, la, n, m
     return EinsumProduct(node, a, b, la, lb, out, batch, m, n, k)
+
+
+_TO_SOFTMAX = ("Add", "Sub", "Mul", "Div", "Where", "Reshape", "Cast")
+_FROM_SOFTMAX = ("Where", "Cast", "Reshape", "Identity")
+
+
+def _feeds_a_gemm_or_an_attention(view: GraphView, e: EinsumProduct) -> bool:
+    """A projection (a constant operand and no batch letters: a weight GEMM), or the product is attention's scores
+    (it reaches a Softmax through additive terms and scales) or its P V (an operand comes from a Softmax): the
+    products the GEMM and attention rules fuse. Any other (SAM's relative-position terms, per-head products with a
+    constant table; small products of computed tensors) stays an Einsum, which ONNX Runtime runs as one kernel where
+    the MatMul would bring Transposes and Reshapes of its own (SAM: predicted 146 -> 159 us with them rewritten)."""
+    if not e.batch and any(view.const_value(t) is not None for t in (e.a, e.b)):
+        return True
+    tensor = e.node.outputs[0]
+    for _ in range(6):
+        readers = view.consumers_of(tensor)
+        if len(readers) != 1 or tensor in view.graph_outputs:
+            break
+        if is_op(readers[0], "Softmax"):
+            return True
+        if not is_op(readers[0], *_TO_SOFTMAX):
+            break
+        tensor = readers[0].outputs[0]
+    for tensor in (e.a, e.b):
+        for _ in range(4):
+            node = view.producer_of(tensor)
+            if node is None:
+                break
+            if is_op(node, "Softmax"):
+                return True
+            if not is_op(node, *_FROM_SOFTMAX):
+                break
+            tensor = node.inputs[1] if is_op(node, "Where") and len(node.inputs) == 3 else node.inputs[0]
+    return False
 
 
 def _perm(letters: str, order: str) -> list[int]:
@@ -158,6 +195,7 @@ def einsum_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     infos: list[onnx.ValueInfoProto] = []
     for node in view.nodes:
         e = einsum_product(view, node)
+        e = e if e is not None and _feeds_a_gemm_or_an_attention(view, e) else None
         info = view.info(node.outputs[0]) if e is not None else None
         if e is None or info is None or info.dtype not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
                                                            onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE):

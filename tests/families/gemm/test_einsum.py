@@ -18,17 +18,26 @@ from onnx_gtco.ir.load import load_model
 from onnx_gtco.ir.view import GraphView
 
 
-def einsum_model(equation: str, a: list[int], b: list[int], const_b: bool = False) -> onnx.ModelProto:
+def einsum_model(equation: str, a: list[int], b: list[int], context: str = "") -> onnx.ModelProto:
+    """One Einsum of inputs a and b; `context` "weight": b a constant; "scores": a Softmax reads the product;
+    "probs": a is a Softmax's output (attention's P)."""
     rng = np.random.default_rng(len(equation))
     inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, a)]
-    inits = []
-    if const_b:
+    inits, nodes = [], []
+    if context == "weight":
         inits.append(numpy_helper.from_array(rng.standard_normal(b).astype(np.float32), "b"))
     else:
         inputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, b))
-    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation=equation)
+    first = "a"
+    if context == "probs":
+        nodes.append(helper.make_node("Softmax", ["a"], ["p"], axis=-1))
+        first = "p"
+    product = "y" if context != "scores" else "s"
+    nodes.append(helper.make_node("Einsum", [first, "b"], [product], equation=equation))
+    if context == "scores":
+        nodes.append(helper.make_node("Softmax", ["s"], ["y"], axis=-1))
     out = list(np.einsum(equation, np.zeros(a), np.zeros(b)).shape)
-    graph = helper.make_graph([node], "einsum", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+    graph = helper.make_graph(nodes, "einsum", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
                               inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -37,31 +46,29 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
-PRODUCTS = {  # tf2onnx's BERT layer, SAM's relative position, a transposed result
-    "projection": ("abc,cde->abde", [2, 5, 16], [16, 4, 8], True, {"MatMul", "Reshape"}),
-    "scores": ("aecd,abcd->acbe", [2, 7, 4, 8], [2, 5, 4, 8], False, {"MatMul", "Transpose"}),
-    "values": ("acbe,aecd->abcd", [2, 4, 5, 7], [2, 7, 4, 8], False, {"MatMul", "Transpose"}),
-    "out_projection": ("abcd,cde->abe", [2, 5, 4, 8], [4, 8, 16], True, {"MatMul", "Reshape"}),
-    "rel_pos": ("bhwc,hkc->bhwk", [2, 6, 5, 8], [6, 9, 8], False, {"MatMul", "Transpose", "Reshape"}),
-    "transposed": ("ij,jk->ki", [3, 4], [4, 5], False, {"MatMul", "Transpose"}),
+PRODUCTS = {  # tf2onnx's BERT layer, a transposed result
+    "projection": ("abc,cde->abde", [2, 5, 16], [16, 4, 8], "weight", {"MatMul", "Reshape"}),
+    "scores": ("aecd,abcd->acbe", [2, 7, 4, 8], [2, 5, 4, 8], "scores", {"MatMul", "Transpose"}),
+    "values": ("acbe,aecd->abcd", [2, 4, 5, 7], [2, 7, 4, 8], "probs", {"MatMul", "Transpose"}),
+    "out_projection": ("abcd,cde->abe", [2, 5, 4, 8], [4, 8, 16], "weight", {"MatMul", "Reshape"}),
+    "transposed": ("ij,jk->ki", [3, 4], [4, 5], "weight", {"MatMul", "Transpose"}),
 }
 
 
 @pytest.mark.parametrize("case", list(PRODUCTS))
 def test_a_matrix_product_einsum_becomes_a_matmul_with_its_values(case: str) -> None:
-    equation, a, b, const_b, ops = PRODUCTS[case]
-    model = load_model(einsum_model(equation, a, b, const_b))
+    equation, a, b, context, ops = PRODUCTS[case]
+    model = load_model(einsum_model(equation, a, b, context))
     rewritten, count = einsum_matmuls(model)
     assert count == 1
-    got_ops = {n.op_type for n in rewritten.graph.node}
+    got_ops = {n.op_type for n in rewritten.graph.node} - {"Softmax"}
     assert "Einsum" not in got_ops and got_ops <= ops, got_ops
-    if const_b:  # the weight permuted and reshaped once, into an initializer
-        assert "Transpose" not in got_ops
-        assert not any(n.op_type == "Reshape" and n.input[0] == "b" for n in rewritten.graph.node)
+    if context == "weight":  # the weight permuted and reshaped once, into an initializer
+        assert not any(n.input[0] == "b" for n in rewritten.graph.node if n.op_type in ("Transpose", "Reshape"))
     onnx.checker.check_model(rewritten, full_check=True)
     rng = np.random.default_rng(5)
     feeds = {"a": rng.standard_normal(a).astype(np.float32)}
-    if not const_b:
+    if context != "weight":
         feeds["b"] = rng.standard_normal(b).astype(np.float32)
     want, got = _run(model, feeds), _run(rewritten, feeds)
     assert got.shape == want.shape
@@ -71,23 +78,28 @@ def test_a_matrix_product_einsum_becomes_a_matmul_with_its_values(case: str) -> 
 def test_scores_read_the_second_operand_first_so_no_transpose_follows_the_matmul() -> None:
     """tf2onnx's scores name the second operand's free letter first ([a, c, b, e]): B @ A needs no Transpose of the
     product, so the attention rule sees MatMul(q, kᵀ) straight into the mask's Add."""
-    model = load_model(einsum_model("aecd,abcd->acbe", [2, 7, 4, 8], [2, 5, 4, 8]))
+    model = load_model(einsum_model("aecd,abcd->acbe", [2, 7, 4, 8], [2, 5, 4, 8], "scores"))
     rewritten, _ = einsum_matmuls(model)
     matmul = next(n for n in rewritten.graph.node if n.op_type == "MatMul")
-    assert matmul.output[0] == "y"
+    assert rewritten.graph.node[-1].op_type == "Softmax" and rewritten.graph.node[-1].input[0] == matmul.output[0]
 
 
-@pytest.mark.parametrize("equation, a, b", [
-    ("bhqd,bhkd->bhqk", [1, 2, 5, 8], [1, 2, 6, 8]),  # read as it is by the attention rule
-    ("ab,cb->ac", [3, 4], [5, 4]),                    # A Bᵀ: read as it is too
-    ("abc,cd->ad", [2, 3, 4], [4, 5]),                # b summed within one operand
-    ("ab,ab->ab", [3, 4], [3, 4]),                    # nothing summed
-], ids=["batched-matmul", "a-times-b-transposed", "summed-within-one", "elementwise"])
-def test_other_forms_are_left_alone(equation: str, a: list[int], b: list[int]) -> None:
-    model = load_model(einsum_model(equation, a, b))
-    view = GraphView(model)
-    assert einsum_product(view, view.nodes[0]) is None
+@pytest.mark.parametrize("equation, a, b, context, product", [
+    ("bhqd,bhkd->bhqk", [1, 2, 5, 8], [1, 2, 6, 8], "scores", False),  # read as it is by the attention rule
+    ("ab,cb->ac", [3, 4], [5, 4], "weight", False),                    # A Bᵀ: read as it is too
+    ("abc,cd->ad", [2, 3, 4], [4, 5], "weight", False),                # b summed within one operand
+    ("ab,ab->ab", [3, 4], [3, 4], "scores", False),                    # nothing summed
+    ("bhwc,hkc->bhwk", [2, 6, 5, 8], [6, 9, 8], "weight", True),       # SAM's relative position: per head
+    ("aecd,abcd->acbe", [2, 7, 4, 8], [2, 5, 4, 8], "", True),         # computed tensors, no attention
+], ids=["batched-matmul", "a-times-b-transposed", "summed-within-one", "elementwise", "per-head-table",
+        "no-attention"])
+def test_other_forms_are_left_alone(equation: str, a: list[int], b: list[int], context: str, product: bool) -> None:
+    """Forms that are no matrix product here, or that the rules read as they are; and products that feed neither a
+    GEMM nor an attention (ONNX Runtime's one Einsum kernel beats a MatMul with Transposes around it)."""
+    model = load_model(einsum_model(equation, a, b, context))
     assert einsum_matmuls(model) == (model, 0)
+    view = GraphView(model)
+    assert (einsum_product(view, next(n for n in view.nodes if n.op_type == "Einsum")) is not None) == product
 
 
 def tf2onnx_layer() -> onnx.ModelProto:
