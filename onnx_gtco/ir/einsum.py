@@ -23,8 +23,8 @@ class BatchedMatMul:
     trans_b: bool  # B is stored [.., N, K]
 
 
-def batched_matmul(equation: str | bytes | None) -> BatchedMatMul | None:
-    """The matrix product an Einsum `equation` computes, or None when it is not one."""
+def two_operand_terms(equation: str | bytes | None) -> tuple[str, str, str] | None:
+    """The letters of an explicit two-operand Einsum `equation` (spaces dropped): (a, b, output), else None."""
     if equation is None:
         return None
     eq = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
@@ -32,9 +32,15 @@ def batched_matmul(equation: str | bytes | None) -> BatchedMatMul | None:
         return None
     ins, out = eq.split("->")
     operands = ins.split(",")
-    if len(operands) != 2:
+    return (operands[0], operands[1], out) if len(operands) == 2 else None
+
+
+def batched_matmul(equation: str | bytes | None) -> BatchedMatMul | None:
+    """The matrix product an Einsum `equation` computes, or None when it is not one."""
+    found = two_operand_terms(equation)
+    if found is None:
         return None
-    terms = [*operands, out]
+    terms = list(found)
     dots = [t.startswith("...") for t in terms]
     if any(dots) and not all(dots):
         return None

@@ -223,40 +223,33 @@ class _Search:
         alone first (ties in candidate order), each kept where none of its nodes is taken yet and the groups so far
         can still run in some order (no cycle between them); every other node alone."""
         inside = ((1 << hi) - 1) & ~((1 << lo) - 1)
-        alone = {i: self.alone(i) for i in range(lo, hi)}
-        owner = {i: i for i in range(lo, hi)}  # node -> its group's key (a group is keyed by its least node)
-        members = {i: [i] for i in range(lo, hi)}
-        chosen = dict(alone)  # group key -> candidate
-
-        def saving(k: int) -> float:
-            return sum(self.costs[alone[i]] for i in self.cands[k].nodes) - self.costs[k]
-
-        picks = sorted((k for k, c in enumerate(self.cands) if len(c.nodes) > 1 and not self.masks[k] & ~inside
-                        and self.costs[k] < math.inf and saving(k) > 0), key=lambda k: (-saving(k), k))
-        for k in picks:
+        chosen = {i: self.alone(i) for i in range(lo, hi)}  # group key (its least node) -> candidate
+        owner = {i: i for i in range(lo, hi)}  # node -> its group's key
+        taken: set[int] = set()  # the nodes of the groups kept so far
+        savings = [(sum(self.costs[chosen[i]] for i in c.nodes) - self.costs[k], k) for k, c in enumerate(self.cands)
+                   if len(c.nodes) > 1 and not self.masks[k] & ~inside and self.costs[k] < math.inf]
+        for _, k in sorted((-x, k) for x, k in savings if x > 0):
             nodes = sorted(self.cands[k].nodes)
-            if any(len(members[owner[i]]) > 1 for i in nodes):
+            if taken.intersection(nodes):
                 continue
-            trial = dict(owner)
-            for i in nodes:
-                trial[i] = nodes[0]
-            if self._order_of(trial, lo, hi) is None:
+            trial = {**owner, **dict.fromkeys(nodes, nodes[0])}
+            if self._order_of(trial, lo, inside) is None:
                 continue
             owner = trial
+            taken.update(nodes)
             for i in nodes:
-                del members[i], chosen[i]
-            members[nodes[0]], chosen[nodes[0]] = nodes, k
-        order = self._order_of(owner, lo, hi)
+                del chosen[i]
+            chosen[nodes[0]] = k
+        order = self._order_of(owner, lo, inside)
         assert order is not None
         return [chosen[g] for g in order]
 
-    def _order_of(self, owner: dict[int, int], lo: int, hi: int) -> list[int] | None:
-        """The groups of `owner` (node -> group key) in an order they can run in (least key first among the ready),
-        or None where two of them need each other."""
-        inside = ((1 << hi) - 1) & ~((1 << lo) - 1)
+    def _order_of(self, owner: dict[int, int], lo: int, inside: int) -> list[int] | None:
+        """The groups of `owner` (node -> group key, nodes lo.. of the mask `inside`) in an order they can run in
+        (least key first among the ready), or None where two of them need each other."""
         edges: dict[int, set[int]] = {g: set() for g in set(owner.values())}
         indeg = dict.fromkeys(edges, 0)
-        for u in range(lo, hi):
+        for u in range(lo, lo + len(owner)):
             rest = self.succ[u] & inside
             while rest:
                 low = rest & -rest

@@ -32,6 +32,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx_gtco.families.elementwise.rotate import rotate_half_sign
+from onnx_gtco.families.elementwise.rule import slice_axis
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
 from onnx_gtco.patterns.util import spliced
@@ -72,22 +74,8 @@ def _last_axis(view: GraphView, tensor: str, axis: int) -> bool:
 def _slice_of(view: GraphView, tensor: str) -> _Slice | None:
     """The Slice writing `tensor` when it takes one axis with constant bounds and a positive step."""
     node = view.producer_of(tensor)
-    if node is None or not is_op(node, "Slice") or len(node.inputs) < 3:
-        return None
-    names = (*node.inputs[1:5], "", "")[:4]
-    starts, ends, axes, steps = (view.const_value(t) if t else np.array([d]) for t, d in zip(names, (0, 0, 0, 1),
-                                                                                               strict=True))
-    shape = view.shape(node.inputs[0])
-    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or shape is None:
-        return None  # a bound that is no constant, or more than one axis
-    axis, step = int(axes.reshape(-1)[0]), int(steps.reshape(-1)[0])  # type: ignore[union-attr]
-    if step <= 0:
-        return None
-    axis %= len(shape)
-    if not isinstance(shape[axis], int):
-        return None
-    lo, hi, _ = slice(int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0]), step).indices(shape[axis])  # type: ignore[union-attr]
-    return _Slice(node.inputs[0], axis, lo, hi, step, node)
+    found = slice_axis(view, node) if node is not None else None
+    return _Slice(*found, node) if found is not None else None  # type: ignore[arg-type]
 
 
 def _unsqueezed_last(view: GraphView, tensor: str) -> str | None:
@@ -221,8 +209,7 @@ def _rewrite(view: GraphView, b: BlockRotary, dtype: int) -> tuple[list[onnx.Nod
     blocks, r = b.width // b.rotated, b.rotated
     inner = [r] if b.half is not None else [r // 2, 2]
     half, last = (b.half, r) if b.half is not None else (1, 2)
-    n_dt = helper.tensor_dtype_to_np_dtype(dtype)
-    sign = np.concatenate([-np.ones(last - half), np.ones(half)]).astype(n_dt)
+    sign = rotate_half_sign(last, half, dtype)
     bshape = [*xs[:-1], blocks, *inner]
     tshape = [*cs[:-1], 1, *inner]
     inits = [numpy_helper.from_array(np.array([0] * (len(xs) - 1) + [blocks, *inner], np.int64), f"{p}.blocked"),
@@ -263,18 +250,13 @@ def _rewrite(view: GraphView, b: BlockRotary, dtype: int) -> tuple[list[onnx.Nod
 
 
 def _dead(view: GraphView, candidates: frozenset[int], removed: set[int]) -> set[int]:
-    """The nodes of `candidates` that nothing reads once `removed` is gone (graph outputs are read)."""
+    """The nodes of `candidates` that nothing reads once `removed` is gone (graph outputs are read). One pass from the
+    last node back suffices: every reader comes after what it reads."""
     gone = set(removed)
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(candidates - gone, reverse=True):
-            node = view.nodes[i]
-            if any(o in view.graph_outputs or any(c.id not in gone for c in view.consumers_of(o))
-                   for o in node.outputs if o):
-                continue
+    for i in sorted(candidates - gone, reverse=True):
+        if not any(o in view.graph_outputs or any(c.id not in gone for c in view.consumers_of(o))
+                   for o in view.nodes[i].outputs if o):
             gone.add(i)
-            changed = True
     return gone
 
 

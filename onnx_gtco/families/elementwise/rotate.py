@@ -38,6 +38,12 @@ class RotateHalf:
     width: int
 
 
+def rotate_half_sign(width: int, half: int, dtype: int) -> np.ndarray:
+    """The sign of each index of a rotate-half written as a roll, ``Concat(x[..., h:], x[..., :h]) * s``: -1 on the
+    width - half indices that were negated, 1 on the rest (dtype: the ONNX element type)."""
+    return np.concatenate([-np.ones(width - half), np.ones(half)]).astype(helper.tensor_dtype_to_np_dtype(dtype))
+
+
 def _rotate_half_at(view: GraphView, concat: Node) -> RotateHalf | None:
     if not is_op(concat, "Concat") or len(concat.inputs) != 2:
         return None
@@ -81,8 +87,7 @@ def signed_rolls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[RotateHa
         dtype = info.dtype if info is not None else onnx.TensorProto.FLOAT
         key = (r.width, r.half, dtype)
         if key not in signs:
-            sign = np.concatenate([-np.ones(r.width - r.half), np.ones(r.half)]).astype(
-                helper.tensor_dtype_to_np_dtype(dtype))
+            sign = rotate_half_sign(r.width, r.half, dtype)
             signs[key] = f"{r.concat.name or r.concat.outputs[0]}.rotate_half_sign"
             new_inits.append(numpy_helper.from_array(sign, signs[key]))
         rolled = f"{r.concat.outputs[0]}.rolled"
@@ -96,4 +101,4 @@ def signed_rolls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[RotateHa
     return spliced(model, replace, removed, new_inits, new_infos), found
 
 
-__all__ = ["RotateHalf", "rotate_halves", "signed_rolls"]
+__all__ = ["RotateHalf", "rotate_half_sign", "rotate_halves", "signed_rolls"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_gtco.ir.elementwise import program_from_onnx, runtime_spec_from_onnx
@@ -90,12 +91,11 @@ class ElementwisePattern:
                     upstream.add(p)
                     todo.append(p)
         shared = [i for i in part if i not in upstream]
-        unmoved = [i for i in shared if not (self._layout(view.nodes[i])
-                                             and view.nodes[i].op_type in ("Transpose", "Pad"))]
+        whole = {i for i in part if self._layout(view.nodes[i]) and view.nodes[i].op_type in ("Transpose", "Pad")}
+        unmoved = [i for i in shared if i not in whole]
         rest = sorted(i for i in part if not self._layout(view.nodes[i]))
         tables = sorted(upstream - escaping)
-        unmoved_tables = [i for i in tables if not (self._layout(view.nodes[i])
-                                                    and view.nodes[i].op_type in ("Transpose", "Pad"))]
+        unmoved_tables = [i for i in tables if i not in whole]
         for ids, above in ((shared, tables), (unmoved, unmoved_tables)):
             if not any(self._layout(view.nodes[i]) for i in (*ids, *above)):
                 continue
@@ -125,13 +125,11 @@ class ElementwisePattern:
         src = view.producer.get(node.inputs[0]) if node.inputs else None
         while src in part and view.nodes[src].domain == "" and view.nodes[src].op_type in VIEW_OPS:
             src = view.producer.get(view.nodes[src].inputs[0])
-        if src not in part or not self._ew(view.nodes[src]):  # type: ignore[index]
-            return False
-        before, after = view.shape(node.inputs[0]), view.shape(node.outputs[0])
-        if before is None or after is None:
+        before = view.shape(node.inputs[0])
+        if src not in part or not self._ew(view.nodes[src]) or before is None or out is None:  # type: ignore[index]
             return False
         strip = lambda s: tuple(s[next((k for k, d in enumerate(s) if d != 1), len(s)):])  # noqa: E731
-        return strip(before) != strip(after)
+        return strip(before) != strip(out)
 
     def _ends_computing(self, view: GraphView, part: frozenset[int]) -> frozenset[int]:
         """Drop view ops that end the group, and view ops that begin it whose result is read outside too: its outputs
@@ -335,20 +333,29 @@ def unfoldable(view: GraphView, ids: frozenset[int]) -> str | None:
     return None
 
 
-def slice_range(view: GraphView, node: Node) -> tuple[str, int, int, int] | None:
-    """(data tensor, axis, start, end) of a Slice of one axis with step 1 and constant bounds, clamped; else None."""
-    if node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 4:
+def slice_axis(view: GraphView, node: Node) -> tuple[str, int, int, int, int] | None:
+    """(data tensor, axis, start, end, step) of a Slice of one axis with constant bounds and a positive step,
+    clamped (a Slice without axes takes axis 0, without steps step 1); else None."""
+    if not is_op(node, "Slice") or len(node.inputs) < 3:
         return None
-    vals = [view.const_value(t) for t in node.inputs[1:5] if t]
+    names = (*node.inputs[1:5], "", "")[:4]
+    starts, ends, axes, steps = (view.const_value(t) if t else np.array([d])
+                                 for t, d in zip(names, (0, 0, 0, 1), strict=True))
     shape = view.shape(node.inputs[0])
-    if any(v is None or v.size != 1 for v in vals) or shape is None:
+    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or shape is None:
+        return None  # a bound that is no constant, or more than one axis
+    axis, step = int(axes.reshape(-1)[0]) % len(shape), int(steps.reshape(-1)[0])  # type: ignore[union-attr]
+    if step <= 0 or not isinstance(shape[axis], int):
         return None
-    start, end, axis, *step = (int(v.reshape(())) for v in vals)
-    axis %= len(shape)
-    if step not in ([], [1]) or not isinstance(shape[axis], int):
-        return None
-    lo, hi, _ = slice(start, end).indices(shape[axis])
-    return node.inputs[0], axis, lo, hi
+    lo, hi, _ = slice(int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0]), step).indices(shape[axis])  # type: ignore[union-attr]
+    return node.inputs[0], axis, lo, hi, step
+
+
+def slice_range(view: GraphView, node: Node) -> tuple[str, int, int, int] | None:
+    """(data tensor, axis, start, end) of a Slice of one axis with step 1 and constant bounds (axes given), clamped;
+    else None."""
+    found = slice_axis(view, node) if len(node.inputs) >= 4 else None
+    return found[:4] if found is not None and found[4] == 1 else None
 
 
 def is_roll(view: GraphView, node: Node) -> bool:

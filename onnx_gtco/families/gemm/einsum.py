@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_gtco.ir.einsum import batched_matmul
+from onnx_gtco.ir.einsum import batched_matmul, two_operand_terms
 from onnx_gtco.ir.view import GraphView, Node
 from onnx_gtco.patterns.base import is_op
 from onnx_gtco.patterns.util import spliced
@@ -39,7 +39,7 @@ from onnx_gtco.patterns.util import spliced
 @dataclass(frozen=True)
 class EinsumProduct:
     """An Einsum `node` as A @ B: `a` and `b` its operands (swapped where the output names B's free letters first),
-    their letters, and the batch, free (m of A, n of B) and summed (k) letters."""
+    their letters, the batch, free (m of A, n of B) and summed (k) letters, and each letter's size."""
 
     node: Node
     a: str
@@ -51,21 +51,18 @@ class EinsumProduct:
     m: str
     n: str
     k: str
+    size: dict[str, int]  # each letter's size
 
 
 def einsum_product(view: GraphView, node: Node) -> EinsumProduct | None:
     """`node` read as a matrix product up to permutations, or None (see the module docstring)."""
     if not is_op(node, "Einsum") or len(node.inputs) != 2 or batched_matmul(node.attrs.get("equation")) is not None:
         return None
-    eq = node.attrs.get("equation")
-    eq = (eq.decode() if isinstance(eq, bytes) else str(eq or "")).replace(" ", "")
-    if eq.count("->") != 1 or "." in eq:
-        return None
-    ins, out = eq.split("->")
-    terms = ins.split(",")
-    if len(terms) != 2 or not all(t.isalpha() and len(set(t)) == len(t) for t in (*terms, out)):
-        return None
-    la, lb = terms
+    found = two_operand_terms(node.attrs.get("equation"))
+    if found is None or not all(t.isalpha() and len(set(t)) == len(t) for t in found):
+        return None  # also "...": no letter
+    la, lb, out = found
+    terms = (la, lb)
     shapes = [view.shape(t) for t in node.inputs]
     if any(s is None or len(s) != len(t) or not all(isinstance(d, int) for d in s)
            for s, t in zip(shapes, terms, strict=True)):
@@ -87,7 +84,7 @@ def einsum_product(view: GraphView, node: Node) -> EinsumProduct | None:
     free = [c for c in out if c not in batch]
     if n and m and free[0] in n:  # the output names B's free letters first: B @ A needs no Transpose after
         a, b, la, lb, m, n = b, a, lb, la, n, m
-    return EinsumProduct(node, a, b, la, lb, out, batch, m, n, k)
+    return EinsumProduct(node, a, b, la, lb, out, batch, m, n, k, size)
 
 
 _TO_SOFTMAX = ("Add", "Sub", "Mul", "Div", "Where", "Reshape", "Cast")
@@ -133,8 +130,7 @@ def _rewrite(view: GraphView, e: EinsumProduct, dtype: int) -> tuple[list[onnx.N
                                                                    list[onnx.ValueInfoProto]]:
     """The nodes writing the Einsum's output as a MatMul, their constants and the shapes of their tensors."""
     p = f"{e.node.outputs[0]}.einsum"
-    size = {c: int(d) for t, x in ((e.a_letters, e.a), (e.b_letters, e.b))
-            for c, d in zip(t, view.shape(x), strict=True)}  # type: ignore[arg-type]
+    size = e.size
     dims = [size[c] for c in e.batch]
     prod = lambda letters: math.prod(size[c] for c in letters)  # noqa: E731
     nodes: list[onnx.NodeProto] = []
