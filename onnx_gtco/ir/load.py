@@ -177,13 +177,15 @@ def read_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     return model
 
 
-def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelProto:
+def load_model(source: str | os.PathLike[str] | onnx.ModelProto, min_opset: int = MIN_OPSET) -> onnx.ModelProto:
     """Read, validate and normalise a model for planning.
 
     Returns a new ModelProto: checked, opset >= 13 (older opsets converted), constants folded, shapes inferred.
+    A `min_opset` above 13 is what the run needs (fp8's E4M3 tensors: 19): a model below it is converted to it.
 
     Raises:
         ModelError: unreadable or invalid model, or an opset we cannot convert.
+        UnsupportedError: a model below `min_opset` that onnx's version converter cannot convert.
     """
     model = read_model(source)
     progress.step("check")
@@ -209,7 +211,7 @@ def load_model(source: str | os.PathLike[str] | onnx.ModelProto) -> onnx.ModelPr
     progress.step("opset")
     if default_opset(model) is None:  # no ONNX op to fold or fuse
         return infer_shapes(model, name)
-    model = _convert_opset(model, name, contrib)
+    model = _convert_opset(model, name, contrib, min_opset)
     if contrib:
         model = _with_layernorm_domain(_mixed_layernorms_cast(model, name), _HIDDEN_DOMAIN, "")
     progress.step("fold constants, infer shapes")
@@ -644,14 +646,16 @@ def _refuse_unknown_ops(model: onnx.ModelProto, name: str) -> None:
                                "ops in its place (a current exporter, without onnxruntime's graph optimizations)")
 
 
-def _convert_opset(model: onnx.ModelProto, name: str, contrib: bool = False) -> onnx.ModelProto:
+def _convert_opset(model: onnx.ModelProto, name: str, contrib: bool = False, min_opset: int = MIN_OPSET
+                   ) -> onnx.ModelProto:
     """The model at opset >= MIN_OPSET of the default domain (onnx's version converter, to CONVERT_TO_OPSET); with
     `contrib` (its contrib LayerNormalization nodes moved to _HIDDEN_DOMAIN, which the converter leaves as they are)
-    at CONVERT_TO_OPSET also from opsets 13-16, so that LayerNormalization has its ONNX definition.
+    at CONVERT_TO_OPSET also from opsets 13-16, so that LayerNormalization has its ONNX definition. Below a
+    `min_opset` above MIN_OPSET, to `min_opset` (or CONVERT_TO_OPSET where that is higher).
 
     Raises:
-        UnsupportedError: an opset newer than the onnx package knows; with `contrib`, a model the converter fails
-            on or converts into another model.
+        UnsupportedError: an opset newer than the onnx package knows; with `contrib` or a `min_opset`, a model the
+            converter fails on or converts into another model.
         OpsetNotConvertedError: an old opset the converter fails on or converts into another model.
     """
     opset = default_opset(model)
@@ -659,10 +663,15 @@ def _convert_opset(model: onnx.ModelProto, name: str, contrib: bool = False) -> 
     newest = onnx.defs.onnx_opset_version()
     if opset > newest:
         raise UnsupportedError(f"{name}: opset {opset} is newer than this onnx package supports ({newest})")
-    if opset >= MIN_OPSET and not contrib:
+    needed = max(MIN_OPSET, min_opset)
+    if opset >= needed and not contrib:
         return model
+    to_opset = max(CONVERT_TO_OPSET, needed)
 
     def refusal(problem: str) -> UnsupportedError:
+        if min_opset > MIN_OPSET and opset < min_opset:  # the run needs the newer opset: no passing through
+            return UnsupportedError(f"{name}: this run needs opset {min_opset} (the model has {opset}) and onnx's "
+                                    f"version converter {problem}; re-export the model with opset >= {min_opset}")
         if contrib:  # the model cannot pass through at its own opset: onnx refuses LayerNormalization there
             return UnsupportedError(
                 f"{name}: LayerNormalization at opset {opset} (onnxruntime's contrib op) needs the model at opset "
@@ -672,7 +681,7 @@ def _convert_opset(model: onnx.ModelProto, name: str, contrib: bool = False) -> 
                                       f"re-export the model with opset >= {MIN_OPSET}", model)
 
     try:
-        converted = onnx.version_converter.convert_version(model, CONVERT_TO_OPSET)
+        converted = onnx.version_converter.convert_version(model, to_opset)
         onnx.checker.check_model(weightless(converted))
     except Exception as e:  # the converter raises bare RuntimeErrors and more
         raise refusal(f"failed: {first_line(e)}") from None
