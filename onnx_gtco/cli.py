@@ -39,7 +39,9 @@ examples:
 def _config(args: argparse.Namespace) -> GtcoConfig:
     return GtcoConfig.from_env(target=args.target, precision=args.precision, seed=getattr(args, "seed", None),
                                dynamic=_dynamic(getattr(args, "dynamic", None)),
-                               patchify=getattr(args, "patchify", None))
+                               patchify=getattr(args, "patchify", None),
+                               calibration_data=getattr(args, "calibration_data", None),
+                               fp8_budget=getattr(args, "fp8_budget", None))
 
 
 def _dynamic(text: str | None) -> tuple | None:
@@ -78,7 +80,15 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    "its calibration, the constants fitted to its measured kernel times) or an arch (sm_90, sm_80: its "
                    "data-sheet GPU); default: the local GPU (nvidia-smi), else sm_90; $GTCO_TARGET")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="compute precision of fused groups, fp32 accumulation always (default fp32; $GTCO_PRECISION)")
+                   help="compute precision of fused groups, fp32 accumulation always; fp8: E4M3 operands for the "
+                   "GEMMs of weights (with --calibration-data), fp16 elsewhere (default fp32; $GTCO_PRECISION)")
+    p.add_argument("--calibration-data", default=None, metavar="PATH|MODULE:READER",
+                   help="--precision fp8's calibration samples (required there): a folder of .npz files or one .npz "
+                   "(as check --save-inputs writes them), or MODULE:NAME / FILE.py:NAME naming an onnxruntime "
+                   "CalibrationDataReader, an iterable of feed dicts or a function returning one (default: none)")
+    p.add_argument("--fp8-budget", type=float, default=None, metavar="ERR",
+                   help="--precision fp8: a GEMM whose relative error on E4M3 operands over the calibration samples "
+                   "exceeds this stays fp16 (default 0.1)")
     p.add_argument("--no-patchify", dest="patchify", action="store_false", default=None,
                    help="keep every conv a conv (by default a conv whose stride equals its kernel, a ViT's patch "
                    "embedding, runs as a patchify copy and a GEMM where the estimate predicts that faster)")
@@ -258,11 +268,14 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from onnx_gtco.runtime.check import compare, format_diffs, resolve_agreement, resolve_tolerances
+    from onnx_gtco.runtime.check import compare, default_min_cosine, format_diffs, resolve_agreement, resolve_tolerances
 
     rewritten = _model_arg(args.rewritten)
     rtol, atol, source = resolve_tolerances(args.rtol, args.atol, rewritten)
     agreement, agreement_source = resolve_agreement(args.agreement, rewritten)
+    min_cosine, cosine_source = args.min_cosine, "given"
+    if min_cosine is None and args.rtol is None and args.atol is None:
+        min_cosine, cosine_source = default_min_cosine(rewritten)
     if args.load_inputs is not None:
         unused = [flag for flag, v in (("--samples", args.samples), ("--seed", args.seed), ("--dim", args.dim))
                   if v is not None]
@@ -277,7 +290,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise GtcoError(f"--seed must be >= 0, got {seed}")
     diffs = compare(_model_arg(args.original), rewritten, args.provider, rtol, atol, samples, seed,
                     _dims(args.dim or []), library=args.library, inputs=args.load_inputs, save_inputs=args.save_inputs,
-                    agreement=agreement)
+                    agreement=agreement, min_cosine=min_cosine)
     if args.library:
         print("rewritten model run with its custom-op library registered (the plugin's kernels)")
     print(format_diffs(diffs))
@@ -285,6 +298,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"wrote      {args.save_inputs} (the inputs used)")
     bad = [d.name for d in diffs if not d.ok]
     within = f"{rtol.describe('rtol')} {atol.describe('atol')}"
+    if min_cosine is not None:  # the cosine judges the float outputs
+        within, source = f"cosine >= {min_cosine:g}", cosine_source
     if any(d.exact for d in diffs):  # integer outputs: the agreement they were judged by, and where it comes from
         same = agreement_source in (source, source.replace("defaults", "default", 1))
         within += f" {agreement.describe('agreement')}" if same else \
@@ -501,6 +516,9 @@ def _check_args(p: argparse.ArgumentParser, model_help: str) -> None:
                    "the original's, from 0 to 1, given like --rtol, e.g. --agreement 0.995 classes:0.98; integer "
                    "outputs are judged by this, not by tolerances (default by the rewritten model's "
                    f"gtco.precision: {defaults_text('agreement')})")
+    p.add_argument("--min-cosine", type=float, default=None, metavar="COS",
+                   help="judge float outputs by their worst cosine similarity to the original's instead of --rtol / "
+                   "--atol (default: fp8 models 0.98 unless --rtol or --atol is given; others by the tolerances)")
     p.add_argument("--samples", type=int, default=None, metavar="N",
                    help="number of seeded input sets, seeds SEED..SEED+N-1; at least 1 (default 1)")
     p.add_argument("--seed", type=int, default=None, help="seed of the first input set, >= 0 (default 0)")

@@ -75,7 +75,12 @@ name). Kernel code keyed by arch (shared memory limits, SM counts) reads TARGETS
 GPU_NAMES: tuple[tuple[str, str], ...] = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
 """A word of the name nvidia-smi reports -> the target of that GPU."""
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+FP8_ARCHS = frozenset({"sm_90"})
+"""The target archs with FP8 (E4M3) Tensor Cores among those we build for: Hopper. Ampere (sm_80) has none."""
+DEFAULT_FP8_BUDGET = 0.1
+"""--fp8-budget's default: the largest relative error ||Q(a) Q(b) - a b|| / ||a b|| of a GEMM's product over the
+calibration samples for which it computes on E4M3 operands (onnx_gtco.fp8)."""
 
 DEFAULT_TARGET = "sm_90"
 
@@ -394,6 +399,12 @@ class GtcoConfig:
             where the estimate predicts that faster (families/conv/patchify.py); False keeps every conv a conv.
         pack_gated: pack a gated MLP's gate and up projections into one GEMM whose epilogue multiplies the
             activated gate by the up half (families/gemm/gated.py); False keeps them two GEMMs.
+        calibration_data: fp8's calibration samples: a folder of .npz files or one .npz (as check --save-inputs
+            writes them), "MODULE:NAME" or "FILE.py:NAME" naming a data reader (an onnxruntime
+            CalibrationDataReader, an iterable of feed dicts, or a function returning one), or the feed dicts
+            themselves (onnx_gtco.fp8.read_calibration).
+        fp8_budget: the relative error of a GEMM's product on E4M3 operands, over the calibration samples, past
+            which the GEMM stays fp16 (onnx_gtco.fp8).
     """
 
     target: str = DEFAULT_TARGET
@@ -405,12 +416,22 @@ class GtcoConfig:
     pack_qkv: bool = True
     patchify: bool = True
     pack_gated: bool = True
+    calibration_data: Any = None
+    fp8_budget: float = DEFAULT_FP8_BUDGET
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise GtcoError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
         if self.precision not in PRECISIONS:
             raise GtcoError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.precision == "fp8" and TARGETS[self.target].arch not in FP8_ARCHS:
+            raise GtcoError(f"precision fp8 needs FP8 Tensor Cores (sm_90); target {self.target} is "
+                            f"{TARGETS[self.target].arch}: use --precision fp16 or bf16 there")
+        if self.precision == "fp8" and self.calibration_data is None:
+            raise GtcoError("precision fp8 needs calibration data for its activation scales: give --calibration-data "
+                            "(a folder of .npz samples, as check --save-inputs writes them, or MODULE:READER)")
+        if not 0 < self.fp8_budget:
+            raise GtcoError(f"fp8_budget must be > 0, got {self.fp8_budget}")
         if self.max_group_size < 1:
             raise GtcoError(f"max_group_size must be >= 1, got {self.max_group_size}")
         object.__setattr__(self, "dynamic", check_dynamic(self.dynamic))
@@ -418,6 +439,12 @@ class GtcoConfig:
     @property
     def hw(self) -> Target:
         return TARGETS[self.target]
+
+    @property
+    def plan_precision(self) -> str:
+        """The precision the plan, the rewrite and the half conversion use: `precision`, but fp16 for fp8, whose
+        E4M3 GEMM operands come after them (onnx_gtco.fp8)."""
+        return "fp16" if self.precision == "fp8" else self.precision
 
     @property
     def arch(self) -> str:

@@ -21,8 +21,9 @@ from onnx_gtco.calibration import hardware
 from onnx_gtco.config import DYNAMIC_METADATA_KEY, GtcoConfig, Ranges, resolve_ranges
 from onnx_gtco.cost.model import cost_fn
 from onnx_gtco.errors import OpsetNotConvertedError, OutputError
+from onnx_gtco.fp8 import FP8_OPSET, quantize, read_calibration
 from onnx_gtco.ir.export import remove_saved, save_atomic, validate, writable_parent, write_text_atomic
-from onnx_gtco.ir.load import load_model
+from onnx_gtco.ir.load import MIN_OPSET, load_model
 from onnx_gtco.ir.view import GraphView
 from onnx_gtco.plan import candidates as cands_mod
 from onnx_gtco.plan.dp import plan as dp_plan
@@ -117,7 +118,7 @@ def measured_time(view: GraphView, config: GtcoConfig, measured_us: Mapping[str,
         # a conv's binder checks its group's Conv (auto_pad), which the rewrite puts in the node's function
         body = onnx.FunctionProto(node=[view.model.graph.node[i] for i in sorted(cand.nodes)]
                                   ) if shaped(cand.family) else None
-        task = node_task(fused_node(view, cand, config.precision), shape_of, config.arch, version, function=body)
+        task = node_task(fused_node(view, cand, config.plan_precision), shape_of, config.arch, version, function=body)
         if isinstance(task, str) or task.key not in measured_us:
             return None
         return float(measured_us[task.key])
@@ -182,7 +183,7 @@ def plan_model(
         st.step(f"{len(candidates)} candidates")
 
         # the kernel the build would select for each group, and its estimate on the target: the DP's price
-        coverage = candidate_coverage(view, config.precision, hw=hw)
+        coverage = candidate_coverage(view, config.plan_precision, hw=hw)
 
         def has_kernel(cand: Candidate) -> bool:
             return coverage(cand).on(config.arch)
@@ -218,7 +219,7 @@ def load(model_or_path: str | os.PathLike[str] | onnx.ModelProto, config: GtcoCo
     unfused = ""
     with progress.stage("load", total=4) as st:  # load_model steps it: read, check, opset, fold + shapes
         try:
-            model = load_model(model_or_path)
+            model = load_model(model_or_path, min_opset=FP8_OPSET if config.precision == "fp8" else MIN_OPSET)
         except OpsetNotConvertedError as e:  # a valid model the rules cannot read: passed through, saying why
             model, unfused = e.model, f"not optimized: {e}"
         ranges = resolve_ranges(model, config.dynamic)  # a declared dim the model lacks is an error before planning
@@ -273,18 +274,22 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
     view, candidates, rejects, plan = planned.view, planned.candidates, planned.rejects, planned.plan
     cost, measured, coverage = planned.cost, planned.measured, planned.coverage
     t2 = time.perf_counter()
-    with progress.stage("rewrite", total=3) as st:
-        new_model, names = rewrite(view, plan, config.precision)
+    with progress.stage("rewrite", total=4 if config.precision == "fp8" else 3) as st:
+        new_model, names = rewrite(view, plan, config.plan_precision)
         st.step("precision")
-        conversion = None
-        if config.precision in HALF_TYPES:  # planned on fp32; the fused nodes now compute on half tensors
+        conversion, fp8_result = None, None
+        if config.plan_precision in HALF_TYPES:  # planned on fp32; the fused nodes now compute on half tensors
 
             def dtype_of(t: str) -> int | None:
                 info = view.info(t)
                 return info.dtype if info is not None else None
 
-            conversion = convert(new_model, config.precision, dtype_of)
-            new_model = conversion.model
+            conversion = convert(new_model, config.plan_precision, dtype_of)
+            fp32_model, new_model = new_model, conversion.model
+            if config.precision == "fp8":  # the weight GEMMs on E4M3 operands where calibration says they may
+                st.step("fp8")
+                feeds = read_calibration(config.calibration_data, model)
+                new_model, fp8_result = quantize(new_model, fp32_model, feeds, config.fp8_budget)
         st.step("validate")
         if ranges:  # the ranges that apply replace any the input model carried
             kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
@@ -321,6 +326,8 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
     rep.update(planned.passes)  # each planner pass's decisions (the patch embeddings' prices), under its name
     if conversion is not None:
         rep["conversion"] = conversion.to_json()
+    if fp8_result is not None:
+        rep["fp8"] = fp8_result.to_json()
     if ranges:
         rep["dynamic"] = ranges.to_json()
     timings = {"load_s": loaded.seconds, "plan_s": t2 - t1, "rewrite_s": t3 - t2}

@@ -407,6 +407,8 @@ def summary(report: dict[str, Any]) -> str:
     conv = report.get("conversion")
     if conv:
         lines.append(conversion_line(conv))
+    if report.get("fp8"):
+        lines.append(fp8_line(report["fp8"]))
     if report.get("device"):
         lines += device_lines(report["device"], (report.get("estimate") or {}).get("arch", report["target"]))
     dyn = report.get("dynamic")
@@ -443,6 +445,18 @@ def conversion_line(conv: dict[str, Any]) -> str:
             f"half tensors, {conv['casts_added']} casts added"
             + (f", {folded} graph output(s) written in fp32 by their fused node" if folded else "")
             + (f"; fp32 kept: {kept} (reasons in the report)" if kept else ""))
+
+
+def fp8_line(fp8: dict[str, Any], most: int = 3) -> str:
+    """The summary's line on fp8 (onnx_gtco.fp8): the GEMMs on E4M3 operands, their errors, and those kept fp16
+    with why (the first `most`; all in the report)."""
+    errors = [g["error"] for g in fp8["gemms"] if g["fp8"]]
+    spread = f" (relative error {min(errors):.2g}-{max(errors):.2g})" if errors else ""
+    kept = [g for g in fp8["gemms"] if not g["fp8"]]
+    why = "; ".join(f"{g['node']}: {g.get('why', '')}" for g in kept[:most]) + ("; ..." if len(kept) > most else "")
+    return (f"fp8        {fp8['gemms_fp8']} of {len(fp8['gemms'])} GEMMs on E4M3 operands{spread}, budget "
+            f"{fp8['budget']:g}, {fp8['samples']} calibration samples"
+            + (f"; {len(kept)} kept fp16: {why}" if kept else ""))
 
 
 def device_lines(device: dict[str, Any], target: str = "", most: int = 4) -> list[str]:

@@ -288,6 +288,19 @@ def _reasons(reasons: dict[str, str]) -> list[str]:
                                                 sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))], "lrl")
 
 
+def _fp8(r: dict[str, Any]) -> list[str]:
+    """fp8's GEMMs (onnx_gtco.fp8): each with its error on E4M3 operands over the calibration samples and whether
+    it computes on them, or why not."""
+    f = r.get("fp8")
+    if not f:
+        return []
+    rows = [[g["node"], _cell(g.get("error", "-")), "E4M3" if g["fp8"] else "fp16", g.get("why", "")]
+            for g in f["gemms"]]
+    return ["", "## FP8 GEMMs", "", f"{f['gemms_fp8']} of {len(f['gemms'])} GEMMs on E4M3 operands, error budget "
+            f"{f['budget']:g} (‖Q(a) Q(b) − a b‖ / ‖a b‖ over {f['samples']} calibration samples; "
+            f"{f['calibration']}).", "", *_table(["node", "error", "operands", "kept fp16 because"], rows, "lrll")]
+
+
 def _device(r: dict[str, Any]) -> list[str]:
     d = r.get("device")
     if not d:
@@ -485,8 +498,8 @@ def _measured(r: dict[str, Any]) -> list[str]:
 def render(report: dict[str, Any]) -> str:
     """The report as GitHub Markdown."""
     check_report(report)
-    lines = [*_header(report), *_families(report), *_unfused(report), *_device(report), *_library(report),
-             *_tuning(report), *_dynamic(report), *_measured(report)]
+    lines = [*_header(report), *_families(report), *_unfused(report), *_fp8(report), *_device(report),
+             *_library(report), *_tuning(report), *_dynamic(report), *_measured(report)]
     out: list[str] = []
     for line in lines:  # no runs of blank lines
         if line == "" and out and out[-1] == "":

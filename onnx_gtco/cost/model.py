@@ -255,6 +255,6 @@ def cost_fn(view: GraphView, config: GtcoConfig, kernel_us: KernelUs | None = No
                 return unfused_cost(cost, cand) * (1.0 - FUNCTION_TIE * len(cand.nodes))
             return est.launches * (us + gap)
         # unfused nodes keep the model's own precision
-        return est.ort_us(hw, config.precision if cand.fused else "fp32") + est.launches * gap
+        return est.ort_us(hw, config.plan_precision if cand.fused else "fp32") + est.launches * gap
 
     return cost

@@ -27,7 +27,7 @@ import onnx
 
 from onnx_gtco import families
 from onnx_gtco.calibration import Hardware, hardware_for_arch
-from onnx_gtco.kernels.family import Implementation, Instance, KernelFamily, OpKernel, Problem
+from onnx_gtco.kernels.family import DTYPES, Implementation, Instance, KernelFamily, OpKernel, Problem
 from onnx_gtco.opspec import FusedOp, decode_node
 
 ALL_FAMILIES: dict[str, KernelFamily] = {k.name: k for part in families.parts("kernel") for k in part.KERNELS}
@@ -80,6 +80,9 @@ def problem_for(op: FusedOp) -> Problem | str:
     found = OPS.get(op.family)
     if found is None:
         return f"no {op.family} kernel family (the node runs its function)"
+    if op.dtype not in DTYPES:  # an fp8 GEMM (onnx_gtco.fp8): a CPU kernel only
+        return (f"no device kernel takes {op.dtype} nodes yet (the {op.family} kernels compute in "
+                f"{', '.join(DTYPES)}): the node runs its function on the GPU")
     return found.problem(op, kernel_dtype(op.family, op.dtype, str(op["precision"])))
 
 

@@ -80,13 +80,18 @@ def read(node: FusedNode, family: str) -> FusedOp | str:
 
 
 def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tuple[str, ...],
-               cpp_out: tuple[str, ...], outputs: int = 1, out_dtypes: tuple[str, ...] = ()) -> Binding | str:
+               cpp_out: tuple[str, ...], outputs: int = 1, out_dtypes: tuple[str, ...] = (),
+               io_dtype: str = "", role_dtypes: dict[str, str] | None = None) -> Binding | str:
     """The Binding of a node whose kernel reads the roles `cpp_in` / `cpp_out` (the C++ enums' order).
 
     `need`: role -> whether the node's attributes say it is there; a role they require that the node lacks (the
     group computes that operand itself) or one they rule out is an Unbound, as is an input of another dtype than
     the node's, an output of another dtype than the node's, or more than `outputs` node outputs (an intermediate of
-    the group is read outside it). `out_dtypes`: output dtypes the kernel writes beside the node's own."""
+    the group is read outside it). `out_dtypes`: output dtypes the kernel writes beside the node's own. `io_dtype`:
+    the dtype of its inputs and outputs where it is not the node's (an fp8 GEMM's fp16), `role_dtypes` the roles
+    of yet another dtype (its E4M3 B, its fp32 scales)."""
+    io = io_dtype or node.dtype
+    role_dtypes = role_dtypes or {}
     for role, wanted in need.items():
         if wanted != (role in op.inputs):
             return (f"{role} is {'not a node input' if wanted else 'a node input its attributes rule out'} "
@@ -95,15 +100,15 @@ def bind_roles(node: FusedNode, op: FusedOp, need: dict[str, bool], cpp_in: tupl
         return (f"the node has {len(node.node.output)} outputs (an intermediate of the group is read outside it); "
                 f"the kernel writes {outputs}")
     for role, i in op.inputs.items():
-        got = node.inputs[i].dtype
-        if got and got != node.dtype:
+        got, want = node.inputs[i].dtype, role_dtypes.get(role, io)
+        if got and got != want:
             return (f"input {role} ({node.node.input[i]!r}) is {got}; the {node.node.op_type} kernel takes "
-                    f"{node.dtype} only")
+                    f"{want} only")
     for role, i in op.outputs.items():
         got = node.outputs[i].dtype if i < len(node.outputs) else ""
-        if got and got != node.dtype and got not in out_dtypes:
+        if got and got != io and got not in out_dtypes:
             return (f"output {role} ({node.node.output[i]!r}) is {got}; the {node.node.op_type} kernel writes "
-                    f"{node.dtype} only")
+                    f"{io} only")
     return Binding(tuple(op.inputs.get(r, -1) for r in cpp_in), tuple(op.outputs.get(r, -1) for r in cpp_out))
 
 

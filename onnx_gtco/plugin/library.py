@@ -110,7 +110,7 @@ from onnx_gtco.plugin.pdl import pdl_archs, pdl_slots
 PLUGINS = PLUGINS_DIR
 CUDA_ARCHS = ARCH_SLOTS
 CXX_FLAGS = ("-std=c++20", "-O3", "-pthread", "-fPIC", "-fvisibility=hidden", "-Wall")
-_DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16"}
+_DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16", "f8": "gtco::DType::f8"}
 
 
 @dataclass(frozen=True)

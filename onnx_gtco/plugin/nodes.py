@@ -18,7 +18,7 @@ from onnx_gtco.plugin.binding import FusedNode, Operand
 DTYPE_NAMES = {
     TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16", TensorProto.DOUBLE: "f64",
     TensorProto.INT64: "i64", TensorProto.INT32: "i32", TensorProto.INT8: "i8", TensorProto.UINT8: "u8",
-    TensorProto.BOOL: "bool",
+    TensorProto.BOOL: "bool", TensorProto.FLOAT8E4M3FN: "e4m3",
 }
 
 

@@ -60,7 +60,8 @@ extern "C" int gtco_device_cc();
 
 namespace gtco {
 
-enum class DType { f32, f16, bf16 };
+// f8: a GEMM on E4M3 operands with fp16 I/O (onnx_gtco/fp8.py): its Storage is fp16's, its B and scales its own.
+enum class DType { f32, f16, bf16, f8 };
 
 template <DType D>
 struct Storage;
@@ -80,6 +81,8 @@ struct Storage<DType::f16> {
     static float load(Ort::Float16_t v) { return v.ToFloat(); }
     static Ort::Float16_t store(float v) { return Ort::Float16_t(v); }
 };
+template <>
+struct Storage<DType::f8> : Storage<DType::f16> {};
 template <>
 struct Storage<DType::bf16> {
     using type = Ort::BFloat16_t;

@@ -80,7 +80,7 @@ def patchify(model: onnx.ModelProto, config: GtcoConfig, hw: Hardware) -> tuple[
     choices: list[PatchifyChoice] = []
 
     def pays(pc: PatchConv) -> bool:
-        choice = patchify_choice(pc, config.precision, hw)
+        choice = patchify_choice(pc, config.plan_precision, hw)
         choices.append(choice)
         return choice.patchify
 

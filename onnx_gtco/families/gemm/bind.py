@@ -1,7 +1,7 @@
 """Binders of the GEMM and QKV families for plugins/families/gemm/gemm_op.h (C++ roles: the InRole / OutRole enums
 there).
 
-    gtco::Gemm  in:  A, B, BIAS, RESIDUAL, LAYER_SCALE, GAMMA, BETA      out: Y, NORM
+    gtco::Gemm  in:  A, B, BIAS, RESIDUAL, LAYER_SCALE, GAMMA, BETA, SCALES      out: Y, NORM
     gtco::Qkv   in:  A, W0, W1, W2, BIAS0, BIAS1, BIAS2         out: Y0, Y1, Y2
 
 The rule found the roles (families/gemm/rule.py, families/gemm/qkv_rule.py) and the rewrite wrote them in order
@@ -19,6 +19,9 @@ from onnx_gtco.opspec import SPECS
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, one_row, present, read
 
 HEADER = "gemm/gemm_op.h"
+FP8 = "f8"
+FP8_DTYPES = {"io_dtype": "f16", "role_dtypes": {"b": "e4m3", "scales": "f32"}}
+"""A `Gemm_f8` node's dtypes (onnx_gtco.fp8): fp16 I/O, its B E4M3, its scales [s_a, s_b] fp32."""
 ACTIVATIONS = ("none", "relu", "gelu_erf", "gelu_tanh", "silu", "quick_gelu", "sigmoid", "tanh", "relu6")
 """Activations gtco::ref::parse_act knows (plugins/families/gemm/gemm_ref.h)."""
 
@@ -68,10 +71,11 @@ class GemmBinder:
             # residual, which the kernel reads in y's dtype
             ln = bool(op["layernorm"])
             out_dtypes = ("f32",) if not op["residual"] and not ln else ()
+            fp8 = op.dtype == FP8
             need = {"a": True, "b": True, "bias": op["bias"], "residual": op["residual"],
-                    "layer_scale": op["layer_scale"], "gamma": ln, "beta": ln}
+                    "layer_scale": op["layer_scale"], "gamma": ln, "beta": ln, "scales": fp8}
             why = bind_roles(node, op, need, GEMM_IN, GEMM_OUT, outputs=2 if ln else 1,  # type: ignore[arg-type]
-                             out_dtypes=out_dtypes)
+                             out_dtypes=out_dtypes, **(FP8_DTYPES if fp8 else {}))  # type: ignore[arg-type]
             if not isinstance(why, str) and ln and "norm" not in op.outputs:
                 why = "a LayerNorm GEMM without its norm output"
             elif not isinstance(why, str) and not ln and "y" not in op.outputs:

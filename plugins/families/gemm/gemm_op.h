@@ -150,7 +150,8 @@ OrtStatus* run_gemm(Ort::KernelContext& ctx, const NodeRef& ref, const GemmArgs&
 }  // namespace gemm_glue
 
 struct Gemm {
-    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3, IN_LAYER_SCALE = 4, IN_GAMMA = 5, IN_BETA = 6 };
+    enum InRole { IN_A = 0, IN_B = 1, IN_BIAS = 2, IN_RESIDUAL = 3, IN_LAYER_SCALE = 4, IN_GAMMA = 5, IN_BETA = 6,
+                  IN_SCALES = 7 };  // IN_SCALES: [s_a, s_b] of an fp8 node's E4M3 operands (onnx_gtco/fp8.py)
     enum OutRole { OUT_Y = 0, OUT_NORM = 1 };
 
     struct Attrs {
@@ -215,6 +216,16 @@ struct Gemm {
     // y of the op's dtype, or fp32 where the node's output is float on a half op type (the fused output cast)
     template <DType D, bool Cuda>
     static OrtStatus* compute(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        if constexpr (D == DType::f8) {
+            return compute_f8<Cuda>(ctx, ref, spec, at);
+        } else {
+            return compute_typed<D, Cuda>(ctx, ref, spec, at);
+        }
+    }
+
+    template <DType D, bool Cuda>
+    static OrtStatus* compute_typed(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec,
+                                    const Attrs& at) {
         if (D != DType::f32 && at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && at.layernorm == 0) {
             return compute_out<D, DType::f32, Cuda>(ctx, ref, spec, at);
         }
@@ -228,6 +239,60 @@ struct Gemm {
     template <DType D, DType DOut, bool Cuda>
     static OrtStatus* compute_out(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec,
                                   const Attrs& at) {
+        return compute_with<D, DOut, Cuda>(ctx, ref, spec, at, get_input(ctx, spec.in[IN_A]),
+                                           get_input(ctx, spec.in[IN_B]), get_input(ctx, spec.in[IN_BIAS]),
+                                           get_input(ctx, spec.in[IN_RESIDUAL]),
+                                           get_input(ctx, spec.in[IN_LAYER_SCALE]), get_input(ctx, spec.in[IN_GAMMA]),
+                                           get_input(ctx, spec.in[IN_BETA]));
+    }
+
+    // An fp8 node on the CPU: A rounded to E4M3 at s_a and B (E4M3) decoded, both held in fp16 (which holds every
+    // E4M3 value exactly), and the fp16 reference run with alpha * s_a * s_b: the E4M3 GEMM with fp32 accumulation,
+    // its epilogue (and LayerNorm) as the fp16 node's.
+    template <bool Cuda>
+    static OrtStatus* compute_f8(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
+        if (Cuda) return ref.fail("no device kernel takes E4M3 operands yet", ORT_NOT_IMPLEMENTED);
+        const Input scales = get_input(ctx, spec.in[IN_SCALES]);
+        if (!scales.present || scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || scales.numel() != 2) {
+            return ref.fail("an fp8 GEMM needs its scales input: float [s_a, s_b]");
+        }
+        const Input a = get_input(ctx, spec.in[IN_A]);
+        const Input b = get_input(ctx, spec.in[IN_B]);
+        if (!a.present || a.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+            return ref.fail("input A of an fp8 GEMM is " + std::string(a.present ? type_str(a.type) : "missing") +
+                            "; it takes float16");
+        }
+        if (!b.present || b.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT8E4M3FN) {
+            return ref.fail("input B of an fp8 GEMM is " + std::string(b.present ? type_str(b.type) : "missing") +
+                            "; it takes float8e4m3fn");
+        }
+        const float* s = static_cast<const float*>(scales.data);
+        std::vector<Ort::Float16_t> qa(static_cast<size_t>(a.numel())), qb(static_cast<size_t>(b.numel()));
+        const auto* ha = static_cast<const Ort::Float16_t*>(a.data);
+        const auto* b8 = static_cast<const uint8_t*>(b.data);
+        for (size_t i = 0; i < qa.size(); ++i) qa[i] = Ort::Float16_t(ref::round_e4m3(ha[i].ToFloat() / s[0]));
+        for (size_t i = 0; i < qb.size(); ++i) qb[i] = Ort::Float16_t(ref::e4m3_to_float(b8[i]));
+        Input a16 = a, b16 = b;
+        a16.data = qa.data();
+        b16.type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+        b16.data = qb.data();
+        Attrs scaled = at;
+        scaled.alpha = at.alpha * s[0] * s[1];
+        const Input bias = get_input(ctx, spec.in[IN_BIAS]), res = get_input(ctx, spec.in[IN_RESIDUAL]);
+        const Input scale = get_input(ctx, spec.in[IN_LAYER_SCALE]), gamma = get_input(ctx, spec.in[IN_GAMMA]);
+        const Input beta = get_input(ctx, spec.in[IN_BETA]);
+        if (at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && at.layernorm == 0) {
+            return compute_with<DType::f16, DType::f32, false>(ctx, ref, spec, scaled, a16, b16, bias, res, scale,
+                                                                gamma, beta);
+        }
+        return compute_with<DType::f16, DType::f16, false>(ctx, ref, spec, scaled, a16, b16, bias, res, scale, gamma,
+                                                            beta);
+    }
+
+    template <DType D, DType DOut, bool Cuda>
+    static OrtStatus* compute_with(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec,
+                                   const Attrs& at, const Input& a, const Input& b, const Input& bias,
+                                   const Input& res, const Input& scale, const Input& gamma, const Input& beta) {
         using S = Storage<D>;
         using T = typename S::type;
         using SO = Storage<DOut>;
@@ -236,13 +301,6 @@ struct Gemm {
             return ref.fail("activation '" + at.activation + "' is not one this library implements",
                             ORT_NOT_IMPLEMENTED);
         }
-        const Input a = get_input(ctx, spec.in[IN_A]);
-        const Input b = get_input(ctx, spec.in[IN_B]);
-        const Input bias = get_input(ctx, spec.in[IN_BIAS]);
-        const Input res = get_input(ctx, spec.in[IN_RESIDUAL]);
-        const Input scale = get_input(ctx, spec.in[IN_LAYER_SCALE]);
-        const Input gamma = get_input(ctx, spec.in[IN_GAMMA]);
-        const Input beta = get_input(ctx, spec.in[IN_BETA]);
         if (!a.present) return ref.fail("input A is missing");
         if (!b.present) return ref.fail("input B is missing");
         const char* names[] = {"A", "B", "bias", "layer_scale", "gamma", "beta"};

@@ -32,6 +32,28 @@
 namespace gtco {
 namespace ref {
 
+// E4M3 (FN: no infinities, largest finite 448, subnormals down to 2^-9), the operands of an fp8 GEMM
+// (onnx_gtco/fp8.py). round_e4m3: x rounded to the nearest E4M3 value, ties to even, saturated to +-448 (ONNX
+// QuantizeLinear with saturate=1); NaN stays NaN. e4m3_to_float: the value of an E4M3 byte.
+inline float round_e4m3(float x) {
+    if (std::isnan(x)) return x;
+    const float a = std::fabs(x);
+    if (a >= 448.0f) return std::copysign(448.0f, x);
+    int e = 0;
+    std::frexp(a, &e);                               // a = f * 2^e, f in [0.5, 1): a's binade is 2^(e-1)
+    const int step = std::max(e - 1, -6) - 3;        // 3 mantissa bits; below 2^-6 the subnormal step 2^-9
+    const float q = std::ldexp(std::nearbyint(std::ldexp(a, -step)), step);  // nearbyint: ties to even
+    return std::copysign(std::min(q, 448.0f), x);
+}
+
+inline float e4m3_to_float(uint8_t v) {
+    const int exp = (v >> 3) & 0xF, man = v & 0x7;
+    const float sign = (v & 0x80) != 0 ? -1.0f : 1.0f;
+    if (exp == 0xF && man == 0x7) return std::nanf("");
+    if (exp == 0) return sign * std::ldexp(static_cast<float>(man), -9);
+    return sign * std::ldexp(static_cast<float>(8 + man), exp - 10);
+}
+
 // Epilogue activations, named as in onnx_gtco/patterns/_act.py; same order as gtco::Act in gemm/gemm.cuh.
 enum class Act : int { kNone = 0, kRelu, kGeluErf, kGeluTanh, kSilu, kQuickGelu, kSigmoid, kTanh, kRelu6 };
 

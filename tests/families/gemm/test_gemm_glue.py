@@ -331,7 +331,7 @@ def test_layer_scale_binds_as_the_fifth_role(lib: ctypes.CDLL) -> None:
     assert len(nodes) == 2 and len(result.model.graph.node) == 2
     fc2 = next(n for n in nodes.values() if n.attrs.get("layer_scale"))
     binding = GEMM.bind(fc2)
-    assert binding == Binding(inputs=(0, 1, 2, 3, 4, -1, -1), outputs=(0, -1))
+    assert binding == Binding(inputs=(0, 1, 2, 3, 4, -1, -1, -1), outputs=(0, -1))
     assert [fc2.node.input[i] for i in binding.inputs if i >= 0] == ["g4", "w2", "b2", "x", "gamma"]
     values = feed(fc2, np.random.default_rng(2))
     want = run_function(fc2, values)
@@ -390,12 +390,13 @@ def test_builtin_role_layout() -> None:
     result = optimize(build("vit-tiny", depth=1, seed=0), GtcoConfig())
     nodes = {n.node.name: n for n in fused_nodes(result.model, result)}
     fc1 = nodes["gtco/gemm/blocks.0.mlp.fc1.matmul"]
-    assert GEMM.bind(fc1) == Binding(inputs=(0, 1, 2, -1, -1, -1, -1), outputs=(0, -1))   # sqrt2 / one / half: no role
+    # sqrt2 / one / half: no role
+    assert GEMM.bind(fc1) == Binding(inputs=(0, 1, 2, -1, -1, -1, -1, -1), outputs=(0, -1))
     proj = nodes["gtco/gemm/blocks.0.attn.proj.matmul"]  # with norm2: the sum read on, and its LayerNorm
     assert proj.attrs.get("layernorm") == 1
-    assert GEMM.bind(proj) == Binding(inputs=(0, 1, 2, 3, -1, 4, 5), outputs=(0, 1))
+    assert GEMM.bind(proj) == Binding(inputs=(0, 1, 2, 3, -1, 4, 5, -1), outputs=(0, 1))
     head = nodes["gtco/gemm/head"]                                            # ONNX Gemm, transB, C
-    assert GEMM.bind(head) == Binding(inputs=(0, 1, 2, -1, -1, -1, -1), outputs=(0, -1))
+    assert GEMM.bind(head) == Binding(inputs=(0, 1, 2, -1, -1, -1, -1, -1), outputs=(0, -1))
     result = optimize(build("bert-tiny", depth=1, seed=0), GtcoConfig(pack_qkv=False))
     (qkv,) = [n for n in fused_nodes(result.model, result) if n.family == "qkv"]
     assert QKV.bind(qkv) == Binding(inputs=(0, 1, 2, 3, 4, 5, 6), outputs=(0, 1, 2))  # the roles in opspec order
@@ -465,7 +466,7 @@ def test_synthetic_forms_bind_and_compute(lib: ctypes.CDLL) -> None:
         for got in (reference_from_roles(node, binding, values), reference_from_roles(node, binding, values, lib)):
             close(np.asarray(got[0], np.float64), want[0].astype(np.float64), rtol=1e-4)
     assert set(acts) == {"quick_gelu", "relu", "silu", "relu6", "tanh", "sigmoid"}
-    assert acts["quick_gelu"].inputs == (0, 1, 2, 3, -1, -1, -1)    # c1702 (input 4, after the roles) has no role
+    assert acts["quick_gelu"].inputs == (0, 1, 2, 3, -1, -1, -1, -1)    # c1702 (input 4, after the roles) has no role
 
 
 def _fused(nodes: list[onnx.NodeProto], n_in: int, n_out: int, attrs: dict, op_type: str = "Gemm_f32",
@@ -533,7 +534,7 @@ def test_gemm_act_op_and_residual_bind() -> None:
              mk("Add", ["v", "x3"], ["y0"])]
     roles = {"roles": ["a", "b", "bias", "residual"], "out_roles": ["y"]}
     got = GEMM.bind(_fused(nodes, 4, 1, GEMM_ATTRS | roles | {"activation": "gelu_erf", "bias": 1, "residual": 1}))
-    assert got == Binding(inputs=(0, 1, 2, 3, -1, -1, -1), outputs=(0, -1))
+    assert got == Binding(inputs=(0, 1, 2, 3, -1, -1, -1, -1), outputs=(0, -1))
 
 
 def test_qkv_reasons() -> None:
@@ -565,13 +566,14 @@ const size_t kNodeCount = 2;
 template struct FusedKernel<Gemm, DType::f32, false>;
 template struct FusedKernel<Gemm, DType::f16, false>;
 template struct FusedKernel<Gemm, DType::bf16, false>;
+template struct FusedKernel<Gemm, DType::f8, false>;
 template struct FusedKernel<Gemm, DType::f16, true>;
 template struct FusedKernel<Qkv, DType::f32, false>;
 template struct FusedKernel<Qkv, DType::f16, false>;
 template struct FusedKernel<Qkv, DType::bf16, false>;
 template struct FusedKernel<Qkv, DType::bf16, true>;
 static_assert(Gemm::IN_A == 0 && Gemm::IN_B == 1 && Gemm::IN_BIAS == 2 && Gemm::IN_RESIDUAL == 3 &&
-              Gemm::IN_LAYER_SCALE == 4, "roles");
+              Gemm::IN_LAYER_SCALE == 4 && Gemm::IN_GAMMA == 5 && Gemm::IN_BETA == 6 && Gemm::IN_SCALES == 7, "roles");
 static_assert(Qkv::IN_W0 == 1 && Qkv::IN_BIAS0 == 4 && Qkv::kMaxProj == 3, "roles");
 }  // namespace gtco
 """
@@ -579,7 +581,7 @@ static_assert(Qkv::IN_W0 == 1 && Qkv::IN_BIAS0 == 4 && Qkv::kMaxProj == 3, "role
 
 def test_glue_header_compiles(tmp_path: Path) -> None:
     inc = ort_include_dir()
-    assert len(GEMM_IN) == 7 and len(QKV_IN) == 7     # the static_asserts above spell out the same order
+    assert len(GEMM_IN) == 8 and len(QKV_IN) == 7     # the static_asserts above spell out the same order
     src = tmp_path / "gemm_glue.cc"
     src.write_text(GLUE_TU)
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
