@@ -131,6 +131,51 @@ def test_a_dry_run_stands_in_for_every_row_or_says_why_it_cannot() -> None:
         else:
             assert not d.no_stand_in and d.baselines == ("ort-fp32", "ort-fp16") and d.tune == g.tune
     assert sum(r.estimate_s for r in dry) < 9 * 60  # the whole dry plan fits its default budget
+    probe = next(r for r in dry if r.kind == "probe")
+    assert probe.id == "kernels/hopper-libraries" and "Hopper GPU" in probe.no_stand_in
+
+
+def test_the_hopper_probe_times_and_tables_what_it_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/hopper_probe.py (GPU only): its timing takes the median of its groups after the warm-up, its table
+    gives each case's times, ratios and the libraries' refusals; the suite's probe row runs it and renders that
+    table, or says why it did not run."""
+    import hopper_probe as hp
+
+    calls: list[float] = []  # each call takes 3 us of the fake clock
+
+    def clock() -> float:
+        return len(calls) * 3e-6
+
+    assert hp.time_us(lambda: calls.append(1), 4, lambda: None, clock) == pytest.approx(3.0)
+    assert len(calls) == 10 + 5 * 4
+    gemm = hp.Case("gemm", "vit-b16 b1 qkv", "M=197 K=768 N=2304", {"fp16": 20.0, "fp8": 12.0}, rel_error=0.031)
+    att = hp.Case("attention", "bert-base b1", "B=1 H=12 S=128 D=64 mask",
+                  {"cudnn": 9.0, "flash": None, "efficient": 12.0}, {"flash": "RuntimeError: no mask"})
+    md = hp.markdown([gemm, att], "H200")
+    assert "| vit-b16 b1 qkv | M=197 K=768 N=2304 | 20.0 | 12.0 | 0.60 | 0.031 |" in md
+    assert "| bert-base b1 | B=1 H=12 S=128 D=64 mask | 9.0 | - | 12.0 | 0.75 |" in md
+    assert "- bert-base b1 (attention) flash: RuntimeError: no mask" in md
+    assert {g[0].split()[0] for g in hp.GEMMS} == {"vit-b16", "bert-base"} and len(hp.ATTENTIONS) == 3
+    calls_made: list[list[str]] = []
+
+    def fake_run(name, cmd, *, env, timeout_s, log, cwd=ROOT):
+        calls_made.append(list(cmd))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "results.md").write_text(md)
+        return Step(name, "ok", "", 1.0, str(log))
+
+    monkeypatch.setattr(rows, "run_command", fake_run)
+    ctx = ctx_for(tmp_path)
+    ctx.logs.mkdir(parents=True)
+    rec = rows.run_row(ctx, row("kernels/hopper-libraries"), time.monotonic() + 100)
+    assert rec["status"] == "ok" and calls_made[0][1].endswith("tools/hopper_probe.py")
+    assert 0 < float(calls_made[0][calls_made[0].index("--budget-s") + 1]) < 100
+    summary = {"suite": {"command": "c", "date": "2026-12-08 10:00 UTC", "dry_run": False, "budget_min": 9.0,
+                         "elapsed_s": 1.0, "tune_trials": 8, "storage": "s"}, "env": {}, "steps": [], "rows": [rec]}
+    text = render.render_markdown(summary)
+    assert "### Hopper's library paths: FP8 GEMMs, cuDNN attention (kernels/hopper-libraries)" in text
+    assert "| vit-b16 b1 qkv |" in text
 
 
 def test_rows_and_skip_select_the_plan_and_reject_what_matches_nothing() -> None:

@@ -11,7 +11,8 @@ Phases, in order (a GPU window of 15 minutes is spent on what matters most first
    then refitted (`onnx-gtco calibration fit`): every later row plans with the refit ($GTCO_CALIBRATION_DIR);
 4. core: ViT-B/16 at batch 1 and 64 and BERT-base at 128 tokens, the fp32 exports optimized to fp16 without
    tuning, against ORT fp16 and ORT fp16 with its transformer optimizer, each side's top kernels profiled;
-5. kernels: the kernel bench's GEMM and attention rows of those models (onnx_gtco.bench.kernel_bench);
+5. kernels: the kernel bench's GEMM and attention rows of those models (onnx_gtco.bench.kernel_bench), and
+   Hopper's library paths at their shapes (tools/hopper_probe.py: FP8 GEMMs and cuDNN's attention beside fp16);
 6. tune: those models' kernel tasks tuned (optimize --tune-trials), then the same rows benched with the tuned
    library;
 7. rest: ViT-B/16 at batch 8, DeiT-S, Swin-T, SETR, DETR, BERT-base with dynamic tokens (1..512) at 32, 128 and 512;
@@ -98,7 +99,8 @@ class Row:
         id: "phase/what", e.g. "core/vit-b16.b64": the same in a dry run, whose row stands in for it.
         phase: one of PHASES.
         kind: "install", "smoke", "calibration" (tools/calibrate.py, then the refit), "bench" (prepare, optimize,
-            bench), "kernels" (onnx_gtco.bench.kernel_bench) or "tests" (pytest -m gpu).
+            bench), "kernels" (onnx_gtco.bench.kernel_bench), "probe" (tools/hopper_probe.py) or "tests" (pytest
+            -m gpu).
         model: the model a bench row runs (a stand-in in a dry run), else None.
         batch: the batch size it runs at.
         tune: whether optimize tunes (the run's --tune-trials) before building.
@@ -152,6 +154,7 @@ GPU_PLAN: tuple[Row, ...] = (
     _bench("core", "bert-base", 1, 125.0),
     Row("kernels/vit-b16", "kernels", "kernels", kernel_set="vit-b16", estimate_s=150.0),
     Row("kernels/bert-base", "kernels", "kernels", kernel_set="bert-base", estimate_s=120.0),
+    Row("kernels/hopper-libraries", "kernels", "probe", estimate_s=60.0),
     _bench("tune", "vit-b16", 1, 200.0, tune=True),
     _bench("tune", "vit-b16", 64, 240.0, tune=True),
     _bench("tune", "bert-base", 1, 200.0, tune=True),
@@ -174,7 +177,8 @@ DRY_ESTIMATE_S = {"smoke": 20.0, "calibration": 15.0, "bench": 15.0, "kernels": 
                   "tests": 90.0}
 """A dry row's expected seconds on a 2-core CPU machine, by kind (a tuned bench row takes the bench's)."""
 NO_CPU_STAND_IN = {"torch-compile": "torch.compile max-autotune runs on the GPU (minutes of autotuning per model)",
-                   "tensorrt": "TensorRT runs on the GPU only"}
+                   "tensorrt": "TensorRT runs on the GPU only",
+                   "probe": "FP8 GEMMs (torch._scaled_mm) and cuDNN's attention run on a Hopper GPU only"}
 
 
 def dry_row(row: Row) -> Row:
@@ -182,7 +186,7 @@ def dry_row(row: Row) -> Row:
     fp16 on the CPU EP, its time a CPU one; a row no CPU can stand in for says why."""
     est = DRY_ESTIMATE_S.get(row.kind, 15.0)
     if row.model is None:
-        return replace(row, estimate_s=est)
+        return replace(row, estimate_s=est, no_stand_in=NO_CPU_STAND_IN.get(row.kind, ""))
     why = next((NO_CPU_STAND_IN[b] for b in row.baselines if b in NO_CPU_STAND_IN), "")
     return replace(row, model=STAND_INS[STAND_IN_FOR[row.model.name]], batch=DRY_BATCH.get(row.batch, 1),
                    baselines=("ort-fp32", "ort-fp16"), dims=(), dynamic=None, estimate_s=est,

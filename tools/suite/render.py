@@ -152,6 +152,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
                   + (f": {r['reason']}" if r.get("reason") else "."), ""]
     if not kernel_rows:
         lines.append("Not in this run's plan.")
+    for r in (r for r in rows if r["kind"] == "probe"):
+        md = Path((r.get("probe") or {}).get("md") or "/nonexistent")
+        lines += ["", f"### Hopper's library paths: FP8 GEMMs, cuDNN attention ({r['id']})", "",
+                  md.read_text().strip() if md.is_file() else f"Not run: {r['status']}"
+                  + (f": {r['reason']}" if r.get("reason") else ".")]
     return "\n".join(lines).rstrip() + "\n"
 
 

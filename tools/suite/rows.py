@@ -108,7 +108,7 @@ def run_row(ctx: Context, row: Row, deadline: float) -> dict[str, Any]:
         return rec
     runner: Callable[[Context, Row, float, dict[str, Any]], None] = {
         "install": _install, "smoke": _smoke, "calibration": _calibration, "bench": _bench, "kernels": _kernels,
-        "tests": _tests}[row.kind]
+        "probe": _probe, "tests": _tests}[row.kind]
     runner(ctx, row, deadline, rec)
     rec["seconds"] = round(time.monotonic() - t0, 2)
     return rec
@@ -478,6 +478,18 @@ def _calibration(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
+
+
+def _probe(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> None:
+    """tools/hopper_probe.py into OUT/hopper-probe: FP8 GEMMs and cuDNN's attention beside their fp16 counterparts
+    at the core models' shapes, within the row's time."""
+    out = ctx.out / "hopper-probe"
+    left = _left(deadline)
+    cmd = ctx.python(str(ROOT / "tools" / "hopper_probe.py"), "--out", str(out), "--budget-s",
+                     f"{max(10.0, left - 20.0):.0f}")
+    step = run_command(f"{row.id}: probe", cmd, env=ctx.env, timeout_s=left, log=ctx.logs / f"{row.stem}.log")
+    if _add(rec, step):
+        rec["probe"] = {"results": str(out / "results.json"), "md": str(out / "results.md")}
 
 
 def _kernels(ctx: Context, row: Row, deadline: float, rec: dict[str, Any]) -> None:
