@@ -7,7 +7,8 @@ Optimizer quantizes a transformer's linear layers and keeps its attention in fp1
 - **Scales**, one per tensor, s = amax / 448 (E4M3's largest finite value): a weight's from its values, an
   activation's (the GEMM's A) from the calibration samples, its largest |value| over them as onnxruntime's
   quantization tooling collects it (its MinMax calibrator, symmetric, on the fp32 rewritten model).
-- **The node**: B stored as a FLOAT8E4M3FN initializer holding round(W / s_b), saturated; A is still the fp16
+- **The node**: B stored as a FLOAT8E4M3FN initializer holding round(W / s_b), saturated, K-major ([N, K], the
+  node's trans_b: what FP8 Tensor Core GEMMs read, cuBLASLt's and wgmma's alike); A is still the fp16
   tensor the node's producer writes: the node quantizes it, round(a / s_a) saturated to +-448. The scales are one
   fp32 initializer [s_a, s_b], the node's `scales` role. Its model-local function says exactly that with opset
   19's QuantizeLinear / DequantizeLinear, then runs the group's fp32 nodes on the dequantized operands: the
@@ -396,15 +397,17 @@ def _rewrite(model: onnx.ModelProto, chosen: Mapping[str, Fp8Gemm], weights: Map
             raise RewriteError(f"fused node {n.name!r} ({n.op_type}) has no model-local function")
         b_in = op.inputs["b"]
         replaced.add(n.input[b_in])
-        b8, scales = f"{g.b}.e4m3", f"{n.name}.e4m3_scales"
+        w = weights[g.b]
+        k_major = w.ndim == 2 and not op["trans_b"]  # stored [N, K]: the layout FP8 Tensor Core GEMMs read
+        b8, scales = f"{g.b}.e4m3" + ("t" if k_major else ""), f"{n.name}.e4m3_scales"
         sa, sb = scale_of(g.a_amax), scale_of(g.b_amax)
         if b8 not in new_inits:
-            new_inits[b8] = numpy_helper.from_array(to_e4m3(weights[g.b] / np.float32(sb)), b8)
+            new_inits[b8] = numpy_helper.from_array(to_e4m3((w.T if k_major else w) / np.float32(sb)), b8)
         new_inits[scales] = numpy_helper.from_array(np.array([sa, sb], np.float32), scales)
         roles = [r.decode() if isinstance(r, bytes) else r
                  for r in helper.get_attribute_value(next(a for a in n.attribute if a.name == "roles"))]
         at = len(roles)  # the scales are the last role: after the present ones, before the other inputs
-        fn = _fp8_function(functions[key], op.inputs["a"], b_in, at)
+        fn = _fp8_function(functions[key], op.inputs["a"], b_in, at, k_major)
         new_functions.setdefault((fn.name, fn.overload), fn)
         inputs = list(n.input)
         inputs[b_in] = b8
@@ -416,6 +419,10 @@ def _rewrite(model: onnx.ModelProto, chosen: Mapping[str, Fp8Gemm], weights: Map
                 a.strings.append(SCALES_ROLE.encode())
             if a.name == "precision":
                 a.s = b"fp8"
+        if k_major:
+            attrs = [a for a in n.attribute if a.name != "trans_b"] + [helper.make_attribute("trans_b", 1)]
+            del n.attribute[:]
+            n.attribute.extend(sorted(attrs, key=lambda a: a.name))
         n.op_type, n.overload = fn.name, fn.overload
     read = {t for n in graph.node for t in n.input}
     kept = [t for t in graph.initializer if t.name not in replaced or t.name in read]
@@ -428,12 +435,13 @@ def _rewrite(model: onnx.ModelProto, chosen: Mapping[str, Fp8Gemm], weights: Map
     return out
 
 
-def _fp8_function(fn: onnx.FunctionProto, a_in: int, b_in: int, at: int) -> onnx.FunctionProto:
+def _fp8_function(fn: onnx.FunctionProto, a_in: int, b_in: int, at: int, k_major: bool) -> onnx.FunctionProto:
     """The function of a `Gemm_f16` node on E4M3 operands: its inputs with the scales [s_a, s_b] inserted at `at`;
-    A's cast to fp32 quantized and dequantized with s_a, B (now E4M3) dequantized with s_b where the half function
-    cast it; the fp32 body as it was. Each QuantizeLinear / DequantizeLinear names its E4M3 zero point: where
-    A's DequantizeLinear has none, onnxruntime 1.32's CPU graph optimizations (its QDQ propagation, then constant
-    folding) compute A's round trip as a uint8 one, which clips A's negative values to 0."""
+    A's cast to fp32 quantized and dequantized with s_a, B (now E4M3, `k_major`: stored transposed, [N, K])
+    dequantized with s_b (and transposed back) where the half function cast it; the fp32 body as it was. Each
+    QuantizeLinear / DequantizeLinear names its E4M3 zero point: where A's DequantizeLinear has none, onnxruntime
+    1.32's CPU graph optimizations (its QDQ propagation, then constant folding) compute A's round trip as a uint8
+    one, which clips A's negative values to 0."""
     a, b = fn.input[a_in], fn.input[b_in]
     scales, a_scale, b_scale = "gtco_scales", "gtco_a_scale", "gtco_b_scale"
     zero = "gtco_e4m3_zero"
@@ -448,8 +456,10 @@ def _fp8_function(fn: onnx.FunctionProto, a_in: int, b_in: int, at: int) -> onnx
     seen_a = seen_b = False
     for node in fn.node:
         if node.op_type == "Cast" and list(node.input) == [b] and not seen_b:
-            body.append(helper.make_node("DequantizeLinear", [b, b_scale, zero], list(node.output),
-                                         name="dequantize_b"))
+            wide = "gtco_b_kn" if k_major else node.output[0]
+            body.append(helper.make_node("DequantizeLinear", [b, b_scale, zero], [wide], name="dequantize_b"))
+            if k_major:
+                body.append(helper.make_node("Transpose", [wide], list(node.output), name="b_kn", perm=[1, 0]))
             seen_b = True
             continue
         n = onnx.NodeProto()

@@ -71,6 +71,7 @@ def test_weight_gemms_take_e4m3_operands(result, bert: onnx.ModelProto) -> None:
         assert not isinstance(op, str) and op["precision"] == "fp8"
         b, scales = inits[n.input[op.inputs["b"]]], inits[n.input[op.inputs["scales"]]]
         assert b.data_type == TensorProto.FLOAT8E4M3FN
+        assert op["trans_b"] and list(b.dims) == [op.int("n"), op.int("k")]  # K-major, as FP8 Tensor Cores read
         assert numpy_helper.to_array(scales).shape == (2,) and (numpy_helper.to_array(scales) > 0).all()
     # the half weights the E4M3 ones replace are gone: the file holds each weight once
     assert not any(t.data_type == TensorProto.FLOAT16 and t.name + ".e4m3" in inits for t in model.graph.initializer)

@@ -121,7 +121,8 @@ inline std::string plan_gemm(const std::vector<int64_t>& a, const std::vector<in
     if (a.size() < 2 || b.size() < 2) {
         return "A " + dims_str(a) + " and B " + dims_str(b) + ": both must have rank >= 2 (1-D operands are a GEMV)";
     }
-    if ((trans_a || trans_b) && (a.size() != 2 || b.size() != 2)) {
+    // a transposed A (Gemm's transA) takes 2-D operands; a transposed B a 2-D weight, which every row of A shares
+    if ((trans_a && (a.size() != 2 || b.size() != 2)) || (trans_b && b.size() != 2)) {
         return "A " + dims_str(a) + " and B " + dims_str(b) + ": a transposed operand (Gemm) needs both 2-D";
     }
     const size_t ra = a.size(), rb = b.size();

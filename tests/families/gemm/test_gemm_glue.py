@@ -164,6 +164,7 @@ SHAPE_CASES = {
     "broadcast_a": ((19, 33), (5, 33, 77), (), False, {}),
     "rank_mismatch": ((1, 19, 33), (4, 1, 33, 77), (1, 1, 77), False, {}),
     "gemm_trans_b": ((197, 33), (77, 33), (77,), False, {"trans_b": True}),
+    "rows_trans_b": ((2, 19, 33), (77, 33), (77,), True, {"trans_b": True}),  # a K-major weight (fp8's)
     "gemm_trans_a_alpha_beta": ((33, 197), (33, 77), (1, 77), True, {"trans_a": True, "alpha": 0.5, "beta": 2.0}),
     "gemm_both_col_bias": ((33, 197), (77, 33), (197, 1), False, {"trans_a": True, "trans_b": True}),
     "gemm_full_bias": ((197, 33), (33, 77), (197, 77), False, {"alpha": -1.5}),
@@ -220,6 +221,7 @@ def test_layer_scale_after_the_activation_before_the_residual(lib: ctypes.CDLL, 
     ((33,), (33, 77), None, {}, "rank >= 2"),
     ((2, 19, 33), (3, 33, 77), None, {}, "batch dims do not broadcast"),
     ((3, 19, 33), (33, 77), None, {"trans_a": True}, "needs both 2-D"),
+    ((3, 19, 33), (3, 77, 33), None, {"trans_b": True}, "needs both 2-D"),
     ((19, 33), (33, 77), (76,), {}, "bias [76] does not broadcast"),
     ((19, 33), (33, 77), (2, 1, 77), {}, "bias [2,1,77] does not broadcast"),
     ((2, 19, 33), (33, 77), (19, 77), {}, "column of M=38"),          # folded rows: no per-row bias
