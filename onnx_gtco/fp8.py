@@ -333,9 +333,11 @@ def _product(a: np.ndarray, b: np.ndarray, attrs: Mapping[str, Any]) -> np.ndarr
 
 # --- the rewrite ---------------------------------------------------------------------------------------------------
 def quantize(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-             budget: float) -> tuple[onnx.ModelProto, Fp8Result]:
+             budget: float, known: Fp8Result | None = None) -> tuple[onnx.ModelProto, Fp8Result]:
     """`model` (the fp16 conversion of the rewritten model `fp32`, fused node names shared) with its weight GEMMs
-    on E4M3 operands where their error over the calibration `feeds` is within `budget` (module docstring).
+    on E4M3 operands where their error over the calibration `feeds` is within `budget` (module docstring). `known`:
+    an earlier result over the same feeds (a plan made again with measured times): a GEMM of the same A and weight
+    keeps its amax and error instead of being calibrated again.
 
     Raises:
         RewriteError: the model is below opset 19, or a fused node lacks its function.
@@ -350,26 +352,33 @@ def quantize(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapp
     candidates = [g for g in gemms.values() if g.why is None]
     weights = {g.b: numpy_helper.to_array(t) for t in fp32.graph.initializer
                for g in candidates if t.name == g.b}
+    seen = {(g.a, g.b): g for g in (known.gemms if known is not None else ()) if g.a and g.error is not None}
+    fresh = [g for g in candidates if (g.a, g.b) not in seen]
     for g in candidates:
         g.b_amax = float(np.max(np.abs(weights[g.b]))) if weights[g.b].size else 0.0
-    if candidates:
+        if (g.a, g.b) in seen:
+            g.a_amax, g.error = seen[g.a, g.b].a_amax, seen[g.a, g.b].error
+    if fresh:
         with tempfile.TemporaryDirectory(prefix="gtco-fp8-") as tmp:
             path = Path(tmp) / "fp32.onnx"
             onnx.save(fp32, str(path))
-            amax = _amax(path, [g.a for g in candidates], feeds, Path(tmp))
-        for g in candidates:
+            amax = _amax(path, [g.a for g in fresh], feeds, Path(tmp))
+        for g in fresh:
             if g.a not in amax:
                 g.why = "the calibrator collected no range for its A"
             else:
                 g.a_amax = amax[g.a]
-        measured = [g for g in candidates if g.why is None]
+        measured = [g for g in fresh if g.why is None]
         errors = _errors(fp32, measured, feeds, weights)
         for g in measured:
             g.error = errors[g.node]
-            if not np.isfinite(g.error) or g.error > budget:
-                g.why = f"error {g.error:.3g} over the budget {budget:g}"
-            else:
-                g.fp8 = True
+    for g in candidates:
+        if g.why is not None or g.error is None:
+            continue
+        if not np.isfinite(g.error) or g.error > budget:
+            g.why = f"error {g.error:.3g} over the budget {budget:g}"
+        else:
+            g.fp8 = True
     result.gemms = [*gemms.values(), *(Fp8Gemm(name, why=why) for name, why in others.items())]
     chosen = {g.node: g for g in gemms.values() if g.fp8}
     return (_rewrite(model, chosen, weights) if chosen else model), result

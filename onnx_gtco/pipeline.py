@@ -82,6 +82,8 @@ class OptimizeResult:
     """The loaded model the plan was made for (replan plans it again)."""
     conversion: Conversion | None = field(default=None, repr=False)
     """How the rewritten model was converted to the half precision (None for fp32)."""
+    fp8: Any = field(default=None, repr=False)
+    """The fp8.Fp8Result of an fp8 run (its GEMMs' amax and errors, which replan reuses), else None."""
 
     def planned(self) -> Callable[[str], Any]:
         """Each tensor of the written model as the plan knows it (ir.view.TensorInfo, or None): the view's, in the
@@ -289,7 +291,8 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
             if config.precision == "fp8":  # the weight GEMMs on E4M3 operands where calibration says they may
                 st.step("fp8")
                 feeds = read_calibration(config.calibration_data, model)
-                new_model, fp8_result = quantize(new_model, fp32_model, feeds, config.fp8_budget)
+                new_model, fp8_result = quantize(new_model, fp32_model, feeds, config.fp8_budget,
+                                                 earlier.fp8 if earlier is not None else None)
         st.step("validate")
         if ranges:  # the ranges that apply replace any the input model carried
             kept = [p for p in new_model.metadata_props if p.key != DYNAMIC_METADATA_KEY]
@@ -332,7 +335,8 @@ def _plan_and_rewrite(loaded: LoadedModel, config: GtcoConfig, measured_us: Mapp
         rep["dynamic"] = ranges.to_json()
     timings = {"load_s": loaded.seconds, "plan_s": t2 - t1, "rewrite_s": t3 - t2}
     return OptimizeResult(new_model, plan, rep, view, candidates, rejects, timings, dynamic=ranges,
-                          warnings=[unfused] if unfused else [], loaded=loaded, conversion=conversion)
+                          warnings=[unfused] if unfused else [], loaded=loaded, conversion=conversion,
+                          fp8=fp8_result)
 
 
 def default_output(model_path: str | os.PathLike[str]) -> Path:

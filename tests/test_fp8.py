@@ -265,3 +265,19 @@ def test_round_e4m3_in_the_cpu_kernel_is_ml_dtypes(tmp_path: pathlib.Path) -> No
     decoded = np.array([float(v) for v in out[len(x):]], np.float32)
     want = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(decoded, want)  # NaN compares equal in assert_array_equal
+
+
+def test_replan_keeps_the_calibration(result, calibration: list[dict[str, np.ndarray]],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan made again with measured kernel times (tuning) keeps each GEMM's amax and error: the calibrator and
+    the error check do not run again for GEMMs of the same A and weight, and the model is the same."""
+    from onnx_gtco.pipeline import replan
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(fp8, "_amax", refuse)
+    monkeypatch.setattr(fp8, "_errors", refuse)
+    again = replan(result, GtcoConfig(precision="fp8", target="h200", calibration_data=calibration), {})
+    assert again.report["fp8"] == result.report["fp8"]
+    assert again.model.SerializeToString(deterministic=True) == result.model.SerializeToString(deterministic=True)
