@@ -19,6 +19,10 @@ Optimizer quantizes a transformer's linear layers and keeps its attention in fp1
   fp16, and the report names it with its error, the way TensorRT users pin sensitive layers. A calibration amax far
   below what the samples reach saturates A there and shows up as such an error.
 
+Kernels: the CPU library's (plugins/families/gemm/gemm_ref.h) and, on the device, the GEMM family's mma kernel
+(gemm.cuh FP8: B's E4M3 bytes decoded to halves, A rounded to E4M3 as it is read, the f16 mma on those exact values,
+alpha = s_a s_b); CUTLASS's and cuBLASLt's FP8 GEMMs, which need A in E4M3 in memory, are not built yet.
+
 Only `gemm` nodes whose B is an initializer held in memory take E4M3 operands: attention (Q Kᵀ, P V) and GEMMs of
 two activations stay fp16, as QKV nodes (three projections of one A) do for now.
 """
@@ -36,18 +40,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import GtcoError, RewriteError, first_line
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type
+from onnx_gtco.precision import E4M3_MAX, round_e4m3, to_e4m3
 
 FP8_OPSET = 19
 """The opset of FLOAT8E4M3FN tensors and of QuantizeLinear / DequantizeLinear with them."""
-E4M3_MAX = 448.0
-"""E4M3 (FN: no infinities) largest finite value; the scales map a tensor's amax onto it."""
 FP8_TAG = "f8"
 """The op-type tag of a GEMM node on E4M3 operands (`Gemm_f8`): fp16 I/O, E4M3 A and B."""
 SCALES_ROLE = "scales"
@@ -56,16 +58,6 @@ SCALES_ROLE = "scales"
 
 class CalibrationError(GtcoError):
     """Calibration data that cannot be read or does not fit the model."""
-
-
-def round_e4m3(x: np.ndarray) -> np.ndarray:
-    """fp32 values rounded to E4M3 (nearest even), saturated to +-448 (QuantizeLinear's saturate=1), as fp32."""
-    return to_e4m3(x).astype(np.float32)
-
-
-def to_e4m3(x: np.ndarray) -> np.ndarray:
-    """fp32 values as E4M3 (ml_dtypes.float8_e4m3fn), rounded to nearest even and saturated to +-448."""
-    return np.clip(np.asarray(x, np.float32), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
 def scale_of(amax: float) -> float:

@@ -120,6 +120,21 @@ def to_half(values: np.ndarray, dtype: int) -> np.ndarray:
     return np.clip(values.astype(np.float32), -big, big).astype(np_type)
 
 
+E4M3_MAX = 448.0
+"""E4M3's (FN: no infinities) largest finite value: fp8's scales map a tensor's amax onto it (onnx_gtco.fp8)."""
+
+
+def to_e4m3(x: np.ndarray) -> np.ndarray:
+    """fp32 values as E4M3 (ml_dtypes.float8_e4m3fn), rounded to nearest even and saturated to +-448 (ONNX
+    QuantizeLinear with saturate=1)."""
+    return np.clip(np.asarray(x, np.float32), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def round_e4m3(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to E4M3 as to_e4m3 does, as fp32."""
+    return to_e4m3(x).astype(np.float32)
+
+
 def _half_tensor(t: onnx.TensorProto, dtype: int, name: str) -> onnx.TensorProto:
     return numpy_helper.from_array(to_half(numpy_helper.to_array(t), dtype), name)
 
@@ -451,4 +466,4 @@ def _half_function(fn: onnx.FunctionProto, half_in: list[bool], half_out: list[b
     return new
 
 
-__all__ = ["HALF_TYPES", "Conversion", "convert", "to_half"]
+__all__ = ["E4M3_MAX", "HALF_TYPES", "Conversion", "convert", "round_e4m3", "to_e4m3", "to_half"]

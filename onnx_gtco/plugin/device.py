@@ -128,7 +128,7 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
     problem = _node_problem(node)
     if isinstance(problem, str):
         return problem
-    if problem.dtype != node.dtype:
+    if problem.dtype != node.dtype and not (node.dtype == "f8" and problem.flag("fp8", False)):
         precision = node.attrs.get("precision", "?")
         precision = precision.decode() if isinstance(precision, bytes) else precision
         return (f"computes in {problem.dtype} (precision {precision}) on {node.dtype} tensors; the device kernels "

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
+import ml_dtypes
 import numpy as np
 
 from onnx_gtco.calibration import Constants, Hardware, LaunchConstants, hardware_for_arch, param
@@ -75,6 +76,7 @@ from onnx_gtco.kernels.family import (
 from onnx_gtco.kernels.timing import Tiling, crowding, grid, regs_per_thread, resident
 from onnx_gtco.opspec import FusedOp
 from onnx_gtco.patterns.activation import REFERENCE
+from onnx_gtco.precision import round_e4m3, to_e4m3
 
 # Activation name -> gtco::Act enumerator in gemm.cuh.
 ACTIVATIONS: dict[str, str] = {
@@ -116,12 +118,12 @@ def split_workspace_bytes(config: Config, batch: int, m: int, n: int) -> int:
     return math.ceil(tiles * 4 / 256) * 256 + tiles * splits * config["BM"] * config["BN"] * 4
 
 
-def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16") -> int:
+def smem_bytes(config: Config, trans_b: bool, dtype: str = "f16", fp8: bool = False) -> int:
     """Shared memory of one block: STAGES ring slots of the A tile and the B tile, rows padded as GemmTile pads
     them (8 elements for 16-bit types; fp32: 4 floats for k-contiguous rows, 8 for the rows of a [K, N] B); with
     EPI = 1 at least the staged fp32 epilogue tile, BM rows of BN + 8 floats, which reuses the ring
     (GemmSmem::kBytes)."""
-    return max(_ring_bytes(config, trans_b, dtype), epilogue_tile_bytes(config))
+    return max(_ring_bytes(config, trans_b, dtype, fp8), epilogue_tile_bytes(config))
 
 
 def epilogue_tile_bytes(config: Config) -> int:
@@ -129,8 +131,10 @@ def epilogue_tile_bytes(config: Config) -> int:
     return config["BM"] * (config["BN"] + EPI_PAD) * 4 if config.get("EPI", 0) else 0
 
 
-def _ring_bytes(config: Config, trans_b: bool, dtype: str) -> int:
+def _ring_bytes(config: Config, trans_b: bool, dtype: str, fp8: bool = False) -> int:
     bm, bn, bk, stages = config["BM"], config["BN"], config["BK"], config["STAGES"]
+    if fp8:  # fp16 A rows, B rows of BK E4M3 bytes padded by 16 (GemmTile FP8)
+        return stages * (bm * (bk + 8) * 2 + bn * (bk + 16))
     tf32 = dtype == "f32"
     a_pad = 4 if tf32 else 8
     b_pad = 4 if tf32 and trans_b else 8
@@ -152,6 +156,17 @@ def _impl(config: Config) -> ModuleType | None:
 def _flags(problem: Problem) -> tuple[bool, bool, str, bool]:
     return (bool(problem.flag("trans_b", False)), bool(problem.flag("bias", False)),
             str(problem.flag("activation", "none") or "none"), bool(problem.flag("residual", False)))
+
+
+def _fp8(problem: Problem) -> bool:
+    """An fp8 GEMM (gemm.cuh FP8, onnx_gtco.fp8): B K-major E4M3 bytes, A fp16 rounded to E4M3 at a_scale as it is
+    read, alpha carrying both scales."""
+    return bool(problem.flag("fp8", False))
+
+
+def _a_scale(problem: Problem) -> float:
+    """An fp8 GEMM's A scale (GemmArgs.a_scale): the flag's (1 by default; a node's comes with it at run time)."""
+    return float(problem.flag("a_scale", 1.0))
 
 
 def _layer_scale(problem: Problem) -> bool:
@@ -250,12 +265,14 @@ def mma_estimate_us(problem: Problem, config: Config, hw: Hardware) -> float:
     k_tiles = math.ceil(math.ceil(k / bk) / splits)
     threads = wm * wn * 32
     warp_m, warp_n = bm // wm, bn // wn
-    per_sm = resident(t, smem_bytes(cfg, trans_b, problem.dtype), threads, regs_per_thread(warp_m * warp_n // 32))
+    smem = smem_bytes(cfg, trans_b, problem.dtype, _fp8(problem))
+    per_sm = resident(t, smem, threads, regs_per_thread(warp_m * warp_n // 32))
     g = grid(t, blocks, per_sm)
     tf32 = problem.dtype == "f32"
     elem = 4 if tf32 else 2
     rows = min(bm, m / m_tiles)  # the valid rows of an average M tile
-    tile_bytes = (rows + bn) * bk * elem * (1.0 if cfg["VEC"] else SCALAR_LOADS)
+    b_elem = 1 if _fp8(problem) else elem  # fp8: B's E4M3 bytes (the A rounding's ALU time is not modelled)
+    tile_bytes = (rows * elem + bn * b_elem) * bk * (1.0 if cfg["VEC"] else SCALAR_LOADS)
     peak_sm = (t.tf32_tflops if tf32 else t.tc_tflops) * 1e6 / t.sms  # FLOP per us
     chain = 2.0 * warp_m * warp_n * bk / (c.warp_peak_frac * peak_sm) * crowding(g.per_sm * wm * wn, c.share_exp)
     operands = tile_bytes * min(g.blocks, g.slots) / (c.l2_frac * t.dram_gbps * 1e3)
@@ -357,8 +374,8 @@ class GemmFamily(KernelFamily):
         cfg = {"VEC": 1, "SPLITK": 1, "EPI": 0, **config}
         threads = cfg["WM"] * cfg["WN"] * 32
         acc = (cfg["BM"] // cfg["WM"]) * (cfg["BN"] // cfg["WN"]) // 32
-        per_sm = resident(target, smem_bytes(cfg, bool(problem.flag("trans_b", False)), problem.dtype), threads,
-                          regs_per_thread(acc))
+        smem = smem_bytes(cfg, bool(problem.flag("trans_b", False)), problem.dtype, _fp8(problem))
+        per_sm = resident(target, smem, threads, regs_per_thread(acc))
         slots = target.sms * per_sm
         across = problem.size("batch") * math.ceil(problem.size("N") / cfg["BN"]) * int(cfg["SPLITK"])
         return Tiling(cfg["BM"], across, slots, slots, target.sms)
@@ -455,6 +472,11 @@ class GemmFamily(KernelFamily):
             if config["EPI"] or res or _layer_scale(problem) or _layernorm(problem):
                 return ("a gated GEMM writes act(gate) * up from the direct epilogue (EPI=0), without a residual, "
                         "LayerScale or LayerNorm")
+        if _fp8(problem):
+            if problem.dtype != "f16" or not trans_b:
+                return f"fp8: E4M3 operands held in halves (dtype f16, not {problem.dtype}) with a K-major B (trans_b)"
+            if not config["VEC"] or k % 16:
+                return f"fp8: B's E4M3 rows move in 16-byte chunks (VEC=1, K % 16 == 0; K={k})"
         if config["EPI"] and not config["VEC"]:
             return "EPI=1 (the epilogue staged through shared memory, 16-byte chunks of y) needs VEC=1"
         bm, bn, bk, wm, wn = config["BM"], config["BN"], config["BK"], config["WM"], config["WN"]
@@ -475,7 +497,7 @@ class GemmFamily(KernelFamily):
             if chunks % threads:
                 return (f"EPI=1: the {chunks} 16-byte chunks of a {bm}x{bn} tile do not divide among {threads} "
                         f"threads")
-        smem = smem_bytes(config, trans_b, problem.dtype)
+        smem = smem_bytes(config, trans_b, problem.dtype, _fp8(problem))
         limit = TARGETS[arch].smem_kib * 1024
         if smem > limit:
             return f"shared memory {smem} B ({smem / 1024:g} KiB) exceeds the {arch} limit of {limit // 1024} KiB"
@@ -582,23 +604,26 @@ class GemmFamily(KernelFamily):
                  f"/*TRANS_B=*/{b}, /*HAS_BIAS=*/{str(bias).lower()}, gtco::Act::{ACTIVATIONS[act]}, "
                  f"/*HAS_RES=*/{str(res).lower()}, /*VEC=*/{'true' if c.get('VEC', 1) else 'false'}")
         splits, epi = int(c.get("SPLITK", 1)), bool(c.get("EPI", 0))
-        ln, gated = _layernorm(problem), _gated(problem)
-        if _out_dtype(problem) != problem.dtype or splits > 1 or epi or scale or ln or gated:
+        ln, gated, fp8 = _layernorm(problem), _gated(problem), _fp8(problem)
+        if _out_dtype(problem) != problem.dtype or splits > 1 or epi or scale or ln or gated or fp8:
             targs += f", /*TOut=*/{'float' if _out_dtype(problem) != problem.dtype else _CTYPE[problem.dtype]}"
-        if splits > 1 or epi or scale or ln or gated:
+        if splits > 1 or epi or scale or ln or gated or fp8:
             targs += f", /*SPLITK=*/{splits}, /*EPI_SMEM=*/{str(epi).lower()}"
-        if scale or ln or gated:
+        if scale or ln or gated or fp8:
             targs += f", /*HAS_SCALE=*/{str(scale).lower()}"
-        if ln or gated:
+        if ln or gated or fp8:
             targs += f", /*LN=*/{str(ln).lower()}"
-        if gated:
-            targs += ", /*GATED=*/true"
+        if gated or fp8:
+            targs += f", /*GATED=*/{str(gated).lower()}"
+        if fp8:
+            targs += ", /*FP8=*/true"
         source = (
             f"// Generated by onnx_gtco.families.gemm.kernel: {name}\n"
             f"// y = {act}(A @ B{'^T' if trans_b else ''}{' + bias' if bias else ''})"
             f"{' * up (gated: B interleaves gate and up columns)' if gated else ''}"
             f"{' * layer_scale' if scale else ''}{' + residual' if res else ''}"
             f"{'; ln_y = LayerNorm(y) * gamma + beta' if ln else ''}"
+            f"{'; A rounded to E4M3 at a_scale, B E4M3' if fp8 else ''}"
             f"; tile {c['BM']}x{c['BN']}x{c['BK']}, warps {c['WM']}x{c['WN']}, {c['STAGES']} stages"
             f"{f', split-K {splits}' if splits > 1 else ''}{', staged epilogue' if epi else ''}, {arch}\n"
             f"#include \"gemm/gemm.cuh\"\n"
@@ -608,7 +633,7 @@ class GemmFamily(KernelFamily):
             f"}}\n")
         return Instance(name=name, symbol=symbol, source=source, problem=problem,
                         config={**self.optional, **config}, arch=arch,
-                        smem_bytes=smem_bytes(config, trans_b, problem.dtype))
+                        smem_bytes=smem_bytes(config, trans_b, problem.dtype, fp8))
 
     # ---------------------------------------------------------------------------------------------------------
     def input_shapes(self, problem: Problem) -> dict[str, tuple[int, ...]]:
@@ -650,6 +675,7 @@ class GemmFamily(KernelFamily):
             Field("ln_beta", "ptr", "beta" if ln else ""),
             Field("ln_y", "ptr", "ln_y" if ln else ""),
             Field("ln_eps", "f32", _epsilon(problem) if ln else 0.0),
+            Field("a_scale", "f32", _a_scale(problem) if _fp8(problem) else 0.0),
         ]
 
     def outputs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -665,6 +691,9 @@ class GemmFamily(KernelFamily):
         dt = problem.dtype
         a = from_storage(np.asarray(inputs["a"]), dt)
         b = from_storage(np.asarray(inputs["b"]), dt)
+        if _fp8(problem):  # A rounded to E4M3 at its scale, B's bytes E4M3 values
+            a = round_e4m3((a / np.float32(_a_scale(problem))).astype(np.float32)).astype(np.float64)
+            b = np.asarray(inputs["b"]).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
         if dt == "f32":  # the Tensor Core multiplies TF32 operands
             a, b = (tf32_round(x).astype(np.float64) for x in (a, b))
         if trans_b:
@@ -704,6 +733,9 @@ class GemmFamily(KernelFamily):
                 x = 1.0 + 0.25 * x
             elif key == "beta":
                 x = 0.25 * x
+            if key == "b" and _fp8(problem):  # E4M3 bytes of values of O(1): A @ B is O(sqrt(K))
+                out[key] = to_e4m3(x.astype(np.float32) * math.sqrt(k)).view(np.uint8)
+                continue
             out[key] = to_storage(x.astype(np.float32), _out_dtype(problem) if key == "residual" else problem.dtype)
         return out
 
@@ -734,13 +766,15 @@ def flag_suffix(problem: Problem) -> str:
         parts.append("ln")
     if _gated(problem):
         parts.append("gated")
+    if _fp8(problem):
+        parts.append("e4m3")
     return "_".join(parts)
 
 
 def gemm_problem(dtype: str, batch: int, m: int, n: int, k: int, *, b_batched: bool = False, trans_b: bool = False,
                  bias: bool = False, activation: str = "none", residual: bool = False, alpha: float = 1.0,
                  out_dtype: str | None = None, layer_scale: bool = False, layernorm: bool = False,
-                 epsilon: float = 1e-5, gated: bool = False) -> Problem:
+                 epsilon: float = 1e-5, gated: bool = False, fp8: bool = False, a_scale: float = 1.0) -> Problem:
     """A GEMM Problem from keyword arguments (alpha, a run-time argument of the instance, is a flag only when not 1;
     layer_scale, gated, and layernorm with its epsilon, only when set, so problems without them stay what they
     were). `gated`: N counts the interleaved gate and up columns, y has N / 2."""
@@ -749,6 +783,10 @@ def gemm_problem(dtype: str, batch: int, m: int, n: int, k: int, *, b_batched: b
         flags["layer_scale"] = True
     if gated:
         flags["gated"] = True
+    if fp8:
+        flags["fp8"] = True
+        if a_scale != 1.0:
+            flags["a_scale"] = float(a_scale)
     if layernorm:
         flags["layernorm"] = True
         flags["epsilon"] = float(epsilon)
@@ -786,7 +824,8 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
                         activation=str(op.attrs.get("activation") or "none"),
                         residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)),
                         layer_scale=bool(op.attrs.get("layer_scale")), layernorm=bool(op.attrs.get("layernorm")),
-                        epsilon=float(op.attrs.get("epsilon", 1e-5)), gated=bool(op.attrs.get("gated")))
+                        epsilon=float(op.attrs.get("epsilon", 1e-5)), gated=bool(op.attrs.get("gated")),
+                        fp8=op.dtype == "f8")
 
 
 KERNELS = (FAMILY,)

@@ -57,6 +57,12 @@
 //     weight packed so before planning, families/gemm/gated.py), so each lane's pair of adjacent columns is one
 //     output's (gate, up): the direct epilogue writes y[row, col / 2] = act(gate + bias) * (up + bias), y [M, N / 2]
 //     (stride_y counts its elements). Without a residual, LayerScale, LayerNorm or the staged epilogue.
+//   - FP8 = true (T = __half, TRANS_B, VEC): an fp8 GEMM (onnx_gtco/fp8.py). B is E4M3 bytes [N, K], copied in
+//     16-byte chunks (16 values) into rows of BK bytes + 16 of padding; each lane reads its B pairs (k 2*tig, +1 and
+//     + 8) as 16-bit words and decodes them to halves (every E4M3 value is exact in fp16). A is fp16 as always; its
+//     fragments are divided by p.a_scale and rounded to E4M3 (saturated at 448) after ldmatrix. The f16 mma then
+//     multiplies the E4M3 values exactly with fp32 accumulation; alpha carries s_a * s_b. Plain arithmetic for the
+//     conversions (the sm_89+ cvt instructions would be faster and are not used yet).
 // Shared memory is static up to 48 KiB and dynamic (GTCO_DYNAMIC_SHARED + GTCO_LAUNCH_SMEM) above.
 //
 // Test hook: GTCO_GEMM_TEST_FAULT=1 adds the bias twice, =2 waits for one cp.async group too few (reads a stage
@@ -160,7 +166,7 @@ GTCO_DEVICE float activate(float x) {
 }  // namespace gemm_detail
 
 // Compile-time geometry of one tile configuration (shared by the kernel, the launcher and, as numbers, Python).
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B>
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool FP8 = false>
 struct GemmTile {
     static constexpr bool kTf32 = std::is_same<T, float>::value;  // fp32 I/O: m16n8k8 tf32 mma
     static constexpr int kThreads = WM * WN * 32;
@@ -174,7 +180,10 @@ struct GemmTile {
     static constexpr int kBPad = kTf32 && TRANS_B ? 4 : 8;
     static constexpr int kAStride = BK + kAPad;               // A stage: BM rows of BK
     static constexpr int kBRows = TRANS_B ? BN : BK;          // B stage: BN rows of BK, or BK rows of BN
-    static constexpr int kBStride = (TRANS_B ? BK : BN) + kBPad;
+    // FP8: B's rows are BK E4M3 bytes padded by 16 bytes, counted in T (halves)
+    static constexpr int kBStride = FP8 ? (BK + 16) / 2 : (TRANS_B ? BK : BN) + kBPad;
+    static constexpr int kBRowBytes = kBStride * static_cast<int>(sizeof(T));
+    static constexpr int kBChunk = FP8 ? 16 : kChunk;         // B elements per 16-byte cp.async chunk
     static constexpr int kAStage = BM * kAStride, kBStage = kBRows * kBStride;
     static constexpr int kSmemElems = STAGES * (kAStage + kBStage);
     static constexpr int kSmemBytes = kSmemElems * static_cast<int>(sizeof(T));
@@ -189,6 +198,7 @@ struct GemmTile {
     static_assert(BM % (16 * WM) == 0 && BN % (8 * WN) == 0, "warp tile: a multiple of 16 x 8");
     static_assert(!kTf32 || TRANS_B || BN % 32 == 0, "fp32 [K, N] B: BN a multiple of 32 (bank-conflict-free rows)");
     static_assert(kThreads <= 1024, "at most 1024 threads per block");
+    static_assert(!FP8 || (TRANS_B && std::is_same<T, __half>::value), "FP8: a K-major E4M3 B and fp16 A");
 };
 
 // Shared memory of one gemm_kernel instance: the ring, or with EPI_SMEM the larger of the ring and the staged fp32
@@ -337,9 +347,9 @@ GTCO_DEVICE void take_b_pair(uint32_t (&bf)[NI][2], int ni, const uint32_t (&r)[
     bf[ni + 1][1] = r[3];
 }
 
-template <class Tile, class T, bool TRANS_B, int BK>
+template <class Tile, class T, bool TRANS_B, int BK, bool FP8 = false>
 GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, const T* bs, int a_row, int wn,
-                           int lane) {
+                           int lane, float a_scale = 1.0f) {
     constexpr int MI = Tile::MI, NI = Tile::NI, TN = Tile::TN, kAStride = Tile::kAStride,
                   kBStride = Tile::kBStride;
     constexpr int E = 8 / (Tile::kTf32 ? 2 : 1);  // elements per 16-byte ldmatrix row: 8 halves or 4 floats
@@ -351,7 +361,20 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
         // A matrices: (rows 0-7, k 0..E-1), (rows 8-15, k 0..E-1), (rows 0-7, k E..2E-1), (rows 8-15, k E..2E-1)
         GTCO_UNROLL
         for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(af[mi], as + (a_row + mi * 16) * kAStride + k0 + a_col);
-        if constexpr (TRANS_B) {  // matrices: (n 0-7, k 0..E-1), (n 0-7, k E..), (n 8-15, k 0..E-1), (n 8-15, k E..)
+        if constexpr (FP8) {  // A rounded to E4M3 at its scale; B's E4M3 pairs (k 2*tig, +1; and + 8) as halves
+            GTCO_UNROLL
+            for (int mi = 0; mi < MI; ++mi)
+                GTCO_UNROLL
+                for (int i = 0; i < 4; ++i) af[mi][i] = quantize_e4m3x2(af[mi][i], a_scale);
+            const unsigned char* const b8 = reinterpret_cast<const unsigned char*>(bs);
+            GTCO_UNROLL
+            for (int ni = 0; ni < NI; ++ni) {
+                const unsigned char* const row = b8 + (wn * TN + ni * 8 + lane / 4) * Tile::kBRowBytes + k0 +
+                                                 (lane % 4) * 2;
+                bf[ni][0] = e4m3x2_to_half2(*reinterpret_cast<const unsigned short*>(row));
+                bf[ni][1] = e4m3x2_to_half2(*reinterpret_cast<const unsigned short*>(row + 8));
+            }
+        } else if constexpr (TRANS_B) {  // matrices: (n 0-7, k 0..E-1), (n 0-7, k E..), (n 8-15, k 0..E-1), (n 8-15, k E..)
             GTCO_UNROLL
             for (int ni = 0; ni + 1 < NI; ni += 2) {
                 uint32_t r[4];
@@ -411,7 +434,7 @@ GTCO_DEVICE void mma_ktile(float (&acc)[Tile::MI][Tile::NI][4], const T* as, con
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
-          bool LN = false, bool GATED = false>
+          bool LN = false, bool GATED = false, bool FP8 = false>
 __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, const GemmSplit split_ws) {
     grid_dep_wait();  // PDL: the grid ahead of this one has finished writing what this one reads (primitives.cuh)
     static_assert(std::is_same<TOut, T>::value || std::is_same<TOut, float>::value, "TOut: T or float");
@@ -421,7 +444,8 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
                   "LN: VEC instances without split-K whose y is T");
     static_assert(!GATED || (!EPI_SMEM && !LN && !HAS_RES && !HAS_SCALE),
                   "GATED: the direct epilogue, without a residual, LayerScale or LayerNorm");
-    using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
+    static_assert(!FP8 || VEC, "FP8: 16-byte chunks of E4M3 B (VEC instances)");
+    using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, FP8>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
     constexpr int kThreads = Tile::kThreads, TM = Tile::TM, TN = Tile::TN, MI = Tile::MI, NI = Tile::NI;
     constexpr int kAStride = Tile::kAStride, kBStride = Tile::kBStride, CH = Tile::kChunk;
@@ -445,7 +469,8 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
     const int64_t bz = static_cast<int64_t>(blockIdx.z) / SPLITK;  // the batch entry
     const int split = static_cast<int>(blockIdx.z % SPLITK);
     const T* const A = static_cast<const T*>(p.a) + bz * p.stride_a;
-    const T* const B = static_cast<const T*>(p.b) + bz * p.stride_b;
+    const T* const B = static_cast<const T*>(p.b) + bz * p.stride_b;  // FP8: read as bytes (B8)
+    const unsigned char* const B8 = static_cast<const unsigned char*>(p.b) + bz * p.stride_b;
     const int ktiles_all = (K + BK - 1) / BK;
     // This split's k-tiles (all of them without split-K): balanced, none empty while ktiles_all >= SPLITK.
     const int kt_begin = static_cast<int>(static_cast<int64_t>(split) * ktiles_all / SPLITK);
@@ -473,6 +498,21 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
                         as[r * kAStride + kc + e] = m0 + r < M && k0 + kc + e < K ? src[e] : T(0.0f);
                 }
             }
+        }
+        if constexpr (FP8) {  // BN rows of BK E4M3 bytes: n0 + r, k0 + cc
+            constexpr int BC = Tile::kBChunk, kB8Chunks = BN * BK / BC, kB8Cols = BK / BC;
+            unsigned char* const b8 = reinterpret_cast<unsigned char*>(bs);
+            GTCO_UNROLL
+            for (int i = 0; i < (kB8Chunks + kThreads - 1) / kThreads; ++i) {
+                const int c = tid + i * kThreads;
+                if (kB8Chunks % kThreads == 0 || c < kB8Chunks) {
+                    const int r = c / kB8Cols, cc = (c % kB8Cols) * BC;
+                    const bool ok = n0 + r < N && k0 + cc < K;
+                    cp_async_16(b8 + r * Tile::kBRowBytes + cc,
+                                ok ? B8 + static_cast<int64_t>(n0 + r) * K + (k0 + cc) : B8, ok);
+                }
+            }
+            return;
         }
         constexpr int kBChunks = BN * BK / CH, kBCols = (TRANS_B ? BK : BN) / CH;
         GTCO_UNROLL
@@ -526,7 +566,7 @@ __global__ void __launch_bounds__(WM * WN * 32) gemm_kernel(const GemmArgs p, co
         const int stage = kt % STAGES;
         const T* const as = a_smem + stage * Tile::kAStage;
         const T* const bs = b_smem + stage * Tile::kBStage;
-        gemm_detail::mma_ktile<Tile, T, TRANS_B, BK>(acc, as, bs, a_row, wn, lane);
+        gemm_detail::mma_ktile<Tile, T, TRANS_B, BK, FP8>(acc, as, bs, a_row, wn, lane, p.a_scale);
     }
     cp_async_wait<0>();  // only empty groups remain; leaves no copy outstanding at exit
 
@@ -744,9 +784,9 @@ inline bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<
 // entries) or GTCO_ELAUNCH.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, bool TRANS_B, bool HAS_BIAS, Act ACT,
           bool HAS_RES, bool VEC = true, class TOut = T, int SPLITK = 1, bool EPI_SMEM = false, bool HAS_SCALE = false,
-          bool LN = false, bool GATED = false>
+          bool LN = false, bool GATED = false, bool FP8 = false>
 int launch_gemm(const GemmArgs* args, void* stream) {
-    using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B>;
+    using Tile = GemmTile<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, FP8>;
     using Smem = GemmSmem<Tile, BM, BN, EPI_SMEM>;
     if (args == nullptr) return GTCO_EBADSHAPE;
     const GemmArgs& p = *args;
@@ -822,8 +862,11 @@ int launch_gemm(const GemmArgs* args, void* stream) {
     } else if (p.ln_gamma != nullptr || p.ln_beta != nullptr || p.ln_y != nullptr) {
         return GTCO_EBADSHAPE;  // a LayerNorm asked of an instance without one
     }
+    if (FP8 && (p.k % 16 != 0 || p.stride_b % 16 != 0 || !(p.a_scale > 0.0f))) {
+        return GTCO_EBADSHAPE;  // 16-byte chunks of E4M3 rows of B; A's scale a positive number
+    }
     auto* kernel = &gemm_kernel<T, BM, BN, BK, WM, WN, STAGES, TRANS_B, HAS_BIAS, ACT, HAS_RES, VEC, TOut, SPLITK,
-                                EPI_SMEM, HAS_SCALE, LN, GATED>;
+                                EPI_SMEM, HAS_SCALE, LN, GATED, FP8>;
     (void)stream;
     if constexpr (Smem::kDynamic) {
         return GTCO_LAUNCH_SMEM(kernel, grid, block, Smem::kBytes, stream, p, split_ws);

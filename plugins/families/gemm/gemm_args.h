@@ -27,4 +27,7 @@ struct GemmArgs {
     const void* ln_beta;   // [N]
     void* ln_y;
     float ln_eps;
+    // fp8 instances (gemm.cuh FP8; onnx_gtco/fp8.py): B is E4M3 bytes, K-major; A (fp16) is divided by a_scale and
+    // rounded to E4M3 as it is read; alpha carries both operands' scales. 0 otherwise.
+    float a_scale;
 };

@@ -160,6 +160,7 @@ struct Gemm {
         std::vector<int64_t> batch;
         int64_t trans_a = 0, trans_b = 0, bias = 0, residual = 0, layer_scale = 0, layernorm = 0, gated = 0;
         float alpha = 1.0f, beta = 1.0f, epsilon = 1e-5f;
+        float a_scale = 0.0f;  // an fp8 node's s_a on the device path (GemmArgs::a_scale), set per call
         std::string activation;
         bool act_known = false;
         ref::Act act = ref::Act::kNone;
@@ -246,12 +247,12 @@ struct Gemm {
                                            get_input(ctx, spec.in[IN_BETA]));
     }
 
-    // An fp8 node on the CPU: A rounded to E4M3 at s_a and B (E4M3) decoded, both held in fp16 (which holds every
-    // E4M3 value exactly), and the fp16 reference run with alpha * s_a * s_b: the E4M3 GEMM with fp32 accumulation,
-    // its epilogue (and LayerNorm) as the fp16 node's.
+    // An fp8 node. The CPU reference: A rounded to E4M3 at s_a and B (E4M3) decoded, both held in fp16 (which holds
+    // every E4M3 value exactly), and the fp16 reference run with alpha * s_a * s_b: the E4M3 GEMM with fp32
+    // accumulation, its epilogue (and LayerNorm) as the fp16 node's. The device: the node's FP8 instance (gemm.cuh)
+    // on A as it is and B's E4M3 bytes, a_scale = s_a, alpha * s_a * s_b.
     template <bool Cuda>
     static OrtStatus* compute_f8(Ort::KernelContext& ctx, const NodeRef& ref, const NodeSpec& spec, const Attrs& at) {
-        if (Cuda) return ref.fail("no device kernel takes E4M3 operands yet", ORT_NOT_IMPLEMENTED);
         const Input scales = get_input(ctx, spec.in[IN_SCALES]);
         if (!scales.present || scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || scales.numel() != 2) {
             return ref.fail("an fp8 GEMM needs its scales input: float [s_a, s_b]");
@@ -267,6 +268,23 @@ struct Gemm {
                             "; it takes float8e4m3fn");
         }
         const float* s = static_cast<const float*>(scales.data);
+        Attrs scaled = at;
+        scaled.alpha = at.alpha * s[0] * s[1];
+        scaled.a_scale = s[0];
+        const Input bias = get_input(ctx, spec.in[IN_BIAS]), res = get_input(ctx, spec.in[IN_RESIDUAL]);
+        const Input scale = get_input(ctx, spec.in[IN_LAYER_SCALE]), gamma = get_input(ctx, spec.in[IN_GAMMA]);
+        const Input beta = get_input(ctx, spec.in[IN_BETA]);
+        const bool f32_out = at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && at.layernorm == 0;
+        if constexpr (Cuda) {  // the instance reads B's bytes: B passes the fp16 operand checks by its shape only
+            Input b8 = b;
+            b8.type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+            if (f32_out) {
+                return compute_with<DType::f16, DType::f32, true>(ctx, ref, spec, scaled, a, b8, bias, res, scale,
+                                                                   gamma, beta);
+            }
+            return compute_with<DType::f16, DType::f16, true>(ctx, ref, spec, scaled, a, b8, bias, res, scale, gamma,
+                                                               beta);
+        }
         std::vector<Ort::Float16_t> qa(static_cast<size_t>(a.numel())), qb(static_cast<size_t>(b.numel()));
         const auto* ha = static_cast<const Ort::Float16_t*>(a.data);
         const auto* b8 = static_cast<const uint8_t*>(b.data);
@@ -276,12 +294,7 @@ struct Gemm {
         a16.data = qa.data();
         b16.type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
         b16.data = qb.data();
-        Attrs scaled = at;
-        scaled.alpha = at.alpha * s[0] * s[1];
-        const Input bias = get_input(ctx, spec.in[IN_BIAS]), res = get_input(ctx, spec.in[IN_RESIDUAL]);
-        const Input scale = get_input(ctx, spec.in[IN_LAYER_SCALE]), gamma = get_input(ctx, spec.in[IN_GAMMA]);
-        const Input beta = get_input(ctx, spec.in[IN_BETA]);
-        if (at.out_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && at.layernorm == 0) {
+        if (f32_out) {
             return compute_with<DType::f16, DType::f32, false>(ctx, ref, spec, scaled, a16, b16, bias, res, scale,
                                                                 gamma, beta);
         }
@@ -377,6 +390,7 @@ struct Gemm {
             if (at.gated != 0) args.stride_y = p.m * (p.n / 2);
             args.a = a.data, args.b = b.data, args.bias = bias.data, args.residual = res.data, args.y = y;
             args.layer_scale = scale.data;
+            args.a_scale = at.a_scale;
             return gemm_glue::run_gemm(ctx, ref, args, operands);
         }
         fill_io(io, at, a, b, bias, scale, res, y);
@@ -418,6 +432,7 @@ struct Gemm {
             args.y = y != nullptr ? static_cast<void*>(y) : static_cast<void*>(norm);  // in place without y
             args.layer_scale = scale.data;
             args.ln_gamma = gamma.data, args.ln_beta = beta.data, args.ln_y = norm, args.ln_eps = at.epsilon;
+            args.a_scale = at.a_scale;
             return gemm_glue::run_gemm(ctx, ref, args, operands);
         }
         const int64_t rows = p.batch * p.m;

@@ -240,6 +240,40 @@ GTCO_DEVICE uint32_t pack_b16(__nv_bfloat16 lo, __nv_bfloat16 hi) {
 GTCO_DEVICE float quad_max(float v) { return warp_max<4>(v); }
 GTCO_DEVICE float quad_sum(float v) { return warp_sum<4>(v); }
 
+// ---- E4M3 (fp8 E4M3FN: largest finite 448, subnormals down to 2^-9) for the fp8 GEMM (onnx_gtco/fp8.py) -------
+// Every E4M3 value is exact in fp16, so the fp8 GEMM runs the f16 mma on E4M3 values held in halves.
+// x rounded to the nearest E4M3 value (ties to even), saturated to +-448 (QuantizeLinear's saturate=1), in fp32.
+// Plain arithmetic, the same on every arch and in the emulation (plugins/families/gemm/gemm_ref.h round_e4m3).
+GTCO_DEVICE float round_e4m3(float x) {
+    const float a = fabsf(x);
+    if (!(a < 448.0f)) return a >= 448.0f ? copysignf(448.0f, x) : x;  // saturated; NaN stays NaN
+    int e = 0;
+    frexpf(a, &e);                                    // a = f * 2^e, f in [0.5, 1): its binade is 2^(e-1)
+    const int step = (e - 1 > -6 ? e - 1 : -6) - 3;   // 3 mantissa bits; below 2^-6 the subnormal step 2^-9
+    return copysignf(ldexpf(rintf(ldexpf(a, -step)), step), x);  // rintf: ties to even
+}
+
+// The two halves of `h2` (an A fragment register) divided by `scale` and rounded to E4M3, as halves.
+GTCO_DEVICE uint32_t quantize_e4m3x2(uint32_t h2, float scale) {
+    const float lo = __half2float(__ushort_as_half(static_cast<unsigned short>(h2 & 0xffffu)));
+    const float hi = __half2float(__ushort_as_half(static_cast<unsigned short>(h2 >> 16)));
+    return pack_b16(__float2half_rn(round_e4m3(lo / scale)), __float2half_rn(round_e4m3(hi / scale)));
+}
+
+// Two E4M3 bytes (the low one first) as two halves: the byte's sign, exponent and mantissa moved into a half's
+// fields (exponent bias 15 against 7: the half is the value / 2^8, subnormals included), then scaled by 2^8.
+GTCO_DEVICE uint32_t e4m3x2_to_half2(uint32_t two) {
+    uint32_t out = 0;
+    GTCO_UNROLL
+    for (int i = 0; i < 2; ++i) {
+        const uint32_t b = (two >> (8 * i)) & 0xffu;
+        const auto bits = static_cast<unsigned short>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+        const float v = __half2float(__ushort_as_half(bits)) * 256.0f;
+        out |= static_cast<uint32_t>(__half_as_ushort(__float2half_rn(v))) << (16 * i);
+    }
+    return out;
+}
+
 // 1 / sqrt(x): the hardware approximation on the GPU (what LayerNorm kernels use), the exact quotient here.
 GTCO_DEVICE float fast_rsqrt(float x) {
 #if defined(GTCO_EMULATE)

@@ -569,6 +569,7 @@ template struct FusedKernel<Gemm, DType::f32, false>;
 template struct FusedKernel<Gemm, DType::f16, false>;
 template struct FusedKernel<Gemm, DType::bf16, false>;
 template struct FusedKernel<Gemm, DType::f8, false>;
+template struct FusedKernel<Gemm, DType::f8, true>;
 template struct FusedKernel<Gemm, DType::f16, true>;
 template struct FusedKernel<Qkv, DType::f32, false>;
 template struct FusedKernel<Qkv, DType::f16, false>;

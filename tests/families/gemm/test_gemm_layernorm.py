@@ -226,7 +226,8 @@ def test_layernorm_arguments_to_an_instance_without_one_are_refused(libs):
     plain = gemm_problem("f16", 1, 37, 64, 32, **CASES[0][3])
     assert not {"layernorm", "epsilon"} & dict(plain.flags).keys()
     arrays = {**FAMILY.random_inputs(plain, 0), **FAMILY.allocate_outputs(plain)}
-    assert [f.name for f in FAMILY.args_fields(plain, arrays)][-4:] == ["ln_gamma", "ln_beta", "ln_y", "ln_eps"]
+    names = [f.name for f in FAMILY.args_fields(plain, arrays)]
+    assert names[-5:] == ["ln_gamma", "ln_beta", "ln_y", "ln_eps", "a_scale"]
     got = run_emulated(lib, inst.symbol, FAMILY.args_fields(plain, arrays), arrays, ["y"])["y"]
     assert not np.isnan(from_storage(got, "f16")).any()
 
