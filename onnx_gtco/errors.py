@@ -78,6 +78,10 @@ class CheckError(GtcoError):
     """Comparing two models could not run (not: the models differ)."""
 
 
+class CalibrationError(GtcoError):
+    """Calibration data (fp8's --calibration-data) that cannot be read or does not fit the model."""
+
+
 class BuildError(GtcoError):
     """A compiler is missing, failed, or timed out."""
 

@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from onnx_gtco.errors import GtcoError, RewriteError, first_line
+from onnx_gtco.errors import CalibrationError, RewriteError, first_line
 from onnx_gtco.opspec import DOMAIN, decode_node, op_type
 from onnx_gtco.precision import E4M3_MAX, round_e4m3, to_e4m3
 
@@ -54,10 +54,6 @@ FP8_TAG = "f8"
 """The op-type tag of a GEMM node on E4M3 operands (`Gemm_f8`): fp16 I/O, E4M3 A and B."""
 SCALES_ROLE = "scales"
 """The role of a `Gemm_f8` node's [s_a, s_b] (fp32): A's and B's per-tensor scales."""
-
-
-class CalibrationError(GtcoError):
-    """Calibration data that cannot be read or does not fit the model."""
 
 
 def scale_of(amax: float) -> float:

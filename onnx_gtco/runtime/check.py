@@ -139,12 +139,14 @@ DEFAULT_AGREEMENT: dict[str, float] = {
 
 def defaults_text(what: str) -> str:
     """check's defaults of "rtol", "atol" or "agreement" by precision, as --help states them: e.g. "fp32 1e-4,
-    fp16 1e-2, bf16 8e-2", "fp32 1, fp16 0.99, bf16 0.99" (from DEFAULT_TOLERANCES and DEFAULT_AGREEMENT, which
-    check applies)."""
+    fp16 1e-2, bf16 8e-2; fp8 by cosine (--min-cosine)", "fp32 1, fp16 0.99, bf16 0.99, fp8 0.95" (from
+    DEFAULT_TOLERANCES, DEFAULT_MIN_COSINE and DEFAULT_AGREEMENT, which check applies)."""
     if what == "agreement":
         return ", ".join(f"{p} {v:g}" for p, v in DEFAULT_AGREEMENT.items())
     index = ("rtol", "atol").index(what)
-    return ", ".join(f"{p} {_short(tols[index])}" for p, tols in DEFAULT_TOLERANCES.items())
+    by_cosine = [p for p in DEFAULT_TOLERANCES if p in DEFAULT_MIN_COSINE]
+    return ", ".join(f"{p} {_short(tols[index])}" for p, tols in DEFAULT_TOLERANCES.items() if p not in by_cosine) + (
+        f"; {', '.join(by_cosine)} by cosine (--min-cosine)" if by_cosine else "")
 
 
 def _short(v: float) -> str:

@@ -16,6 +16,7 @@ from onnx_gtco import GtcoConfig, models, optimize
 from onnx_gtco.cli import main, parser
 from onnx_gtco.runtime.check import (
     DEFAULT_AGREEMENT,
+    DEFAULT_MIN_COSINE,
     DEFAULT_TOLERANCES,
     compare,
     default_tolerances,
@@ -73,9 +74,9 @@ def test_a_model_without_the_metadata_gets_fp32_defaults_and_says_why(files, tmp
     assert default_tolerances(files[1][None]) == (
         1e-4, 1e-5, "defaults for precision fp32: the rewritten model has no gtco.precision metadata")
     odd = tmp_path / "odd.onnx"
-    onnx.save(tagged(pair_model(0.0), "fp8"), str(odd))
+    onnx.save(tagged(pair_model(0.0), "int4"), str(odd))
     assert default_tolerances(odd)[2] == ("defaults for precision fp32: the rewritten model has unknown "
-                                          "gtco.precision 'fp8'")
+                                          "gtco.precision 'int4'")
 
 
 def test_check_prints_the_tolerances_and_why(files, capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,16 +132,18 @@ def _help_of(flag: str) -> str:
 
 
 @pytest.mark.parametrize(("flag", "defaults"), [
-    ("--rtol", {p: t[0] for p, t in DEFAULT_TOLERANCES.items()}),
-    ("--atol", {p: t[1] for p, t in DEFAULT_TOLERANCES.items()}),
+    ("--rtol", {p: t[0] for p, t in DEFAULT_TOLERANCES.items() if p not in DEFAULT_MIN_COSINE}),
+    ("--atol", {p: t[1] for p, t in DEFAULT_TOLERANCES.items() if p not in DEFAULT_MIN_COSINE}),
     ("--agreement", DEFAULT_AGREEMENT),
 ])
 def test_help_states_the_defaults_check_applies(flag: str, defaults: dict[str, float]) -> None:
     """Read back from check --help: each precision's number there is the one check uses (the help stated fp16 and
     bf16 atols of 3e-3 and 2.4e-2 long after check had moved to 2e-2 and 1.6e-1)."""
     text = _help_of(flag)
-    stated = {p: float(v) for p, v in re.findall(r"\b(fp32|fp16|bf16) (\d[\d.e+-]*)", text)}
+    stated = {p: float(v) for p, v in re.findall(r"\b(fp32|fp16|bf16|fp8) (\d[\d.e+-]*)", text)}
     assert stated == defaults, text
+    if flag != "--agreement":  # fp8 is judged by cosine, and the help says so
+        assert all(f"{p} by cosine" in text for p in DEFAULT_MIN_COSINE), text
 
 
 def _scaled(model: onnx.ModelProto, name_part: str, factor: float) -> onnx.ModelProto:
