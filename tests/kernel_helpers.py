@@ -51,3 +51,13 @@ def ptxas_of_cases(family: Any, problems: Mapping[str, Any], cases: Sequence[tup
 
     with ThreadPoolExecutor(jobs) as pool:
         return dict(enumerate(pool.map(compile_one, range(len(cases)))))
+
+
+def assert_compiles_without_spills(family: Any, problems: Mapping[str, Any], cases: Sequence[tuple[str, str, dict]],
+                                   out: Path) -> None:
+    """Every (problem key, arch, config) case compiles with ptxas reporting its kernels, none spilling or keeping a
+    stack frame."""
+    for inst, kernels in ptxas_of_cases(family, problems, cases, out, 2).values():
+        assert kernels, f"{inst.name}: ptxas reported no kernel"
+        for k in kernels:
+            assert not k.spills and not k.stack_frame_bytes, f"{inst.name}: {k}"
