@@ -26,6 +26,8 @@ from onnx_gtco.errors import RewriteError
 
 DOMAIN = "ai.gtco"
 FLOAT_DTYPES = ("f32", "f16", "bf16")
+FP8_DTYPE = "f8"
+"""The op-type tag of a GEMM on E4M3 operands with fp16 I/O (`Gemm_f8`, onnx_gtco.fp8)."""
 
 
 def op_type(family: str, dtype: str) -> str:

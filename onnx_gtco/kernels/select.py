@@ -28,7 +28,7 @@ import onnx
 from onnx_gtco import families
 from onnx_gtco.calibration import Hardware, hardware_for_arch
 from onnx_gtco.kernels.family import DTYPES, Implementation, Instance, KernelFamily, OpKernel, Problem
-from onnx_gtco.opspec import FusedOp, decode_node
+from onnx_gtco.opspec import FP8_DTYPE, FusedOp, decode_node
 
 ALL_FAMILIES: dict[str, KernelFamily] = {k.name: k for part in families.parts("kernel") for k in part.KERNELS}
 """Every kernel family by name, from each family's kernel module (onnx_gtco.families)."""
@@ -80,7 +80,7 @@ def problem_for(op: FusedOp) -> Problem | str:
     found = OPS.get(op.family)
     if found is None:
         return f"no {op.family} kernel family (the node runs its function)"
-    if op.dtype == FP8 and op.family == "gemm":  # E4M3 values held in halves: an f16 problem flagged fp8
+    if op.dtype == FP8_DTYPE and op.family == "gemm":  # E4M3 values held in halves: an f16 problem flagged fp8
         return found.problem(op, "f16")
     if op.dtype not in DTYPES:
         return (f"no device kernel takes {op.family} nodes of dtype {op.dtype} (the kernels compute in "
@@ -99,9 +99,6 @@ def shaped(family: str) -> bool:
     found = OPS.get(family)
     return found is not None and found.shaped
 
-
-FP8 = "f8"
-"""The dtype tag of a GEMM node on E4M3 operands (`Gemm_f8`, onnx_gtco.fp8): its Problem is f16's, flagged fp8."""
 
 Avoid = Container[tuple[str, str]]
 """(instance name, arch) pairs a selection must not return: instances ptxas rejected (a spill, a stack frame)."""
@@ -195,7 +192,7 @@ def with_out_dtype(problem: Problem, io_dtype: str, out_dtype: str) -> Problem:
     flag out_dtype="f32", the output cast in its epilogue, where its family has that form (KernelFamily.fp32_output:
     the GEMM); every other problem is unchanged."""
     family = ALL_FAMILIES.get(problem.family)
-    io_dtype = "f16" if io_dtype == FP8 else io_dtype  # an fp8 GEMM's I/O is fp16
+    io_dtype = "f16" if io_dtype == FP8_DTYPE else io_dtype  # an fp8 GEMM's I/O is fp16
     if family is not None and family.fp32_output and problem.dtype == io_dtype != "f32" and out_dtype == "f32":
         return Problem.make(problem.family, problem.dtype, dict(problem.sizes),
                             {**dict(problem.flags), "out_dtype": "f32"})

@@ -43,6 +43,7 @@ from onnx_gtco.kernels.select import (
     select_instance,
     with_out_dtype,
 )
+from onnx_gtco.opspec import FP8_DTYPE
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import Binding, FusedNode
 
@@ -128,7 +129,7 @@ def device_problem(node: FusedNode, binding: Binding) -> Problem | str:
     problem = _node_problem(node)
     if isinstance(problem, str):
         return problem
-    if problem.dtype != node.dtype and not (node.dtype == "f8" and problem.flag("fp8", False)):
+    if problem.dtype != node.dtype and not (node.dtype == FP8_DTYPE and problem.flag("fp8", False)):
         precision = node.attrs.get("precision", "?")
         precision = precision.decode() if isinstance(precision, bytes) else precision
         return (f"computes in {problem.dtype} (precision {precision}) on {node.dtype} tensors; the device kernels "

@@ -81,6 +81,7 @@ from onnx_gtco.kernels.toolchain import (
     run_compile,
     sanitize_flags,
 )
+from onnx_gtco.opspec import FP8_DTYPE
 from onnx_gtco.plugin.binders import binder_for
 from onnx_gtco.plugin.binding import MAX_ROLES, Binder, Binding, FusedNode
 from onnx_gtco.plugin.device import (
@@ -110,7 +111,8 @@ from onnx_gtco.plugin.pdl import pdl_archs, pdl_slots
 PLUGINS = PLUGINS_DIR
 CUDA_ARCHS = ARCH_SLOTS
 CXX_FLAGS = ("-std=c++20", "-O3", "-pthread", "-fPIC", "-fvisibility=hidden", "-Wall")
-_DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16", "f8": "gtco::DType::f8"}
+_DTYPES = {"f32": "gtco::DType::f32", "f16": "gtco::DType::f16", "bf16": "gtco::DType::bf16",
+           FP8_DTYPE: "gtco::DType::f8"}
 
 
 @dataclass(frozen=True)

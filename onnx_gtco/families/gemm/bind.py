@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from onnx_gtco.families.gemm.spec import QKV_PROJECTIONS
 from onnx_gtco.kernels.family import Problem
-from onnx_gtco.opspec import SPECS
+from onnx_gtco.opspec import FP8_DTYPE, SPECS
 from onnx_gtco.plugin.binding import Binding, FusedNode, bind_roles, one_row, present, read
 
 HEADER = "gemm/gemm_op.h"
-FP8 = "f8"
 FP8_DTYPES = {"io_dtype": "f16", "role_dtypes": {"b": "e4m3", "scales": "f32"}}
 """A `Gemm_f8` node's dtypes (onnx_gtco.fp8): fp16 I/O, its B E4M3, its scales [s_a, s_b] fp32."""
 ACTIVATIONS = ("none", "relu", "gelu_erf", "gelu_tanh", "silu", "quick_gelu", "sigmoid", "tanh", "relu6")
@@ -71,7 +70,7 @@ class GemmBinder:
             # residual, which the kernel reads in y's dtype
             ln = bool(op["layernorm"])
             out_dtypes = ("f32",) if not op["residual"] and not ln else ()
-            fp8 = op.dtype == FP8
+            fp8 = op.dtype == FP8_DTYPE
             need = {"a": True, "b": True, "bias": op["bias"], "residual": op["residual"],
                     "layer_scale": op["layer_scale"], "gamma": ln, "beta": ln, "scales": fp8}
             why = bind_roles(node, op, need, GEMM_IN, GEMM_OUT, outputs=2 if ln else 1,  # type: ignore[arg-type]

@@ -74,7 +74,7 @@ from onnx_gtco.kernels.family import (
     to_storage,
 )
 from onnx_gtco.kernels.timing import Tiling, crowding, grid, regs_per_thread, resident
-from onnx_gtco.opspec import FusedOp
+from onnx_gtco.opspec import FP8_DTYPE, FusedOp
 from onnx_gtco.patterns.activation import REFERENCE
 from onnx_gtco.precision import round_e4m3, to_e4m3
 
@@ -825,7 +825,7 @@ def op_problem(op: FusedOp, dtype: str) -> Problem | str:
                         residual=bool(op.attrs.get("residual")), alpha=float(op.attrs.get("alpha", 1.0)),
                         layer_scale=bool(op.attrs.get("layer_scale")), layernorm=bool(op.attrs.get("layernorm")),
                         epsilon=float(op.attrs.get("epsilon", 1e-5)), gated=bool(op.attrs.get("gated")),
-                        fp8=op.dtype == "f8")
+                        fp8=op.dtype == FP8_DTYPE)
 
 
 KERNELS = (FAMILY,)

@@ -3,7 +3,7 @@ projections of one input, one launch each on a shared A)."""
 
 from __future__ import annotations
 
-from onnx_gtco.opspec import BOOL, DIM, DIMS, EPILOGUE, FLOAT, FLOAT_DTYPES, Attr, OpSpec
+from onnx_gtco.opspec import BOOL, DIM, DIMS, EPILOGUE, FLOAT, FLOAT_DTYPES, FP8_DTYPE, Attr, OpSpec
 
 QKV_PROJECTIONS = 3  # the projections a qkv op names roles for (C++ gtco::Qkv::kMaxProj)
 
@@ -24,7 +24,7 @@ SPECS = (
             Attr("layer_scale", BOOL, False), Attr("layernorm", BOOL, False), Attr("epsilon", FLOAT, 1e-5),
             Attr("gated", BOOL, False)),
            # the epilogue casts to fp32 (kernels.select.with_out_dtype); with a residual it would read an fp32 one
-           dtypes=(*FLOAT_DTYPES, "f8"),
+           dtypes=(*FLOAT_DTYPES, FP8_DTYPE),
            fp32_output=lambda a: not a.get("residual"),
            parts=lambda a: ("gemm", "layernorm") if a.get("layernorm") else None),
 )
