@@ -45,13 +45,11 @@ import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from onnx_gtco.errors import CalibrationError, RewriteError, first_line
-from onnx_gtco.opspec import DOMAIN, decode_node, op_type
+from onnx_gtco.opspec import DOMAIN, FP8_DTYPE, decode_node, op_type
 from onnx_gtco.precision import E4M3_MAX, round_e4m3, to_e4m3
 
 FP8_OPSET = 19
 """The opset of FLOAT8E4M3FN tensors and of QuantizeLinear / DequantizeLinear with them."""
-FP8_TAG = "f8"
-"""The op-type tag of a GEMM node on E4M3 operands (`Gemm_f8`): fp16 I/O, E4M3 A and B."""
 SCALES_ROLE = "scales"
 """The role of a `Gemm_f8` node's [s_a, s_b] (fp32): A's and B's per-tensor scales."""
 
@@ -76,40 +74,24 @@ def read_calibration(spec: Any, model: onnx.ModelProto) -> list[dict[str, np.nda
     Raises:
         CalibrationError: nothing readable, no sample, or a sample that does not fit the model's inputs.
     """
-    from onnx_gtco.runtime.check import CheckError, load_inputs
+    from onnx_gtco.runtime.check import CheckError, checked_sample, load_inputs
 
-    if isinstance(spec, (str, os.PathLike)) and not _reader_spec(spec):
-        path = Path(spec)
-        files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
-        if path.is_dir() and not files:
-            raise CalibrationError(f"{FLAG} {spec}: the folder holds no .npz files")
-        samples: list[dict[str, np.ndarray]] = []
-        try:
-            for f in files:
-                samples += load_inputs(f, model, FLAG)
-        except CheckError as e:
-            raise CalibrationError(str(e)) from None
-        return samples
-    source = _load_reader(str(spec)) if isinstance(spec, (str, os.PathLike)) else spec
-    where = f"{FLAG} {spec}" if isinstance(spec, (str, os.PathLike)) else "calibration data"
-    feeds = list(_drain(source, where))
-    if not feeds:
-        raise CalibrationError(f"{where}: the reader gave no samples")
-    names = {i.name: i for i in model.graph.input}
-    init = {t.name for t in model.graph.initializer}
-    wanted = [n for n in names if n not in init]
-    for k, feed in enumerate(feeds):
-        missing = [n for n in wanted if n not in feed]
-        extra = [n for n in feed if n not in names]
-        if missing or extra:
-            what = f"lacks input {missing[0]!r}" if missing else f"has {extra[0]!r}, not an input of the model"
-            raise CalibrationError(f"{where}: sample {k} {what} (the model's inputs: {', '.join(wanted)})")
-        for n in wanted:
-            want = np.dtype(helper.tensor_dtype_to_np_dtype(names[n].type.tensor_type.elem_type))
-            if np.asarray(feed[n]).dtype != want:
-                raise CalibrationError(f"{where}: sample {k} input {n!r} is {np.asarray(feed[n]).dtype}, the model "
-                                       f"takes {want}")
-    return [{n: np.asarray(f[n]) for n in wanted} for f in feeds]
+    try:
+        if isinstance(spec, (str, os.PathLike)) and not _reader_spec(spec):
+            path = Path(spec)
+            files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
+            if path.is_dir() and not files:
+                raise CalibrationError(f"{FLAG} {spec}: the folder holds no .npz files")
+            return [sample for f in files for sample in load_inputs(f, model, FLAG)]
+        source = _load_reader(str(spec)) if isinstance(spec, (str, os.PathLike)) else spec
+        where = f"{FLAG} {spec}" if isinstance(spec, (str, os.PathLike)) else "calibration data"
+        feeds = list(_drain(source, where))
+        if not feeds:
+            raise CalibrationError(f"{where}: the reader gave no samples")
+        return [checked_sample({n: np.asarray(v) for n, v in feed.items()}, model, where, f"sample{k}/")
+                for k, feed in enumerate(feeds)]
+    except CheckError as e:
+        raise CalibrationError(str(e)) from None
 
 
 def _reader_spec(spec: Any) -> bool:
@@ -249,9 +231,10 @@ def _weight_gemms(fp32: onnx.ModelProto) -> tuple[dict[str, Fp8Gemm], dict[str, 
     return gemms, others
 
 
-def _amax(fp32_path: Path, tensors: Sequence[str], feeds: Sequence[Mapping[str, np.ndarray]], scratch: Path
-          ) -> dict[str, float]:
-    """max |value| of each of `tensors` over `feeds`: onnxruntime's MinMax calibrator, symmetric, on the model."""
+def _amax(fp32_path: Path, op_types: Sequence[str], tensors: Sequence[str], feeds: Sequence[Mapping[str, np.ndarray]],
+          scratch: Path) -> dict[str, float]:
+    """max |value| of each of `tensors` over `feeds`: onnxruntime's MinMax calibrator, symmetric, on the model at
+    `fp32_path`, calibrating the inputs of its nodes of `op_types`."""
     from onnxruntime.quantization.calibrate import CalibrationDataReader, CalibrationMethod, create_calibrator
 
     class Reader(CalibrationDataReader):
@@ -261,9 +244,7 @@ def _amax(fp32_path: Path, tensors: Sequence[str], feeds: Sequence[Mapping[str, 
         def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self.it, None)
 
-    fused_types = sorted({n.op_type for n in onnx.load(str(fp32_path), load_external_data=False).graph.node
-                          if n.domain == DOMAIN and n.op_type.startswith("Gemm_")})
-    calibrator = create_calibrator(fp32_path, fused_types, augmented_model_path=str(scratch / "augmented.onnx"),
+    calibrator = create_calibrator(fp32_path, list(op_types), augmented_model_path=str(scratch / "augmented.onnx"),
                                    calibrate_method=CalibrationMethod.MinMax, providers=["CPUExecutionProvider"],
                                    extra_options={"symmetric": True})
     calibrator.collect_data(Reader())
@@ -296,6 +277,8 @@ def _errors(fp32: onnx.ModelProto, gemms: Sequence[Fp8Gemm], feeds: Sequence[Map
     err2 = {g.node: 0.0 for g in gemms}
     ref2 = {g.node: 0.0 for g in gemms}
     ops = {n.name: decode_node(n) for n in fp32.graph.node if n.name in err2}
+    quantized = {g.node: round_e4m3(weights[g.b] / np.float32(scale_of(g.b_amax))) * np.float32(scale_of(g.b_amax))
+                 for g in gemms}
     for feed in feeds:
         values = dict(zip(names, session.run(names, dict(feed)), strict=True))
         for g in gemms:
@@ -303,8 +286,7 @@ def _errors(fp32: onnx.ModelProto, gemms: Sequence[Fp8Gemm], feeds: Sequence[Map
             assert not isinstance(op, str)
             a, w = values[g.a].astype(np.float32), weights[g.b]
             qa = round_e4m3(a / np.float32(scale_of(g.a_amax))) * np.float32(scale_of(g.a_amax))
-            qw = round_e4m3(w / np.float32(scale_of(g.b_amax))) * np.float32(scale_of(g.b_amax))
-            ref, got = _product(a, w, op.attrs), _product(qa, qw, op.attrs)
+            ref, got = _product(a, w, op.attrs), _product(qa, quantized[g.node], op.attrs)
             err2[g.node] += float(np.sum(np.square(got.astype(np.float64) - ref)))
             ref2[g.node] += float(np.sum(np.square(ref.astype(np.float64))))
     return {k: (err2[k] / ref2[k]) ** 0.5 if ref2[k] > 0 else (0.0 if err2[k] == 0 else float("inf")) for k in err2}
@@ -338,8 +320,8 @@ def quantize(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapp
     result = Fp8Result(budget, len(feeds))
     gemms, others = _weight_gemms(fp32)
     candidates = [g for g in gemms.values() if g.why is None]
-    weights = {g.b: numpy_helper.to_array(t) for t in fp32.graph.initializer
-               for g in candidates if t.name == g.b}
+    inits = {t.name: t for t in fp32.graph.initializer}
+    weights = {g.b: numpy_helper.to_array(inits[g.b]) for g in candidates}
     seen = {(g.a, g.b): g for g in (known.gemms if known is not None else ()) if g.a and g.error is not None}
     fresh = [g for g in candidates if (g.a, g.b) not in seen]
     for g in candidates:
@@ -350,7 +332,8 @@ def quantize(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapp
         with tempfile.TemporaryDirectory(prefix="gtco-fp8-") as tmp:
             path = Path(tmp) / "fp32.onnx"
             onnx.save(fp32, str(path))
-            amax = _amax(path, [g.a for g in fresh], feeds, Path(tmp))
+            op_types = sorted({n.op_type for n in fp32.graph.node if n.name in {g.node for g in fresh}})
+            amax = _amax(path, op_types, [g.a for g in fresh], feeds, Path(tmp))
         for g in fresh:
             if g.a not in amax:
                 g.why = "the calibrator collected no range for its A"
@@ -476,7 +459,7 @@ def _fp8_function(fn: onnx.FunctionProto, a_in: int, b_in: int, at: int, k_major
         raise RewriteError(f"fp8: the function {fn.name} does not cast its {'A' if not seen_a else 'B'} to fp32")
     inputs = list(fn.input)
     inputs.insert(at, scales)
-    new = helper.make_function(DOMAIN, op_type("gemm", FP8_TAG), inputs, list(fn.output), body,
+    new = helper.make_function(DOMAIN, op_type("gemm", FP8_DTYPE), inputs, list(fn.output), body,
                                opset_imports=list(fn.opset_import), attributes=list(fn.attribute))
     new.overload = "v" + hashlib.sha256(new.SerializeToString(deterministic=True)).hexdigest()[:12]
     return new

@@ -41,7 +41,8 @@ from onnx_gtco.opspec import DOMAIN, decode_node, op_type, split_op_type
 HALF_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 """Precision -> the ONNX element type its tensors take."""
 DTYPE_TAG = {TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}
-_NUMPY = {TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16}
+_NUMPY = {TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16,
+          TensorProto.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn}
 
 STATISTICS = frozenset({
     "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
@@ -114,7 +115,7 @@ class Conversion:
 
 
 def to_half(values: np.ndarray, dtype: int) -> np.ndarray:
-    """fp32 values in the half type `dtype`: round to nearest even, clamped to the largest finite value."""
+    """fp32 values in the half (or E4M3) type `dtype`: round to nearest even, clamped to the largest finite value."""
     np_type = _NUMPY[dtype]
     big = float(ml_dtypes.finfo(np_type).max)
     return np.clip(values.astype(np.float32), -big, big).astype(np_type)
@@ -127,7 +128,7 @@ E4M3_MAX = 448.0
 def to_e4m3(x: np.ndarray) -> np.ndarray:
     """fp32 values as E4M3 (ml_dtypes.float8_e4m3fn), rounded to nearest even and saturated to +-448 (ONNX
     QuantizeLinear with saturate=1)."""
-    return np.clip(np.asarray(x, np.float32), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return to_half(np.asarray(x), TensorProto.FLOAT8E4M3FN)
 
 
 def round_e4m3(x: np.ndarray) -> np.ndarray:

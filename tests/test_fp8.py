@@ -195,7 +195,7 @@ def test_refusals(bert: onnx.ModelProto) -> None:
         GtcoConfig(precision="fp8", target="a100", calibration_data=[{}])
     with pytest.raises(GtcoError, match="needs calibration data"):
         GtcoConfig(precision="fp8", target="h200")
-    with pytest.raises(GtcoError, match="input 'input_ids' is float32, the model takes int64"):
+    with pytest.raises(GtcoError, match="input 'sample0/input_ids' is float32, the model takes int64"):
         fp8.read_calibration([{"input_ids": np.zeros((1, 128), np.float32),
                                "attention_mask": np.ones((1, 128), np.int64)}], bert)
 

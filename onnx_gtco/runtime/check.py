@@ -530,32 +530,41 @@ def load_inputs(path: str | os.PathLike[str], model: onnx.ModelProto, flag: str 
         gap = next((k for k in range(len(samples)) if k not in samples), None)
         if gap is not None:
             raise CheckError(f"{where}: samples {', '.join(map(str, sorted(samples)))} given, sample{gap} is missing")
-    out = []
-    for k in sorted(samples):
-        feeds = samples[k]
-        tag = f"sample{k}/" if keyed_by_sample else ""
-        for name in feeds:
-            if name not in names:
-                raise CheckError(f"{where}: input {tag + name!r} is not an input of the model (its inputs: {listed})")
-        for vi in vis:
-            if vi.name not in feeds:
-                raise CheckError(f"{where}: input {tag + vi.name!r} is missing (the model's inputs: {listed})")
-            a = feeds[vi.name]
-            tt = vi.type.tensor_type
-            want = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
-            if a.dtype != want:
-                raise CheckError(f"{where}: input {tag + vi.name!r} is {a.dtype}, the model takes {want}")
-            if tt.HasField("shape"):
-                dims = list(tt.shape.dim)
-                if a.ndim != len(dims):
-                    raise CheckError(f"{where}: input {tag + vi.name!r} has rank {a.ndim} (shape {list(a.shape)}), "
-                                     f"the model takes rank {len(dims)} {_shape_text(vi)}")
-                for axis, d in enumerate(dims):
-                    if d.HasField("dim_value") and a.shape[axis] != d.dim_value:
-                        raise CheckError(f"{where}: input {tag + vi.name!r} has shape {list(a.shape)}, the model "
-                                         f"takes {_shape_text(vi)}")
-        out.append({vi.name: feeds[vi.name] for vi in vis})
-    return out
+    return [checked_sample(samples[k], model, where, f"sample{k}/" if keyed_by_sample else "") for k in sorted(samples)]
+
+
+def checked_sample(feeds: Mapping[str, np.ndarray], model: onnx.ModelProto, where: str, tag: str = ""
+                   ) -> dict[str, np.ndarray]:
+    """One sample's feeds, in the order of `model`'s inputs, checked against them.
+
+    Raises:
+        CheckError: `where` and one line naming the input (`tag` + its name): one the model does not take, one
+            missing, or one of another dtype, rank or fixed dim than the model's.
+    """
+    vis = _model_inputs(model)
+    names = [vi.name for vi in vis]
+    listed = ", ".join(names) or "none"
+    for name in feeds:
+        if name not in names:
+            raise CheckError(f"{where}: input {tag + name!r} is not an input of the model (its inputs: {listed})")
+    for vi in vis:
+        if vi.name not in feeds:
+            raise CheckError(f"{where}: input {tag + vi.name!r} is missing (the model's inputs: {listed})")
+        a = feeds[vi.name]
+        tt = vi.type.tensor_type
+        want = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        if a.dtype != want:
+            raise CheckError(f"{where}: input {tag + vi.name!r} is {a.dtype}, the model takes {want}")
+        if tt.HasField("shape"):
+            dims = list(tt.shape.dim)
+            if a.ndim != len(dims):
+                raise CheckError(f"{where}: input {tag + vi.name!r} has rank {a.ndim} (shape {list(a.shape)}), "
+                                 f"the model takes rank {len(dims)} {_shape_text(vi)}")
+            for axis, d in enumerate(dims):
+                if d.HasField("dim_value") and a.shape[axis] != d.dim_value:
+                    raise CheckError(f"{where}: input {tag + vi.name!r} has shape {list(a.shape)}, the model "
+                                     f"takes {_shape_text(vi)}")
+    return {vi.name: feeds[vi.name] for vi in vis}
 
 
 def compare(original: onnx.ModelProto | str | os.PathLike[str], rewritten: onnx.ModelProto | str | os.PathLike[str],
